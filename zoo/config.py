@@ -5,8 +5,6 @@ impossible values fail in `__post_init__`, which runs when the merged config is 
 (`OmegaConf.to_object`). Both happen before any work starts.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,3 +52,178 @@ class ModelConfig:
     def layers(self) -> list[str]:
         """The mixer name of every layer: `pattern` repeated to `n_layers`."""
         return [self.pattern[i % len(self.pattern)] for i in range(self.n_layers)]
+
+
+@dataclass
+class SegmentConfig:
+    """One slice of synthetic data: a task config plus how to batch it. A batch never mixes segments."""
+
+    task: str = "mqar"
+    seq_len: int = 64
+    num_kv_pairs: int = 4
+    num_examples: int = 1000
+    power_a: float = 0.01
+    random_non_queries: bool = False
+    num_passes: int = 1
+    batch_size: int = 64
+
+    def task_config(self, vocab_size: int):
+        """The task's own config (e.g. `MQARConfig`) for this segment."""
+        from zoo.synthetics import TASKS
+
+        if self.task not in TASKS:
+            raise ValueError(f"data segment task {self.task!r} is unknown (tasks: {sorted(TASKS)})")
+        config_cls, _ = TASKS[self.task]
+        return config_cls(
+            vocab_size=vocab_size,
+            seq_len=self.seq_len,
+            num_kv_pairs=self.num_kv_pairs,
+            num_examples=self.num_examples,
+            power_a=self.power_a,
+            random_non_queries=self.random_non_queries,
+            num_passes=self.num_passes,
+        )
+
+
+SPLITS = ("train", "valid", "test")
+# Segment i of split s is drawn with seed `seed * SEED_STRIDE + s * SPLIT_STRIDE + i`: disjoint across splits,
+# segments and base seeds as long as a split holds fewer than SPLIT_STRIDE segments.
+SEED_STRIDE = 10_000
+SPLIT_STRIDE = 1_000
+
+
+@dataclass
+class DataConfig:
+    """Train, validation and test segments, each drawn from its own seed."""
+
+    vocab_size: int = 8192
+    seed: int = 0
+    train: list[SegmentConfig] = field(default_factory=lambda: [SegmentConfig(num_examples=10_000)])
+    valid: list[SegmentConfig] = field(default_factory=lambda: [SegmentConfig(num_examples=500)])
+    test: list[SegmentConfig] = field(default_factory=lambda: [SegmentConfig(num_examples=1000)])
+    cache: bool = True
+    cache_dir: str | None = None  # None: $ZOO_CACHE_DIR or ~/.cache/zoo/synthetics
+
+    def __post_init__(self) -> None:
+        for split in SPLITS:
+            segments = getattr(self, split)
+            if not segments:
+                raise ValueError(f"data.{split} must list at least one segment")
+            if len(segments) >= SPLIT_STRIDE:
+                raise ValueError(f"data.{split} lists {len(segments)} segments; at most {SPLIT_STRIDE - 1}")
+            for i, seg in enumerate(segments):
+                if seg.batch_size < 1:
+                    raise ValueError(f"data.{split}[{i}].batch_size must be >= 1, got {seg.batch_size}")
+                try:
+                    seg.task_config(self.vocab_size).validate()
+                except ValueError as e:
+                    raise ValueError(f"data.{split}[{i}]: {e}") from None
+
+    def segment_seed(self, split: str, index: int) -> int:
+        return self.seed * SEED_STRIDE + SPLITS.index(split) * SPLIT_STRIDE + index
+
+    def max_seq_len(self) -> int:
+        return max(seg.seq_len for split in SPLITS for seg in getattr(self, split))
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay to `min_lr_ratio`·lr."""
+
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.98
+    eps: float = 1e-8
+    warmup_frac: float = 0.02  # fraction of all steps
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0  # 0 disables
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+        if not 0 <= self.warmup_frac < 1:
+            raise ValueError(f"optim.warmup_frac must be in [0, 1), got {self.warmup_frac}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError("optim.weight_decay and optim.grad_clip must be >= 0")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError(f"optim.beta1/beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 64
+    early_stop: float | None = 0.99  # stop once valid/accuracy reaches this; None never stops early
+    eval_every: int = 1  # epochs between evaluations (and checkpoints)
+    log_every: int = 50  # steps between training-loss log lines
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
+    compile: bool = False
+    resume: bool = False  # continue the run in run_dir from its last checkpoint
+    overwrite: bool = False  # start over in a run_dir that already holds a run
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.eval_every < 1 or self.log_every < 1:
+            raise ValueError("train.epochs, train.eval_every and train.log_every must be >= 1")
+        if self.early_stop is not None and not 0 < self.early_stop <= 1:
+            raise ValueError(f"train.early_stop must be in (0, 1] or null, got {self.early_stop}")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise ValueError(f"train.precision must be auto|fp32|bf16, got {self.precision!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"train.device must be auto|cpu|cuda|cuda:N, got {self.device!r}")
+        if self.resume and self.overwrite:
+            raise ValueError("train.resume and train.overwrite exclude each other")
+
+
+@dataclass
+class LoggerConfig:
+    """The local run dir is always written; wandb only mirrors it."""
+
+    backend: str = "none"  # none | wandb
+    project: str = "zoo"
+    mode: str = "offline"  # offline | online | disabled (wandb modes)
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("none", "wandb"):
+            raise ValueError(f"logger.backend must be none|wandb, got {self.backend!r}")
+        if self.mode not in ("offline", "online", "disabled"):
+            raise ValueError(f"logger.mode must be offline|online|disabled, got {self.mode!r}")
+
+
+@dataclass
+class Config:
+    """The root of `zoo-train`'s config tree (configs/train.yaml fills it in)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    experiment: str = "default"
+    run: str = ""  # empty: a name derived from the model, lr and a hash of the config
+    runs_root: str = "runs"
+
+    def __post_init__(self) -> None:
+        if self.model.vocab_size < self.data.vocab_size:
+            raise ValueError(
+                f"model.vocab_size ({self.model.vocab_size}) is smaller than data.vocab_size ({self.data.vocab_size})"
+            )
+        for name, value in (("experiment", self.experiment), ("run", self.run)):
+            if "/" in value or value in (".", ".."):
+                raise ValueError(f"{name} must be a plain name, got {value!r}")
+
+
+def register_configs() -> None:
+    """Register the schemas in Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=Config)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+    cs.store(group="data", name="data_schema", node=DataConfig)
+    cs.store(group="optim", name="optim_schema", node=OptimConfig)
+    cs.store(group="logger", name="logger_schema", node=LoggerConfig)

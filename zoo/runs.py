@@ -1,0 +1,141 @@
+"""The run directory: the one place that knows its on-disk layout.
+
+    runs/<experiment>/<run>/
+        config.yaml      the resolved config, with the git SHA and library versions
+        metrics.jsonl    one JSON object per log step and per evaluation
+        summary.json     final metrics, parameters, state size, wall time, tokens/s
+        ckpt/last.pt     the last checkpoint (written to a temp file, then renamed)
+
+Every write that replaces a file is atomic, so a kill at any moment leaves either the old or the new file.
+"""
+
+import json
+import os
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CONFIG = "config.yaml"
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+CKPT = "ckpt/last.pt"
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def git_sha() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def library_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    versions = {}
+    for name in ("zoo", "torch", "triton", "transformers", "datasets", "hydra-core", "flash-linear-attention"):
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            continue
+    return versions
+
+
+class RunDir:
+    """Reads and writes one run directory."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def exists(self) -> bool:
+        return (self.path / CONFIG).exists()
+
+    def is_finished(self) -> bool:
+        return (self.path / SUMMARY).exists()
+
+    def write_config(self, resolved_yaml: str) -> None:
+        header = {"git_sha": git_sha(), "versions": library_versions()}
+        meta = "".join(f"# {line}\n" for line in json.dumps(header, sort_keys=True).splitlines())
+        atomic_write_text(self.path / CONFIG, meta + resolved_yaml)
+
+    def append_metrics(self, record: dict[str, Any]) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        with open(self.path / METRICS, "a") as f:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        path = self.path / METRICS
+        if not path.exists():
+            return []
+        records = []
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                # A kill mid-append can leave one torn last line; everything before it is intact.
+                break
+        return records
+
+    def truncate_metrics(self, max_step: int) -> None:
+        """Drop records logged after `max_step` (they belong to work a resume will redo)."""
+        kept = [r for r in self.read_metrics() if r.get("step", 0) <= max_step]
+        atomic_write_text(self.path / METRICS, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        atomic_write_text(self.path / SUMMARY, json.dumps(summary, indent=2, sort_keys=True) + "\n")
+
+    def read_summary(self) -> dict[str, Any]:
+        return json.loads((self.path / SUMMARY).read_text())
+
+    def save_checkpoint(self, state: dict[str, Any]) -> None:
+        path = self.path / CKPT
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".last.", suffix=".tmp")
+        os.close(fd)
+        try:
+            torch.save(state, tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def load_checkpoint(self) -> dict[str, Any] | None:
+        path = self.path / CKPT
+        if not path.exists():
+            return None
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+    def clear(self) -> None:
+        """Remove the files of an earlier run (for overwrite=true); leaves unrelated files alone."""
+        for name in (CONFIG, METRICS, SUMMARY, CKPT):
+            (self.path / name).unlink(missing_ok=True)
+
+
+def find_runs(root: str | Path) -> Iterator[RunDir]:
+    """Every run dir below `root` (a directory holding config.yaml)."""
+    for config in sorted(Path(root).rglob(CONFIG)):
+        yield RunDir(config.parent)

@@ -1,0 +1,325 @@
+"""`zoo-train`: train a LanguageModel on synthetic recall data; one run directory per run.
+
+    zoo-train model=based data=mqar_tiny optim.lr=3e-3
+    zoo-train model=attention train.resume=true          # continue a killed run from its last checkpoint
+
+The config tree is composed by Hydra from configs/ (presets) over the schemas in zoo/config.py; a typo or an
+impossible value fails here, before any work, with a one-line reason.
+"""
+
+import hashlib
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+from tqdm.auto import tqdm
+
+from zoo.config import SPLITS, Config, register_configs
+from zoo.device import autocast, resolve_device
+from zoo.eval import QuerySegment, evaluate, query_loss
+from zoo.models import LanguageModel
+from zoo.runs import RunDir
+from zoo.synthetics import cached_generate, generate
+
+log = logging.getLogger("zoo.train")
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# Fields that change how a run is executed, not what it computes: left out of the run's identity.
+EXECUTION_KEYS = {"train": ("resume", "overwrite", "progress", "device", "compile"), "logger": None}
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; its message is one line."""
+
+
+def config_dir() -> Path:
+    return Path(os.environ.get("ZOO_CONFIG_DIR", CONFIG_DIR))
+
+
+def _one_line(exc: BaseException) -> str:
+    """The most specific line of a Hydra/OmegaConf error chain."""
+    parts = []
+    while exc is not None:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        if lines and lines[0] not in parts:
+            parts.append(lines[0])
+        exc = exc.__cause__ or exc.__context__
+    return " ".join(reversed(parts)) if parts else "invalid config"
+
+
+def load_config(overrides: list[str] = (), config_name: str = "train") -> tuple[Config, str]:
+    """Compose configs/<config_name>.yaml with `overrides`; return the typed config and its resolved YAML."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            node = compose(config_name=config_name, overrides=list(overrides))
+        OmegaConf.resolve(node)
+        cfg = OmegaConf.to_object(node)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(_one_line(e)) from None
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+    finally:
+        GlobalHydra.instance().clear()
+    return cfg, OmegaConf.to_yaml(node)
+
+
+def run_name(cfg: Config) -> str:
+    """`cfg.run`, or a readable name plus a hash of everything that changes the result."""
+    if cfg.run:
+        return cfg.run
+    tree = OmegaConf.to_container(OmegaConf.structured(cfg))
+    tree["train"] = {k: v for k, v in tree["train"].items() if k not in EXECUTION_KEYS["train"]}
+    tree.pop("logger")
+    digest = hashlib.sha256(OmegaConf.to_yaml(OmegaConf.create(tree)).encode()).hexdigest()[:8]
+    mixers = "-".join(dict.fromkeys(cfg.model.layers()))
+    return f"{mixers}-d{cfg.model.d_model}-lr{cfg.optim.lr:g}-s{cfg.train.seed}-{digest}"
+
+
+def load_split(cfg: Config, split: str, device: torch.device) -> list[QuerySegment]:
+    segments = []
+    for i, seg in enumerate(getattr(cfg.data, split)):
+        task_cfg = seg.task_config(cfg.data.vocab_size)
+        seed = cfg.data.segment_seed(split, i)
+        data = cached_generate(task_cfg, seed, cfg.data.cache_dir) if cfg.data.cache else generate(task_cfg, seed)
+        segments.append(QuerySegment.from_segment(data, seg.batch_size, device))
+    return segments
+
+
+def epoch_plan(segments: list[QuerySegment], seed: int, epoch: int) -> list[tuple[int, torch.Tensor]]:
+    """The batches of one epoch as (segment index, example indices), in a seeded random order.
+
+    A function of (seed, epoch) alone, so a resumed run replays exactly the batches it would have seen.
+    """
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    batches = []
+    for s, seg in enumerate(segments):
+        perm = torch.randperm(len(seg), generator=g)
+        batches += [(s, perm[i : i + seg.batch_size]) for i in range(0, len(seg), seg.batch_size)]
+    order = torch.randperm(len(batches), generator=g).tolist()
+    return [batches[i] for i in order]
+
+
+def lr_lambda(total_steps: int, warmup_frac: float, min_ratio: float):
+    warmup = int(total_steps * warmup_frac)
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (not on norms and biases)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    o = cfg.optim
+    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+
+
+@dataclass
+class Tracker:
+    """Writes metrics to the run dir and mirrors them to wandb when enabled."""
+
+    run: RunDir
+    wandb_run: Any = None
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.run.append_metrics(record)
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        if self.wandb_run is not None:
+            for k, v in summary.items():
+                if isinstance(v, (int, float, str)):
+                    self.wandb_run.summary[k] = v
+            self.wandb_run.finish()
+
+
+def start_tracker(cfg: Config, run: RunDir, name: str) -> Tracker:
+    if cfg.logger.backend != "wandb":
+        return Tracker(run)
+    import wandb
+
+    wandb_run = wandb.init(
+        project=cfg.logger.project,
+        name=f"{cfg.experiment}/{name}",
+        id=hashlib.sha1(str(run.path).encode()).hexdigest()[:16],
+        dir=str(run.path),
+        mode=cfg.logger.mode,
+        resume="allow",
+        config=OmegaConf.to_container(OmegaConf.structured(cfg)),
+    )
+    return Tracker(run, wandb_run)
+
+
+def train(cfg: Config, resolved_yaml: str | None = None) -> dict[str, Any]:
+    """Train one run; return its summary (also written to summary.json)."""
+    name = run_name(cfg)
+    run = RunDir(Path(cfg.runs_root) / cfg.experiment / name)
+    if run.exists() and not (cfg.train.resume or cfg.train.overwrite):
+        raise ConfigError(
+            f"{run.path} already holds a run: pass train.resume=true to continue it or train.overwrite=true"
+        )
+    if cfg.train.resume and run.is_finished():
+        log.info("run %s already finished; nothing to resume", run.path)
+        return run.read_summary()
+    if cfg.train.overwrite:
+        run.clear()
+    device = resolve_device(cfg.train.device)
+    amp = autocast(device, cfg.train.precision)
+
+    torch.manual_seed(cfg.train.seed)
+    data = {split: load_split(cfg, split, device) for split in SPLITS}
+    model = LanguageModel(cfg.model).to(device)
+    optimizer = build_optimizer(model, cfg)
+    steps_per_epoch = sum(seg.num_batches() for seg in data["train"])
+    total_steps = steps_per_epoch * cfg.train.epochs
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(total_steps, cfg.optim.warmup_frac, cfg.optim.min_lr_ratio)
+    )
+    step_fn = torch.compile(query_loss) if cfg.train.compile else query_loss
+
+    start_epoch, step, best, wall_before, tokens = 0, 0, 0.0, 0.0, 0
+    ckpt = run.load_checkpoint() if cfg.train.resume else None
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        start_epoch, step, best = ckpt["epoch"], ckpt["step"], ckpt["best_valid_accuracy"]
+        wall_before, tokens = ckpt["wall_time_s"], ckpt["train_tokens"]
+        torch.set_rng_state(ckpt["rng_cpu"])
+        run.truncate_metrics(step)
+        log.info("resuming %s at epoch %d, step %d", run.path, start_epoch, step)
+    run.write_config((resolved_yaml or OmegaConf.to_yaml(OmegaConf.structured(cfg))) + f"run_dir: {run.path}\n")
+    tracker = start_tracker(cfg, run, name)
+    log.info("run %s: %d parameters on %s", run.path, model.num_parameters(), device)
+
+    t0 = time.perf_counter()
+    stopped_early = ckpt is not None and cfg.train.early_stop is not None and best >= cfg.train.early_stop
+    bar = tqdm(total=total_steps, initial=step, desc=name, disable=not cfg.train.progress, dynamic_ncols=True)
+    epoch = start_epoch
+    model.train()
+    while epoch < cfg.train.epochs and not stopped_early:
+        loss_sum = torch.zeros((), device=device)
+        loss_n = 0
+        for s, idx in epoch_plan(data["train"], cfg.train.seed, epoch):
+            seg = data["train"][s]
+            idx = idx.to(device)
+            with amp:
+                loss = step_fn(model, seg.inputs[idx], seg.query_pos[idx], seg.query_labels[idx])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if cfg.optim.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            tokens += idx.numel() * seg.inputs.shape[1]
+            loss_sum += loss.detach()
+            loss_n += 1
+            bar.update(1)
+            if step % cfg.train.log_every == 0:
+                # The one host sync of the loop, every log_every steps.
+                train_loss = float(loss_sum / loss_n)
+                loss_sum.zero_()
+                loss_n = 0
+                tracker.log({"step": step, "epoch": epoch, "train/loss": train_loss, "lr": scheduler.get_last_lr()[0]})
+                bar.set_postfix(loss=f"{train_loss:.3f}", refresh=False)
+        epoch += 1
+        if epoch % cfg.train.eval_every == 0 or epoch == cfg.train.epochs:
+            metrics = evaluate(model, data["valid"], "valid", amp)
+            best = max(best, metrics["valid/accuracy"])
+            tracker.log({"step": step, "epoch": epoch, **metrics})
+            bar.set_postfix(valid_acc=f"{metrics['valid/accuracy']:.3f}", refresh=True)
+            stopped_early = cfg.train.early_stop is not None and metrics["valid/accuracy"] >= cfg.train.early_stop
+            run.save_checkpoint({
+                "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "epoch": epoch, "step": step, "best_valid_accuracy": best,
+                "wall_time_s": wall_before + time.perf_counter() - t0, "train_tokens": tokens,
+                "rng_cpu": torch.get_rng_state(),
+            })
+    bar.close()
+    train_time = wall_before + time.perf_counter() - t0
+
+    final_valid = evaluate(model, data["valid"], "valid", amp)
+    test = evaluate(model, data["test"], "test", amp)
+    tracker.log({"step": step, "epoch": epoch, **test})
+    max_len = max(seg.seq_len for seg in cfg.data.train)
+    lengths = sorted({seg.seq_len for split in SPLITS for seg in getattr(cfg.data, split)})
+    summary = {
+        "experiment": cfg.experiment,
+        "run": name,
+        "layers": cfg.model.layers(),
+        "d_model": cfg.model.d_model,
+        "lr": cfg.optim.lr,
+        "seed": cfg.train.seed,
+        "parameters": model.num_parameters(),
+        "state_size": {str(L): model.state_size(L) for L in lengths},
+        "state_bytes_fp32": 4 * model.state_size(max_len),
+        "state_bytes_seq_len": max_len,
+        **final_valid,
+        **test,
+        "best_valid_accuracy": best,
+        "epochs": epoch,
+        "steps": step,
+        "stopped_early": stopped_early,
+        "wall_time_s": train_time,
+        "train_tokens_per_s": tokens / train_time if train_time > 0 else 0.0,
+        "device": str(device),
+    }
+    run.write_summary(summary)
+    tracker.finish(summary)
+    return summary
+
+
+USAGE = """usage: zoo-train [KEY=VALUE ...]
+
+Train one model on synthetic recall data. Overrides use Hydra syntax over configs/train.yaml:
+  zoo-train model=based data=mqar_tiny optim.lr=3e-3
+  zoo-train model=attention train.resume=true
+  zoo-train --cfg [KEY=VALUE ...]     print the resolved config and exit
+Groups: model/, data/, optim/, logger/ under configs/. Runs go to runs/<experiment>/<run>/."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in args or "--help" in args:
+        print(USAGE)
+        return
+    show = "--cfg" in args
+    args = [a for a in args if a != "--cfg"]
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        cfg, resolved = load_config(args)
+        if show:
+            print(resolved, end="")
+            return
+        summary = train(cfg, resolved)
+    except ConfigError as e:
+        print(f"zoo-train: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    keys = ["valid/accuracy", "test/accuracy", "state_bytes_fp32", "parameters", "wall_time_s"]
+    print(" ".join(f"{k}={summary[k]:.4g}" if isinstance(summary[k], float) else f"{k}={summary[k]}" for k in keys))
+
+
+if __name__ == "__main__":
+    main()
