@@ -1,0 +1,61 @@
+"""Config composition: presets load, and a typo or an impossible value fails before any work, in one line."""
+
+import subprocess
+import sys
+
+import pytest
+
+from zoo.config import Config
+from zoo.train import ConfigError, load_config
+
+
+def test_default_composes_to_typed_config():
+    cfg, resolved = load_config([])
+    assert isinstance(cfg, Config)
+    assert cfg.model.vocab_size == cfg.data.vocab_size  # interpolated in train.yaml
+    assert "pattern" in resolved
+
+
+@pytest.mark.parametrize("model", ["based", "attention", "sliding_window", "base_conv"])
+def test_every_model_preset_composes(model):
+    cfg, _ = load_config([f"model={model}", "data=mqar_zoology"])
+    assert cfg.model.layers()
+
+
+def test_overrides_reach_the_config():
+    cfg, _ = load_config(["model=based", "data=mqar_tiny", "optim.lr=3e-3", "model.mixers.based.feature_dim=4"])
+    assert cfg.optim.lr == 3e-3
+    assert cfg.model.mixers["based"]["feature_dim"] == 4
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["optim.lrr=3e-3"], "lrr"),
+        (["model=basedd"], "basedd"),
+        (["model.pattern=[based,attentoin]"], "attentoin"),
+        (["model.mixers.based.feature_dm=8"], "feature_dm"),
+        (["optim.lr=-1"], "optim.lr"),
+        (["data.vocab_size=32"], "vocab"),
+        (["train.precision=fp8"], "precision"),
+        (["train.epochs=0"], "epochs"),
+        (["optim.lr=abc"], "lr"),
+    ],
+    ids=["unknown-key", "unknown-preset", "unknown-mixer", "unknown-mixer-option", "negative-lr", "vocab-le-seq-len",
+         "bad-precision", "zero-epochs", "lr-not-a-number"],
+)
+def test_bad_config_fails_with_one_line(overrides, match):
+    with pytest.raises(ConfigError, match=match) as info:
+        load_config(overrides)
+    assert "\n" not in str(info.value)
+
+
+def test_cli_prints_one_line_error_and_exits_2(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "zoo.train", "optim.lrr=3e-3", f"runs_root={tmp_path}"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 2
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("zoo-train: error:") and "lrr" in lines[0], out.stderr
+    assert not list(tmp_path.iterdir())  # no work started, nothing written
