@@ -1,0 +1,91 @@
+"""LanguageModel: token embedding, pre-norm blocks whose mixers follow `ModelConfig.pattern`, final norm, head.
+
+`hidden_states` and `logits` are separate so training can project only the positions that carry a label.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from zoo.config import ModelConfig
+from zoo.models.block import Block, make_norm
+from zoo.models.mixers import MIXERS
+
+
+class LanguageModel(nn.Module):
+    """A causal LM over token ids: [B, T] -> logits [B, T, vocab_size].
+
+    The state for decoding is a list with one mixer state per layer (None for stateless mixers).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        d = config.d_model
+        self.embedding = nn.Embedding(config.vocab_size, d)
+        self.blocks = nn.ModuleList(
+            Block(d, MIXERS[name](d, **config.mixers.get(name, {})), config.mlp, config.mlp_hidden, config.norm)
+            for name in config.layers()
+        )
+        self.norm = make_norm(config.norm, d)
+        self.head = nn.Linear(d, config.vocab_size, bias=False)
+        self.apply(_init_weights)
+        if config.tie_embeddings:
+            self.head.weight = self.embedding.weight
+
+    def _check_state(self, state: list[Any] | None) -> None:
+        if state is not None and len(state) != len(self.blocks):
+            raise ValueError(f"state must hold one entry per layer ({len(self.blocks)}), got {len(state)}")
+
+    def hidden_states(self, input_ids: torch.Tensor, state: list[Any] | None = None) -> torch.Tensor:
+        """input_ids: [B, T] integer -> final-norm hidden states [B, T, d_model]. A state is continued in place."""
+        if input_ids.dim() != 2 or input_ids.is_floating_point():
+            raise ValueError(f"input_ids must be integer [B, T], got {input_ids.dtype} {list(input_ids.shape)}")
+        self._check_state(state)
+        x = self.embedding(input_ids)  # [B, T, d]
+        for i, block in enumerate(self.blocks):
+            x = block(x, None if state is None else state[i])
+        return self.norm(x)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h: [..., d_model] -> [..., vocab_size]."""
+        return self.head(h)
+
+    def forward(self, input_ids: torch.Tensor, state: list[Any] | None = None) -> torch.Tensor:
+        """input_ids: [B, T] -> logits [B, T, vocab_size]."""
+        return self.logits(self.hidden_states(input_ids, state))
+
+    def step(self, input_ids_t: torch.Tensor, state: list[Any]) -> torch.Tensor:
+        """input_ids_t: [B] -> logits [B, vocab_size]; advances every layer's state by one token in place."""
+        if input_ids_t.dim() != 1 or input_ids_t.is_floating_point():
+            raise ValueError(f"input_ids_t must be integer [B], got {input_ids_t.dtype} {list(input_ids_t.shape)}")
+        self._check_state(state)
+        x = self.embedding(input_ids_t)  # [B, d]
+        for block, layer_state in zip(self.blocks, state):
+            x = block.step(x, layer_state)
+        return self.logits(self.norm(x))
+
+    def init_state(
+        self, batch_size: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> list[Any]:
+        """One preallocated state per layer (on the model's device and dtype unless given)."""
+        return [block.init_state(batch_size, device=device, dtype=dtype) for block in self.blocks]
+
+    def state_size(self, seq_len: int) -> int:
+        """Recurrent-state elements per sequence after seq_len tokens, summed over layers."""
+        return sum(block.state_size(seq_len) for block in self.blocks)
+
+    def num_parameters(self) -> int:
+        """Parameter count, tied weights counted once."""
+        return sum(p.numel() for p in self.parameters())
+
+
+def _init_weights(module: nn.Module) -> None:
+    """Normal(0, 0.02) for linear and embedding weights, zero biases; norms and convs keep their defaults."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+    if isinstance(module, (nn.Linear, nn.Conv1d)) and module.bias is not None:
+        nn.init.zeros_(module.bias)

@@ -1,0 +1,33 @@
+"""Sequence mixers, one per file, and `MIXERS`, the only registry of them.
+
+Every mixer follows the protocol of docs/DESIGN.md: `__init__(d_model, **options)` with the options of its
+`Config` dataclass, `forward(x, state=None)`, `step(x_t, state)`, `init_state(batch_size, device, dtype)` and
+`state_size(seq_len)`, on [B, T, d_model] inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zoo.models.mixers._common import make_config
+from zoo.models.mixers.attention import Attention
+from zoo.models.mixers.base_conv import BaseConv
+from zoo.models.mixers.based import Based
+from zoo.models.mixers.sliding_window import SlidingWindowAttention
+
+MIXERS: dict[str, type] = {
+    "attention": Attention,
+    "sliding_window": SlidingWindowAttention,
+    "based": Based,
+    "base_conv": BaseConv,
+}
+
+
+def check_mixer_options(name: str, d_model: int, options: dict[str, Any]) -> None:
+    """Raise ValueError for an unknown mixer name, an unknown option or an impossible value; builds no tensors."""
+    if name not in MIXERS:
+        raise ValueError(f"unknown mixer {name!r} (known: {', '.join(MIXERS)})")
+    make_config(name, MIXERS[name].Config, d_model, dict(options))
+
+
+__all__ = ["MIXERS", "Attention", "BaseConv", "Based", "SlidingWindowAttention", "check_mixer_options"]

@@ -1,0 +1,114 @@
+"""Pieces shared by the mixers: option checking, the impl log, rotary embeddings, the default head count.
+
+Nothing here is a mixer; the registry is `MIXERS` in `zoo/models/mixers/__init__.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("zoo.models.mixers")
+
+_LOGGED_IMPLS: set[tuple[str, str]] = set()
+
+
+def make_config(mixer: str, config_cls: type, d_model: int, options: dict[str, Any]) -> Any:
+    """Build and validate `config_cls(**options)`; unknown options and impossible values raise ValueError."""
+    known = [f.name for f in dataclasses.fields(config_cls)]
+    for key in options:
+        if key not in known:
+            raise ValueError(f"mixer {mixer!r} has no option {key!r} (options: {', '.join(known)})")
+    check_int(f"{mixer}: d_model", d_model, minimum=1)
+    config = config_cls(**options)
+    config.validate(d_model)
+    return config
+
+
+def check_int(what: str, value: Any, minimum: int) -> None:
+    """Raise ValueError unless `value` is an int (not a bool) >= minimum."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {value}")
+
+
+def check_choice(what: str, value: Any, choices: tuple[str, ...]) -> None:
+    """Raise ValueError unless `value` is one of `choices`."""
+    if value not in choices:
+        raise ValueError(f"{what} must be one of {'|'.join(choices)}, got {value!r}")
+
+
+def default_num_heads(d_model: int) -> int:
+    """Heads of width about 64: the largest divisor of d_model that is <= d_model // 64 (1 below d_model=128)."""
+    heads = max(1, d_model // 64)
+    while d_model % heads:
+        heads -= 1
+    return heads
+
+
+def log_impl(mixer: str, impl: str) -> None:
+    """Log the chosen compute path once per process and (mixer, impl)."""
+    if (mixer, impl) not in _LOGGED_IMPLS:
+        _LOGGED_IMPLS.add((mixer, impl))
+        logger.info("mixer %s uses impl=%r", mixer, impl)
+
+
+def require_triton_device(x: torch.Tensor, mixer: str, impl: str) -> None:
+    """Triton kernels need CUDA tensors, or CPU tensors under the interpreter (TRITON_INTERPRET=1)."""
+    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            f"mixer {mixer!r} impl={impl!r} runs Triton kernels: needs CUDA tensors or TRITON_INTERPRET=1 "
+            f"(got a {x.device.type} tensor); use impl='naive' on CPU"
+        )
+
+
+def is_capturing(x: torch.Tensor) -> bool:
+    """True while a CUDA graph is being captured: checks that read device values must be skipped then."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """At least fp32: bf16/fp16 activations are upcast for accumulations, fp64 stays fp64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def apply_rotary(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding (Su et al., 2021), half-split convention (rotate_half).
+
+    x: [B, T, H, D] with D even; positions: [T] integer absolute positions. Angles are computed in at least
+    fp32 and the result is cast back to x's dtype.
+    """
+    dim = x.shape[-1]
+    dtype = compute_dtype(x.dtype)
+    inv_freq = base ** (-torch.arange(0, dim, 2, device=x.device, dtype=dtype) / dim)  # [D/2]
+    angles = positions.to(dtype)[:, None] * inv_freq[None, :]  # [T, D/2]
+    cos = angles.cos()[None, :, None, :]  # [1, T, 1, D/2]
+    sin = angles.sin()[None, :, None, :]  # [1, T, 1, D/2]
+    x1, x2 = x.to(dtype).chunk(2, dim=-1)  # [B, T, H, D/2] each
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)  # [B, T, H, D]
+    return rotated.to(x.dtype)
+
+
+def check_input(x: torch.Tensor, d_model: int, mixer: str) -> None:
+    """Raise ValueError unless x is [B, T, d_model] with T >= 1."""
+    if x.dim() != 3 or x.shape[-1] != d_model or x.shape[1] < 1:
+        raise ValueError(f"mixer {mixer!r} expects x of shape [B, T>=1, {d_model}], got {list(x.shape)}")
+
+
+def check_step_input(x_t: torch.Tensor, d_model: int, mixer: str) -> None:
+    """Raise ValueError unless x_t is [B, d_model]."""
+    if x_t.dim() != 2 or x_t.shape[-1] != d_model:
+        raise ValueError(f"mixer {mixer!r} step expects x_t of shape [B, {d_model}], got {list(x_t.shape)}")
+
+
+def module_device_dtype(
+    module: torch.nn.Module, device: torch.device | str | None, dtype: torch.dtype | None
+) -> tuple[torch.device, torch.dtype]:
+    """Defaults for init_state: the device and dtype of the module's first parameter."""
+    param = next(module.parameters())
+    return (torch.device(device) if device is not None else param.device), (dtype or param.dtype)

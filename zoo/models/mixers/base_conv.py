@@ -1,0 +1,95 @@
+"""BaseConv: a gated short convolution (Arora et al., 2023, "Zoology"; used by Based, Arora et al., 2024).
+
+    u, g = split(Linear(d → 2·expand·d)(x))         two halves of `channels = expand·d` each
+    y = Linear(channels → d)(SiLU(causal depthwise conv_k(u)) ⊙ g)
+
+With the defaults (expand 2, k 3) this is the Based layer: Linear d→4d, split, SiLU(conv) × other half,
+Linear 2d→d.
+
+What is unusual here: the state is exactly the last kernel_size−1 conv inputs [B, kernel_size−1, channels],
+so state_size = channels·(kernel_size−1). REFERENCE's table entry "short conv: d·k" is the generic order of
+magnitude; this is the exact count of what decoding keeps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from zoo.models.mixers._common import check_input, check_int, check_step_input, make_config, module_device_dtype
+
+
+@dataclass
+class BaseConvConfig:
+    """Options of `base_conv` (d_model comes from the model)."""
+
+    kernel_size: int = 3
+    expand: int = 2  # channels = expand·d_model
+
+    def validate(self, d_model: int) -> None:
+        check_int("base_conv: kernel_size", self.kernel_size, minimum=1)
+        check_int("base_conv: expand", self.expand, minimum=1)
+
+
+class BaseConv(nn.Module):
+    """Gated causal depthwise short conv: [B, T, d_model] -> [B, T, d_model].
+
+    State: {"conv": [B, kernel_size-1, channels]}, the last conv inputs (zeros before the first token).
+    """
+
+    Config = BaseConvConfig
+    name = "base_conv"
+
+    def __init__(self, d_model: int, **options) -> None:
+        super().__init__()
+        self.config = make_config(self.name, self.Config, d_model, options)
+        self.d_model = d_model
+        self.kernel_size = self.config.kernel_size
+        self.channels = self.config.expand * d_model
+        self.in_proj = nn.Linear(d_model, 2 * self.channels, bias=False)
+        self.conv = nn.Conv1d(self.channels, self.channels, self.kernel_size, groups=self.channels, bias=True)
+        self.out = nn.Linear(self.channels, d_model, bias=False)
+
+    def _conv_valid(self, u: torch.Tensor) -> torch.Tensor:
+        """u: [B, T + k - 1, C] (history first) -> [B, T, C]: the unpadded depthwise conv."""
+        y = F.conv1d(rearrange(u, "b t c -> b c t"), self.conv.weight, self.conv.bias, groups=self.channels)
+        return rearrange(y, "b c t -> b t c")  # [B, T, C]
+
+    def forward(self, x: torch.Tensor, state: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """x: [B, T, d_model] -> [B, T, d_model]. With a state: the conv sees the stored inputs first."""
+        check_input(x, self.d_model, self.name)
+        u, g = self.in_proj(x).chunk(2, dim=-1)  # [B, T, C] each
+        k = self.kernel_size
+        if state is None:
+            history = u.new_zeros(u.shape[0], k - 1, self.channels)  # [B, k-1, C]
+        else:
+            history = state["conv"].to(u.dtype)  # [B, k-1, C]
+        u_full = torch.cat([history, u], dim=1)  # [B, T + k - 1, C]
+        if state is not None:
+            state["conv"].copy_(u_full[:, u_full.shape[1] - (k - 1) :])
+        return self.out(F.silu(self._conv_valid(u_full)) * g)  # [B, T, d_model]
+
+    def step(self, x_t: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """x_t: [B, d_model] -> [B, d_model]; shifts the stored conv inputs in place."""
+        check_step_input(x_t, self.d_model, self.name)
+        u, g = self.in_proj(x_t).chunk(2, dim=-1)  # [B, C] each
+        window = torch.cat([state["conv"].to(u.dtype), u[:, None]], dim=1)  # [B, k, C]
+        weight = rearrange(self.conv.weight, "c 1 k -> k c")  # [k, C]
+        conv = torch.einsum("bkc,kc->bc", window, weight) + self.conv.bias  # [B, C]
+        state["conv"].copy_(window[:, 1:])
+        return self.out(F.silu(conv) * g)  # [B, d_model]
+
+    def init_state(
+        self, batch_size: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Zeroed conv history [B, kernel_size-1, channels] on the module's device and dtype by default."""
+        device, dtype = module_device_dtype(self, device, dtype)
+        return {"conv": torch.zeros(batch_size, self.kernel_size - 1, self.channels, device=device, dtype=dtype)}
+
+    def state_size(self, seq_len: int) -> int:
+        """channels·(kernel_size-1) per sequence, constant in seq_len."""
+        return self.channels * (self.kernel_size - 1)

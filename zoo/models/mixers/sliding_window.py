@@ -1,0 +1,139 @@
+"""Sliding-window causal attention with rotary positions (the local attention of Based, Arora et al., 2024;
+windowed attention as in Longformer, Beltagy et al., 2020).
+
+Token i attends to keys i-window+1 .. i (itself included), so the state is a fixed 2·window·d_model.
+
+What is unusual here:
+- The decode state is a ring buffer of exactly `window` tokens (token p lives in slot p mod window), not a
+  max-length cache that only reads its last rows (the released Based code's choice).
+- Forward with a state over a chunk attends to [ring buffer ; chunk] with a mask built from the absolute
+  position each slot holds, then writes the chunk's last min(T, window) tokens into the ring. Shapes depend
+  only on T and window, and no device value is read, so step (a chunk of one) can be CUDA-graphed.
+- Training forward is SDPA with a banded boolean mask: O(T²) work, fine up to T ≈ 2048.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from zoo.models.mixers._common import (
+    apply_rotary,
+    check_input,
+    check_int,
+    check_step_input,
+    default_num_heads,
+    make_config,
+    module_device_dtype,
+)
+
+
+@dataclass
+class SlidingWindowConfig:
+    """Options of `sliding_window` (d_model comes from the model)."""
+
+    window: int = 64  # keys per query, itself included
+    num_heads: int | None = None  # None: default_num_heads(d_model), heads of width about 64
+
+    def validate(self, d_model: int) -> None:
+        check_int("sliding_window: window", self.window, minimum=1)
+        if self.num_heads is not None:
+            check_int("sliding_window: num_heads", self.num_heads, minimum=1)
+            if d_model % self.num_heads:
+                raise ValueError(f"sliding_window: d_model={d_model} must be divisible by num_heads={self.num_heads}")
+        if (d_model // self.heads(d_model)) % 2:
+            raise ValueError(
+                f"sliding_window: rotary needs an even head dim, got d_model={d_model} / "
+                f"num_heads={self.heads(d_model)}"
+            )
+
+    def heads(self, d_model: int) -> int:
+        return self.num_heads if self.num_heads is not None else default_num_heads(d_model)
+
+
+class SlidingWindowAttention(nn.Module):
+    """Causal attention over the last `window` keys: [B, T, d_model] -> [B, T, d_model].
+
+    State: {"k", "v": [B, window, H, D] ring buffer of post-rotary keys and values, "pos": [] int64}.
+    """
+
+    Config = SlidingWindowConfig
+    name = "sliding_window"
+
+    def __init__(self, d_model: int, **options) -> None:
+        super().__init__()
+        self.config = make_config(self.name, self.Config, d_model, options)
+        self.d_model = d_model
+        self.window = self.config.window
+        self.num_heads = self.config.heads(d_model)
+        self.head_dim = d_model // self.num_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.out = nn.Linear(d_model, d_model, bias=False)
+
+    def _qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [B, T, d_model], positions: [T] -> q, k, v: [B, T, H, D], q and k rotated."""
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # [B, T, d] each
+        q, k, v = (rearrange(t, "b t (h d) -> b t h d", h=self.num_heads) for t in (q, k, v))  # [B, T, H, D]
+        return apply_rotary(q, positions), apply_rotary(k, positions), v
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q: [B, T, H, D], k, v: [B, S, H, D], mask: [T, S] bool -> [B, T, d_model]."""
+        q, k, v = (rearrange(t, "b t h d -> b h t d") for t in (q, k, v))  # [B, H, T, D]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, T, D]
+        return self.out(rearrange(y, "b h t d -> b t (h d)"))  # [B, T, d_model]
+
+    def _band(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+        """[T] and [S] absolute positions -> [T, S] bool: key within the window ending at the query."""
+        delta = query_pos[:, None] - key_pos[None, :]  # [T, S]
+        return (delta >= 0) & (delta < self.window)
+
+    def forward(self, x: torch.Tensor, state: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """x: [B, T, d_model] -> [B, T, d_model]. With a state: attends to [ring ; chunk], then updates the ring."""
+        check_input(x, self.d_model, self.name)
+        T, w = x.shape[1], self.window
+        if state is None:
+            positions = torch.arange(T, device=x.device)  # [T]
+            q, k, v = self._qkv(x, positions)
+            return self._attend(q, k, v, self._band(positions, positions))
+        ring_k, ring_v, pos = state["k"], state["v"], state["pos"]
+        positions = pos + torch.arange(T, device=x.device)  # [T]
+        q, k, v = self._qkv(x, positions)
+        slots = torch.arange(w, device=x.device)  # [w]
+        # Slot s holds the latest position p < pos with p ≡ s (mod w); p < 0 means the slot is still empty.
+        slot_pos = pos - 1 - torch.remainder(pos - 1 - slots, w)  # [w]
+        ring_mask = self._band(positions, slot_pos) & (slot_pos >= 0)[None, :]  # [T, w]
+        mask = torch.cat([ring_mask, self._band(positions, positions)], dim=1)  # [T, w + T]
+        keys = torch.cat([ring_k.to(k.dtype), k], dim=1)  # [B, w + T, H, D]
+        values = torch.cat([ring_v.to(v.dtype), v], dim=1)  # [B, w + T, H, D]
+        y = self._attend(q, keys, values, mask)
+        kept = min(T, w)
+        ring_slots = torch.remainder(positions[T - kept :], w)  # [kept]
+        ring_k.index_copy_(1, ring_slots, k[:, T - kept :].to(ring_k.dtype))
+        ring_v.index_copy_(1, ring_slots, v[:, T - kept :].to(ring_v.dtype))
+        pos.add_(T)
+        return y
+
+    def step(self, x_t: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """x_t: [B, d_model] -> [B, d_model]; writes the token into its ring slot in place."""
+        check_step_input(x_t, self.d_model, self.name)
+        return self.forward(x_t[:, None], state)[:, 0]
+
+    def init_state(
+        self, batch_size: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Zeroed ring buffer [B, window, H, D] (module's device/dtype by default) and pos = 0."""
+        device, dtype = module_device_dtype(self, device, dtype)
+        shape = (batch_size, self.window, self.num_heads, self.head_dim)
+        return {
+            "k": torch.zeros(shape, device=device, dtype=dtype),
+            "v": torch.zeros(shape, device=device, dtype=dtype),
+            "pos": torch.zeros((), device=device, dtype=torch.int64),
+        }
+
+    def state_size(self, seq_len: int) -> int:
+        """Ring-buffer elements per sequence: 2·window·d_model, whatever seq_len (the buffer is preallocated)."""
+        return 2 * self.window * self.d_model
