@@ -1,0 +1,441 @@
+"""Chunked Based linear attention in Triton: forward and backward, with the recurrent state in and out.
+
+The math is in `kernels/based/README.md` and `naive.naive_chunk_based` is its line-by-line twin. One program
+owns one (batch, head, block of BV value columns) and walks the sequence in chunks of BC tokens (forward:
+first to last; backward for dk/dv: last to first). Inside a chunk it uses the quadratic form on the BC×BC tile
+of s = scale·q·kᵀ; across chunks it carries the three Taylor orders of the state in registers:
+
+    order 0: S0 = Σ v [BV],         n  = Σ 1
+    order 1: S1 = Σ k vᵀ [K, BV],   z1 = Σ k [K]
+    order 2: S2 = Σ (k⊗k) vᵀ [K², BV], Z2 = Σ k kᵀ [K, K]
+
+so the E = 153 Taylor features never touch HBM: q, k, v are read once and o is written once. The E-feature
+state (kv [B,H,E,V], k_sum [B,H,E], FLA's TaylorFeatureMap order) is converted to and from these orders only at
+the boundaries (`naive.state_to_orders`, `naive.orders_to_state`), in fp32.
+
+Dot precision follows the input dtype: fp32 inputs use exact fp32 dots ("ieee", not tf32), bf16 inputs bf16
+operands, fp16 inputs tf32 operands (fp16's 10-bit mantissa with fp32's range: the order-2 state and the
+normalised gradient dO/den leave fp16's range at long T). Accumulation is fp32 throughout.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.based.naive import orders_to_state, state_to_orders
+
+DOT_IEEE, DOT_TF32, DOT_BF16 = 0, 1, 2
+
+
+def _dot_mode(dtype: torch.dtype) -> int:
+    if dtype == torch.float32:
+        return DOT_IEEE
+    if dtype == torch.float16:
+        return DOT_TF32
+    if dtype == torch.bfloat16:
+        return DOT_BF16
+    raise TypeError(f"chunk_based supports fp32, fp16 and bf16 inputs, got {dtype}")
+
+
+@triton.jit
+def _mm(a, b, DOT: tl.constexpr):
+    """a @ b with fp32 accumulation; DOT picks the operand precision (see the module docstring)."""
+    if DOT == 2:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif DOT == 1:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def _outer(x, BC: tl.constexpr, BK: tl.constexpr):
+    """Row-wise outer product x⊗x: [BC, BK] -> [BC, BK·BK], index a·BK + b."""
+    return tl.reshape(x[:, :, None] * x[:, None, :], (BC, BK * BK))
+
+
+@triton.jit
+def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T,
+                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
+                USE_H0: tl.constexpr, STORE_HT: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr):
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    F: tl.constexpr = 1 + K + K * K
+    offs_c = tl.arange(0, BC)
+    offs_k = tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    offs_kk = tl.arange(0, BK * BK)
+    m_k, m_v = offs_k < K, offs_v < V
+    row_kk = 1 + K + (offs_kk // BK) * K + offs_kk % BK  # state row of the pair (a, b)
+    m_kk = ((offs_kk // BK) < K) & ((offs_kk % BK) < K)
+    causal = offs_c[:, None] >= offs_c[None, :]
+
+    q += i_b.to(tl.int64) * T * H * K + i_h * K
+    k += i_b.to(tl.int64) * T * H * K + i_h * K
+    v += i_b.to(tl.int64) * T * H * V + i_h * V
+    o += i_b.to(tl.int64) * T * H * V + i_h * V
+    if NORMALIZE:
+        den += i_b.to(tl.int64) * T * H + i_h
+
+    S0 = tl.zeros([BV], dtype=tl.float32)
+    S1 = tl.zeros([BK, BV], dtype=tl.float32)
+    S2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
+    n = 0.0
+    z1 = tl.zeros([BK], dtype=tl.float32)
+    Z2 = tl.zeros([BK, BK], dtype=tl.float32)
+    if USE_H0:
+        hv0 += i_bh.to(tl.int64) * F * V
+        hz0 += i_bh.to(tl.int64) * F
+        S0 += tl.load(hv0 + offs_v, mask=m_v, other=0.0)
+        S1 += tl.load(hv0 + (1 + offs_k[:, None]) * V + offs_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        S2 += tl.load(hv0 + row_kk[:, None] * V + offs_v[None, :], mask=m_kk[:, None] & m_v[None, :], other=0.0)
+        n += tl.load(hz0)
+        z1 += tl.load(hz0 + 1 + offs_k, mask=m_k, other=0.0)
+        Z2 += tl.load(hz0 + 1 + K + offs_k[:, None] * K + offs_k[None, :], mask=m_k[:, None] & m_k[None, :],
+                      other=0.0)
+
+    for start in range(0, T, BC):
+        t = start + offs_c
+        m_t = t < T
+        bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        bk = tl.load(k + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        bv = tl.load(v + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        qs = bq.to(tl.float32) * scale  # [BC, BK]
+        kf = bk.to(tl.float32)
+
+        s = _mm(bq, tl.trans(bk), DOT) * scale  # [BC, BC]
+        w = tl.where(causal, 1.0 + s + 0.5 * s * s, 0.0)
+        num = _mm(w, bv, DOT) + S0[None, :] + _mm(qs, S1, DOT) + 0.5 * _mm(_outer(qs, BC, BK), S2, DOT)
+        if NORMALIZE:
+            qZ = _mm(qs, Z2, 0)
+            d = tl.sum(w, 1) + n + tl.sum(qs * z1[None, :], 1) + 0.5 * tl.sum(qZ * qs, 1)
+            num = num / d[:, None]
+            if i_v == 0:
+                tl.store(den + t * H, d, mask=m_t)
+        tl.store(o + t[:, None] * H * V + offs_v[None, :], num.to(o.dtype.element_ty),
+                 mask=m_t[:, None] & m_v[None, :])
+
+        S0 += tl.sum(bv.to(tl.float32), 0)
+        S1 += _mm(tl.trans(kf), bv, DOT)
+        S2 += _mm(tl.trans(_outer(kf, BC, BK)), bv, DOT)
+        n += tl.sum(m_t.to(tl.float32), 0)
+        z1 += tl.sum(kf, 0)
+        Z2 += _mm(tl.trans(kf), kf, 0)
+
+    if STORE_HT:
+        hvT += i_bh.to(tl.int64) * F * V
+        hzT += i_bh.to(tl.int64) * F
+        tl.store(hvT + offs_v, S0, mask=m_v)
+        tl.store(hvT + (1 + offs_k[:, None]) * V + offs_v[None, :], S1, mask=m_k[:, None] & m_v[None, :])
+        tl.store(hvT + row_kk[:, None] * V + offs_v[None, :], S2, mask=m_kk[:, None] & m_v[None, :])
+        if i_v == 0:
+            tl.store(hzT, n)
+            tl.store(hzT + 1 + offs_k, z1, mask=m_k)
+            tl.store(hzT + 1 + K + offs_k[:, None] * K + offs_k[None, :], Z2, mask=m_k[:, None] & m_k[None, :])
+
+
+@triton.jit
+def _dden_kernel(do, o, den, dden, R, V: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr):
+    """dden = -Σ_v dO·o / den over rows of [B·T·H, V]: the gradient that reaches the denominator."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    c = tl.arange(0, BV)
+    m = (r[:, None] < R) & (c[None, :] < V)
+    bdo = tl.load(do + r[:, None].to(tl.int64) * V + c[None, :], mask=m, other=0.0).to(tl.float32)
+    bo = tl.load(o + r[:, None].to(tl.int64) * V + c[None, :], mask=m, other=0.0).to(tl.float32)
+    d = tl.load(den + r, mask=r < R, other=1.0)
+    tl.store(dden + r, -tl.sum(bdo * bo, 1) / d, mask=r < R)
+
+
+@triton.jit
+def _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H: tl.constexpr, V: tl.constexpr, BC: tl.constexpr,
+               NORMALIZE: tl.constexpr):
+    """The gradients reaching the numerator, dO/den [BC, BV], and the denominator [BC]; the latter only in the
+    first V block (zero elsewhere), so that sums over V blocks count it once."""
+    dnum = tl.load(do + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+    dnum = dnum.to(tl.float32)
+    if NORMALIZE:
+        d = tl.load(den + t * H, mask=m_t, other=1.0)
+        dnum = dnum / d[:, None]
+        dd = tl.where(first, tl.load(dden + t * H, mask=m_t, other=0.0), 0.0)
+    else:
+        dd = tl.zeros([BC], dtype=tl.float32)
+    return dnum, dd
+
+
+@triton.jit
+def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
+                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
+                   USE_H0: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr):
+    """dq, first chunk to last, recomputing the forward state. dq: [NV, B, T, H, K] partial sums over V blocks."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    F: tl.constexpr = 1 + K + K * K
+    offs_c = tl.arange(0, BC)
+    offs_k = tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    offs_kk = tl.arange(0, BK * BK)
+    m_k, m_v = offs_k < K, offs_v < V
+    row_kk = 1 + K + (offs_kk // BK) * K + offs_kk % BK
+    m_kk = ((offs_kk // BK) < K) & ((offs_kk % BK) < K)
+    causal = offs_c[:, None] >= offs_c[None, :]
+    first = i_v == 0
+
+    q += i_b.to(tl.int64) * T * H * K + i_h * K
+    k += i_b.to(tl.int64) * T * H * K + i_h * K
+    dq += (i_v * (tl.num_programs(1) // H) + i_b).to(tl.int64) * T * H * K + i_h * K
+    v += i_b.to(tl.int64) * T * H * V + i_h * V
+    do += i_b.to(tl.int64) * T * H * V + i_h * V
+    if NORMALIZE:
+        den += i_b.to(tl.int64) * T * H + i_h
+        dden += i_b.to(tl.int64) * T * H + i_h
+
+    S1 = tl.zeros([BK, BV], dtype=tl.float32)
+    S2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
+    z1 = tl.zeros([BK], dtype=tl.float32)
+    Z2 = tl.zeros([BK, BK], dtype=tl.float32)
+    if USE_H0:
+        hv0 += i_bh.to(tl.int64) * F * V
+        hz0 += i_bh.to(tl.int64) * F
+        S1 += tl.load(hv0 + (1 + offs_k[:, None]) * V + offs_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        S2 += tl.load(hv0 + row_kk[:, None] * V + offs_v[None, :], mask=m_kk[:, None] & m_v[None, :], other=0.0)
+        z1 += tl.load(hz0 + 1 + offs_k, mask=m_k, other=0.0)
+        Z2 += tl.load(hz0 + 1 + K + offs_k[:, None] * K + offs_k[None, :], mask=m_k[:, None] & m_k[None, :],
+                      other=0.0)
+
+    for start in range(0, T, BC):
+        t = start + offs_c
+        m_t = t < T
+        bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        bk = tl.load(k + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        bv = tl.load(v + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        dnum, dd = _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H, V, BC, NORMALIZE)
+        qs = bq.to(tl.float32) * scale
+        kf = bk.to(tl.float32)
+
+        s = _mm(bq, tl.trans(bk), DOT) * scale  # [BC, BC]
+        dp = _mm(dnum, tl.trans(bv), DOT) + dd[:, None]
+        ds = tl.where(causal, dp * (1.0 + s), 0.0)
+        dqs = _mm(ds, bk, DOT) + _mm(dnum, tl.trans(S1), DOT)
+        r = tl.reshape(_mm(dnum, tl.trans(S2), DOT), (BC, BK, BK))  # [BC, K, K]: Σ_v S2[a, b, v]·dnum_v
+        dqs += tl.sum(r * qs[:, None, :], 2)
+        if NORMALIZE:
+            dqs += dd[:, None] * (z1[None, :] + _mm(qs, Z2, 0))
+        tl.store(dq + t[:, None] * H * K + offs_k[None, :], dqs * scale, mask=m_t[:, None] & m_k[None, :])
+
+        S1 += _mm(tl.trans(kf), bv, DOT)
+        S2 += _mm(tl.trans(_outer(kf, BC, BK)), bv, DOT)
+        z1 += tl.sum(kf, 0)
+        Z2 += _mm(tl.trans(kf), kf, 0)
+
+
+@triton.jit
+def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scale, T,
+                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                    BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
+                    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr):
+    """dk (partial over V blocks, [NV, B, T, H, K]) and dv, last chunk to first, carrying the reverse states
+    D0 = Σ dnum, D1 = Σ q_s dnumᵀ, D2 = Σ (q_s⊗q_s) dnumᵀ and d0, d1, d2 likewise with the denominator's
+    gradient. What is left at t = 0 is the gradient of the initial state (order 2 halved)."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    F: tl.constexpr = 1 + K + K * K
+    offs_c = tl.arange(0, BC)
+    offs_k = tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    offs_kk = tl.arange(0, BK * BK)
+    m_k, m_v = offs_k < K, offs_v < V
+    row_kk = 1 + K + (offs_kk // BK) * K + offs_kk % BK
+    m_kk = ((offs_kk // BK) < K) & ((offs_kk % BK) < K)
+    causal_t = offs_c[:, None] <= offs_c[None, :]  # [key j, query i]: j ≤ i
+    first = i_v == 0
+
+    q += i_b.to(tl.int64) * T * H * K + i_h * K
+    k += i_b.to(tl.int64) * T * H * K + i_h * K
+    dk += (i_v * (tl.num_programs(1) // H) + i_b).to(tl.int64) * T * H * K + i_h * K
+    v += i_b.to(tl.int64) * T * H * V + i_h * V
+    do += i_b.to(tl.int64) * T * H * V + i_h * V
+    dv += i_b.to(tl.int64) * T * H * V + i_h * V
+    if NORMALIZE:
+        den += i_b.to(tl.int64) * T * H + i_h
+        dden += i_b.to(tl.int64) * T * H + i_h
+
+    D0 = tl.zeros([BV], dtype=tl.float32)
+    D1 = tl.zeros([BK, BV], dtype=tl.float32)
+    D2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
+    d0 = 0.0
+    d1 = tl.zeros([BK], dtype=tl.float32)
+    d2 = tl.zeros([BK, BK], dtype=tl.float32)
+    if USE_DHT:
+        # dhvT/dhzT hold the final state's gradient with order 2 already symmetrised (G + Gᵀ)
+        dhvT += i_bh.to(tl.int64) * F * V
+        dhzT += i_bh.to(tl.int64) * F
+        D0 += tl.load(dhvT + offs_v, mask=m_v, other=0.0)
+        D1 += tl.load(dhvT + (1 + offs_k[:, None]) * V + offs_v[None, :], mask=m_k[:, None] & m_v[None, :],
+                      other=0.0)
+        D2 += tl.load(dhvT + row_kk[:, None] * V + offs_v[None, :], mask=m_kk[:, None] & m_v[None, :], other=0.0)
+        if i_v == 0:
+            # the denominator's state enters dk once, through the first V block
+            d0 += tl.load(dhzT)
+            d1 += tl.load(dhzT + 1 + offs_k, mask=m_k, other=0.0)
+            d2 += tl.load(dhzT + 1 + K + offs_k[:, None] * K + offs_k[None, :], mask=m_k[:, None] & m_k[None, :],
+                          other=0.0)
+
+    n_chunks = tl.cdiv(T, BC)
+    for i in range(0, n_chunks):
+        t = (n_chunks - 1 - i) * BC + offs_c
+        m_t = t < T
+        bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        bk = tl.load(k + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        bv = tl.load(v + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        dnum, dd = _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H, V, BC, NORMALIZE)
+        qs = bq.to(tl.float32) * scale
+        kf = bk.to(tl.float32)
+
+        st = _mm(bk, tl.trans(bq), DOT) * scale  # [BC keys, BC queries]
+        wt = tl.where(causal_t, 1.0 + st + 0.5 * st * st, 0.0)
+        bdv = _mm(wt, dnum, DOT) + D0[None, :] + _mm(kf, D1, DOT) + 0.5 * _mm(_outer(kf, BC, BK), D2, DOT)
+        tl.store(dv + t[:, None] * H * V + offs_v[None, :], bdv.to(dv.dtype.element_ty),
+                 mask=m_t[:, None] & m_v[None, :])
+
+        dpt = _mm(bv, tl.trans(dnum), DOT) + dd[None, :]
+        dst = tl.where(causal_t, dpt * (1.0 + st), 0.0)
+        bdk = _mm(dst, qs, DOT) + _mm(bv, tl.trans(D1), DOT)
+        r = tl.reshape(_mm(bv, tl.trans(D2), DOT), (BC, BK, BK))  # [BC, K, K]: Σ_v D2[a, b, v]·v_v
+        bdk += tl.sum(r * kf[:, None, :], 2)
+        # d1, d2 hold dO's share through the denominator and the final k_sum's gradient, normalised or not
+        bdk += d1[None, :] + _mm(kf, d2, 0)
+        tl.store(dk + t[:, None] * H * K + offs_k[None, :], bdk, mask=m_t[:, None] & m_k[None, :])
+
+        D0 += tl.sum(dnum, 0)
+        D1 += _mm(tl.trans(qs), dnum, DOT)
+        D2 += _mm(tl.trans(_outer(qs, BC, BK)), dnum, DOT)
+        d0 += tl.sum(dd, 0)
+        d1 += tl.sum(qs * dd[:, None], 0)
+        d2 += _mm(tl.trans(qs), qs * dd[:, None], 0)
+
+    if STORE_DH0:
+        dhv0 += i_bh.to(tl.int64) * F * V
+        dhz0 += i_bh.to(tl.int64) * F
+        tl.store(dhv0 + offs_v, D0, mask=m_v)
+        tl.store(dhv0 + (1 + offs_k[:, None]) * V + offs_v[None, :], D1, mask=m_k[:, None] & m_v[None, :])
+        tl.store(dhv0 + row_kk[:, None] * V + offs_v[None, :], 0.5 * D2, mask=m_kk[:, None] & m_v[None, :])
+        if i_v == 0:
+            tl.store(dhz0, d0)
+            tl.store(dhz0 + 1 + offs_k, d1, mask=m_k)
+            tl.store(dhz0 + 1 + K + offs_k[:, None] * K + offs_k[None, :], 0.5 * d2,
+                     mask=m_k[:, None] & m_k[None, :])
+
+
+def _config(K: int, V: int, dtype: torch.dtype):
+    """Block sizes and launch shape: (BK, BV, BC, num_warps, num_stages)."""
+    BK = max(16, triton.next_power_of_2(K))
+    BV = min(64, max(16, triton.next_power_of_2(V)))
+    BC = 64 if dtype != torch.float32 else 32
+    return BK, BV, BC, 4, 2
+
+
+def _symmetrise_order2(hv: torch.Tensor, K: int) -> torch.Tensor:
+    """G + Gᵀ on the order-2 rows of a Taylor-order tensor [B, H, 1+K+K², *] (orders 0 and 1 unchanged)."""
+    head, o2 = hv[:, :, : 1 + K], hv[:, :, 1 + K:]
+    o2 = o2.reshape(*o2.shape[:2], K, K, *o2.shape[3:])
+    return torch.cat([head, (o2 + o2.transpose(2, 3)).flatten(2, 3)], dim=2)
+
+
+class ChunkBasedFunction(torch.autograd.Function):
+    """(q, k, v, hv0, hz0) -> (o, hvT, hzT) with the state in Taylor-order form; see `chunk_based`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, hv0, hz0, scale, output_final_state, normalize):
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        F = 1 + K + K * K
+        BK, BV, BC, num_warps, num_stages = _config(K, V, q.dtype)
+        NV = triton.cdiv(V, BV)
+        o = torch.empty_like(v)
+        den = torch.empty(B, T, H, device=q.device, dtype=torch.float32) if normalize else None
+        hvT = q.new_empty(B, H, F, V, dtype=torch.float32) if output_final_state else None
+        hzT = q.new_empty(B, H, F, dtype=torch.float32) if output_final_state else None
+        _fwd_kernel[(NV, B * H)](
+            q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, H=H, K=K, V=V, BK=BK, BV=BV, BC=BC,
+            USE_H0=hv0 is not None, STORE_HT=output_final_state, NORMALIZE=normalize, DOT=_dot_mode(q.dtype),
+            num_warps=num_warps, num_stages=num_stages)
+        ctx.save_for_backward(q, k, v, o, den, hv0, hz0)
+        ctx.scale, ctx.normalize = scale, normalize
+        return o, hvT, hzT
+
+    @staticmethod
+    def backward(ctx, do, dhvT, dhzT):
+        q, k, v, o, den, hv0, hz0 = ctx.saved_tensors
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        F = 1 + K + K * K
+        BK, BV, BC, num_warps, num_stages = _config(K, V, q.dtype)
+        NV = triton.cdiv(V, BV)
+        do = do.contiguous()
+        dden = None
+        if ctx.normalize:
+            dden = torch.empty_like(den)
+            R = B * T * H
+            BR = 32
+            _dden_kernel[(triton.cdiv(R, BR),)](do, o, den, dden, R, V=V, BR=BR, BV=triton.next_power_of_2(V))
+        use_dht = dhvT is not None or dhzT is not None
+        if use_dht:
+            dhvT = torch.zeros(B, H, F, V, device=q.device, dtype=torch.float32) if dhvT is None else dhvT
+            dhzT = torch.zeros(B, H, F, device=q.device, dtype=torch.float32) if dhzT is None else dhzT
+            dhvT = _symmetrise_order2(dhvT.float(), K).contiguous()
+            dhzT = _symmetrise_order2(dhzT.float(), K).contiguous()
+        store_dh0 = hv0 is not None
+        dhv0 = torch.empty_like(hv0) if store_dh0 else None
+        dhz0 = torch.empty_like(hz0) if store_dh0 else None
+        dq = q.new_empty(NV, B, T, H, K, dtype=torch.float32)
+        dk = q.new_empty(NV, B, T, H, K, dtype=torch.float32)
+        dv = torch.empty_like(v)
+        meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NORMALIZE=ctx.normalize, DOT=_dot_mode(q.dtype),
+                    num_warps=num_warps, num_stages=num_stages)
+        _bwd_dq_kernel[(NV, B * H)](q, k, v, do, den, dden, dq, hv0, hz0, ctx.scale, T, USE_H0=hv0 is not None,
+                                    **meta)
+        _bwd_dkv_kernel[(NV, B * H)](q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, ctx.scale, T,
+                                     USE_DHT=use_dht, STORE_DH0=store_dh0, **meta)
+        dq = dq.sum(0).to(q.dtype)
+        dk = dk.sum(0).to(k.dtype)
+        return dq, dk, dv, dhv0, dhz0, None, None, None
+
+
+def chunk_based(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                initial_state: tuple[torch.Tensor, torch.Tensor] | None = None, output_final_state: bool = False,
+                normalize: bool = True):
+    """Based linear attention, chunked, in Triton: o_i = Σ_{j≤i} w_ij v_j / Σ_{j≤i} w_ij, w = 1 + s + s²/2.
+
+    Args:
+        q, k: [B, T, H, K], K ≤ 32 (16 in the released models). v: [B, T, H, V], V ≤ 128. fp32, fp16 or bf16.
+        scale: s = scale·q·k; defaults to 1/√K.
+        initial_state: (kv [B, H, E, V], k_sum [B, H, E]) in fp32, E = 1 + K + K(K+1)/2, FLA TaylorFeatureMap
+            order (kv = Σ φ(k) vᵀ, k_sum = Σ φ(k)). Gradients reach it.
+        output_final_state: also return the state after the last token, same layout, fp32.
+        normalize: divide by the denominator; False returns the numerator alone.
+    Returns:
+        o [B, T, H, V] in v's dtype, and (kv, k_sum) or None.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if k.shape != q.shape or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"q, k must be [B, T, H, K] and v [B, T, H, V]; got {q.shape}, {k.shape}, {v.shape}")
+    if K > 32 or V > 128:
+        raise ValueError(f"chunk_based supports K ≤ 32 and V ≤ 128, got K={K}, V={V}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    scale = K**-0.5 if scale is None else float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    hv0 = hz0 = None
+    if initial_state is not None:
+        hv0, hz0 = state_to_orders(initial_state[0].float(), initial_state[1].float())
+        hv0, hz0 = hv0.contiguous(), hz0.contiguous()
+    o, hvT, hzT = ChunkBasedFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), hv0, hz0, scale,
+                                           output_final_state, normalize)
+    final_state = orders_to_state(hvT, hzT) if output_final_state else None
+    return o, final_state
