@@ -1,0 +1,234 @@
+"""Protocol invariants of every registered mixer: forward == step loop, chunked prefill == full forward,
+state_size == real state, causality, in-place state, option checking."""
+
+import math
+
+import pytest
+import torch
+
+from kernels.based.naive import feature_dim
+from zoo.models.mixers import MIXERS, check_mixer_options
+
+D_MODEL = 16
+
+# (id, mixer name, options): small shapes that still reach every code path (several naive Based chunks,
+# windows shorter than the chunks, conv kernels longer than some chunks).
+CASES = [
+    ("attention-rotary", "attention", {"num_heads": 2}),
+    ("attention-learned", "attention", {"num_heads": 2, "positional": "learned"}),
+    ("attention-nopos", "attention", {"positional": "none"}),
+    ("sliding_window-w4", "sliding_window", {"window": 4, "num_heads": 2}),
+    ("sliding_window-w1", "sliding_window", {"window": 1}),
+    ("based-f4h2", "based", {"feature_dim": 4, "num_heads": 2, "chunk_size": 5}),
+    ("based-f3dv5", "based", {"feature_dim": 3, "head_dim_v": 5}),
+    ("base_conv-k3", "base_conv", {}),
+    ("base_conv-k4e1", "base_conv", {"kernel_size": 4, "expand": 1}),
+]
+CASE_IDS = [case[0] for case in CASES]
+
+
+def build(case, max_seq_len: int = 64, seed: int = 0) -> torch.nn.Module:
+    """The mixer of a case in float64; attention gets a KV buffer of max_seq_len rows."""
+    _, name, options = case
+    options = dict(options)
+    if name == "attention":
+        options["max_seq_len"] = max_seq_len
+    torch.manual_seed(seed)
+    return MIXERS[name](D_MODEL, **options).double()
+
+
+def inputs(batch: int, T: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(batch, T, D_MODEL, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
+def state_tensors(state) -> list[torch.Tensor]:
+    return [] if state is None else list(state.values())
+
+
+def test_every_registered_mixer_has_a_case():
+    assert {name for _, name, _ in CASES} == set(MIXERS)
+
+
+@pytest.mark.parametrize("T", [1, 7, 33], ids=lambda T: f"T{T}")
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_forward_equals_step_loop(case, T):
+    mixer = build(case)
+    x = inputs(2, T)
+    with torch.no_grad():
+        full = mixer(x)
+        state = mixer.init_state(2)
+        steps = torch.stack([mixer.step(x[:, t], state) for t in range(T)], dim=1)
+    torch.testing.assert_close(steps, full, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("splits", [(5, 28), (16, 17), (1, 31, 1), (9, 9, 15)], ids=lambda s: "+".join(map(str, s)))
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_chunks_with_state_equal_full_forward(case, splits):
+    mixer = build(case)
+    x = inputs(2, sum(splits))
+    with torch.no_grad():
+        full = mixer(x)
+        state = mixer.init_state(2)
+        parts = [mixer(chunk, state) for chunk in torch.split(x, list(splits), dim=1)]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_prefill_then_decode_equals_full_forward(case):
+    mixer = build(case)
+    x = inputs(3, 30)
+    with torch.no_grad():
+        full = mixer(x)
+        state = mixer.init_state(3)
+        prefill = mixer(x[:, :11], state)
+        decoded = [mixer.step(x[:, t], state) for t in range(11, 30)]
+    torch.testing.assert_close(torch.cat([prefill, torch.stack(decoded, dim=1)], dim=1), full, rtol=1e-9, atol=1e-10)
+
+
+def expected_state_size(case, T: int) -> int:
+    """REFERENCE §1 / DESIGN formulas, written out from the options."""
+    _, name, options = case
+    d = D_MODEL
+    if name == "attention":
+        return 2 * T * d
+    if name == "sliding_window":
+        return 2 * options["window"] * d
+    if name == "based":
+        H, E = options.get("num_heads", 1), feature_dim(options["feature_dim"])
+        dv = options.get("head_dim_v", d // H)
+        return H * (E * dv + E)
+    if name == "base_conv":
+        return options.get("expand", 2) * d * (options.get("kernel_size", 3) - 1)
+    raise AssertionError(f"no formula for {name}")
+
+
+@pytest.mark.parametrize("T", [1, 33], ids=lambda T: f"T{T}")
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_state_size_counts_the_real_state(case, T):
+    batch = 3
+    mixer = build(case, max_seq_len=T)
+    state = mixer.init_state(batch)
+    with torch.no_grad():
+        mixer(inputs(batch, T), state)
+    floating = [t for t in state_tensors(state) if t.is_floating_point()]
+    counters = [t for t in state_tensors(state) if not t.is_floating_point()]
+    assert all(t.shape[0] == batch for t in floating)
+    assert all(t.dtype == torch.int64 for t in counters)
+    real = sum(t.numel() for t in floating) // batch
+    assert mixer.state_size(T) == real
+    assert mixer.state_size(T) == expected_state_size(case, T)
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_causal(case):
+    mixer = build(case)
+    x = inputs(2, 13)
+    t = 6
+    x_changed = x.clone()
+    x_changed[:, t] += 1.0
+    with torch.no_grad():
+        y, y_changed = mixer(x), mixer(x_changed)
+    torch.testing.assert_close(y_changed[:, :t], y[:, :t], rtol=0, atol=1e-12)
+    assert not torch.allclose(y_changed[:, t], y[:, t])
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_state_is_updated_in_place(case):
+    mixer = build(case)
+    state = mixer.init_state(2)
+    before = {key: (t.data_ptr(), t.shape, t.clone()) for key, t in state.items()}
+    with torch.no_grad():
+        mixer(inputs(2, 5), state)
+        mixer.step(inputs(2, 1)[:, 0], state)
+    assert set(state) == set(before)
+    for key, (ptr, shape, old) in before.items():
+        assert state[key].data_ptr() == ptr and state[key].shape == shape, key
+        assert not torch.equal(state[key], old), f"state[{key!r}] never changed"
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_gradients_reach_every_parameter(case):
+    mixer = build(case)
+    mixer(inputs(2, 9)).square().sum().backward()
+    for name, param in mixer.named_parameters():
+        assert param.grad is not None and torch.isfinite(param.grad).all(), name
+        assert param.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("name", sorted(MIXERS))
+def test_defaults_build_and_run(name):
+    mixer = MIXERS[name](d_model=64)
+    y = mixer(torch.randn(2, 5, 64))
+    assert y.shape == (2, 5, 64) and torch.isfinite(y).all()
+    assert isinstance(mixer.config, MIXERS[name].Config)
+
+
+BAD_OPTIONS = [
+    ("unknown-mixer", "mamba", {}, r"unknown mixer 'mamba' \(known: attention, sliding_window, based, base_conv\)"),
+    ("typo", "based", {"feture_dim": 8}, r"mixer 'based' has no option 'feture_dim' \(options: feature_dim, "),
+    ("heads-not-dividing", "attention", {"num_heads": 3}, "divisible by num_heads=3"),
+    ("odd-rotary-head", "attention", {"num_heads": 16}, "even head dim"),
+    ("positional", "attention", {"positional": "alibi"}, "rotary|learned|none"),
+    ("max_seq_len", "attention", {"max_seq_len": 0}, "max_seq_len must be >= 1"),
+    ("window-0", "sliding_window", {"window": 0}, "window must be >= 1"),
+    ("window-str", "sliding_window", {"window": "64"}, "window must be an int"),
+    ("swa-heads", "sliding_window", {"num_heads": 5}, "divisible by num_heads=5"),
+    ("feature_dim-0", "based", {"feature_dim": 0}, "feature_dim must be >= 1"),
+    ("based-heads", "based", {"num_heads": 3}, "divisible by num_heads=3"),
+    ("impl", "based", {"impl": "cuda"}, "naive|fla|triton"),
+    ("eps", "based", {"eps": -1.0}, "eps must be a float >= 0"),
+    ("fla-feature_dim", "based", {"impl": "fla", "feature_dim": 129}, "feature_dim <= 128"),
+    ("kernel_size", "base_conv", {"kernel_size": 0}, "kernel_size must be >= 1"),
+    ("expand", "base_conv", {"expand": 0}, "expand must be >= 1"),
+]
+
+
+@pytest.mark.parametrize(("name", "options", "message"), [b[1:] for b in BAD_OPTIONS], ids=[b[0] for b in BAD_OPTIONS])
+def test_bad_options_raise_value_error(name, options, message):
+    with pytest.raises(ValueError, match=message):
+        check_mixer_options(name, D_MODEL, options)
+    if name in MIXERS:
+        with pytest.raises(ValueError, match=message):
+            MIXERS[name](D_MODEL, **options)
+
+
+@pytest.mark.parametrize("name", sorted(MIXERS))
+def test_bad_shapes_raise_value_error(name):
+    mixer = MIXERS[name](D_MODEL)
+    with pytest.raises(ValueError, match=f"shape \\[B, T>=1, {D_MODEL}\\]"):
+        mixer(torch.randn(2, 3, D_MODEL + 1))
+    with pytest.raises(ValueError, match=f"shape \\[B, {D_MODEL}\\]"):
+        mixer.step(torch.randn(2, 1, D_MODEL), mixer.init_state(2))
+
+
+def test_attention_state_overflow_raises():
+    mixer = build(CASES[0], max_seq_len=8)
+    state = mixer.init_state(1)
+    mixer(inputs(1, 6), state)
+    with pytest.raises(ValueError, match="exceeds max_seq_len=8"):
+        mixer(inputs(1, 3), state)
+
+
+def test_attention_matches_plain_softmax_reference():
+    """Rotary-free attention against softmax(q k^T/√D + causal mask) v written out here."""
+    mixer = build(CASES[2])
+    x = inputs(2, 9)
+    with torch.no_grad():
+        q, k, v = (t.reshape(2, 9, D_MODEL) for t in (x @ mixer.qkv.weight.T).chunk(3, dim=-1))
+        scores = q @ k.transpose(1, 2) / math.sqrt(D_MODEL)
+        scores = scores.masked_fill(torch.ones(9, 9).triu(1).bool(), float("-inf"))
+        expected = (scores.softmax(-1) @ v) @ mixer.out.weight.T
+        torch.testing.assert_close(mixer(x), expected, rtol=1e-10, atol=1e-12)
+
+
+def test_sliding_window_matches_banded_reference():
+    """Window w: token i sees exactly keys max(0, i-w+1)..i; compare to full attention on that slice."""
+    window = 4
+    mixer = build(CASES[3])
+    x = inputs(1, 11)
+    with torch.no_grad():
+        y = mixer(x)
+        # Rotary is relative, so attention over the slice ending at i, re-positioned from 0, gives the same row.
+        for i in range(11):
+            start = max(0, i - window + 1)
+            torch.testing.assert_close(y[:, i], mixer(x[:, start : i + 1])[:, -1], rtol=1e-9, atol=1e-10)
