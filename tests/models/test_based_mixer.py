@@ -159,51 +159,56 @@ def test_triton_impl_on_cpu_without_interpreter_raises(monkeypatch):
 
 
 # Runs in a fresh interpreter: TRITON_INTERPRET must be set before triton is imported, and must not leak
-# into the other tests of this process.
-FLA_SCRIPT = textwrap.dedent(
+# into the other tests of this process. IMPL is filled in per test.
+INTERPRETED_SCRIPT = textwrap.dedent(
     """
     import os
     import torch
     from triton.runtime.autotuner import Autotuner
     from zoo.models.mixers import MIXERS
 
-    # The interpreter cannot time kernels, so autotuned FLA ops take their first config.
+    # The interpreter cannot time kernels, so autotuned ops take their first config.
     Autotuner.prune_configs = lambda self, kwargs: self.configs[:1]
 
     torch.manual_seed(0)
     options = dict(feature_dim=4, num_heads=2, chunk_size=8)
     naive = MIXERS["based"](16, **options)
-    fla = MIXERS["based"](16, impl="fla", **options)
-    fla.load_state_dict(naive.state_dict())
+    fast = MIXERS["based"](16, impl=IMPL, **options)
+    fast.load_state_dict(naive.state_dict())
     x = torch.randn(2, 33, 16)
     tol = dict(rtol=1e-4, atol=1e-5)
     with torch.no_grad():
         expected = naive(x)
-        torch.testing.assert_close(fla(x), expected, **tol)
-        state, naive_state = fla.init_state(2), naive.init_state(2)
+        torch.testing.assert_close(fast(x), expected, **tol)
+        state, naive_state = fast.init_state(2), naive.init_state(2)
         naive(x, naive_state)
-        parts = [fla(x[:, :20], state), fla(x[:, 20:30], state)]
-        parts += [fla.step(x[:, t], state)[:, None] for t in range(30, 33)]
+        parts = [fast(x[:, :20], state), fast(x[:, 20:30], state)]
+        parts += [fast.step(x[:, t], state)[:, None] for t in range(30, 33)]
         torch.testing.assert_close(torch.cat(parts, dim=1), expected, **tol)
         for key in ("kv", "k_sum"):
             torch.testing.assert_close(state[key], naive_state[key], **tol)
         del os.environ["TRITON_INTERPRET"]
         try:
-            fla(x)
+            fast(x)
         except RuntimeError as err:
             assert "TRITON_INTERPRET=1" in str(err), err
         else:
-            raise AssertionError("impl='fla' on CPU without the interpreter did not raise")
-    print("FLA-OK")
+            raise AssertionError("a Triton impl on CPU without the interpreter did not raise")
+    print("INTERPRETED-OK")
     """
 )
 
 
-def test_fla_impl_matches_naive_under_triton_interpreter():
-    if importlib.util.find_spec("fla") is None:
+@pytest.mark.parametrize("impl", ["fla", "triton"])
+def test_fast_impl_matches_naive_under_triton_interpreter(impl):
+    """Forward without state, chunked prefill + decode with state, and final states: fast impl == naive."""
+    if impl == "fla" and importlib.util.find_spec("fla") is None:
         pytest.skip("flash-linear-attention is not installed")
+    if impl == "triton" and not hasattr(kernels.based, "fused_recurrent_based"):
+        pytest.skip("kernels.based has no chunk_based / fused_recurrent_based yet")
+    script = f"IMPL = {impl!r}\n" + INTERPRETED_SCRIPT
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run(
-        [sys.executable, "-c", FLA_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
     )
-    assert result.returncode == 0 and "FLA-OK" in result.stdout, result.stderr[-4000:]
+    assert result.returncode == 0 and "INTERPRETED-OK" in result.stdout, result.stderr[-4000:]
