@@ -51,8 +51,13 @@ def _mm(a, b, DOT: tl.constexpr):
 
 
 @triton.jit
-def _outer(x, BC: tl.constexpr, BK: tl.constexpr):
-    """Row-wise outer product x⊗x: [BC, BK] -> [BC, BK·BK], index a·BK + b."""
+def _outer(x, BC: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
+    """Row-wise outer product x⊗x: [BC, BK] -> [BC, BK·BK], index a·BK + b, in the dot's operand dtype.
+
+    In bf16 mode the product is formed in bf16: the same single rounding as an fp32 product cast to bf16, at
+    half the registers of the [BC, BK²] tile (the largest live value of the kernels)."""
+    if DOT == 2:
+        x = x.to(tl.bfloat16)
     return tl.reshape(x[:, :, None] * x[:, None, :], (BC, BK * BK))
 
 
@@ -108,7 +113,7 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T,
 
         s = _mm(bq, tl.trans(bk), DOT) * scale  # [BC, BC]
         w = tl.where(causal, 1.0 + s + 0.5 * s * s, 0.0)
-        num = _mm(w, bv, DOT) + S0[None, :] + _mm(qs, S1, DOT) + 0.5 * _mm(_outer(qs, BC, BK), S2, DOT)
+        num = _mm(w, bv, DOT) + S0[None, :] + _mm(qs, S1, DOT) + 0.5 * _mm(_outer(qs, BC, BK, DOT), S2, DOT)
         if NORMALIZE:
             qZ = _mm(qs, Z2, 0)
             d = tl.sum(w, 1) + n + tl.sum(qs * z1[None, :], 1) + 0.5 * tl.sum(qZ * qs, 1)
@@ -120,7 +125,7 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T,
 
         S0 += tl.sum(bv.to(tl.float32), 0)
         S1 += _mm(tl.trans(kf), bv, DOT)
-        S2 += _mm(tl.trans(_outer(kf, BC, BK)), bv, DOT)
+        S2 += _mm(tl.trans(_outer(kf, BC, BK, DOT)), bv, DOT)
         n += tl.sum(m_t.to(tl.float32), 0)
         z1 += tl.sum(kf, 0)
         Z2 += _mm(tl.trans(kf), kf, 0)
@@ -227,7 +232,7 @@ def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
         tl.store(dq + t[:, None] * H * K + offs_k[None, :], dqs * scale, mask=m_t[:, None] & m_k[None, :])
 
         S1 += _mm(tl.trans(kf), bv, DOT)
-        S2 += _mm(tl.trans(_outer(kf, BC, BK)), bv, DOT)
+        S2 += _mm(tl.trans(_outer(kf, BC, BK, DOT)), bv, DOT)
         z1 += tl.sum(kf, 0)
         Z2 += _mm(tl.trans(kf), kf, 0)
 
@@ -297,7 +302,7 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
 
         st = _mm(bk, tl.trans(bq), DOT) * scale  # [BC keys, BC queries]
         wt = tl.where(causal_t, 1.0 + st + 0.5 * st * st, 0.0)
-        bdv = _mm(wt, dnum, DOT) + D0[None, :] + _mm(kf, D1, DOT) + 0.5 * _mm(_outer(kf, BC, BK), D2, DOT)
+        bdv = _mm(wt, dnum, DOT) + D0[None, :] + _mm(kf, D1, DOT) + 0.5 * _mm(_outer(kf, BC, BK, DOT), D2, DOT)
         tl.store(dv + t[:, None] * H * V + offs_v[None, :], bdv.to(dv.dtype.element_ty),
                  mask=m_t[:, None] & m_v[None, :])
 
@@ -312,7 +317,7 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
 
         D0 += tl.sum(dnum, 0)
         D1 += _mm(tl.trans(qs), dnum, DOT)
-        D2 += _mm(tl.trans(_outer(qs, BC, BK)), dnum, DOT)
+        D2 += _mm(tl.trans(_outer(qs, BC, BK, DOT)), dnum, DOT)
         d0 += tl.sum(dd, 0)
         d1 += tl.sum(qs * dd[:, None], 0)
         d2 += _mm(tl.trans(qs), qs * dd[:, None], 0)
@@ -330,8 +335,8 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
                      mask=m_k[:, None] & m_k[None, :])
 
 
-def _config(K: int, V: int, dtype: torch.dtype):
-    """Block sizes and launch shape: (BK, BV, BC, num_warps, num_stages)."""
+def _config(K: int, V: int, dtype: torch.dtype, kind: str):
+    """Block sizes and launch shape for kind "fwd" or "bwd": (BK, BV, BC, num_warps, num_stages)."""
     BK = max(16, triton.next_power_of_2(K))
     BV = min(64, max(16, triton.next_power_of_2(V)))
     BC = 64 if dtype != torch.float32 else 32
@@ -353,12 +358,12 @@ class ChunkBasedFunction(torch.autograd.Function):
         B, T, H, K = q.shape
         V = v.shape[-1]
         F = 1 + K + K * K
-        BK, BV, BC, num_warps, num_stages = _config(K, V, q.dtype)
+        BK, BV, BC, num_warps, num_stages = _config(K, V, q.dtype, "fwd")
         NV = triton.cdiv(V, BV)
         o = torch.empty_like(v)
         den = torch.empty(B, T, H, device=q.device, dtype=torch.float32) if normalize else None
-        hvT = q.new_empty(B, H, F, V, dtype=torch.float32) if output_final_state else None
-        hzT = q.new_empty(B, H, F, dtype=torch.float32) if output_final_state else None
+        hvT = torch.empty(B, H, F, V, device=q.device, dtype=torch.float32) if output_final_state else None
+        hzT = torch.empty(B, H, F, device=q.device, dtype=torch.float32) if output_final_state else None
         _fwd_kernel[(NV, B * H)](
             q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, H=H, K=K, V=V, BK=BK, BV=BV, BC=BC,
             USE_H0=hv0 is not None, STORE_HT=output_final_state, NORMALIZE=normalize, DOT=_dot_mode(q.dtype),
@@ -373,7 +378,7 @@ class ChunkBasedFunction(torch.autograd.Function):
         B, T, H, K = q.shape
         V = v.shape[-1]
         F = 1 + K + K * K
-        BK, BV, BC, num_warps, num_stages = _config(K, V, q.dtype)
+        BK, BV, BC, num_warps, num_stages = _config(K, V, q.dtype, "bwd")
         NV = triton.cdiv(V, BV)
         do = do.contiguous()
         dden = None
@@ -391,8 +396,8 @@ class ChunkBasedFunction(torch.autograd.Function):
         store_dh0 = hv0 is not None
         dhv0 = torch.empty_like(hv0) if store_dh0 else None
         dhz0 = torch.empty_like(hz0) if store_dh0 else None
-        dq = q.new_empty(NV, B, T, H, K, dtype=torch.float32)
-        dk = q.new_empty(NV, B, T, H, K, dtype=torch.float32)
+        dq = torch.empty(NV, B, T, H, K, device=q.device, dtype=torch.float32)
+        dk = torch.empty(NV, B, T, H, K, device=q.device, dtype=torch.float32)
         dv = torch.empty_like(v)
         meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NORMALIZE=ctx.normalize, DOT=_dot_mode(q.dtype),
                     num_warps=num_warps, num_stages=num_stages)

@@ -1,0 +1,217 @@
+"""Benchmark: Based linear attention kernels against FLA's Based kernels and causal SDPA, on one CUDA GPU.
+
+    python experiments/bench/based_kernels.py [--sweep] [--T 1024 2048 4096 8192 16384]
+
+Shape B=8, H=16, K=16, V=64, bf16 (SDPA: head dim 64). Median times over CUDA events after warm-up
+(triton.testing.do_bench, which also flushes L2 between runs), forward and forward+backward, and the decode
+step at B ∈ {1, 64, 256} (a CUDA graph of 16 steps, time per step). Ceilings are measured in the same process:
+copy bandwidth (device-to-device copy, bytes read + written) and bf16 GEMM rate (8192³, random data). Each row
+reports the fraction of both ceilings it reaches, counting the minimum bytes (inputs read once, outputs written
+once) and the FLOPs of kernels/based/README.md. The last line is JSON.
+
+--sweep first times a grid of block configurations of our kernel at T=4096 and uses the fastest.
+"""
+
+import argparse
+import json
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+
+import kernels.based.chunk as chunk_mod
+from kernels.based import chunk_based, feature_dim, fused_recurrent_based
+
+B, H, K, V, SDPA_D = 8, 16, 16, 64, 64
+DT = torch.bfloat16
+E = feature_dim(K)
+
+
+def bench(fn, grad_to_none=None):
+    return triton.testing.do_bench(fn, warmup=50, rep=200, grad_to_none=grad_to_none, return_mode="median")
+
+
+def copy_bandwidth():
+    x = torch.randn(2**28, device="cuda")  # 1 GiB
+    y = torch.empty_like(x)
+    ms = bench(lambda: y.copy_(x))
+    return 2 * x.numel() * 4 / (ms * 1e-3)
+
+
+def gemm_rate():
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=DT) for _ in range(2))
+    ms = bench(lambda: a @ b)
+    return 2 * 8192**3 / (ms * 1e-3)
+
+
+def based_flops(T, C=64):
+    """Forward: state query and update over E features (4·E·V per token) plus the chunk tile (2·C·(K+V))."""
+    return B * H * T * (4 * E * V + 2 * C * (K + V))
+
+
+def based_bytes(T, backward):
+    qk, vo = B * T * H * K * 2, B * T * H * V * 2
+    fwd = 2 * qk + 2 * vo  # q, k, v read; o written
+    return fwd + (4 * qk + 4 * vo if backward else 0)  # + q, k, v, o, dO read; dq, dk, dv written
+
+
+def sdpa_flops(T):
+    return 4 * B * H * T * T * SDPA_D / 2
+
+
+def inputs(T, d_qk=K, d_v=V, layout="bthd"):
+    g = torch.Generator(device="cuda").manual_seed(T)
+    shape = (B, T, H) if layout == "bthd" else (B, H, T)
+    q = torch.randn(*shape, d_qk, device="cuda", dtype=DT, generator=g).requires_grad_()
+    k = torch.randn(*shape, d_qk, device="cuda", dtype=DT, generator=g).requires_grad_()
+    v = torch.randn(*shape, d_v, device="cuda", dtype=DT, generator=g).requires_grad_()
+    do = torch.randn(*shape, d_v, device="cuda", dtype=DT, generator=g)
+    return q, k, v, do
+
+
+def impls():
+    from fla.ops.based import fused_chunk_based, parallel_based
+
+    out = {
+        "ours": (lambda q, k, v: chunk_based(q, k, v)[0], "bthd", K),
+        "fla_parallel_based": (lambda q, k, v: parallel_based(q, k, v, scale=None, use_norm=True), "bthd", K),
+        "fla_fused_chunk_based": (lambda q, k, v: fused_chunk_based(q, k, v, scale=None, use_norm=True), "bthd", K),
+        "sdpa_causal_d64": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), "bhtd", SDPA_D),
+    }
+    return out
+
+
+def time_impl(fn, T, layout, d_qk):
+    q, k, v, do = inputs(T, d_qk, V if d_qk == K else SDPA_D, layout)
+    with torch.no_grad():
+        fwd = bench(lambda: fn(q, k, v))
+    both = bench(lambda: fn(q, k, v).backward(do), grad_to_none=[q, k, v])
+    return fwd, both
+
+
+def sweep():
+    """Time block configurations of our kernel at T=4096; return the fastest forward and backward configs."""
+    T = 4096
+    q, k, v, do = inputs(T)
+    default = chunk_mod._config
+    with torch.no_grad():
+        ref = chunk_based(q, k, v)[0].float()
+    ref_grads = torch.autograd.grad(chunk_based(q, k, v)[0], (q, k, v), do)
+    grid = [(BV, BC, w, s) for BV in (32, 64) for BC in (32, 64) for w in (4, 8) for s in (1, 2)]
+    results = {"fwd": [], "bwd": []}
+    for kind in ("fwd", "bwd"):
+        for BV, BC, w, s in grid:
+            def cfg(K_, V_, dtype, kind_, BV=BV, BC=BC, w=w, s=s, kind=kind):
+                return (16, BV, BC, w, s) if kind_ == kind else default(K_, V_, dtype, kind_)
+            chunk_mod._config = cfg
+            try:
+                if kind == "fwd":
+                    with torch.no_grad():
+                        err = ((chunk_based(q, k, v)[0].float() - ref).norm() / ref.norm()).item()
+                        ms = bench(lambda: chunk_based(q, k, v))
+                else:
+                    grads = torch.autograd.grad(chunk_based(q, k, v)[0], (q, k, v), do)
+                    err = max(((a.float() - b.float()).norm() / b.float().norm()).item()
+                              for a, b in zip(grads, ref_grads))
+                    ms = bench(lambda: chunk_based(q, k, v)[0].backward(do), grad_to_none=[q, k, v])
+            except Exception as e:  # a config that fails to compile (registers, shared memory) is skipped
+                print(f"sweep {kind} BV={BV} BC={BC} warps={w} stages={s}: failed: {type(e).__name__}: "
+                      f"{str(e)[:200]}")
+                continue
+            finally:
+                chunk_mod._config = default
+            print(f"sweep {kind} BV={BV} BC={BC} warps={w} stages={s}: {ms:.4f} ms  (rel diff vs default {err:.1e})")
+            if err < 2e-2:
+                results[kind].append((ms, (16, BV, BC, w, s)))
+    best = {kind: min(r)[1] for kind, r in results.items()}
+    print(f"sweep best: {best}")
+    return best, {kind: [(ms, list(c)) for ms, c in r] for kind, r in results.items()}
+
+
+def decode_step_ms(batch):
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    kv = torch.randn(batch, H, E, V, device="cuda", generator=g)
+    ks = torch.rand(batch, H, E, device="cuda", generator=g) + 1
+    q, k = (torch.randn(batch, H, K, device="cuda", dtype=DT, generator=g) for _ in range(2))
+    v = torch.randn(batch, H, V, device="cuda", dtype=DT, generator=g)
+    out = torch.empty_like(v)
+    state = (kv, ks)
+    fused_recurrent_based(q, k, v, state, out=out)
+    steps = 16
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        for _ in range(steps):
+            fused_recurrent_based(q, k, v, state, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    ms = bench(graph.replay) / steps
+    return ms, batch * H * E * (V + 1) * 4 * 2  # state read + written
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--T", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--skip-baselines", action="store_true")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    bw, gemm = copy_bandwidth(), gemm_rate()
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 GEMM {gemm / 1e12:.0f} TFLOP/s")
+    result = {"device": torch.cuda.get_device_name(), "copy_TBps": bw / 1e12, "gemm_TFLOPs": gemm / 1e12,
+              "shape": {"B": B, "H": H, "K": K, "V": V, "dtype": "bf16"}, "rows": []}
+    if args.sweep:
+        best, table = sweep()
+        default = chunk_mod._config
+        chunk_mod._config = lambda K_, V_, dtype, kind: best[kind] if (K_, V_, dtype) == (K, V, DT) else \
+            default(K_, V_, dtype, kind)
+        result["sweep"] = {"best": best, "table": table}
+    names = impls() if not args.skip_baselines else {"ours": impls()["ours"]}
+    print(f"{'impl':24s} {'T':>6s} {'fwd ms':>8s} {'fwd+bwd ms':>10s} {'fwd %bw':>8s} {'fwd %gemm':>9s} "
+          f"{'f+b %bw':>8s} {'f+b %gemm':>9s}")
+    for T in args.T:
+        for name, (fn, layout, d_qk) in names.items():
+            try:
+                fwd, both = time_impl(fn, T, layout, d_qk)
+            except Exception as e:  # keep the table going if a baseline breaks on this stack; say so
+                print(f"{name:24s} {T:6d} failed: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            if name == "sdpa_causal_d64":
+                fl, by_f = sdpa_flops(T), 4 * B * T * H * SDPA_D * 2
+                by_b = by_f + 7 * B * T * H * SDPA_D * 2
+                fl_b = 3.5 * fl
+            else:
+                fl, by_f, by_b, fl_b = based_flops(T), based_bytes(T, False), based_bytes(T, True), 3 * based_flops(T)
+            row = {"impl": name, "T": T, "fwd_ms": fwd, "fwdbwd_ms": both,
+                   "fwd_frac_bw": by_f / (fwd * 1e-3) / bw, "fwd_frac_gemm": fl / (fwd * 1e-3) / gemm,
+                   "fwdbwd_frac_bw": by_b / (both * 1e-3) / bw, "fwdbwd_frac_gemm": fl_b / (both * 1e-3) / gemm}
+            result["rows"].append(row)
+            print(f"{name:24s} {T:6d} {fwd:8.4f} {both:10.4f} {row['fwd_frac_bw']:8.1%} {row['fwd_frac_gemm']:9.1%} "
+                  f"{row['fwdbwd_frac_bw']:8.1%} {row['fwdbwd_frac_gemm']:9.1%}")
+    rows = {(r["impl"], r["T"]): r for r in result["rows"]}
+    ratios = {}
+    for T in args.T:
+        ours = rows.get(("ours", T))
+        for base in ("fla_parallel_based", "fla_fused_chunk_based", "sdpa_causal_d64"):
+            if ours and (base, T) in rows:
+                ratios[f"{base}/ours_fwd_T{T}"] = rows[(base, T)]["fwd_ms"] / ours["fwd_ms"]
+                ratios[f"{base}/ours_fwdbwd_T{T}"] = rows[(base, T)]["fwdbwd_ms"] / ours["fwdbwd_ms"]
+    if ("ours", 4096) in rows and ("ours", 16384) in rows:
+        ratios["ours_fwdbwd_T16384/T4096"] = rows[("ours", 16384)]["fwdbwd_ms"] / rows[("ours", 4096)]["fwdbwd_ms"]
+    result["ratios"] = ratios
+    print("decode (one step, CUDA graph):")
+    result["decode"] = []
+    for batch in (1, 64, 256):
+        ms, nbytes = decode_step_ms(batch)
+        frac = nbytes / (ms * 1e-3) / bw
+        result["decode"].append({"B": batch, "step_ms": ms, "frac_bw": frac})
+        print(f"  B={batch:4d}  {ms * 1e3:8.2f} us/step  {frac:6.1%} of copy bandwidth (state {nbytes / 1e6:.1f} MB)")
+    for k_, r in ratios.items():
+        print(f"  {k_}: {r:.2f}x")
+    print(json.dumps(result, default=lambda x: round(x, 5) if isinstance(x, float) and math.isfinite(x) else str(x)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""One decoding step of Based linear attention in one Triton launch, updating the fp32 state in place.
+
+    kv += φ(k_t) v_tᵀ,  k_sum += φ(k_t),  o_t = φ(q'_t)·kv / φ(q'_t)·k_sum     (q' = q·scale·√K)
+
+One program owns one (batch, head): it builds φ(q'_t) and φ(k_t) in registers (E = 1 + K + K(K+1)/2 features
+in FLA TaylorFeatureMap order, the order of the state), then streams kv through registers in blocks of BV
+value columns. The step reads and writes the state once, so it is bound by the state's bytes
+(2·4·E·(V + 1) per head). Nothing is allocated but the output (or nothing, with `out=`) and nothing waits on
+the host, so the call can be captured in a CUDA graph.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.based.naive import feature_dim
+
+
+@triton.jit
+def _features(x_ptr, x_scale, e, K: tl.constexpr, E: tl.constexpr):
+    """φ(x_scale·x)[e] for a vector of feature indices e: [1, x/K^¼, x_a²/(√2·√K), x_a·x_b/√K for a<b]."""
+    # feature e is coef·x[ia]·x[ib], with a missing factor (index -1) read as 1
+    is_lin = (e >= 1) & (e < 1 + K)
+    is_diag = (e >= 1 + K) & (e < 1 + 2 * K)
+    ia = tl.where(is_lin, e - 1, tl.where(is_diag, e - 1 - K, -1))
+    ib = tl.where(is_diag, e - 1 - K, -1)
+    p = e - (1 + 2 * K)  # index among the off-diagonal pairs, row-major over a < b
+    for a in tl.static_range(K - 1):
+        start = a * (K - 1) - a * (a - 1) // 2
+        in_row = (p >= start) & (p < start + K - 1 - a)
+        ia = tl.where(in_row, a, ia)
+        ib = tl.where(in_row, a + 1 + p - start, ib)
+    xa = tl.where(ia >= 0, tl.load(x_ptr + ia, mask=ia >= 0, other=0.0).to(tl.float32) * x_scale, 1.0)
+    xb = tl.where(ib >= 0, tl.load(x_ptr + ib, mask=ib >= 0, other=0.0).to(tl.float32) * x_scale, 1.0)
+    rk = 1.0 / tl.sqrt(K * 1.0)
+    coef = tl.where(e == 0, 1.0, tl.where(is_lin, tl.sqrt(rk), tl.where(is_diag, rk / tl.sqrt(2.0), rk)))
+    return tl.where(e < E, coef * xa * xb, 0.0)
+
+
+@triton.jit
+def _decode_kernel(q, k, v, kv, k_sum, o, q_scale,
+                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, E: tl.constexpr,
+                   BE: tl.constexpr, BV: tl.constexpr, NORMALIZE: tl.constexpr):
+    i_bh = tl.program_id(0)
+    e = tl.arange(0, BE)
+    m_e = e < E
+    phi_q = _features(q + i_bh * K, q_scale, e, K, E)  # [BE]
+    phi_k = _features(k + i_bh * K, 1.0, e, K, E)  # [BE]
+
+    k_sum += i_bh.to(tl.int64) * E
+    z = tl.load(k_sum + e, mask=m_e, other=0.0) + phi_k
+    tl.store(k_sum + e, z, mask=m_e)
+    den = tl.sum(phi_q * z, 0)
+
+    kv += i_bh.to(tl.int64) * E * V
+    for v0 in tl.static_range(0, V, BV):
+        offs_v = v0 + tl.arange(0, BV)
+        m_v = offs_v < V
+        bv = tl.load(v + i_bh * V + offs_v, mask=m_v, other=0.0).to(tl.float32)
+        ptrs = kv + e[:, None] * V + offs_v[None, :]
+        m = m_e[:, None] & m_v[None, :]
+        s = tl.load(ptrs, mask=m, other=0.0) + phi_k[:, None] * bv[None, :]  # [BE, BV]
+        tl.store(ptrs, s, mask=m)
+        num = tl.sum(phi_q[:, None] * s, 0)
+        if NORMALIZE:
+            num = num / den
+        tl.store(o + i_bh * V + offs_v, num.to(o.dtype.element_ty), mask=m_v)
+
+
+def fused_recurrent_based(q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor,
+                          state: tuple[torch.Tensor, torch.Tensor], scale: float | None = None,
+                          normalize: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One token: updates state = (kv [B, H, E, V], k_sum [B, H, E]) (fp32, contiguous) in place.
+
+    q_t, k_t: [B, H, K]; v_t: [B, H, V]. Returns o_t [B, H, V] in v_t's dtype (written into `out` if given).
+    The same function as `chunk_based` over one token: the state afterwards equals the chunked final state.
+    """
+    kv, k_sum = state
+    B, H, K = q_t.shape
+    V = v_t.shape[-1]
+    E = feature_dim(K)
+    if k_t.shape != q_t.shape or v_t.shape[:2] != (B, H):
+        raise ValueError(f"q_t, k_t must be [B, H, K] and v_t [B, H, V]; got {q_t.shape}, {k_t.shape}, {v_t.shape}")
+    if kv.shape != (B, H, E, V) or k_sum.shape != (B, H, E):
+        raise ValueError(f"state must be (kv {(B, H, E, V)}, k_sum {(B, H, E)}), got ({kv.shape}, {k_sum.shape})")
+    if kv.dtype != torch.float32 or k_sum.dtype != torch.float32 or not (kv.is_contiguous() and k_sum.is_contiguous()):
+        raise ValueError("the state must be contiguous fp32 tensors (it is updated in place)")
+    scale = K**-0.5 if scale is None else float(scale)
+    if out is None:
+        out = torch.empty_like(v_t)
+    _decode_kernel[(B * H,)](q_t.contiguous(), k_t.contiguous(), v_t.contiguous(), kv, k_sum, out,
+                             scale * math.sqrt(K), H=H, K=K, V=V, E=E, BE=triton.next_power_of_2(E),
+                             BV=min(32, triton.next_power_of_2(V)), NORMALIZE=normalize, num_warps=4)
+    return out

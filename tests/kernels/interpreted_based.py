@@ -1,0 +1,85 @@
+"""Based Triton kernels on the CPU through Triton's interpreter, in fp32, at small odd shapes.
+
+TRITON_INTERPRET=1 must be set before Triton is first imported, so these tests run in their own process:
+`test_based_interpreter.py` launches this file with the variable set (it is named so that pytest does not
+collect it into a process where Triton may already be compiled for a GPU). Directly:
+    TRITON_INTERPRET=1 python -m pytest tests/kernels/interpreted_based.py
+"""
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs TRITON_INTERPRET=1 before Triton is imported; run via test_based_interpreter.py",
+                allow_module_level=True)
+
+from based_cases import Case, check_against_naive, make_inputs, nan_empty  # noqa: E402
+
+from kernels.based import chunk_based, feature_dim, fused_recurrent_based, naive_recurrent_based  # noqa: E402
+from kernels.testing import CPU_T, assert_close  # noqa: E402
+
+CASES = [Case(B=1, T=T, H=2, K=16, V=64) for T in CPU_T] + [
+    Case(B=2, T=100, H=2, K=8, V=40),  # MQAR's feature dim, V not a power of two
+    Case(B=1, T=64, H=1, K=32, V=128),  # the largest shape: two V blocks
+    Case(B=1, T=15, H=2, K=16, V=112, scale=0.3),  # based-1b's V, a non-default scale
+    Case(B=1, T=37, H=1, K=5, V=16, normalize=False),  # numerator only, with the final state's gradient
+    Case(B=1, T=64, H=2, K=16, V=64, initial_state=False, final_state=False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_chunk_matches_naive(case):
+    with nan_empty():
+        check_against_naive(chunk_based, case, torch.float32, "cpu")
+
+
+def test_two_chained_calls_equal_one():
+    """Prefill in two pieces with the state carried equals one call: outputs, final state and gradients
+    (which flow back through the carried state). The split is not a multiple of the chunk size."""
+    case = Case(B=1, T=100, H=2, K=16, V=64)
+    split = 37
+
+    def chained(q, k, v, scale, initial_state, output_final_state, normalize):
+        o1, mid = chunk_based(q[:, :split], k[:, :split], v[:, :split], scale, initial_state, True, normalize)
+        o2, final = chunk_based(q[:, split:], k[:, split:], v[:, split:], scale, mid, output_final_state, normalize)
+        return torch.cat([o1, o2], dim=1), final
+
+    with nan_empty():
+        check_against_naive(chained, case, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("normalize", [True, False], ids=["normalized", "unnormalized"])
+def test_decode_steps_match_recurrent(normalize):
+    """T steps of fused_recurrent_based from a state equal the recurrent form: outputs and the state."""
+    case = Case(B=2, T=3, H=2, K=16, V=64, normalize=normalize)
+    q, k, v, kv0, ks0 = (x.detach() for x in make_inputs(case, "cpu"))
+    ref_o, (ref_kv, ref_ks) = naive_recurrent_based(q, k, v, initial_state=(kv0, ks0), output_final_state=True,
+                                                    normalize=normalize)
+    base_o, (base_kv, base_ks) = naive_recurrent_based(q.float(), k.float(), v.float(), initial_state=(
+        kv0.float(), ks0.float()), output_final_state=True, normalize=normalize)
+    state = (kv0.float().contiguous(), ks0.float().contiguous())
+    outs = []
+    for t in range(case.T):
+        out = torch.full((case.B, case.H, case.V), float("nan"))
+        fused_recurrent_based(q[:, t].float(), k[:, t].float(), v[:, t].float(), state, normalize=normalize, out=out)
+        outs.append(out)
+    assert_close("decode o", torch.stack(outs, 1), ref_o, base_o, torch.float32)
+    assert_close("decode kv", state[0], ref_kv, base_kv, torch.float32)
+    assert_close("decode k_sum", state[1], ref_ks, base_ks, torch.float32)
+
+
+def test_decode_continues_chunked_prefill():
+    """Prefill with chunk_based, then decode one token: equals one call over all tokens."""
+    case = Case(B=1, T=20, H=2, K=16, V=64, initial_state=False)
+    q, k, v, _, _ = (x.detach().float() if x is not None else None for x in make_inputs(case, "cpu"))
+    o_all, (kv_all, ks_all) = chunk_based(q, k, v, output_final_state=True)
+    _, (kv, ks) = chunk_based(q[:, :-1], k[:, :-1], v[:, :-1], output_final_state=True)
+    state = (kv.contiguous(), ks.contiguous())
+    o_last = fused_recurrent_based(q[:, -1], k[:, -1], v[:, -1], state)
+    torch.testing.assert_close(o_last, o_all[:, -1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state[0], kv_all, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(state[1], ks_all, rtol=1e-5, atol=1e-4)
+    assert state[0].shape[-2] == feature_dim(case.K)
+
