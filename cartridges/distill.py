@@ -1,0 +1,327 @@
+"""Cartridge training against a frozen model: context distillation and its baselines.
+
+Methods (one loss, different targets; `loss = Σ_k p_k (log p_k − log q_k)` over target tokens, i.e. the KL
+from the teacher's top-k to the student restricted to those k tokens):
+- `self_study`: the teacher's top-k log-probs from `cartridges-synthesize` (the teacher read the chunk; the
+  student reads only the cartridge).
+- `hard_labels`: the same conversations, the teacher's chosen tokens as one-hot targets (k = 1, p = 1: CE).
+- `ntp`: next-token prediction on the raw corpus (CE), the baseline that memorises.
+
+Sequences are packed: each packed row holds several examples; every token sees the whole cartridge and the
+earlier tokens of its own example (a block-diagonal mask), and each example's positions restart at p.
+
+The run dir `<output>/` holds `metrics.jsonl`, `ckpt/` (cartridge + optimizer, written atomically every
+`checkpoint_every` steps; `resume=true` continues exactly), `cartridge.safetensors` and `summary.json`.
+"""
+
+import json
+import logging
+import os
+import random
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from cartridges.cache import Cartridge, cache_kwargs
+from cartridges.config import ConfigError, DistillConfig, load_config
+from cartridges.corpus import Corpus, context_ids
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Example:
+    """One training sequence: token ids, and for each target the position whose logits predict it."""
+
+    ids: list[int]
+    positions: list[int]  # indices into ids
+    top_ids: list[list[int]]  # [len(positions), k]
+    top_logprobs: list[list[float]]
+
+
+def conversation_examples(rows, method: str) -> list[Example]:
+    """Self-study records -> examples; answer token a is predicted from position a − 1."""
+    out = []
+    for r in rows:
+        ids, start = list(r["input_ids"]), int(r["answer_start"])
+        positions = list(range(start - 1, len(ids) - 1))
+        if method == "self_study":
+            top_ids, top_lp = r["top_ids"], r["top_logprobs"]
+            if len(top_ids) != len(ids) - start:
+                raise ValueError(f"conversation {r.get('conversation_id')}: top-k rows != answer tokens")
+        else:
+            top_ids, top_lp = [[t] for t in ids[start:]], [[0.0] for _ in ids[start:]]
+        out.append(Example(ids, positions, top_ids, top_lp))
+    return out
+
+
+def ntp_examples(windows: list[list[int]]) -> list[Example]:
+    return [
+        Example(w, list(range(len(w) - 1)), [[t] for t in w[1:]], [[0.0]] * (len(w) - 1)) for w in windows if len(w) > 1
+    ]
+
+
+def pack(examples: list[Example], pack_len: int) -> list[list[Example]]:
+    """Greedy packing in the given order; an example longer than pack_len is cut to it."""
+    packs, current, used = [], [], 0
+    for ex in examples:
+        if len(ex.ids) > pack_len:
+            keep = [i for i, p in enumerate(ex.positions) if p < pack_len - 1]
+            ex = Example(
+                ex.ids[:pack_len],
+                [ex.positions[i] for i in keep],
+                [ex.top_ids[i] for i in keep],
+                [ex.top_logprobs[i] for i in keep],
+            )
+        if used + len(ex.ids) > pack_len and current:
+            packs.append(current)
+            current, used = [], 0
+        current.append(ex)
+        used += len(ex.ids)
+    if current:
+        packs.append(current)
+    return packs
+
+
+def schedule(examples: list[Example], cfg: DistillConfig) -> list[list[list[Example]]]:
+    """The batches of every step: packs of fresh permutations (epochs) of the examples; a function of the seed."""
+    rng = random.Random(cfg.seed)
+    packs: list[list[Example]] = []
+    need = cfg.steps * cfg.batch_size
+    while len(packs) < need:
+        order = examples[:]
+        rng.shuffle(order)
+        packs.extend(pack(order, cfg.pack_len))
+    return [packs[s * cfg.batch_size : (s + 1) * cfg.batch_size] for s in range(cfg.steps)]
+
+
+def collate(batch: list[list[Example]], num_prefix: int, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+    """Tensors of packed rows. mask `[B, 1, T, p + T]` additive: 0 where a token may attend, dtype-min elsewhere."""
+    width = max(sum(len(ex.ids) for ex in row) for row in batch)
+    k = max(len(t) for row in batch for ex in row for t in ex.top_ids)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    pos = torch.full((len(batch), width), num_prefix, dtype=torch.long)
+    seg = torch.full((len(batch), width), -1, dtype=torch.long)  # example index within the row; -1 padding
+    rows, cols, top_ids, top_lp = [], [], [], []
+    for b, row in enumerate(batch):
+        offset = 0
+        for e, ex in enumerate(row):
+            n = len(ex.ids)
+            ids[b, offset : offset + n] = torch.tensor(ex.ids)
+            pos[b, offset : offset + n] = num_prefix + torch.arange(n)
+            seg[b, offset : offset + n] = e
+            for p, ti, tl in zip(ex.positions, ex.top_ids, ex.top_logprobs):
+                rows.append(b)
+                cols.append(offset + p)
+                # pad k with probability-0 entries (log p = -inf contributes 0 to the loss)
+                top_ids.append(ti + [0] * (k - len(ti)))
+                top_lp.append(tl + [float("-inf")] * (k - len(tl)))
+            offset += n
+    causal = torch.arange(width)[:, None] >= torch.arange(width)[None, :]  # [T, T]
+    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] >= 0)  # [B, T, T]
+    allowed = torch.cat([torch.ones(len(batch), width, num_prefix, dtype=torch.bool), same & causal], dim=-1)
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    return {
+        "input_ids": ids.to(device),
+        "position_ids": pos.to(device),
+        "attention_mask": mask[:, None].to(device),  # [B, 1, T, p + T]
+        "rows": torch.tensor(rows, device=device),
+        "cols": torch.tensor(cols, device=device),
+        "top_ids": torch.tensor(top_ids, dtype=torch.long, device=device),  # [N, k]
+        "top_logprobs": torch.tensor(top_lp, dtype=torch.float32, device=device),
+    }
+
+
+def distill_loss(model, cartridge: Cartridge, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean over target tokens of Σ_k p_k (log p_k − log q_k); 0 when the student matches the teacher's top-k."""
+    cache = cartridge.as_cache(batch["input_ids"].shape[0], dtype=model.dtype, config=model.config)
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    hidden = decoder(
+        input_ids=batch["input_ids"],
+        position_ids=batch["position_ids"],
+        attention_mask=batch["attention_mask"],
+        use_cache=True,
+        **cache_kwargs(model, cache),
+    ).last_hidden_state  # [B, T, d]
+    logq = head(hidden[batch["rows"], batch["cols"]]).float().log_softmax(-1)  # [N, V], only target positions
+    logq_top = logq.gather(1, batch["top_ids"])  # [N, k]
+    logp = batch["top_logprobs"]
+    p = logp.exp()
+    per_token = torch.where(p > 0, p * (logp - logq_top), torch.zeros_like(p)).sum(-1)  # [N]
+    return per_token.mean()
+
+
+def init_cartridge(cfg: DistillConfig, model, tokenizer, corpus: Corpus, device) -> Cartridge:
+    if cfg.init == "random":
+        c = Cartridge.random(model, cfg.num_tokens, num_frozen=cfg.num_frozen, seed=cfg.seed)
+        c.info.corpus_hash = corpus.hash
+        return c.to(device)
+    ctx = context_ids(tokenizer, corpus.full_text())
+    if len(ctx) < cfg.num_tokens:
+        raise ConfigError(f"num_tokens={cfg.num_tokens} exceeds the corpus in context ({len(ctx)} tokens)")
+    prefix = torch.tensor(ctx[: cfg.num_tokens])
+    return Cartridge.from_prefix(
+        model, prefix, num_frozen=cfg.num_frozen, corpus_hash=corpus.hash, init_method="first_tokens"
+    ).to(device)
+
+
+def load_examples(cfg: DistillConfig, corpus: Corpus) -> list[Example]:
+    if cfg.method == "ntp":
+        return ntp_examples(corpus.windows())
+    import datasets
+
+    data = Path(cfg.data)
+    meta_path = data / "meta.json"
+    if not (data / "dataset").is_dir() or not meta_path.is_file():
+        raise ConfigError(f"data={data} is not a cartridges-synthesize output (no dataset/ and meta.json)")
+    meta = json.loads(meta_path.read_text())
+    if meta["corpus_hash"] != corpus.hash:
+        raise ConfigError(f"data={data} was synthesized from another corpus than corpus.path={cfg.corpus.path}")
+    return conversation_examples(datasets.load_from_disk(str(data / "dataset")), cfg.method)
+
+
+def _atomic_torch_save(obj, path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def distill(cfg: DistillConfig, model=None, tokenizer=None) -> dict:
+    """Train a cartridge; returns the summary (also written to `<output>/summary.json`)."""
+    from tqdm.auto import tqdm
+
+    from cartridges.models import load_model, parse_dtype
+    from zoo.device import resolve_device
+
+    out = Path(cfg.output)
+    ckpt_dir = out / "ckpt"
+    if (ckpt_dir / "state.pt").exists() and not (cfg.resume or cfg.overwrite):
+        raise ConfigError(f"{out} already holds a run: pass resume=true to continue or overwrite=true")
+    if cfg.overwrite:
+        for f in (
+            "metrics.jsonl",
+            "summary.json",
+            "cartridge.safetensors",
+            "ckpt/state.pt",
+            "ckpt/cartridge.safetensors",
+        ):
+            (out / f).unlink(missing_ok=True)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    device = resolve_device(cfg.device)
+    if model is None or tokenizer is None:
+        bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
+        model, tokenizer = load_model(cfg.model, dtype=parse_dtype("bf16" if bf16 else "fp32"), device=device)
+    corpus = Corpus.from_path(
+        cfg.corpus.path, tokenizer, cfg.corpus.min_tokens, cfg.corpus.max_tokens, cfg.corpus.text_field
+    )
+    examples = load_examples(cfg, corpus)
+    if not examples:
+        raise ConfigError("no training examples (empty dataset or corpus shorter than corpus.min_tokens)")
+    steps = schedule(examples, cfg)
+
+    start = 0
+    if cfg.resume and (ckpt_dir / "state.pt").exists():
+        cartridge = Cartridge.load(ckpt_dir / "cartridge.safetensors", model, device=device)
+        state = torch.load(ckpt_dir / "state.pt", map_location=device, weights_only=True)
+        start = state["step"]
+        log.info("resuming at step %d", start)
+    else:
+        cartridge = init_cartridge(cfg, model, tokenizer, corpus, device)
+        state = None
+    cartridge.info.training_config = {"distill": asdict(cfg)}
+    optimizer = torch.optim.Adam(cartridge.parameters(), lr=cfg.lr)
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+
+    wandb_run = None
+    if cfg.logger.backend == "wandb":
+        import wandb
+
+        wandb_run = wandb.init(project=cfg.logger.project, mode=cfg.logger.mode, config=asdict(cfg), dir=str(out))
+
+    def checkpoint(step: int) -> None:
+        cartridge.save(ckpt_dir / "cartridge.safetensors")
+        _atomic_torch_save({"step": step, "optimizer": optimizer.state_dict()}, ckpt_dir / "state.pt")
+
+    metrics = open(out / "metrics.jsonl", "a")
+    t0, tokens, loss_sum, loss_n = time.time(), 0, 0.0, 0
+    bar = tqdm(total=cfg.steps, initial=start, desc=f"distill {cfg.method}", disable=not cfg.progress)
+    for step in range(start, cfg.steps):
+        batch = collate(steps[step], cartridge.num_tokens, model.dtype, device)
+        loss = distill_loss(model, cartridge, batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        tokens += int(batch["input_ids"].numel())
+        loss_sum, loss_n = loss_sum + loss.item(), loss_n + 1
+        bar.update(1)
+        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+            row = {"step": step + 1, "loss": loss_sum / loss_n, "tokens": tokens, "time_s": time.time() - t0}
+            metrics.write(json.dumps(row) + "\n")
+            metrics.flush()
+            bar.set_postfix(loss=f"{row['loss']:.4f}")
+            if wandb_run is not None:
+                wandb_run.log(row, step=step + 1)
+            loss_sum, loss_n = 0.0, 0
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+            checkpoint(step + 1)
+    bar.close()
+    metrics.close()
+    final = cartridge.save(out / "cartridge.safetensors")
+    wall = time.time() - t0
+    summary = {
+        "method": cfg.method,
+        "num_tokens": cartridge.num_tokens,
+        "steps": cfg.steps,
+        "examples": len(examples),
+        "memory_bytes": cartridge.memory_bytes(model.dtype),
+        "wall_time_s": wall,
+        "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "cartridge": str(final),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    if wandb_run is not None:
+        wandb_run.finish()
+    return summary
+
+
+USAGE = """usage: cartridges-distill [--cfg] KEY=VALUE ...
+
+Train a cartridge for a frozen model.
+  cartridges-distill data=runs/ss corpus.path=doc.md output=runs/c256 num_tokens=256
+  cartridges-distill ... method=hard_labels | method=ntp
+  cartridges-distill ... resume=true
+Keys: cartridges/config.py DistillConfig; preset configs/cartridge/distill.yaml."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in args or "--help" in args:
+        print(USAGE)
+        return
+    show = "--cfg" in args
+    args = [a for a in args if a != "--cfg"]
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        cfg, resolved = load_config("distill", args)
+        if show:
+            print(resolved, end="")
+            return
+        summary = distill(cfg)
+    except ValueError as e:
+        print(f"cartridges-distill: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

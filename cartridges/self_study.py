@@ -1,0 +1,222 @@
+"""Self-study: synthetic conversations about corpus chunks, with the teacher's top-k log-probs.
+
+For conversation i: pick a chunk (consecutive conversations share one, so a server reuses the prefix) and a
+seed-prompt type. Model A reads the chunk and the seed instruction and writes a user message (sampled at
+`temperature`). Model B, the same model, reads the chunk and that message and answers greedily; the top-k
+log-probs of its distribution at each answer token are kept. One round.
+
+Each record holds the student's view of the conversation: `input_ids` = the user turn (rendered to follow a
+context, ending in the assistant header) + B's answer tokens, with `answer_start` where the answer begins, and
+`top_ids` / `top_logprobs` `[answer_len, k]`. A cartridge trained on it stands in for the chunk.
+
+Output: `<output>/dataset` (an HF dataset saved with `save_to_disk`) and `<output>/meta.json`. Work is written
+per batch to `<output>/shards/`, atomically, so an interrupted run continues where it stopped.
+"""
+
+import json
+import logging
+import os
+import random
+import shutil
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from cartridges.config import ConfigError, SynthesizeConfig, load_config
+from cartridges.corpus import Corpus, context_ids, turn_ids
+
+log = logging.getLogger(__name__)
+
+SEED_PROMPTS: dict[str, list[str]] = {
+    "structuring": [
+        "Write a message asking for part of the document above to be reorganised as JSON. Name the part and the "
+        "fields you want. Output only the message.",
+        "Write a message asking for one section of the document above to be turned into a YAML outline or a "
+        "table. Be specific about which section. Output only the message.",
+    ],
+    "summarization": [
+        "Write a message asking for a summary of a specific part of the document above, naming that part "
+        "precisely. Output only the message.",
+        "Write a message asking for the key facts of the document above in a few bullet points. Output only the "
+        "message.",
+    ],
+    "question": [
+        "Write one factual question that can be answered only with details from the document above (a name, "
+        "number, date or place). Output only the question.",
+        "Write a question that needs two separate facts from the document above to answer. Output only the question.",
+    ],
+    "use_case": [
+        "Think of someone who would need the document above for their work. Write the message they would send "
+        "to an assistant that has read it. Output only the message.",
+    ],
+    "creative": [
+        "Write a message asking for a short poem or story that uses specific details from the document above. "
+        "Output only the message.",
+    ],
+    "generic": ["Write a message about the document above. Output only the message."],
+}
+
+
+def conversation_plan(cfg: SynthesizeConfig, corpus: Corpus, index: int):
+    """(chunk, seed type, seed prompt) of conversation `index`: a pure function of the seed and the index."""
+    chunk_rng = random.Random(f"{cfg.seed}:chunk:{index // cfg.conversations_per_chunk}")
+    chunk = corpus.sample_chunk(chunk_rng)
+    rng = random.Random(f"{cfg.seed}:seed:{index}")
+    seed_type = rng.choice(cfg.seed_prompt_types)
+    return chunk, seed_type, rng.choice(SEED_PROMPTS[seed_type])
+
+
+def synthesize_batch(cfg: SynthesizeConfig, corpus: Corpus, client, tokenizer, indices: list[int]) -> list[dict]:
+    plans = [conversation_plan(cfg, corpus, i) for i in indices]
+    contexts = [context_ids(tokenizer, chunk.text) for chunk, _, _ in plans]
+    a_prompts = [
+        ctx + turn_ids(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
+        for ctx, (_, _, prompt) in zip(contexts, plans)
+    ]
+    seed = cfg.seed * 1_000_003 + indices[0]
+    a_out = client.complete(a_prompts, cfg.max_user_tokens, cfg.temperature, 0, seed=seed)
+    users = [tokenizer.decode(c.token_ids, skip_special_tokens=True).strip() for c in a_out]
+    user_turns = [turn_ids(tokenizer, [{"role": "user", "content": u}], add_generation_prompt=True) for u in users]
+    b_prompts = [ctx + turn for ctx, turn in zip(contexts, user_turns)]
+    b_out = client.complete(b_prompts, cfg.max_answer_tokens, 0.0, cfg.top_logprobs, seed=seed)
+    records = []
+    for i, (chunk, seed_type, _), user, turn, b in zip(indices, plans, users, user_turns, b_out):
+        if not b.token_ids:
+            continue
+        records.append(
+            {
+                "conversation_id": i,
+                "chunk_id": chunk.id,
+                "seed_type": seed_type,
+                "user": user,
+                "assistant": tokenizer.decode(b.token_ids, skip_special_tokens=True),
+                "input_ids": turn + b.token_ids,
+                "answer_start": len(turn),
+                "top_ids": b.top_ids,
+                "top_logprobs": b.top_logprobs,
+                "context_tokens": len(context_ids(tokenizer, chunk.text)),
+            }
+        )
+    return records
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# Settings that may change between an interrupted run and its continuation without changing the data.
+RESUMABLE_KEYS = ("num_conversations", "progress", "backend", "base_url", "server_model", "device")
+
+
+def make_client(cfg: SynthesizeConfig, model, tokenizer):
+    from cartridges.clients import OpenAIClient, TransformersClient
+
+    if cfg.backend == "openai":
+        return OpenAIClient(cfg.base_url, cfg.server_model or cfg.model)
+    return TransformersClient(model, tokenizer)
+
+
+def synthesize(cfg: SynthesizeConfig, model=None, tokenizer=None) -> Path:
+    """Run (or continue) self-study into `cfg.output`; returns the dataset directory."""
+    from tqdm.auto import tqdm
+
+    from cartridges.models import load_model, parse_dtype
+    from zoo.device import resolve_device
+
+    out = Path(cfg.output)
+    shards = out / "shards"
+    shards.mkdir(parents=True, exist_ok=True)
+    if model is None or tokenizer is None:
+        device = resolve_device(cfg.device)
+        dtype = parse_dtype(
+            "bf16" if cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda") else "fp32"
+        )
+        model, tokenizer = load_model(cfg.model, dtype=dtype, device=device)
+    corpus = Corpus.from_path(
+        cfg.corpus.path, tokenizer, cfg.corpus.min_tokens, cfg.corpus.max_tokens, cfg.corpus.text_field
+    )
+    meta = {"config": asdict(cfg), "corpus_hash": corpus.hash, "format": "zoo.cartridges.self_study/1"}
+    meta_path = out / "meta.json"
+    if meta_path.is_file():
+        old = json.loads(meta_path.read_text())
+        a = {k: v for k, v in old["config"].items() if k not in RESUMABLE_KEYS}
+        b = {k: v for k, v in meta["config"].items() if k not in RESUMABLE_KEYS}
+        if a != b or old["corpus_hash"] != corpus.hash:
+            diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+            raise ConfigError(f"{out} holds self-study with other settings ({diff or 'corpus'}); use another output")
+    _atomic_write_text(meta_path, json.dumps(meta, indent=2))
+
+    client = make_client(cfg, model, tokenizer)
+    starts = range(0, cfg.num_conversations, cfg.batch_size)
+    todo = [s for s in starts if not (shards / f"{s:08d}.jsonl").is_file()]
+    if len(todo) < len(starts):
+        log.info("resuming: %d of %d batches already done", len(starts) - len(todo), len(starts))
+    bar = tqdm(total=cfg.num_conversations, desc="self-study", disable=not cfg.progress, unit="conv")
+    bar.update(sum(min(cfg.batch_size, cfg.num_conversations - s) for s in starts if s not in todo))
+    for start in todo:
+        indices = list(range(start, min(start + cfg.batch_size, cfg.num_conversations)))
+        records = synthesize_batch(cfg, corpus, client, tokenizer, indices)
+        _atomic_write_text(shards / f"{start:08d}.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+        bar.update(len(indices))
+    bar.close()
+    return write_dataset(out, [shards / f"{s:08d}.jsonl" for s in starts])
+
+
+def write_dataset(out: Path, shard_files: list[Path]) -> Path:
+    import datasets
+
+    rows = [json.loads(line) for f in shard_files for line in f.read_text().splitlines() if line.strip()]
+    if not rows:
+        raise RuntimeError("self-study produced no conversations (every answer was empty)")
+    target = out / "dataset"
+    staging = Path(tempfile.mkdtemp(dir=out, prefix=".dataset-"))
+    datasets.Dataset.from_list(rows).save_to_disk(str(staging))
+    if target.exists():
+        old = out / f".dataset-old-{os.getpid()}"
+        os.replace(target, old)
+        os.replace(staging, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staging, target)
+    return target
+
+
+USAGE = """usage: cartridges-synthesize [--cfg] KEY=VALUE ...
+
+Self-study conversations about a corpus, with the teacher's top-k log-probs, saved as an HF dataset.
+  cartridges-synthesize corpus.path=doc.md output=runs/ss num_conversations=512
+  cartridges-synthesize ... backend=openai base_url=http://localhost:8000/v1 server_model=<name>
+Keys: cartridges/config.py SynthesizeConfig; preset configs/cartridge/synthesize.yaml. Re-running the same
+command continues an interrupted run."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in args or "--help" in args:
+        print(USAGE)
+        return
+    show = "--cfg" in args
+    args = [a for a in args if a != "--cfg"]
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        cfg, resolved = load_config("synthesize", args)
+        if show:
+            print(resolved, end="")
+            return
+        path = synthesize(cfg)
+    except ValueError as e:
+        print(f"cartridges-synthesize: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(f"dataset: {path}")
+
+
+if __name__ == "__main__":
+    main()

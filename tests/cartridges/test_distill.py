@@ -1,0 +1,65 @@
+"""Distillation invariants: the loss vanishes for the chunk's exact KV, packing isolates examples."""
+
+import pytest
+import torch
+
+from cartridges.cache import Cartridge
+from cartridges.clients import TransformersClient
+from cartridges.corpus import context_ids, turn_ids
+from cartridges.distill import collate, conversation_examples, distill_loss, pack
+from cartridges.models import ByteTokenizer, tiny_llama
+
+CHUNK = "The lighthouse of Vellmar was lit in 1843 by Ines Okafor, who kept it for forty-one years."
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model, tok = tiny_llama(seed=0), ByteTokenizer()
+    ctx = context_ids(tok, CHUNK)
+    client = TransformersClient(model, tok)
+    questions = ["Who lit it?", "When was the lighthouse lit, and by whom?", "Kept how long?"]
+    turns = [turn_ids(tok, [{"role": "user", "content": q}], add_generation_prompt=True) for q in questions]
+    answers = client.complete([ctx + t for t in turns], max_tokens=12, temperature=0.0, top_logprobs=5)
+    rows = [
+        {"input_ids": t + a.token_ids, "answer_start": len(t), "top_ids": a.top_ids, "top_logprobs": a.top_logprobs}
+        for t, a in zip(turns, answers)
+    ]
+    return model, tok, ctx, rows
+
+
+def test_loss_is_zero_for_the_exact_chunk_kv(setup):
+    model, _, ctx, rows = setup
+    examples = conversation_examples(rows, "self_study")
+    packs = pack(examples, pack_len=10_000)
+    assert len(packs) == 1 and len(packs[0]) == 3  # all three examples share one packed row
+    exact = Cartridge.from_prefix(model, torch.tensor(ctx))
+    batch = collate(packs, exact.num_tokens, model.dtype, "cpu")
+    assert distill_loss(model, exact, batch).item() == pytest.approx(0.0, abs=1e-5)
+    other = Cartridge.random(model, num_tokens=len(ctx), seed=0)
+    assert distill_loss(model, other, batch).item() > 1e-2
+
+
+def test_packing_matches_one_example_per_row(setup):
+    model, _, ctx, rows = setup
+    examples = conversation_examples(rows, "self_study")
+    cartridge = Cartridge.random(model, num_tokens=len(ctx), seed=1)
+    packed = distill_loss(model, cartridge, collate(pack(examples, 10_000), cartridge.num_tokens, model.dtype, "cpu"))
+    # Unpacked: one row per example, padded; the mean over all target tokens must agree.
+    unpacked = distill_loss(
+        model, cartridge, collate([[e] for e in examples], cartridge.num_tokens, model.dtype, "cpu")
+    )
+    torch.testing.assert_close(packed, unpacked, rtol=1e-5, atol=1e-6)
+
+
+def test_hard_labels_loss_is_cross_entropy(setup):
+    model, _, ctx, rows = setup
+    examples = conversation_examples(rows[:1], "hard_labels")
+    cartridge = Cartridge.from_prefix(model, torch.tensor(ctx))
+    loss = distill_loss(model, cartridge, collate([examples], cartridge.num_tokens, model.dtype, "cpu"))
+    # cross-entropy of the greedy tokens under the full-context model, computed directly
+    ids = torch.tensor([ctx + rows[0]["input_ids"]])
+    logits = model(input_ids=ids).logits[0].log_softmax(-1)
+    start = len(ctx) + rows[0]["answer_start"]
+    targets = ids[0, start:]
+    expected = -logits[start - 1 : -1].gather(1, targets[:, None]).mean()
+    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-5)
