@@ -168,8 +168,9 @@ def _save_converted(model, tokenizer, target: Path) -> None:
         save_model(model, str(staging / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save_pretrained(staging)
         os.replace(staging, target)
-    except OSError as e:
+    except (OSError, ValueError, RuntimeError) as e:
         log.warning("could not keep the converted model in %s: %s", target, e)
+    finally:
         shutil.rmtree(staging, ignore_errors=True)
 
 
