@@ -100,31 +100,32 @@ def generate_mqar(cfg: MQARConfig, seed: int) -> Segment:
 
     keys = _distinct_per_row(rng, N, n, 1, V // 2)  # [N, n]
     values = _distinct_per_row(rng, N, n, V // 2, V)  # [N, n]
-    taken = _sample_slot_sets(rng, N, space, n, query_slot_probs(space, cfg.power_a))  # [N, W]
+    slots = _sample_slots(rng, N, space, n, query_slot_probs(space, cfg.power_a))  # [N, n], ascending
     perm = _random_permutations(rng, N, n)  # [N, n]
-
-    # flatnonzero of taken lists row*W + slot, ascending within each row, n per row. The input position of
-    # slot s in row r, flattened, is r*L + C + 2s = 2*(r*W + s) + r*(L - 2W) + C.
-    width = taken.shape[1]
-    flat = np.flatnonzero(taken.view(bool)).reshape(N, n)  # [N, n]
-    # Context key j is queried at the perm[j]-th smallest of its row's slots.
-    pos = 2 * np.take_along_axis(flat, perm, axis=1)  # [N, n]
-    pos += np.arange(N, dtype=np.int64)[:, None] * (L - 2 * width) + C
+    # Context key j is queried at the perm[j]-th smallest slot of its row, input position C + 2·slot.
+    query_pos = C + 2 * np.take_along_axis(slots, perm, axis=1)  # [N, n]
+    pairs = np.empty((N, 2 * n), dtype=keys.dtype)
+    pairs[:, 0::2] = keys
+    pairs[:, 1::2] = values
 
     inputs = np.empty((N, L), dtype=np.int64)
-    if cfg.random_non_queries:
-        inputs[:, C:] = rng.integers(0, V, size=(N, L - C), dtype=np.int64)
-    else:
-        torch.from_numpy(inputs)[:, C:].zero_()
-    inputs[:, 0 : 2 * n : 2] = keys
-    inputs[:, 1 : 2 * n : 2] = values
-    for p in range(1, cfg.num_passes):
-        inputs[:, 2 * n * p : 2 * n * (p + 1)] = inputs[:, : 2 * n]
-    inputs.reshape(-1)[pos] = keys
     labels = np.empty((N, L), dtype=np.int64)
-    # torch fills with all cores; numpy's fill is single-threaded.
-    torch.from_numpy(labels).fill_(IGNORE_INDEX)
-    labels.reshape(-1)[pos] = values
+    # Rows are written in blocks that stay in cache, so each output line is written once while it is hot
+    # (filling all of an output and then scattering into it reads it back from memory).
+    block = max(1, (1 << 18) // (8 * L))
+    row_offsets = np.arange(0, block * L, L, dtype=np.int64)[:, None]
+    for r0 in range(0, N, block):
+        r1 = min(N, r0 + block)
+        x, y = inputs[r0:r1], labels[r0:r1]
+        flat_pos = query_pos[r0:r1] + row_offsets[: r1 - r0]
+        if cfg.random_non_queries:
+            x[:, C:] = _uniform_ints(rng, (r1 - r0) * (L - C), 0, V).reshape(r1 - r0, L - C)
+        else:
+            x[:, C:] = 0
+        x[:, :C].reshape(r1 - r0, cfg.num_passes, 2 * n)[:] = pairs[r0:r1, None, :]
+        x.reshape(-1)[flat_pos] = keys[r0:r1]
+        y.fill(IGNORE_INDEX)
+        y.reshape(-1)[flat_pos] = values[r0:r1]
     return Segment(torch.from_numpy(inputs), torch.from_numpy(labels), cfg.slices())
 
 
@@ -172,24 +173,53 @@ def _check_seed(seed) -> None:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
 
 
+def _raw_chunks(rng: np.random.Generator, count: int, bits: int) -> np.ndarray:
+    """`count` uniform unsigned ints of `bits` (16, 32 or 64) bits, cut from the generator's raw 64-bit words.
+
+    The chunks are taken in little-endian order on every machine, so the stream does not depend on the host.
+    """
+    per_word = 64 // bits
+    raw = rng.bit_generator.random_raw(-(-count // per_word))
+    return raw.astype("<u8", copy=False).view(f"<u{bits // 8}")[:count]
+
+
+def _int_dtype(high: int) -> type:
+    return np.int16 if high <= 1 << 15 else np.int32 if high <= 1 << 31 else np.int64
+
+
+def _uniform_ints(rng: np.random.Generator, count: int, low: int, high: int) -> np.ndarray:
+    """`count` ints uniform on [low, high): the low bits of raw chunks, redrawing those >= high - low (exact)."""
+    size = high - low
+    bits = max(1, (size - 1).bit_length())
+    chunk = 16 if bits <= 16 else 32 if bits <= 32 else 64
+    mask = (1 << bits) - 1
+    out = _raw_chunks(rng, count, chunk) & mask
+    bad = np.flatnonzero(out >= size)
+    while bad.size:
+        out[bad] = _raw_chunks(rng, bad.size, chunk) & mask
+        bad = bad[out[bad] >= size]
+    return out.astype(_int_dtype(high)) + low
+
+
 def _distinct_per_row(rng: np.random.Generator, rows: int, n: int, low: int, high: int) -> np.ndarray:
-    """[rows, n] int64: each row n distinct integers from [low, high), uniformly, in uniformly random order."""
+    """[rows, n]: each row n distinct integers from [low, high), uniformly, in uniformly random order."""
     size = high - low
     if n * (n - 1) <= size:
         # At most 1/2 expected duplicate pairs per row: draw with replacement, redraw the rows with a
         # duplicate (rejection, so exact) until none is left.
-        out = rng.integers(low, high, size=(rows, n), dtype=np.int64)
+        out = _uniform_ints(rng, rows * n, low, high).reshape(rows, n)
         bad = _rows_with_duplicates(out)
         while bad.size:
-            out[bad] = rng.integers(low, high, size=(bad.size, n), dtype=np.int64)
+            out[bad] = _uniform_ints(rng, bad.size * n, low, high).reshape(bad.size, n)
             bad = bad[_rows_with_duplicates(out[bad])]
         return out
     # Many pairs relative to the range: order the whole range by random keys, keep the first n.
-    out = np.empty((rows, n), dtype=np.int64)
+    out = np.empty((rows, n), dtype=_int_dtype(high))
     chunk = max(1, (1 << 22) // size)
     for start in range(0, rows, chunk):
         stop = min(rows, start + chunk)
-        out[start:stop] = low + np.argsort(rng.random((stop - start, size)), axis=1)[:, :n]
+        order = np.argsort(_raw_chunks(rng, (stop - start) * size, 64).reshape(-1, size), axis=1)
+        out[start:stop] = low + order[:, :n]
     return out
 
 
@@ -208,15 +238,14 @@ def _random_permutations(rng: np.random.Generator, rows: int, n: int) -> np.ndar
     permutation. Rows where two random parts tie are redrawn, which keeps it exact.
     """
     bits = max(1, (n - 1).bit_length())
-    dtype = np.uint32 if bits <= 8 else np.uint64
+    word = 32 if bits <= 8 else 64
+    dtype = np.dtype(f"<u{word // 8}").type
     index = np.arange(n, dtype=dtype)
     low = dtype((1 << bits) - 1)
 
     def draw(k: int) -> np.ndarray:
-        words = -(-k * n * np.dtype(dtype).itemsize // 8)
-        r = rng.bit_generator.random_raw(words).view(dtype)[: k * n].reshape(k, n)
-        s = np.sort((r & ~low) | index, axis=1)
-        return s
+        r = _raw_chunks(rng, k * n, word).reshape(k, n)
+        return np.sort((r & ~low) | index, axis=1)
 
     s = draw(rows)
     bad = _rows_with_ties(s, bits)
@@ -235,78 +264,83 @@ def _rows_with_ties(sorted_packed: np.ndarray, bits: int) -> np.ndarray:
 
 
 class _SlotSampler:
-    """IID draws from `probs` by inverse CDF on 63 random bits, through a 2^16-bin guide table.
+    """IID draws from `probs` by inverse CDF on a uniform 63-bit integer u, through a guide table.
 
-    Slot i covers the integers [bounds[i-1], bounds[i]) of [0, 2^63), so P(i) = probs[i] to within 2^-63.
-    A bin of the table that holds no boundary maps straight to its slot; draws in the few bins with a
-    boundary are resolved by binary search.
+    Slot i covers [bounds[i-1], bounds[i]) of [0, 2^63), so P(i) = probs[i] to within 2^-63. The top 16 bits
+    of u pick a bin of the table; a bin without a boundary inside maps straight to its slot. For the few draws
+    in a bin with a boundary, the other 47 bits of u are drawn and the slot is found by binary search.
     """
 
-    TABLE_BITS = 16
+    TOP_BITS = 16
 
     def __init__(self, probs: np.ndarray):
         cdf = np.clip(np.cumsum(probs)[:-1], 0.0, 1.0)
         self.bounds = np.floor(cdf * 2.0**63).astype(np.uint64)
-        shift = 63 - self.TABLE_BITS
-        starts = np.arange(1 << self.TABLE_BITS, dtype=np.uint64) << np.uint64(shift)
+        self.low_bits = np.uint64(63 - self.TOP_BITS)
+        starts = np.arange(1 << self.TOP_BITS, dtype=np.uint64) << self.low_bits
         lo = np.searchsorted(self.bounds, starts, side="right")
-        hi = np.searchsorted(self.bounds, starts + np.uint64((1 << shift) - 1), side="right")
-        self.table = np.where(lo == hi, lo, -1).astype(np.int64)
-        self.shift = np.uint64(shift + 1)
+        hi = np.searchsorted(self.bounds, starts + ((np.uint64(1) << self.low_bits) - np.uint64(1)), side="right")
+        self.table = np.where(lo == hi, lo, -1).astype(_int_dtype(len(probs)))
 
     def draw(self, rng: np.random.Generator, count: int) -> np.ndarray:
-        raw = rng.bit_generator.random_raw(count)
-        out = np.take(self.table, (raw >> self.shift).astype(np.intp))
+        top = _raw_chunks(rng, count, self.TOP_BITS)
+        out = np.take(self.table, top)
         fix = np.flatnonzero(out < 0)
         if fix.size:
-            out[fix] = np.searchsorted(self.bounds, raw[fix] >> np.uint64(1), side="right")
+            rest = _raw_chunks(rng, fix.size, 64) >> (np.uint64(64) - self.low_bits)
+            u = (top[fix].astype(np.uint64) << self.low_bits) | rest
+            out[fix] = np.searchsorted(self.bounds, u, side="right")
         return out
 
 
-def _sample_slot_sets(
+def _sample_slots(
     rng: np.random.Generator, rows: int, space: int, n: int, probs: np.ndarray, max_rounds: int = 32
 ) -> np.ndarray:
-    """[rows, W] uint8 (W = space rounded up to 8): per row, ones at n slots drawn without replacement ∝ probs.
+    """[rows, n] int64, ascending: per row, n of `space` slots drawn without replacement ∝ probs.
 
     Successive sampling without replacement picks the same set as drawing with replacement and skipping
-    repeats until n distinct slots are seen. Each round draws, for every unfinished row, as many slots as
-    it still misses, so no round overshoots n. Rows still unfinished after `max_rounds` rounds (many pairs
+    repeats until n distinct slots are seen. Each round draws, for every unfinished row, as many slots as it
+    still misses, so no round overshoots n. Rows still unfinished after `max_rounds` rounds (many pairs
     relative to the slots) are completed by an exponential race over their free slots, the same
     distribution: successive draws from the remaining slots ∝ probs.
     """
-    width = -(-space // 8) * 8
-    taken = np.zeros((rows, width), dtype=np.uint8)
-    if n == space:
-        taken[:, :space] = 1
-        return taken
+    # taken: [rows, space + 1]; column `space` is a sentinel that is always taken, where padding draws land.
+    width = space + 1
+    taken = np.zeros((rows, width), dtype=bool)
+    taken[:, space] = True
     flat = taken.reshape(-1)
-    sampler = _SlotSampler(probs)
-    active = np.arange(rows, dtype=np.int64)
+    active = np.arange(rows, dtype=np.int64) if n < space else np.empty(0, dtype=np.int64)
+    if n == space:
+        taken[:] = True
     count = np.zeros(rows, dtype=np.int64)
+    sampler = _SlotSampler(probs)
     for _ in range(max_rounds):
         if not active.size:
             break
-        missing = n - count[active]
+        missing = n - count[active]  # [A]
         m = int(missing.max())
-        idx = active[:, None] * width + sampler.draw(rng, active.size * m).reshape(active.size, m)
+        draws = sampler.draw(rng, m * active.size).reshape(m, active.size)  # [m, A]
         if int(missing.min()) < m:
-            idx = idx[np.arange(m) < missing[:, None]]
-        flat[idx] = 1
-        count[active] = _row_sums(taken if active.size == rows else taken[active])
+            draws[np.arange(m)[:, None] >= missing] = space
+        base = active * width
+        hits = np.zeros(active.size, dtype=np.int64)
+        # Column by column, so a slot drawn twice in one round counts once.
+        for j in range(m):
+            idx = base + draws[j]
+            hits += flat[idx]
+            flat[idx] = True
+        count[active] += m - hits
         active = active[count[active] < n]
     if active.size:
-        race = rng.standard_exponential((active.size, space)) / probs  # [A, space]
-        race[taken[active, :space].astype(bool)] = np.inf
+        race = _raw_chunks(rng, active.size * space, 64).reshape(active.size, space)
+        # Exponential(1) times from 53-bit uniforms in (0, 1], scaled by 1/probs: earliest first wins.
+        race = -np.log((race >> np.uint64(11)).astype(np.float64) * 2.0**-53 + 2.0**-54) / probs  # [A, space]
+        race[taken[active, :space]] = np.inf
         missing = n - count[active]
         m = int(missing.max())
-        first = np.argsort(race, axis=1)[:, :m]  # [A, m], earliest first
+        first = np.argsort(race, axis=1)[:, :m]  # [A, m]
         keep = np.arange(m) < missing[:, None]
-        flat[(active[:, None] * width + first)[keep]] = 1
-    return taken
-
-
-def _row_sums(u8: np.ndarray) -> np.ndarray:
-    """Sum of each row of a 0/1 uint8 matrix whose width is a multiple of 8, 8 bytes at a time."""
-    words = u8.view(np.uint64)
-    # Multiplying by 0x0101...01 adds the 8 bytes of a word into its top byte (each sum is <= 8).
-    return ((words * np.uint64(0x0101010101010101)) >> np.uint64(56)).sum(axis=1, dtype=np.int64)
+        flat[(active[:, None] * width + first)[keep]] = True
+    # Each row lists its n slots, then the sentinel.
+    found = np.flatnonzero(flat).reshape(rows, n + 1)[:, :n]
+    return found - (np.arange(rows, dtype=np.int64) * width)[:, None]
