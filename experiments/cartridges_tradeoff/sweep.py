@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="CPU smoke run: overrides sizes, counts and steps")
     args = p.parse_args(argv)
     if args.quick:
-        args.sizes, args.conversations, args.steps, args.synth_batch = [64], 16, 20, 8
-        args.pack_len, args.batch_size, args.compose_size, args.questions = 1024, 1, 0, args.questions or 12
+        args.sizes, args.conversations, args.steps, args.synth_batch = [64], 16, 8, 8
+        args.pack_len, args.batch_size, args.compose_size, args.questions = 512, 1, 0, args.questions or 8
 
     from cartridges import distill, self_study
     from cartridges import eval as ceval

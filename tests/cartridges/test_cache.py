@@ -171,3 +171,17 @@ def test_bad_arguments_raise_value_errors(model, ids):
         Cartridge.from_prefix(model, ids.expand(2, -1))
     with pytest.raises(ValueError, match="batch_size"):
         Cartridge.from_prefix(model, ids[:, :4]).as_cache(0)
+
+
+def test_left_padded_batch_generates_like_single_prompts(model, ids):
+    cartridge = Cartridge.from_prefix(model, ids[:, :PREFIX])
+    short, long = ids[0, PREFIX : PREFIX + 3], ids[0, PREFIX : PREFIX + 7]
+    batch = torch.zeros(2, 7, dtype=torch.long)
+    mask = torch.zeros(2, 7, dtype=torch.long)
+    batch[0, 4:], mask[0, 4:] = short, 1
+    batch[1], mask[1] = long, 1
+    kw = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    out = generate(model, cartridge, batch, attention_mask=mask, **kw)
+    for row, prompt in ((0, short), (1, long)):
+        alone = generate(model, cartridge, prompt[None], **kw)
+        assert torch.equal(out[row, 7:], alone[0, len(prompt) :])
