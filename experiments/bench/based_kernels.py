@@ -98,7 +98,7 @@ def sweep():
     with torch.no_grad():
         ref = chunk_based(q, k, v)[0].float()
     ref_grads = torch.autograd.grad(chunk_based(q, k, v)[0], (q, k, v), do)
-    grid = [(BV, BC, w, s) for BV in (32, 64) for BC in (32, 64) for w in (4, 8) for s in (1, 2)]
+    grid = [(BV, 32, w, 2) for BV in (16, 32, 64) for w in (4, 8)]  # BC=64 faulted in bf16 (LOG.md)
     results = {"fwd": [], "bwd": []}
     for kind in ("fwd", "bwd"):
         for BV, BC, w, s in grid:

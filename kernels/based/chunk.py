@@ -27,6 +27,8 @@ import triton.language as tl
 from kernels.based.naive import orders_to_state, state_to_orders
 
 DOT_IEEE, DOT_TF32, DOT_BF16 = 0, 1, 2
+# How the order-2 features q⊗q, k⊗k are formed: 1 = dots with 0/1 matrices, 0 = broadcast and reshape
+EXPAND = 1
 
 
 def _dot_mode(dtype: torch.dtype) -> int:
@@ -51,21 +53,49 @@ def _mm(a, b, DOT: tl.constexpr):
 
 
 @triton.jit
-def _outer(x, BC: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
-    """Row-wise outer product x⊗x: [BC, BK] -> [BC, BK·BK], index a·BK + b, in the dot's operand dtype.
+def _expanders(BK: tl.constexpr):
+    """0/1 matrices [BK, BK²]: x @ rep_a puts x_a at column a·BK + b, x @ rep_b puts x_b there."""
+    cols = tl.arange(0, BK * BK)
+    rows = tl.arange(0, BK)
+    rep_a = (rows[:, None] == cols[None, :] // BK).to(tl.float32)
+    rep_b = (rows[:, None] == cols[None, :] % BK).to(tl.float32)
+    return rep_a, rep_b
 
-    In bf16 mode the product is formed in bf16: the same single rounding as an fp32 product cast to bf16, at
-    half the registers of the [BC, BK²] tile (the largest live value of the kernels)."""
-    if DOT == 2:
-        x = x.to(tl.bfloat16)
-    return tl.reshape(x[:, :, None] * x[:, None, :], (BC, BK * BK))
+
+@triton.jit
+def _outer(x, rep_a, rep_b, BC: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, EXPAND: tl.constexpr):
+    """Row-wise outer product x⊗x: [BC, BK] -> [BC, BK·BK], column a·BK + b.
+
+    EXPAND=1 builds it from two dots with 0/1 matrices (exact: one nonzero term each; x is first rounded to the
+    dot's operand dtype, the single rounding the big dot would apply anyway), keeping every tensor in the
+    matrix units' layouts; EXPAND=0 broadcasts and reshapes."""
+    if EXPAND == 1:
+        if DOT == 2:
+            x = x.to(tl.bfloat16)
+        return _mm(x, rep_a, DOT) * _mm(x, rep_b, DOT)
+    else:
+        if DOT == 2:
+            x = x.to(tl.bfloat16)
+        return tl.reshape(x[:, :, None] * x[:, None, :], (BC, BK * BK))
+
+
+@triton.jit
+def _contract(m, x, rep_a, rep_b, BC: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, EXPAND: tl.constexpr):
+    """Σ_b m[:, a·BK + b]·x[:, b] for m: [BC, BK²], x: [BC, BK] -> [BC, BK]."""
+    if EXPAND == 1:
+        xb = _mm(x, rep_b, DOT)  # [BC, BK²]
+        # the sum over b is a dot with rep_aᵀ; tf32 operands in bf16 mode keep the products' precision
+        return _mm(m * xb, tl.trans(rep_a), 1 if DOT == 2 else DOT)
+    else:
+        return tl.sum(tl.reshape(m, (BC, BK, BK)) * x[:, None, :], 2)
 
 
 @triton.jit
 def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                 BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
-                USE_H0: tl.constexpr, STORE_HT: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr):
+                USE_H0: tl.constexpr, STORE_HT: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr,
+                EXPAND: tl.constexpr):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     F: tl.constexpr = 1 + K + K * K
@@ -77,6 +107,7 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T,
     row_kk = 1 + K + (offs_kk // BK) * K + offs_kk % BK  # state row of the pair (a, b)
     m_kk = ((offs_kk // BK) < K) & ((offs_kk % BK) < K)
     causal = offs_c[:, None] >= offs_c[None, :]
+    rep_a, rep_b = _expanders(BK)
 
     q += i_b.to(tl.int64) * T * H * K + i_h * K
     k += i_b.to(tl.int64) * T * H * K + i_h * K
@@ -113,7 +144,8 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T,
 
         s = _mm(bq, tl.trans(bk), DOT) * scale  # [BC, BC]
         w = tl.where(causal, 1.0 + s + 0.5 * s * s, 0.0)
-        num = _mm(w, bv, DOT) + S0[None, :] + _mm(qs, S1, DOT) + 0.5 * _mm(_outer(qs, BC, BK, DOT), S2, DOT)
+        qq = _outer(qs, rep_a, rep_b, BC, BK, DOT, EXPAND)  # [BC, K²]
+        num = _mm(w, bv, DOT) + S0[None, :] + _mm(qs, S1, DOT) + 0.5 * _mm(qq, S2, DOT)
         if NORMALIZE:
             qZ = _mm(qs, Z2, 0)
             d = tl.sum(w, 1) + n + tl.sum(qs * z1[None, :], 1) + 0.5 * tl.sum(qZ * qs, 1)
@@ -125,7 +157,7 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T,
 
         S0 += tl.sum(bv.to(tl.float32), 0)
         S1 += _mm(tl.trans(kf), bv, DOT)
-        S2 += _mm(tl.trans(_outer(kf, BC, BK, DOT)), bv, DOT)
+        S2 += _mm(tl.trans(_outer(kf, rep_a, rep_b, BC, BK, DOT, EXPAND)), bv, DOT)
         n += tl.sum(m_t.to(tl.float32), 0)
         z1 += tl.sum(kf, 0)
         Z2 += _mm(tl.trans(kf), kf, 0)
@@ -174,7 +206,7 @@ def _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H: tl.constexpr, V: tl
 def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
-                   USE_H0: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr):
+                   USE_H0: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr, EXPAND: tl.constexpr):
     """dq, first chunk to last, recomputing the forward state. dq: [NV, B, T, H, K] partial sums over V blocks."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -187,6 +219,7 @@ def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
     row_kk = 1 + K + (offs_kk // BK) * K + offs_kk % BK
     m_kk = ((offs_kk // BK) < K) & ((offs_kk % BK) < K)
     causal = offs_c[:, None] >= offs_c[None, :]
+    rep_a, rep_b = _expanders(BK)
     first = i_v == 0
 
     q += i_b.to(tl.int64) * T * H * K + i_h * K
@@ -225,14 +258,14 @@ def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
         dp = _mm(dnum, tl.trans(bv), DOT) + dd[:, None]
         ds = tl.where(causal, dp * (1.0 + s), 0.0)
         dqs = _mm(ds, bk, DOT) + _mm(dnum, tl.trans(S1), DOT)
-        r = tl.reshape(_mm(dnum, tl.trans(S2), DOT), (BC, BK, BK))  # [BC, K, K]: Σ_v S2[a, b, v]·dnum_v
-        dqs += tl.sum(r * qs[:, None, :], 2)
+        # Σ_b (Σ_v S2[a·BK + b, v]·dnum_v)·q_s[b]
+        dqs += _contract(_mm(dnum, tl.trans(S2), DOT), qs, rep_a, rep_b, BC, BK, DOT, EXPAND)
         if NORMALIZE:
             dqs += dd[:, None] * (z1[None, :] + _mm(qs, Z2, 0))
         tl.store(dq + t[:, None] * H * K + offs_k[None, :], dqs * scale, mask=m_t[:, None] & m_k[None, :])
 
         S1 += _mm(tl.trans(kf), bv, DOT)
-        S2 += _mm(tl.trans(_outer(kf, BC, BK, DOT)), bv, DOT)
+        S2 += _mm(tl.trans(_outer(kf, rep_a, rep_b, BC, BK, DOT, EXPAND)), bv, DOT)
         z1 += tl.sum(kf, 0)
         Z2 += _mm(tl.trans(kf), kf, 0)
 
@@ -241,7 +274,8 @@ def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
 def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scale, T,
                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
-                    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr):
+                    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr,
+                    EXPAND: tl.constexpr):
     """dk (partial over V blocks, [NV, B, T, H, K]) and dv, last chunk to first, carrying the reverse states
     D0 = Σ dnum, D1 = Σ q_s dnumᵀ, D2 = Σ (q_s⊗q_s) dnumᵀ and d0, d1, d2 likewise with the denominator's
     gradient. What is left at t = 0 is the gradient of the initial state (order 2 halved)."""
@@ -256,6 +290,7 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
     row_kk = 1 + K + (offs_kk // BK) * K + offs_kk % BK
     m_kk = ((offs_kk // BK) < K) & ((offs_kk % BK) < K)
     causal_t = offs_c[:, None] <= offs_c[None, :]  # [key j, query i]: j ≤ i
+    rep_a, rep_b = _expanders(BK)
     first = i_v == 0
 
     q += i_b.to(tl.int64) * T * H * K + i_h * K
@@ -302,22 +337,23 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
 
         st = _mm(bk, tl.trans(bq), DOT) * scale  # [BC keys, BC queries]
         wt = tl.where(causal_t, 1.0 + st + 0.5 * st * st, 0.0)
-        bdv = _mm(wt, dnum, DOT) + D0[None, :] + _mm(kf, D1, DOT) + 0.5 * _mm(_outer(kf, BC, BK, DOT), D2, DOT)
+        kk = _outer(kf, rep_a, rep_b, BC, BK, DOT, EXPAND)  # [BC, K²]
+        bdv = _mm(wt, dnum, DOT) + D0[None, :] + _mm(kf, D1, DOT) + 0.5 * _mm(kk, D2, DOT)
         tl.store(dv + t[:, None] * H * V + offs_v[None, :], bdv.to(dv.dtype.element_ty),
                  mask=m_t[:, None] & m_v[None, :])
 
         dpt = _mm(bv, tl.trans(dnum), DOT) + dd[None, :]
         dst = tl.where(causal_t, dpt * (1.0 + st), 0.0)
         bdk = _mm(dst, qs, DOT) + _mm(bv, tl.trans(D1), DOT)
-        r = tl.reshape(_mm(bv, tl.trans(D2), DOT), (BC, BK, BK))  # [BC, K, K]: Σ_v D2[a, b, v]·v_v
-        bdk += tl.sum(r * kf[:, None, :], 2)
+        # Σ_b (Σ_v D2[a·BK + b, v]·v_v)·k[b]
+        bdk += _contract(_mm(bv, tl.trans(D2), DOT), kf, rep_a, rep_b, BC, BK, DOT, EXPAND)
         # d1, d2 hold dO's share through the denominator and the final k_sum's gradient, normalised or not
         bdk += d1[None, :] + _mm(kf, d2, 0)
         tl.store(dk + t[:, None] * H * K + offs_k[None, :], bdk, mask=m_t[:, None] & m_k[None, :])
 
         D0 += tl.sum(dnum, 0)
         D1 += _mm(tl.trans(qs), dnum, DOT)
-        D2 += _mm(tl.trans(_outer(qs, BC, BK, DOT)), dnum, DOT)
+        D2 += _mm(tl.trans(_outer(qs, rep_a, rep_b, BC, BK, DOT, EXPAND)), dnum, DOT)
         d0 += tl.sum(dd, 0)
         d1 += tl.sum(qs * dd[:, None], 0)
         d2 += _mm(tl.trans(qs), qs * dd[:, None], 0)
@@ -336,11 +372,16 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
 
 
 def _config(K: int, V: int, dtype: torch.dtype, kind: str):
-    """Block sizes and launch shape for kind "fwd" or "bwd": (BK, BV, BC, num_warps, num_stages)."""
+    """Block sizes and launch shape for kind "fwd" or "bwd": (BK, BV, BC, num_warps, num_stages).
+
+    Measured on an H200 at B=8, H=16, K=16, V=64, bf16 (experiments/LOG.md): BV=32, BC=32, 4 warps was the
+    fastest of the grid for both passes. BC=64 with bf16 operands made the backward fault (illegal address) on
+    Triton 3.6 in some configurations, while the same code in fp16/tf32 and in the interpreter was right; it is
+    not used.
+    """
     BK = max(16, triton.next_power_of_2(K))
-    BV = min(64, max(16, triton.next_power_of_2(V)))
-    BC = 64 if dtype != torch.float32 else 32
-    return BK, BV, BC, 4, 2
+    BV = min(32, max(16, triton.next_power_of_2(V)))
+    return BK, BV, 32, 4, 2
 
 
 def _symmetrise_order2(hv: torch.Tensor, K: int) -> torch.Tensor:
@@ -367,7 +408,7 @@ class ChunkBasedFunction(torch.autograd.Function):
         _fwd_kernel[(NV, B * H)](
             q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, H=H, K=K, V=V, BK=BK, BV=BV, BC=BC,
             USE_H0=hv0 is not None, STORE_HT=output_final_state, NORMALIZE=normalize, DOT=_dot_mode(q.dtype),
-            num_warps=num_warps, num_stages=num_stages)
+            EXPAND=EXPAND, num_warps=num_warps, num_stages=num_stages)
         ctx.save_for_backward(q, k, v, o, den, hv0, hz0)
         ctx.scale, ctx.normalize = scale, normalize
         return o, hvT, hzT
@@ -400,7 +441,7 @@ class ChunkBasedFunction(torch.autograd.Function):
         dk = torch.empty(NV, B, T, H, K, device=q.device, dtype=torch.float32)
         dv = torch.empty_like(v)
         meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NORMALIZE=ctx.normalize, DOT=_dot_mode(q.dtype),
-                    num_warps=num_warps, num_stages=num_stages)
+                    EXPAND=EXPAND, num_warps=num_warps, num_stages=num_stages)
         _bwd_dq_kernel[(NV, B * H)](q, k, v, do, den, dden, dq, hv0, hz0, ctx.scale, T, USE_H0=hv0 is not None,
                                     **meta)
         _bwd_dkv_kernel[(NV, B * H)](q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, ctx.scale, T,

@@ -83,3 +83,9 @@ def test_decode_continues_chunked_prefill():
     torch.testing.assert_close(state[1], ks_all, rtol=1e-5, atol=1e-4)
     assert state[0].shape[-2] == feature_dim(case.K)
 
+
+
+def test_mixer_triton_matches_naive():
+    from based_cases import check_mixer_triton_vs_naive
+
+    check_mixer_triton_vs_naive("cpu")
