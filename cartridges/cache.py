@@ -66,7 +66,8 @@ class ModelSignature:
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         model_id = getattr(model.config, "zoo_model_id", None) or model.config.name_or_path or "unknown"
         weight = model.get_input_embeddings().weight.detach().reshape(-1)
-        idx = torch.linspace(0, weight.numel() - 1, 32).long().to(weight.device)
+        # integer spacing: a float32 linspace rounds past the last index for large embeddings
+        idx = (torch.arange(32) * (weight.numel() - 1) // 31).to(weight.device)
         sample = weight[idx].float().cpu().tolist()
         return cls(model_id, config_fingerprint(config), config.num_hidden_layers, num_kv_heads, head_dim, sample)
 
