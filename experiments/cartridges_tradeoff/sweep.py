@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
                     f"batch_size={args.batch_size}",
                     "corpus.min_tokens=256",
                     "corpus.max_tokens=1024",
+                    f"log_every={max(1, args.steps // 20)}",
+                    f"checkpoint_every={max(1, args.steps // 4)}",
                     f"resume={(target / 'ckpt' / 'state.pt').is_file()}",
                 ],
             )
