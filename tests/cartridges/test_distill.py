@@ -27,8 +27,11 @@ def setup():
     return model, tok, ctx, rows
 
 
-def test_loss_is_zero_for_the_exact_chunk_kv(setup):
-    model, _, ctx, rows = setup
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_loss_is_zero_for_the_exact_chunk_kv(setup, attn):
+    _, _, ctx, rows = setup
+    model = tiny_llama(seed=0)  # the fixture's weights, with the attention kernel under test
+    model.set_attn_implementation(attn)  # the packed 4D mask must mean the same to both
     examples = conversation_examples(rows, "self_study")
     packs = pack(examples, pack_len=10_000)
     assert len(packs) == 1 and len(packs[0]) == 3  # all three examples share one packed row
