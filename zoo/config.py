@@ -203,7 +203,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
-    experiment: str = "default"
+    experiment_name: str = "default"  # runs go to <runs_root>/<experiment_name>/<run>
     run: str = ""  # empty: a name derived from the model, lr and a hash of the config
     runs_root: str = "runs"
 
@@ -212,7 +212,7 @@ class Config:
             raise ValueError(
                 f"model.vocab_size ({self.model.vocab_size}) is smaller than data.vocab_size ({self.data.vocab_size})"
             )
-        for name, value in (("experiment", self.experiment), ("run", self.run)):
+        for name, value in (("experiment_name", self.experiment_name), ("run", self.run)):
             if "/" in value or value in (".", ".."):
                 raise ValueError(f"{name} must be a plain name, got {value!r}")
 

@@ -1,6 +1,6 @@
 """The run directory: the one place that knows its on-disk layout.
 
-    runs/<experiment>/<run>/
+    runs/<experiment_name>/<run>/
         config.yaml      the resolved config, with the git SHA and library versions
         metrics.jsonl    one JSON object per log step and per evaluation
         summary.json     final metrics, parameters, state size, wall time, tokens/s

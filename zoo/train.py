@@ -161,7 +161,7 @@ def start_tracker(cfg: Config, run: RunDir, name: str) -> Tracker:
 
     wandb_run = wandb.init(
         project=cfg.logger.project,
-        name=f"{cfg.experiment}/{name}",
+        name=f"{cfg.experiment_name}/{name}",
         id=hashlib.sha1(str(run.path).encode()).hexdigest()[:16],
         dir=str(run.path),
         mode=cfg.logger.mode,
@@ -174,7 +174,7 @@ def start_tracker(cfg: Config, run: RunDir, name: str) -> Tracker:
 def train(cfg: Config, resolved_yaml: str | None = None) -> dict[str, Any]:
     """Train one run; return its summary (also written to summary.json)."""
     name = run_name(cfg)
-    run = RunDir(Path(cfg.runs_root) / cfg.experiment / name)
+    run = RunDir(Path(cfg.runs_root) / cfg.experiment_name / name)
     if run.exists() and not (cfg.train.resume or cfg.train.overwrite):
         raise ConfigError(
             f"{run.path} already holds a run: pass train.resume=true to continue it or train.overwrite=true"
@@ -266,7 +266,7 @@ def train(cfg: Config, resolved_yaml: str | None = None) -> dict[str, Any]:
     max_len = max(seg.seq_len for seg in cfg.data.train)
     lengths = sorted({seg.seq_len for split in SPLITS for seg in getattr(cfg.data, split)})
     summary = {
-        "experiment": cfg.experiment,
+        "experiment": cfg.experiment_name,
         "run": name,
         "layers": cfg.model.layers(),
         "d_model": cfg.model.d_model,
@@ -297,7 +297,7 @@ Train one model on synthetic recall data. Overrides use Hydra syntax over config
   zoo-train model=based data=mqar_tiny optim.lr=3e-3
   zoo-train model=attention train.resume=true
   zoo-train --cfg [KEY=VALUE ...]     print the resolved config and exit
-Groups: model/, data/, optim/, logger/ under configs/. Runs go to runs/<experiment>/<run>/."""
+Groups: model/, data/, optim/, logger/ under configs/. Runs go to runs/<experiment_name>/<run>/."""
 
 
 def main(argv: list[str] | None = None) -> None:
