@@ -27,8 +27,13 @@ import triton.language as tl
 from kernels.based.naive import orders_to_state, state_to_orders
 
 DOT_IEEE, DOT_TF32, DOT_BF16 = 0, 1, 2
-# How the order-2 features q⊗q, k⊗k are formed: 1 = dots with 0/1 matrices, 0 = broadcast and reshape
+# How the order-2 features q⊗q, k⊗k are formed: 1 = dots with 0/1 matrices (faster on the H200 at K=16),
+# 0 = broadcast and reshape. The 0/1 matrices are [K, K²]: at K=32 they overflow shared memory, so K > 16 uses 0.
 EXPAND = 1
+
+
+def _expand_mode(BK: int) -> int:
+    return EXPAND if BK <= 16 else 0
 
 
 def _dot_mode(dtype: torch.dtype) -> int:
@@ -408,7 +413,7 @@ class ChunkBasedFunction(torch.autograd.Function):
         _fwd_kernel[(NV, B * H)](
             q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, H=H, K=K, V=V, BK=BK, BV=BV, BC=BC,
             USE_H0=hv0 is not None, STORE_HT=output_final_state, NORMALIZE=normalize, DOT=_dot_mode(q.dtype),
-            EXPAND=EXPAND, num_warps=num_warps, num_stages=num_stages)
+            EXPAND=_expand_mode(BK), num_warps=num_warps, num_stages=num_stages)
         ctx.save_for_backward(q, k, v, o, den, hv0, hz0)
         ctx.scale, ctx.normalize = scale, normalize
         return o, hvT, hzT
@@ -441,7 +446,7 @@ class ChunkBasedFunction(torch.autograd.Function):
         dk = torch.empty(NV, B, T, H, K, device=q.device, dtype=torch.float32)
         dv = torch.empty_like(v)
         meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NORMALIZE=ctx.normalize, DOT=_dot_mode(q.dtype),
-                    EXPAND=EXPAND, num_warps=num_warps, num_stages=num_stages)
+                    EXPAND=_expand_mode(BK), num_warps=num_warps, num_stages=num_stages)
         _bwd_dq_kernel[(NV, B * H)](q, k, v, do, den, dden, dq, hv0, hz0, ctx.scale, T, USE_H0=hv0 is not None,
                                     **meta)
         _bwd_dkv_kernel[(NV, B * H)](q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, ctx.scale, T,
