@@ -22,7 +22,9 @@ What is unusual here:
   in distribution, not tensor for tensor.
 """
 
+import functools
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,42 +93,75 @@ def query_slot_probs(num_slots: int, power_a: float) -> np.ndarray:
 
 
 def generate_mqar(cfg: MQARConfig, seed: int) -> Segment:
-    """`cfg.num_examples` MQAR examples, vectorised over examples (layout in the module docstring)."""
+    """`cfg.num_examples` MQAR examples, vectorised over examples (layout in the module docstring).
+
+    Work runs on `torch.get_num_threads()` threads. Each part draws from its own stream spawned from `seed`,
+    and the filler from one stream per fixed block of rows, so the output does not depend on the thread count.
+    """
     cfg.validate()
     _check_seed(seed)
-    rng = np.random.Generator(np.random.PCG64(seed))
     N, L, n, V = cfg.num_examples, cfg.seq_len, cfg.num_kv_pairs, cfg.vocab_size
     C, space = cfg.context_len, cfg.num_slots
+    key_seq, value_seq, slot_seq, perm_seq, filler_seq = np.random.SeedSequence(seed).spawn(5)
+    workers = max(1, torch.get_num_threads())
 
-    keys = _distinct_per_row(rng, N, n, 1, V // 2)  # [N, n]
-    values = _distinct_per_row(rng, N, n, V // 2, V)  # [N, n]
-    slots = _sample_slots(rng, N, space, n, query_slot_probs(space, cfg.power_a))  # [N, n], ascending
-    perm = _random_permutations(rng, N, n)  # [N, n]
+    def rng(seq: np.random.SeedSequence) -> np.random.Generator:
+        return np.random.Generator(np.random.PCG64(seq))
+
+    sampler = _slot_sampler(space, float(cfg.power_a))
+    keys, values, slots, perm = _run_all(
+        workers,
+        [
+            lambda: _distinct_per_row(rng(key_seq), N, n, 1, V // 2),  # [N, n]
+            lambda: _distinct_per_row(rng(value_seq), N, n, V // 2, V),  # [N, n]
+            lambda: _sample_slots(rng(slot_seq), N, n, sampler),  # [N, n], ascending
+            lambda: _random_permutations(rng(perm_seq), N, n),  # [N, n]
+        ],
+    )
     # Context key j is queried at the perm[j]-th smallest slot of its row, input position C + 2·slot.
     query_pos = C + 2 * np.take_along_axis(slots, perm, axis=1)  # [N, n]
     pairs = np.empty((N, 2 * n), dtype=keys.dtype)
     pairs[:, 0::2] = keys
     pairs[:, 1::2] = values
 
-    inputs = np.empty((N, L), dtype=np.int64)
+    # Fresh zeroed pages from the OS: the zero filler costs no pass of its own.
+    inputs = np.zeros((N, L), dtype=np.int64)
     labels = np.empty((N, L), dtype=np.int64)
-    # Rows are written in blocks that stay in cache, so each output line is written once while it is hot
-    # (filling all of an output and then scattering into it reads it back from memory).
-    block = max(1, (1 << 18) // (8 * L))
-    row_offsets = np.arange(0, block * L, L, dtype=np.int64)[:, None]
-    for r0 in range(0, N, block):
-        r1 = min(N, r0 + block)
-        x, y = inputs[r0:r1], labels[r0:r1]
-        flat_pos = query_pos[r0:r1] + row_offsets[: r1 - r0]
-        if cfg.random_non_queries:
-            x[:, C:] = _uniform_ints(rng, (r1 - r0) * (L - C), 0, V).reshape(r1 - r0, L - C)
-        else:
-            x[:, C:] = 0
-        x[:, :C].reshape(r1 - r0, cfg.num_passes, 2 * n)[:] = pairs[r0:r1, None, :]
-        x.reshape(-1)[flat_pos] = keys[r0:r1]
-        y.fill(IGNORE_INDEX)
-        y.reshape(-1)[flat_pos] = values[r0:r1]
+    starts = range(0, N, _ROWS_PER_TASK)
+    filler_seqs = filler_seq.spawn(len(starts)) if cfg.random_non_queries else [None] * len(starts)
+
+    def assemble(r0: int, filler: np.random.SeedSequence | None) -> None:
+        r1 = min(N, r0 + _ROWS_PER_TASK)
+        filler_rng = None if filler is None else rng(filler)
+        # Rows go in blocks that stay in cache, so each output line is written once while it is hot (filling
+        # a whole output and then scattering into it would read it back from memory).
+        block = max(1, (1 << 19) // (8 * L))
+        row_offsets = np.arange(0, block * L, L, dtype=np.int64)[:, None]
+        for b0 in range(r0, r1, block):
+            b1 = min(r1, b0 + block)
+            x, y = inputs[b0:b1], labels[b0:b1]
+            flat_pos = query_pos[b0:b1] + row_offsets[: b1 - b0]
+            if filler_rng is not None:
+                x[:, C:] = _uniform_ints(filler_rng, (b1 - b0) * (L - C), 0, V).reshape(b1 - b0, L - C)
+            x[:, :C].reshape(b1 - b0, cfg.num_passes, 2 * n)[:] = pairs[b0:b1, None, :]
+            x.reshape(-1)[flat_pos] = keys[b0:b1]
+            y.fill(IGNORE_INDEX)
+            y.reshape(-1)[flat_pos] = values[b0:b1]
+
+    _run_all(workers, [functools.partial(assemble, r0, f) for r0, f in zip(starts, filler_seqs)])
     return Segment(torch.from_numpy(inputs), torch.from_numpy(labels), cfg.slices())
+
+
+# Rows per assembly task; the filler of each task comes from its own stream, so this fixes the output.
+_ROWS_PER_TASK = 8192
+
+
+def _run_all(workers: int, tasks: list) -> list:
+    """Results of the zero-argument `tasks`, run on up to `workers` threads (numpy releases the GIL)."""
+    if workers == 1 or len(tasks) == 1:
+        return [task() for task in tasks]
+    with ThreadPoolExecutor(max_workers=min(workers, len(tasks))) as pool:
+        return [f.result() for f in [pool.submit(task) for task in tasks]]
 
 
 def generate_mqar_reference(cfg: MQARConfig, seed: int) -> Segment:
@@ -274,6 +309,7 @@ class _SlotSampler:
     TOP_BITS = 16
 
     def __init__(self, probs: np.ndarray):
+        self.probs = probs
         cdf = np.clip(np.cumsum(probs)[:-1], 0.0, 1.0)
         self.bounds = np.floor(cdf * 2.0**63).astype(np.uint64)
         self.low_bits = np.uint64(63 - self.TOP_BITS)
@@ -293,10 +329,15 @@ class _SlotSampler:
         return out
 
 
+@functools.lru_cache(maxsize=64)
+def _slot_sampler(space: int, power_a: float) -> "_SlotSampler":
+    return _SlotSampler(query_slot_probs(space, power_a))
+
+
 def _sample_slots(
-    rng: np.random.Generator, rows: int, space: int, n: int, probs: np.ndarray, max_rounds: int = 32
+    rng: np.random.Generator, rows: int, n: int, sampler: "_SlotSampler", max_rounds: int = 32
 ) -> np.ndarray:
-    """[rows, n] int64, ascending: per row, n of `space` slots drawn without replacement ∝ probs.
+    """[rows, n] int64, ascending: per row, n of the sampler's slots drawn without replacement ∝ its probs.
 
     Successive sampling without replacement picks the same set as drawing with replacement and skipping
     repeats until n distinct slots are seen. Each round draws, for every unfinished row, as many slots as it
@@ -304,43 +345,49 @@ def _sample_slots(
     relative to the slots) are completed by an exponential race over their free slots, the same
     distribution: successive draws from the remaining slots ∝ probs.
     """
-    # taken: [rows, space + 1]; column `space` is a sentinel that is always taken, where padding draws land.
-    width = space + 1
-    taken = np.zeros((rows, width), dtype=bool)
-    taken[:, space] = True
+    probs = sampler.probs
+    space = len(probs)
+    taken = np.full((rows, space), n == space)  # [rows, space]
     flat = taken.reshape(-1)
     active = np.arange(rows, dtype=np.int64) if n < space else np.empty(0, dtype=np.int64)
-    if n == space:
-        taken[:] = True
     count = np.zeros(rows, dtype=np.int64)
-    sampler = _SlotSampler(probs)
-    for _ in range(max_rounds):
+    for round_ in range(max_rounds):
         if not active.size:
             break
-        missing = n - count[active]  # [A]
-        m = int(missing.max())
-        draws = sampler.draw(rng, m * active.size).reshape(m, active.size)  # [m, A]
-        if int(missing.min()) < m:
-            draws[np.arange(m)[:, None] >= missing] = space
-        base = active * width
+        if round_ == 0:
+            # Every row draws n slots into an empty set: mark them all, and count the repeats in sorted rows.
+            draws = sampler.draw(rng, rows * n).reshape(rows, n)  # [rows, n]
+            flat[(active * space)[:, None] + draws] = True
+            ordered = np.sort(draws, axis=1)
+            count = n - (ordered[:, 1:] == ordered[:, :-1]).sum(axis=1)
+            active = active[count < n]
+            continue
+        # Order the unfinished rows by how many slots they miss, most first: column j of the round then
+        # covers a prefix of them, the rows that miss more than j.
+        missing = n - count[active]
+        order = np.argsort(-missing, kind="stable")
+        active, missing = active[order], missing[order]  # [A]
+        columns = active.size - np.cumsum(np.bincount(missing))[:-1]  # rows missing more than j, j = 0..m-1
+        draws = sampler.draw(rng, int(missing.sum()))
+        base = active * space
         hits = np.zeros(active.size, dtype=np.int64)
+        start = 0
         # Column by column, so a slot drawn twice in one round counts once.
-        for j in range(m):
-            idx = base + draws[j]
-            hits += flat[idx]
+        for size in columns:
+            idx = base[:size] + draws[start : start + size]
+            start += size
+            hits[:size] += flat[idx]
             flat[idx] = True
-        count[active] += m - hits
+        count[active] += missing - hits
         active = active[count[active] < n]
     if active.size:
         race = _raw_chunks(rng, active.size * space, 64).reshape(active.size, space)
         # Exponential(1) times from 53-bit uniforms in (0, 1], scaled by 1/probs: earliest first wins.
         race = -np.log((race >> np.uint64(11)).astype(np.float64) * 2.0**-53 + 2.0**-54) / probs  # [A, space]
-        race[taken[active, :space]] = np.inf
+        race[taken[active]] = np.inf
         missing = n - count[active]
         m = int(missing.max())
         first = np.argsort(race, axis=1)[:, :m]  # [A, m]
         keep = np.arange(m) < missing[:, None]
-        flat[(active[:, None] * width + first)[keep]] = True
-    # Each row lists its n slots, then the sentinel.
-    found = np.flatnonzero(flat).reshape(rows, n + 1)[:, :n]
-    return found - (np.arange(rows, dtype=np.int64) * width)[:, None]
+        flat[(active[:, None] * space + first)[keep]] = True
+    return np.flatnonzero(flat).reshape(rows, n) - (np.arange(rows, dtype=np.int64) * space)[:, None]
