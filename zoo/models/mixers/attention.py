@@ -61,7 +61,8 @@ class AttentionConfig:
 class Attention(nn.Module):
     """Causal MHA: [B, T, d_model] -> [B, T, d_model].
 
-    State: {"k", "v": [B, max_seq_len, H, D] post-rotary keys and values, "pos": [] int64 tokens seen}.
+    State: {"k", "v": [B, max_seq_len, H, D] post-rotary keys and values, "pos": [] int64 tokens seen}
+    and, optionally, "start": [B] int64, the first position each row may attend to.
     """
 
     Config = AttentionConfig
@@ -92,7 +93,8 @@ class Attention(nn.Module):
         return q, k, v
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """q: [B, T, H, D], k, v: [B, S, H, D], mask: [T, S] bool (None: causal with S == T) -> [B, T, d_model]."""
+        """q: [B, T, H, D], k, v: [B, S, H, D], mask: [T, S] or [B, 1, T, S] bool (None: causal, S == T)
+        -> [B, T, d_model]."""
         q, k, v = (rearrange(t, "b t h d -> b h t d") for t in (q, k, v))  # [B, H, T, D]
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # [B, H, T, D]
         return self.out(rearrange(y, "b h t d -> b t (h d)"))  # [B, T, d_model]
@@ -115,6 +117,8 @@ class Attention(nn.Module):
         buf_v.index_copy_(1, positions, v.to(buf_v.dtype))
         slots = torch.arange(buf_k.shape[1], device=x.device)  # [S]
         mask = slots[None, :] <= positions[:, None]  # [T, S]
+        if "start" in state:
+            mask = (mask & (slots[None, None, :] >= state["start"][:, None, None]))[:, None]  # [B, 1, T, S]
         y = self._attend(q, buf_k.to(q.dtype), buf_v.to(q.dtype), mask)
         pos.add_(T)
         return y

@@ -9,6 +9,10 @@ What is unusual here:
 - Forward with a state over a chunk attends to [ring buffer ; chunk] with a mask built from the absolute
   position each slot holds, then writes the chunk's last min(T, window) tokens into the ring. Shapes depend
   only on T and window, and no device value is read, so step (a chunk of one) can be CUDA-graphed.
+- A state may also hold `start` [B] int64 (init_state leaves it out), the first position each row may attend to.
+  Left-padded generation (zoo.models.hf) prefills a row whose prompt is P tokens shorter from position P,
+  so every row reaches the same `pos`; `start` = P keeps the ring slots before P (never written) out of
+  its attention. Rotary is relative, so the shift changes nothing else.
 - Training forward is SDPA with a banded boolean mask: O(T²) work, fine up to T ≈ 2048.
 """
 
@@ -58,7 +62,8 @@ class SlidingWindowConfig:
 class SlidingWindowAttention(nn.Module):
     """Causal attention over the last `window` keys: [B, T, d_model] -> [B, T, d_model].
 
-    State: {"k", "v": [B, window, H, D] ring buffer of post-rotary keys and values, "pos": [] int64}.
+    State: {"k", "v": [B, window, H, D] ring buffer of post-rotary keys and values, "pos": [] int64}
+    and, optionally, "start": [B] int64, the first position each row may attend to.
     """
 
     Config = SlidingWindowConfig
@@ -81,7 +86,7 @@ class SlidingWindowAttention(nn.Module):
         return apply_rotary(q, positions), apply_rotary(k, positions), v
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """q: [B, T, H, D], k, v: [B, S, H, D], mask: [T, S] bool -> [B, T, d_model]."""
+        """q: [B, T, H, D], k, v: [B, S, H, D], mask: [T, S] or [B, 1, T, S] bool -> [B, T, d_model]."""
         q, k, v = (rearrange(t, "b t h d -> b h t d") for t in (q, k, v))  # [B, H, T, D]
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, T, D]
         return self.out(rearrange(y, "b h t d -> b t (h d)"))  # [B, T, d_model]
@@ -107,6 +112,10 @@ class SlidingWindowAttention(nn.Module):
         slot_pos = pos - 1 - torch.remainder(pos - 1 - slots, w)  # [w]
         ring_mask = self._band(positions, slot_pos) & (slot_pos >= 0)[None, :]  # [T, w]
         mask = torch.cat([ring_mask, self._band(positions, positions)], dim=1)  # [T, w + T]
+        if "start" in state:
+            key_pos = torch.cat([slot_pos, positions])  # [w + T]
+            mask = mask & (key_pos[None, None, :] >= state["start"][:, None, None])  # [B, T, w + T]
+            mask = mask[:, None]  # [B, 1, T, w + T]
         keys = torch.cat([ring_k.to(k.dtype), k], dim=1)  # [B, w + T, H, D]
         values = torch.cat([ring_v.to(v.dtype), v], dim=1)  # [B, w + T, H, D]
         y = self._attend(q, keys, values, mask)
