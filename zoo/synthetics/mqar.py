@@ -15,11 +15,14 @@ a = power_a, so most queries sit soon after the context.
 What is unusual here:
 - Query order is a uniform random permutation of context order. (Zoology pairs the j-th context key with
   the j-th slot draw, so early context keys tend to be queried early.)
-- Every random choice, random filler included, comes from one PCG64 generator seeded by `seed`: the same
-  (config, seed) gives the same tensors on any machine.
-- `generate_mqar` is vectorised over examples. `generate_mqar_reference` is a per-example loop in the style
-  of Zoology's generator: the benchmark baseline and the distribution reference of the tests. The two agree
-  in distribution, not tensor for tensor.
+- Every random choice, random filler included, comes from PCG64 streams spawned from `seed` (one per chunk
+  of rows), cut from raw 64-bit words: the same (config, seed) gives the same tensors on any machine and
+  with any number of threads. (The slot probabilities go through floating-point pow; a last-bit difference
+  between math libraries would move a slot draw with probability below 1e-13.)
+- `generate_mqar` is vectorised over examples: sets of slots come from draws with replacement that skip
+  repeats, which is successive sampling without replacement, and keys from rejection of rows with a repeat.
+  `generate_mqar_reference` is a per-example loop in the style of Zoology's generator: the benchmark
+  baseline and the distribution reference of the tests. The two agree in distribution, not tensor for tensor.
 """
 
 import functools
@@ -95,65 +98,57 @@ def query_slot_probs(num_slots: int, power_a: float) -> np.ndarray:
 def generate_mqar(cfg: MQARConfig, seed: int) -> Segment:
     """`cfg.num_examples` MQAR examples, vectorised over examples (layout in the module docstring).
 
-    Work runs on `torch.get_num_threads()` threads. Each part draws from its own stream spawned from `seed`,
-    and the filler from one stream per fixed block of rows, so the output does not depend on the thread count.
+    Rows are generated in chunks of `_ROWS_PER_CHUNK`, each from its own stream spawned from `seed`, on
+    `torch.get_num_threads()` threads; the output does not depend on the thread count.
     """
     cfg.validate()
     _check_seed(seed)
-    N, L, n, V = cfg.num_examples, cfg.seq_len, cfg.num_kv_pairs, cfg.vocab_size
-    C, space = cfg.context_len, cfg.num_slots
-    key_seq, value_seq, slot_seq, perm_seq, filler_seq = np.random.SeedSequence(seed).spawn(5)
-    workers = max(1, torch.get_num_threads())
-
-    def rng(seq: np.random.SeedSequence) -> np.random.Generator:
-        return np.random.Generator(np.random.PCG64(seq))
-
-    sampler = _slot_sampler(space, float(cfg.power_a))
-    keys, values, slots, perm = _run_all(
-        workers,
-        [
-            lambda: _distinct_per_row(rng(key_seq), N, n, 1, V // 2),  # [N, n]
-            lambda: _distinct_per_row(rng(value_seq), N, n, V // 2, V),  # [N, n]
-            lambda: _sample_slots(rng(slot_seq), N, n, sampler),  # [N, n], ascending
-            lambda: _random_permutations(rng(perm_seq), N, n),  # [N, n]
-        ],
-    )
-    # Context key j is queried at the perm[j]-th smallest slot of its row, input position C + 2·slot.
-    query_pos = C + 2 * np.take_along_axis(slots, perm, axis=1)  # [N, n]
-    pairs = np.empty((N, 2 * n), dtype=keys.dtype)
-    pairs[:, 0::2] = keys
-    pairs[:, 1::2] = values
-
+    N, L = cfg.num_examples, cfg.seq_len
+    sampler = _slot_sampler(cfg.num_slots, float(cfg.power_a))
     # Fresh zeroed pages from the OS: the zero filler costs no pass of its own.
     inputs = np.zeros((N, L), dtype=np.int64)
     labels = np.empty((N, L), dtype=np.int64)
-    starts = range(0, N, _ROWS_PER_TASK)
-    filler_seqs = filler_seq.spawn(len(starts)) if cfg.random_non_queries else [None] * len(starts)
-
-    def assemble(r0: int, filler: np.random.SeedSequence | None) -> None:
-        r1 = min(N, r0 + _ROWS_PER_TASK)
-        filler_rng = None if filler is None else rng(filler)
-        # Rows go in blocks that stay in cache, so each output line is written once while it is hot (filling
-        # a whole output and then scattering into it would read it back from memory).
-        block = max(1, (1 << 19) // (8 * L))
-        row_offsets = np.arange(0, block * L, L, dtype=np.int64)[:, None]
-        for b0 in range(r0, r1, block):
-            b1 = min(r1, b0 + block)
-            x, y = inputs[b0:b1], labels[b0:b1]
-            flat_pos = query_pos[b0:b1] + row_offsets[: b1 - b0]
-            if filler_rng is not None:
-                x[:, C:] = _uniform_ints(filler_rng, (b1 - b0) * (L - C), 0, V).reshape(b1 - b0, L - C)
-            x[:, :C].reshape(b1 - b0, cfg.num_passes, 2 * n)[:] = pairs[b0:b1, None, :]
-            x.reshape(-1)[flat_pos] = keys[b0:b1]
-            y.fill(IGNORE_INDEX)
-            y.reshape(-1)[flat_pos] = values[b0:b1]
-
-    _run_all(workers, [functools.partial(assemble, r0, f) for r0, f in zip(starts, filler_seqs)])
+    starts = range(0, N, _ROWS_PER_CHUNK)
+    streams = np.random.SeedSequence(seed).spawn(len(starts))
+    chunks = [slice(r0, min(N, r0 + _ROWS_PER_CHUNK)) for r0 in starts]
+    tasks = [functools.partial(_fill_rows, cfg, sampler, inputs[c], labels[c], s) for c, s in zip(chunks, streams)]
+    _run_all(max(1, torch.get_num_threads()), tasks)
     return Segment(torch.from_numpy(inputs), torch.from_numpy(labels), cfg.slices())
 
 
-# Rows per assembly task; the filler of each task comes from its own stream, so this fixes the output.
-_ROWS_PER_TASK = 8192
+# Rows generated together from one stream. Part of the output's definition: changing it changes the data.
+_ROWS_PER_CHUNK = 8192
+
+
+def _fill_rows(
+    cfg: MQARConfig, sampler: "_SlotSampler", inputs: np.ndarray, labels: np.ndarray, stream: np.random.SeedSequence
+) -> None:
+    """Write examples into `inputs` and `labels` ([R, L] each, `inputs` zeroed), drawing from `stream`."""
+    rng = np.random.Generator(np.random.PCG64(stream))
+    R, L, n, V, C = len(inputs), cfg.seq_len, cfg.num_kv_pairs, cfg.vocab_size, cfg.context_len
+    keys = _distinct_per_row(rng, R, n, 1, V // 2)  # [R, n]
+    values = _distinct_per_row(rng, R, n, V // 2, V)  # [R, n]
+    slots = _sample_slots(rng, R, n, sampler)  # [R, n], ascending
+    perm = _random_permutations(rng, R, n)  # [R, n]
+    # Context key j is queried at the perm[j]-th smallest slot of its row, input position C + 2·slot.
+    query_pos = C + 2 * np.take_along_axis(slots, perm, axis=1)  # [R, n]
+    pairs = np.empty((R, 2 * n), dtype=keys.dtype)
+    pairs[:, 0::2] = keys
+    pairs[:, 1::2] = values
+    # Rows go in blocks that stay in cache, so each output line is written once while it is hot (filling a
+    # whole output and then scattering into it would read it back from memory).
+    block = max(1, (1 << 19) // (8 * L))
+    row_offsets = np.arange(0, block * L, L, dtype=np.int64)[:, None]
+    for b0 in range(0, R, block):
+        b1 = min(R, b0 + block)
+        x, y = inputs[b0:b1], labels[b0:b1]
+        flat_pos = query_pos[b0:b1] + row_offsets[: b1 - b0]
+        if cfg.random_non_queries:
+            x[:, C:] = _uniform_ints(rng, (b1 - b0) * (L - C), 0, V).reshape(b1 - b0, L - C)
+        x[:, :C].reshape(b1 - b0, cfg.num_passes, 2 * n)[:] = pairs[b0:b1, None, :]
+        x.reshape(-1)[flat_pos] = keys[b0:b1]
+        y.fill(IGNORE_INDEX)
+        y.reshape(-1)[flat_pos] = values[b0:b1]
 
 
 def _run_all(workers: int, tasks: list) -> list:
@@ -364,7 +359,7 @@ def _sample_slots(
             continue
         # Order the unfinished rows by how many slots they miss, most first: column j of the round then
         # covers a prefix of them, the rows that miss more than j.
-        missing = n - count[active]
+        missing = (n - count[active]).astype(np.int16)  # 16-bit: the stable argsort is a radix sort
         order = np.argsort(-missing, kind="stable")
         active, missing = active[order], missing[order]  # [A]
         columns = active.size - np.cumsum(np.bincount(missing))[:-1]  # rows missing more than j, j = 0..m-1
