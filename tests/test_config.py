@@ -59,3 +59,8 @@ def test_cli_prints_one_line_error_and_exits_2(tmp_path):
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("zoo-train: error:") and "lrr" in lines[0], out.stderr
     assert not list(tmp_path.iterdir())  # no work started, nothing written
+
+
+def test_experiment_preset_and_experiment_name_do_not_collide():
+    cfg, _ = load_config(["+experiment=demo", "experiment_name=mine"])
+    assert cfg.experiment_name == "mine" and cfg.optim.lr == 3e-3
