@@ -131,7 +131,9 @@ def _fill_rows(
     slots = _sample_slots(rng, R, n, sampler)  # [R, n], ascending
     perm = _random_permutations(rng, R, n)  # [R, n]
     # Context key j is queried at the perm[j]-th smallest slot of its row, input position C + 2·slot.
-    query_pos = C + 2 * np.take_along_axis(slots, perm, axis=1)  # [R, n]
+    query_pos = slots.reshape(-1)[perm + np.arange(0, R * n, n)[:, None]]  # [R, n]
+    query_pos *= 2
+    query_pos += C
     pairs = np.empty((R, 2 * n), dtype=keys.dtype)
     pairs[:, 0::2] = keys
     pairs[:, 1::2] = values
