@@ -13,6 +13,10 @@ from zoo.models.mixers._common import make_config
 from zoo.models.mixers.attention import Attention
 from zoo.models.mixers.base_conv import BaseConv
 from zoo.models.mixers.based import Based
+from zoo.models.mixers.h3 import H3
+from zoo.models.mixers.hyena import Hyena
+from zoo.models.mixers.mamba import Mamba
+from zoo.models.mixers.mamba2 import Mamba2
 from zoo.models.mixers.sliding_window import SlidingWindowAttention
 
 MIXERS: dict[str, type] = {
@@ -20,6 +24,10 @@ MIXERS: dict[str, type] = {
     "sliding_window": SlidingWindowAttention,
     "based": Based,
     "base_conv": BaseConv,
+    "hyena": Hyena,
+    "h3": H3,
+    "mamba": Mamba,
+    "mamba2": Mamba2,
 }
 
 

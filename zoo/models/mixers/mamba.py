@@ -1,0 +1,142 @@
+"""Mamba (Gu & Dao, 2023, "Mamba: Linear-Time Sequence Modeling with Selective State Spaces"), a pure
+PyTorch reference of the selective scan.
+
+    x, z = split(Linear(d → 2·d_inner)(input))                 d_inner = expand·d
+    x = SiLU(causal depthwise conv_k(x))
+    Δ, B, C = softplus(Linear(dt_rank → d_inner)(·) + bias), Linear(d_inner → N), Linear(d_inner → N)   from x
+    h_t = exp(Δ_t A) ⊙ h_{t-1} + Δ_t B_t x_t                   h: [d_inner, N], A = -exp(A_log) < 0
+    y_t = h_t C_t + D ⊙ x_t;   out = Linear(d_inner → d)(y ⊙ SiLU(z))
+
+What is unusual here:
+- The scan is written as the plain loop over time (the specification); there is no fast path yet.
+- The state is the real tensors decoding needs: {"conv": [B, k-1, d_inner], "ssm": [B, d_inner, N]} with the
+  SSM part in fp32. state_size = d_inner·N + d_inner·(k-1), i.e. 2·d·N (REFERENCE's "Mamba: 2·d·d_state",
+  expand 2) plus the conv inputs. Zoology reported None here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zoo.models.mixers._common import (
+    check_input,
+    check_int,
+    check_step_input,
+    compute_dtype,
+    make_config,
+    module_device_dtype,
+)
+from zoo.models.mixers._long_conv import depthwise_causal_conv
+
+
+@dataclass
+class MambaConfig:
+    """Options of `mamba` (d_model comes from the model)."""
+
+    d_state: int = 16  # N
+    expand: int = 2
+    conv_size: int = 4
+    dt_rank: int | None = None  # None: ceil(d_model / 16)
+    dt_min: float = 1e-3
+    dt_max: float = 1e-1
+
+    def validate(self, d_model: int) -> None:
+        check_int("mamba: d_state", self.d_state, minimum=1)
+        check_int("mamba: expand", self.expand, minimum=1)
+        check_int("mamba: conv_size", self.conv_size, minimum=1)
+        if self.dt_rank is not None:
+            check_int("mamba: dt_rank", self.dt_rank, minimum=1)
+        if not (0 < self.dt_min <= self.dt_max):
+            raise ValueError(f"mamba: need 0 < dt_min <= dt_max, got {self.dt_min}, {self.dt_max}")
+
+
+class Mamba(nn.Module):
+    """Selective SSM block: [B, T, d_model] -> [B, T, d_model].
+
+    State: {"conv": [B, conv_size-1, d_inner] past conv inputs, "ssm": [B, d_inner, d_state] (fp32)}.
+    """
+
+    Config = MambaConfig
+    name = "mamba"
+
+    def __init__(self, d_model: int, **options) -> None:
+        super().__init__()
+        self.config = make_config(self.name, self.Config, d_model, options)
+        self.d_model = d_model
+        c = self.config
+        self.d_inner = c.expand * d_model
+        self.dt_rank = c.dt_rank if c.dt_rank is not None else math.ceil(d_model / 16)
+        di, N = self.d_inner, c.d_state
+        self.in_proj = nn.Linear(d_model, 2 * di, bias=False)
+        self.conv_weight = nn.Parameter(torch.randn(di, c.conv_size) / math.sqrt(c.conv_size))
+        self.conv_bias = nn.Parameter(torch.zeros(di))
+        self.x_proj = nn.Linear(di, self.dt_rank + 2 * N, bias=False)
+        self.dt_proj = nn.Linear(self.dt_rank, di)
+        # Bias so that softplus(bias) spans [dt_min, dt_max] log-uniformly at init.
+        dt = torch.exp(torch.rand(di) * (math.log(c.dt_max) - math.log(c.dt_min)) + math.log(c.dt_min))
+        with torch.no_grad():
+            self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, N + 1, dtype=torch.float32)).repeat(di, 1))  # [di, N]
+        self.D = nn.Parameter(torch.ones(di))
+        self.out_proj = nn.Linear(di, d_model, bias=False)
+
+    def _prepare(self, x: torch.Tensor, history: torch.Tensor):
+        """x: [B, T, d] -> (u, z: [B, T, di]; dt: [B, T, di]; Bm, Cm: [B, T, N]; new conv history)."""
+        u, z = self.in_proj(x).chunk(2, dim=-1)  # [B, T, di] each
+        u_conv = F.silu(depthwise_causal_conv(u, self.conv_weight, history) + self.conv_bias)  # [B, T, di]
+        new_history = torch.cat([history.to(u.dtype), u], dim=1)[:, u.shape[1] :]  # [B, k-1, di]
+        N = self.config.d_state
+        dt_low, Bm, Cm = self.x_proj(u_conv).split([self.dt_rank, N, N], dim=-1)
+        dt = F.softplus(self.dt_proj(dt_low))  # [B, T, di]
+        return u_conv, z, dt, Bm, Cm, new_history
+
+    def _scan(self, u, dt, Bm, Cm, h: torch.Tensor) -> torch.Tensor:
+        """The selective scan, one token at a time. h: [B, di, N] (updated in place) -> y: [B, T, di]."""
+        A = -torch.exp(self.A_log.to(h.dtype))  # [di, N]
+        u, dt, Bm, Cm = (t.to(h.dtype) for t in (u, dt, Bm, Cm))
+        ys = []
+        for t in range(u.shape[1]):
+            decay = torch.exp(dt[:, t, :, None] * A)  # [B, di, N]
+            h.mul_(decay).add_(dt[:, t, :, None] * Bm[:, t, None, :] * u[:, t, :, None])
+            ys.append(torch.einsum("bdn,bn->bd", h, Cm[:, t]))
+        return torch.stack(ys, dim=1) + self.D.to(h.dtype) * u  # [B, T, di]
+
+    def forward(self, x: torch.Tensor, state: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """x: [B, T, d_model] -> [B, T, d_model]. With a state: continues the conv and the scan from it."""
+        check_input(x, self.d_model, self.name)
+        B = x.shape[0]
+        if state is None:
+            state = self.init_state(B, x.device, x.dtype)
+        u, z, dt, Bm, Cm, new_history = self._prepare(x, state["conv"])
+        state["conv"].copy_(new_history)
+        dtype = torch.promote_types(x.dtype, state["ssm"].dtype)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            h = state["ssm"].to(dtype).clone()
+            y = self._scan(u, dt, Bm, Cm, h)
+            state["ssm"].copy_(h)
+        return self.out_proj(y.to(x.dtype) * F.silu(z))  # [B, T, d_model]
+
+    def step(self, x_t: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """x_t: [B, d_model] -> [B, d_model]; one scan step, state updated in place."""
+        check_step_input(x_t, self.d_model, self.name)
+        return self.forward(x_t[:, None], state)[:, 0]
+
+    def init_state(
+        self, batch_size: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Zeroed conv inputs [B, conv_size-1, d_inner] (module dtype) and SSM state [B, d_inner, N] (fp32+)."""
+        device, dtype = module_device_dtype(self, device, dtype)
+        c = self.config
+        return {
+            "conv": torch.zeros(batch_size, c.conv_size - 1, self.d_inner, device=device, dtype=dtype),
+            "ssm": torch.zeros(batch_size, self.d_inner, c.d_state, device=device, dtype=compute_dtype(dtype)),
+        }
+
+    def state_size(self, seq_len: int) -> int:
+        """d_inner·d_state + d_inner·(conv_size-1), constant in seq_len."""
+        return self.d_inner * (self.config.d_state + self.config.conv_size - 1)
