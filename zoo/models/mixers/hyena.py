@@ -68,7 +68,10 @@ class ImplicitFilter(nn.Module):
         self.num_freqs = config.num_freqs
         width = config.filter_hidden
         self.mlp = nn.Sequential(
-            nn.Linear(1 + 2 * config.num_freqs, width), Sine(), nn.Linear(width, width), Sine(),
+            nn.Linear(1 + 2 * config.num_freqs, width),
+            Sine(),
+            nn.Linear(width, width),
+            Sine(),
             nn.Linear(width, channels, bias=False),
         )
         self.register_buffer("decay", torch.linspace(config.decay_min, config.decay_max, channels), persistent=False)
@@ -165,5 +168,3 @@ class Hyena(nn.Module):
     def state_size(self, seq_len: int) -> int:
         """d·seq_len (live z history) + 3d·(k-1) (short-conv inputs)."""
         return self.d_model * seq_len + 3 * self.d_model * (self.k - 1)
-
-

@@ -137,9 +137,7 @@ class Mamba2(nn.Module):
         y = torch.einsum("bhij,bjh,bjhp->bihp", scores, dt, xh)  # [B, C, H, P]
         y = y + torch.einsum("bih,bhpn,bin->bihp", torch.exp(cum), h, Cm)
         to_end = torch.exp(cum[:, -1:] - cum)  # [B, C, H]: decay from token j to the chunk's end
-        h_new = torch.exp(cum[:, -1])[:, :, None, None] * h + torch.einsum(
-            "bjh,bjh,bjhp,bjn->bhpn", to_end, dt, xh, Bm
-        )
+        h_new = torch.exp(cum[:, -1])[:, :, None, None] * h + torch.einsum("bjh,bjh,bjhp,bjn->bhpn", to_end, dt, xh, Bm)
         return y, h_new
 
     def step(self, x_t: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
