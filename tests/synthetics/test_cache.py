@@ -59,20 +59,26 @@ def test_config_hash_is_stable_and_covers_version(monkeypatch):
 
 
 def test_interrupted_write_leaves_nothing_that_loads(tmp_path, calls, monkeypatch):
-    real_save = synthetics._save
+    """A process killed while saving (no cleanup runs) must not leave a directory under the final name."""
+    real_save, real_rmtree = synthetics._save, shutil.rmtree
 
-    def crash_midway(segment, path, meta):
-        real_save(segment, path, meta)  # every file written, the rename has not happened yet
+    def killed_midway(segment, path, meta):
+        real_save(segment, path, meta)  # every file written, the rename not yet done
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(synthetics, "_save", crash_midway)
+    monkeypatch.setattr(synthetics, "_save", killed_midway)
+    monkeypatch.setattr(synthetics.shutil, "rmtree", lambda *args, **kwargs: None)  # killed: no cleanup
     with pytest.raises(KeyboardInterrupt):
         cached_generate(CFG, 3, tmp_path)
-    assert entries(tmp_path) == []
+    name = f"mqar-{config_hash(CFG, 3)}"
+    assert name not in entries(tmp_path)
+    assert len(entries(tmp_path)) == 1, "the temp dir stays behind"
     monkeypatch.setattr(synthetics, "_save", real_save)
+    monkeypatch.setattr(synthetics.shutil, "rmtree", real_rmtree)
     seg = cached_generate(CFG, 3, tmp_path)
-    assert calls == [3, 3]
+    assert calls == [3, 3], "the next call must generate, not load the interrupted write"
     assert torch.equal(seg.inputs, generate_mqar(CFG, 3).inputs)
+    assert name in entries(tmp_path)
 
 
 def test_leftover_temp_dir_is_not_picked_up(tmp_path, calls):
