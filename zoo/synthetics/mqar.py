@@ -327,7 +327,7 @@ class _SlotSampler:
 
 
 @functools.lru_cache(maxsize=64)
-def _slot_sampler(space: int, power_a: float) -> "_SlotSampler":
+def _slot_sampler(space: int, power_a: float) -> _SlotSampler:
     return _SlotSampler(query_slot_probs(space, power_a))
 
 
@@ -379,7 +379,7 @@ def _sample_slots(
         active = active[count[active] < n]
     if active.size:
         race = _raw_chunks(rng, active.size * space, 64).reshape(active.size, space)
-        # Exponential(1) times from 53-bit uniforms in (0, 1], scaled by 1/probs: earliest first wins.
+        # Exponential(1) times from 53-bit uniforms in (0, 1), scaled by 1/probs: earliest first wins.
         race = -np.log((race >> np.uint64(11)).astype(np.float64) * 2.0**-53 + 2.0**-54) / probs  # [A, space]
         race[taken[active]] = np.inf
         missing = n - count[active]
