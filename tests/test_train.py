@@ -68,7 +68,7 @@ def test_run_dir_layout_and_summary(tmp_path):
 
 def test_query_logits_are_the_logits_at_label_positions():
     torch.manual_seed(0)
-    cfg, _ = load_config(["model=based", "model.d_model=32", "data.vocab_size=128"])
+    cfg, _ = load_config(["model=based", "model.d_model=32"])
     model = LanguageModel(cfg.model).eval()
     seg = generate(MQARConfig(vocab_size=128, seq_len=32, num_kv_pairs=4, num_examples=8), seed=3)
     qs = QuerySegment.from_segment(seg, batch_size=8, device=torch.device("cpu"))
