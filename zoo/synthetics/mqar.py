@@ -126,8 +126,8 @@ def _fill_rows(
     """Write examples into `inputs` and `labels` ([R, L] each, `inputs` zeroed), drawing from `stream`."""
     rng = np.random.Generator(np.random.PCG64(stream))
     R, L, n, V, C = len(inputs), cfg.seq_len, cfg.num_kv_pairs, cfg.vocab_size, cfg.context_len
-    keys = _distinct_per_row(rng, R, n, 1, V // 2)  # [R, n]
-    values = _distinct_per_row(rng, R, n, V // 2, V)  # [R, n]
+    pairs_kv = _distinct_per_row(rng, R, n, (1, V // 2), (V // 2, V))  # [R, 2n]
+    keys, values = pairs_kv[:, :n], pairs_kv[:, n:]  # [R, n] each
     slots = _sample_slots(rng, R, n, sampler)  # [R, n], ascending
     perm = _random_permutations(rng, R, n)  # [R, n]
     # Context key j is queried at the perm[j]-th smallest slot of its row, input position C + 2·slot.
@@ -233,34 +233,42 @@ def _uniform_ints(rng: np.random.Generator, count: int, low: int, high: int) -> 
     return out.astype(_int_dtype(high)) + low
 
 
-def _distinct_per_row(rng: np.random.Generator, rows: int, n: int, low: int, high: int) -> np.ndarray:
-    """[rows, n]: each row n distinct integers from [low, high), uniformly, in uniformly random order."""
-    size = high - low
-    if n * (n - 1) <= size:
-        # At most 1/2 expected duplicate pairs per row: draw with replacement, redraw the rows with a
-        # duplicate (rejection, so exact) until none is left.
-        out = _uniform_ints(rng, rows * n, low, high).reshape(rows, n)
-        bad = _rows_with_duplicates(out)
+def _distinct_per_row(rng: np.random.Generator, rows: int, n: int, *ranges: tuple[int, int]) -> np.ndarray:
+    """[rows, n·len(ranges)]: per row and range, n distinct integers drawn uniformly, in uniformly random order.
+
+    Columns [b·n, (b+1)·n) come from ranges[b] = (low, high). The ranges must be disjoint, so that one sort of
+    a row finds the repeats of every block.
+    """
+    if all(n * (n - 1) <= high - low for low, high in ranges):
+        # At most 1/2 expected repeated pairs per block: draw with replacement, redraw the rows with a repeat
+        # (rejection, so exact) until none is left.
+        def draw(k: int) -> np.ndarray:
+            blocks = [_uniform_ints(rng, k * n, low, high).reshape(k, n) for low, high in ranges]
+            return blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1)
+
+        out = draw(rows)
+        bad = _rows_with_repeats(out)
         while bad.size:
-            out[bad] = _uniform_ints(rng, bad.size * n, low, high).reshape(bad.size, n)
-            bad = bad[_rows_with_duplicates(out[bad])]
+            out[bad] = draw(bad.size)
+            bad = bad[_rows_with_repeats(out[bad])]
         return out
-    # Many pairs relative to the range: order the whole range by random keys, keep the first n.
-    out = np.empty((rows, n), dtype=_int_dtype(high))
-    chunk = max(1, (1 << 22) // size)
-    for start in range(0, rows, chunk):
-        stop = min(rows, start + chunk)
-        order = np.argsort(_raw_chunks(rng, (stop - start) * size, 64).reshape(-1, size), axis=1)
-        out[start:stop] = low + order[:, :n]
+    # Many pairs relative to a range: order the whole range by random keys, keep the first n.
+    out = np.empty((rows, n * len(ranges)), dtype=_int_dtype(max(high for _, high in ranges)))
+    for b, (low, high) in enumerate(ranges):
+        size = high - low
+        chunk = max(1, (1 << 22) // size)
+        for start in range(0, rows, chunk):
+            stop = min(rows, start + chunk)
+            order = np.argsort(_raw_chunks(rng, (stop - start) * size, 64).reshape(-1, size), axis=1)
+            out[start:stop, b * n : (b + 1) * n] = low + order[:, :n]
     return out
 
 
-def _rows_with_duplicates(a: np.ndarray) -> np.ndarray:
+def _rows_with_repeats(a: np.ndarray) -> np.ndarray:
+    """Indices of the rows of `a` that hold some value twice."""
     s = np.sort(a, axis=1)
-    same = s[:, 1:] == s[:, :-1]
-    if not same.any():
-        return np.empty(0, dtype=np.int64)
-    return np.flatnonzero(same.any(axis=1))
+    repeats = np.flatnonzero(s[:, 1:] == s[:, :-1])
+    return np.unique(repeats // (a.shape[1] - 1))
 
 
 def _random_permutations(rng: np.random.Generator, rows: int, n: int) -> np.ndarray:
