@@ -227,3 +227,92 @@ def register_configs() -> None:
     cs.store(group="data", name="data_schema", node=DataConfig)
     cs.store(group="optim", name="optim_schema", node=OptimConfig)
     cs.store(group="logger", name="logger_schema", node=LoggerConfig)
+
+
+@dataclass
+class LMDataConfig:
+    """Text for causal-LM pretraining (`zoo-pretrain`); see zoo/lm_data.py for sources and tokenizers."""
+
+    source: str = "embedded"  # embedded | a text file, directory or glob | a `datasets` dataset saved to disk
+    text_field: str = "text"  # column of a saved dataset
+    tokenizer: str = "bpe"  # bpe (trained on the corpus, cached) | smollm2 | path to tokenizer.json or a dir
+    bpe_vocab_size: int = 4096
+    seq_len: int = 256
+    valid_frac: float = 0.05  # the stream's last fraction is the validation split
+    cache_dir: str | None = None  # None: $ZOO_CACHE_DIR/lm_data or ~/.cache/zoo/lm_data
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1 or self.bpe_vocab_size < 260:
+            raise ValueError("data.seq_len must be >= 1 and data.bpe_vocab_size >= 260 (bytes + specials)")
+        if not 0 < self.valid_frac < 1:
+            raise ValueError(f"data.valid_frac must be in (0, 1), got {self.valid_frac}")
+
+
+@dataclass
+class PretrainTrainConfig:
+    """The pretraining loop: steps of a global batch of world_size·batch_size·grad_accum windows."""
+
+    steps: int = 600
+    batch_size: int = 16  # windows per process per micro-step
+    grad_accum: int = 1
+    log_every: int = 10
+    eval_every: int = 100  # steps between validation losses (and checkpoints)
+    eval_windows: int = 64  # validation windows (the first ones of the split)
+    ckpt_every: int = 0  # 0: checkpoint at each evaluation
+    parallel: str = "ddp"  # ddp | fsdp (FSDP2 fully_shard): used under torchrun with more than one process
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (under torchrun: cuda:LOCAL_RANK)
+    precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
+    compile: bool = False
+    peak_tflops: float = 0.0  # for MFU; 0: looked up from the GPU name (none on CPU)
+    sample_tokens: int = 48  # a greedy sample from the trained model at the end (0: none)
+    export_hf: bool = True  # write <run>/hf/: ZooForCausalLM.save_pretrained + tokenizer
+    stop_after: int = 0  # stop this invocation after this many steps, as if killed (0: never); resume continues
+    resume: bool = False
+    overwrite: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "grad_accum", "log_every", "eval_every", "eval_windows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if min(self.ckpt_every, self.sample_tokens, self.peak_tflops, self.stop_after) < 0:
+            raise ValueError("train.ckpt_every, sample_tokens, peak_tflops and stop_after must be >= 0")
+        if self.parallel not in ("ddp", "fsdp"):
+            raise ValueError(f"train.parallel must be ddp|fsdp, got {self.parallel!r}")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise ValueError(f"train.precision must be auto|fp32|bf16, got {self.precision!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"train.device must be auto|cpu|cuda|cuda:N, got {self.device!r}")
+        if self.resume and self.overwrite:
+            raise ValueError("train.resume and train.overwrite exclude each other")
+
+
+@dataclass
+class PretrainConfig:
+    """The root of `zoo-pretrain`'s config tree (configs/pretrain.yaml fills it in)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: LMDataConfig = field(default_factory=LMDataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: PretrainTrainConfig = field(default_factory=PretrainTrainConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    vocab_from_tokenizer: bool = True  # model.vocab_size := len(tokenizer) rounded up to a multiple of 64
+    experiment_name: str = "pretrain"
+    run: str = ""  # empty: a name derived from the model and a hash of the config
+    runs_root: str = "runs"
+
+    def __post_init__(self) -> None:
+        for name, value in (("experiment_name", self.experiment_name), ("run", self.run)):
+            if "/" in value or value in (".", ".."):
+                raise ValueError(f"{name} must be a plain name, got {value!r}")
+
+
+def register_pretrain_configs() -> None:
+    """Register zoo-pretrain's schemas in Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    register_configs()
+    cs = ConfigStore.instance()
+    cs.store(name="pretrain_schema", node=PretrainConfig)
+    cs.store(group="lm_data", name="lm_data_schema", node=LMDataConfig)
