@@ -232,3 +232,20 @@ def test_cuda_graph_decode_matches_eager():
     assert torch.equal(graph.sequences, eager.sequences)
     for s_graph, s_eager in zip(graph.scores, eager.scores):
         torch.testing.assert_close(s_graph, s_eager)
+
+
+@pytest.mark.slow  # a subprocess that imports torch and transformers and builds two models
+def test_generation_benchmark_runs_tiny_on_cpu():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "experiments" / "bench" / "generation.py"
+    cmd = [sys.executable, str(script), "--tiny", "--device", "cpu", "--prompt", "8", "--gen", "4"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    last = json.loads(result.stdout.strip().splitlines()[-1])
+    assert {r["model"] for r in last["rows"]} == {"based", "llama"}
+    assert all(r["decode_tokens_per_s"] > 0 for r in last["rows"])
+    assert abs(last["params"]["based"] - last["params"]["llama"]) / last["params"]["based"] < 0.15

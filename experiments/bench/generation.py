@@ -1,0 +1,259 @@
+"""Benchmark: generation throughput of the Based hybrid LM against a Llama of the same size (transformers).
+
+    python experiments/bench/generation.py                       # H200: 1.3B shapes, bf16, batch sweep
+    python experiments/bench/generation.py --tiny                # CPU smoke run: tiny models, fp32, seconds
+
+Both models have random weights. Based: `configs/model/based_1b.yaml` (1.35B parameters, Based impl=triton on
+CUDA) as ZooForCausalLM, whose decode steps replay a CUDA graph over the fixed recurrent state. Llama:
+`LlamaForCausalLM` with SDPA attention and a static KV cache (transformers compiles its decode step, CUDA
+graphs included), its depth chosen so its parameter count is closest to Based's. Both run through
+`model.generate` (greedy, exactly `--gen` new tokens) on the same random prompts of `--prompt` tokens.
+
+For each batch size, doubling until the model runs out of memory (or up to --max-batch):
+- prefill: median time of one forward over the prompt batch that fills the cache (CUDA events);
+- decode: generated tokens/s = batch·gen / (generate time − prefill time), after a warm-up generate that
+  compiles and captures what it needs (excluded);
+- GB/s: the bytes one decode step must read at least (weights + recurrent state or KV cache) over the time
+  per step, against the copy bandwidth measured in the same process.
+The last line is JSON: every row, each model's best decode throughput, and the ratio (target ≥ 24×, the
+Based paper's claim against FlashAttention-2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import zoo  # noqa: F401  (registers the zoo model type)
+from zoo.config import ModelConfig
+from zoo.models.hf import ZooConfig, ZooForCausalLM
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def based_model(preset: str, vocab: int, device: torch.device, dtype: torch.dtype, impl: str) -> ZooForCausalLM:
+    node = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(REPO / "configs/model" / f"{preset}.yaml"))
+    node.vocab_size = vocab
+    node.mixers.based.impl = impl
+    mc = OmegaConf.to_object(node)
+    with torch.device(device):
+        model = ZooForCausalLM(ZooConfig.from_model_config(mc))
+    return model.to(dtype).eval()
+
+
+def llama_config(d: int, layers: int, vocab: int, heads: int) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=d,
+        intermediate_size=int(8 * d / 3 / 64 + 1) * 64,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
+
+
+def llama_model(target_params: int, d: int, heads: int, vocab: int, device, dtype) -> LlamaForCausalLM:
+    """A Llama of width d whose depth brings its parameter count closest to target_params."""
+    with torch.device("meta"):
+        one, two = (LlamaForCausalLM(llama_config(d, n, vocab, heads)).num_parameters() for n in (1, 2))
+    per_layer = two - one
+    layers = max(1, round((target_params - (one - per_layer)) / per_layer))
+    with torch.device(device):
+        model = LlamaForCausalLM(llama_config(d, layers, vocab, heads))
+    return model.to(dtype).eval()
+
+
+class Timer:
+    """Wall time with CUDA events on the GPU, perf_counter on the CPU; seconds."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+
+def copy_bandwidth(device: torch.device, timer: Timer) -> float:
+    x = torch.randn(2**26 if device.type == "cuda" else 2**22, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    seconds = statistics.median(timer(lambda: y.copy_(x)) for _ in range(10))
+    return 2 * x.numel() * 4 / seconds
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def decode_state_bytes(kind: str, model, batch: int, length: int) -> int:
+    """Bytes of recurrent state (Based: fp32 states, ring buffers, conv) or KV cache read per decode step."""
+    if kind == "based":
+        lm = model.model
+        fp32 = sum(b.state_size(length) for b in lm.blocks if b.mixer.name == "based")
+        rest = sum(b.state_size(length) for b in lm.blocks if b.mixer.name != "based")
+        return batch * (4 * fp32 + model.dtype.itemsize * rest)
+    c = model.config
+    return (
+        batch
+        * 2
+        * c.num_hidden_layers
+        * length
+        * c.num_key_value_heads
+        * (c.hidden_size // c.num_attention_heads)
+        * (model.dtype.itemsize)
+    )
+
+
+def generate_kwargs(kind: str, gen: int, prompt: int) -> dict:
+    kwargs = {"max_new_tokens": gen, "min_new_tokens": gen, "do_sample": False, "pad_token_id": 0}
+    if kind == "llama":
+        kwargs.update(cache_implementation="static", max_cache_len=prompt + gen)
+    return kwargs
+
+
+def prefill(kind: str, model, ids: torch.Tensor) -> None:
+    if kind == "based":
+        model(ids, use_cache=True, logits_to_keep=1)
+    else:
+        from transformers import StaticCache
+
+        cache = StaticCache(config=model.config, max_cache_len=ids.shape[1])
+        model(ids, cache=cache, use_cache=True, logits_to_keep=1)
+
+
+def measure(kind: str, model, batch: int, args, timer: Timer, device) -> dict:
+    g = torch.Generator(device="cpu").manual_seed(batch)
+    ids = torch.randint(1, model.config.vocab_size, (batch, args.prompt), generator=g).to(device)
+    kwargs = generate_kwargs(kind, args.gen, args.prompt)
+    with torch.no_grad():
+        for _ in range(2):  # compile / capture / autotune, excluded
+            prefill(kind, model, ids)
+            model.generate(ids, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
+        prefill_s = statistics.median(timer(lambda: prefill(kind, model, ids)) for _ in range(args.repeats))
+        out = {}
+        total_s = timer(lambda: out.setdefault("seq", model.generate(ids, **kwargs)))
+    assert out["seq"].shape == (batch, args.prompt + args.gen), out["seq"].shape
+    decode_s = max(total_s - prefill_s, 1e-9)
+    step_s = decode_s / args.gen
+    step_bytes = weight_bytes(model) + decode_state_bytes(kind, model, batch, args.prompt + args.gen // 2)
+    return {
+        "model": kind,
+        "batch": batch,
+        "prefill_ms": 1e3 * prefill_s,
+        "decode_tokens_per_s": batch * args.gen / decode_s,
+        "ms_per_step": 1e3 * step_s,
+        "decode_GB_per_s": step_bytes / step_s / 1e9,
+        "peak_mem_GB": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
+    }
+
+
+def is_oom(err: BaseException) -> bool:
+    return isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def sweep(kind: str, model, args, timer: Timer, device) -> list[dict]:
+    rows, batch = [], 1
+    while batch <= args.max_batch:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        try:
+            row = measure(kind, model, batch, args, timer, device)
+        except (torch.cuda.OutOfMemoryError, RuntimeError) as err:
+            if not is_oom(err):
+                raise
+            print(f"{kind}: batch {batch} does not fit ({type(err).__name__}); the sweep stops here", flush=True)
+            break
+        rows.append(row)
+        print(
+            f"{kind:>6} {batch:>6} {row['prefill_ms']:>11.1f} {row['decode_tokens_per_s']:>14,.0f} "
+            f"{row['ms_per_step']:>9.2f} {row['decode_GB_per_s']:>8.0f}",
+            flush=True,
+        )
+        batch *= 2
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="CPU-sized models and lengths (a smoke run)")
+    parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (1024; tiny: 32)")
+    parser.add_argument("--gen", type=int, default=None, help="generated tokens (1024; tiny: 16)")
+    parser.add_argument("--max-batch", type=int, default=None, help="largest batch tried (4096; tiny: 2)")
+    parser.add_argument("--repeats", type=int, default=3, help="prefill timings per batch (median)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if args.tiny:
+        preset, vocab, dtype, impl = "based_tiny", 512, torch.float32, "naive"
+        args.prompt, args.gen, args.max_batch = args.prompt or 32, args.gen or 16, args.max_batch or 2
+        args.repeats = 1
+    else:
+        preset, vocab, impl = "based_1b", 50304, "triton" if device.type == "cuda" else "naive"
+        dtype = torch.bfloat16
+        args.prompt, args.gen, args.max_batch = args.prompt or 1024, args.gen or 1024, args.max_batch or 4096
+    torch.manual_seed(0)
+    timer = Timer(device)
+    based = based_model(preset, vocab, device, dtype, impl)
+    d = based.config.d_model
+    llama = llama_model(based.num_parameters(), d, max(1, d // 64), vocab, device, dtype)
+    bandwidth = copy_bandwidth(device, timer)
+    print(
+        f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), {dtype}, "
+        f"prompt {args.prompt}, generated {args.gen}; copy bandwidth {bandwidth / 1e9:.0f} GB/s"
+    )
+    print(
+        f"based: {based.num_parameters() / 1e6:.1f}M parameters ({preset}, impl={impl}); llama: "
+        f"{llama.num_parameters() / 1e6:.1f}M ({llama.config.num_hidden_layers} layers, d={d})"
+    )
+    print(f"{'model':>6} {'batch':>6} {'prefill ms':>11} {'decode tok/s':>14} {'ms/step':>9} {'GB/s':>8}")
+    rows = []
+    for kind, model in (("based", based), ("llama", llama)):
+        rows += sweep(kind, model, args, timer, device)
+    best = {
+        k: max((r["decode_tokens_per_s"] for r in rows if r["model"] == k), default=0.0) for k in ("based", "llama")
+    }
+    at_batch1 = {k: next((r["prefill_ms"] for r in rows if r["model"] == k and r["batch"] == 1), None) for k in best}
+    result = {
+        "device": str(device),
+        "dtype": str(dtype),
+        "prompt": args.prompt,
+        "generated": args.gen,
+        "params": {"based": based.num_parameters(), "llama": llama.num_parameters()},
+        "copy_GB_per_s": bandwidth / 1e9,
+        "rows": rows,
+        "best_decode_tokens_per_s": best,
+        "decode_ratio_best": best["based"] / best["llama"] if best["llama"] else math.nan,
+        "prefill_ms_batch1": at_batch1,
+        "target_ratio": 24.0,
+    }
+    print(
+        f"best decode: based {best['based']:,.0f} tok/s, llama {best['llama']:,.0f} tok/s, "
+        f"ratio {result['decode_ratio_best']:.2f}x (target 24x)"
+    )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
