@@ -23,6 +23,26 @@ CASES = [
     ("based-f3dv5", "based", {"feature_dim": 3, "head_dim_v": 5}),
     ("base_conv-k3", "base_conv", {}),
     ("base_conv-k4e1", "base_conv", {"kernel_size": 4, "expand": 1}),
+    ("hyena", "hyena", {"filter_hidden": 8, "num_freqs": 2}),
+    ("hyena-k2", "hyena", {"filter_hidden": 8, "short_kernel_size": 2}),
+    ("h3-n8", "h3", {"d_state": 8}),
+    ("h3-n3-shift2", "h3", {"d_state": 3, "shift_size": 2}),
+    ("mamba-n4", "mamba", {"d_state": 4}),
+    ("mamba-e1-k2", "mamba", {"d_state": 3, "expand": 1, "conv_size": 2, "dt_rank": 2}),
+    ("mamba2-p8-c5", "mamba2", {"d_state": 4, "head_dim": 8, "chunk_size": 5}),
+    ("mamba2-e1", "mamba2", {"d_state": 6, "expand": 1, "head_dim": 4, "conv_size": 3, "chunk_size": 8}),
+    ("linear_attention-performer", "linear_attention", dict(feature_map="performer", feature_dim=4, num_features=6)),
+    ("linear_attention-cosformer", "linear_attention", {"feature_map": "cosformer", "feature_dim": 4, "num_heads": 2}),
+    ("linear_attention-pos_elu", "linear_attention", {"feature_map": "pos_elu", "feature_dim": 5, "chunk_size": 5}),
+    ("linear_attention-relu", "linear_attention", {"feature_map": "relu", "feature_dim": 6, "head_dim_v": 3}),
+    ("linear_attention-hedgehog", "linear_attention", {"feature_map": "hedgehog", "feature_dim": 4, "num_features": 5}),
+    ("linear_attention-taylor", "linear_attention", {"feature_map": "taylor", "feature_dim": 3, "num_heads": 2}),
+    ("gla-h2", "gla", {"num_heads": 2}),
+    ("gla-dk3", "gla", {"head_dim_k": 3, "head_dim_v": 5}),
+    ("deltanet-h2", "deltanet", {"num_heads": 2}),
+    ("gated_deltanet-h2", "gated_deltanet", {"num_heads": 2}),
+    ("rwkv-h2", "rwkv", {"num_heads": 2}),
+    ("rwkv-h1", "rwkv", {"decay_rank": 3}),
 ]
 CASE_IDS = [case[0] for case in CASES]
 
@@ -31,7 +51,7 @@ def build(case, max_seq_len: int = 64, seed: int = 0) -> torch.nn.Module:
     """The mixer of a case in float64; attention gets a KV buffer of max_seq_len rows."""
     _, name, options = case
     options = dict(options)
-    if name == "attention":
+    if name in ("attention", "hyena"):
         options["max_seq_len"] = max_seq_len
     torch.manual_seed(seed)
     return MIXERS[name](D_MODEL, **options).double()
@@ -99,6 +119,26 @@ def expected_state_size(case, T: int) -> int:
         return H * (E * dv + E)
     if name == "base_conv":
         return options.get("expand", 2) * d * (options.get("kernel_size", 3) - 1)
+    if name == "hyena":
+        return d * T + 3 * d * (options.get("short_kernel_size", 3) - 1)
+    if name == "h3":
+        return d * options["d_state"] + d * (options.get("shift_size", 4) - 1)
+    if name == "mamba":
+        d_inner = options.get("expand", 2) * d
+        return d_inner * options["d_state"] + d_inner * (options.get("conv_size", 4) - 1)
+    if name == "mamba2":
+        d_inner, N = options.get("expand", 2) * d, options["d_state"]
+        return d_inner * N + (d_inner + 2 * N) * (options.get("conv_size", 4) - 1)
+    if name == "linear_attention":
+        H, f, m = options.get("num_heads", 1), options["feature_dim"], options.get("num_features", 32)
+        E = {"performer": m, "cosformer": 2 * f, "pos_elu": f, "relu": f, "hedgehog": 2 * m, "taylor": feature_dim(f)}
+        dv = options.get("head_dim_v", d // H)
+        return H * (E[options["feature_map"]] * dv + E[options["feature_map"]])
+    if name in ("gla", "deltanet", "gated_deltanet", "rwkv"):
+        H = options.get("num_heads", 1)  # default_num_heads(16) is 1
+        dk = options.get("head_dim_k", d // (2 * H) if name == "gla" else d // H)
+        dv = options.get("head_dim_v", d // H)
+        return H * dk * dv + (d if name == "rwkv" else 0)
     raise AssertionError(f"no formula for {name}")
 
 
@@ -164,7 +204,7 @@ def test_defaults_build_and_run(name):
 
 
 BAD_OPTIONS = [
-    ("unknown-mixer", "mamba", {}, r"unknown mixer 'mamba' \(known: attention, sliding_window, based, base_conv\)"),
+    ("unknown-mixer", "retnet", {}, r"unknown mixer 'retnet' \(known: attention, sliding_window, based, base_conv, hy"),
     ("typo", "based", {"feture_dim": 8}, r"mixer 'based' has no option 'feture_dim' \(options: feature_dim, "),
     ("heads-not-dividing", "attention", {"num_heads": 3}, "divisible by num_heads=3"),
     ("odd-rotary-head", "attention", {"num_heads": 16}, "even head dim"),
@@ -180,6 +220,14 @@ BAD_OPTIONS = [
     ("fla-feature_dim", "based", {"impl": "fla", "feature_dim": 129}, "feature_dim <= 128"),
     ("kernel_size", "base_conv", {"kernel_size": 0}, "kernel_size must be >= 1"),
     ("expand", "base_conv", {"expand": 0}, "expand must be >= 1"),
+    ("hyena-decay", "hyena", {"decay_min": 5.0, "decay_max": 1.0}, "decay_min=5.0 exceeds decay_max=1.0"),
+    ("h3-d_state", "h3", {"d_state": 0}, "d_state must be >= 1"),
+    ("mamba-dt", "mamba", {"dt_min": 0.5, "dt_max": 0.1}, "0 < dt_min <= dt_max"),
+    ("mamba2-head_dim", "mamba2", {"head_dim": 5}, "divisible by head_dim=5"),
+    ("feature_map", "linear_attention", {"feature_map": "softmax"}, "performer|cosformer|pos_elu|relu|hedgehog|taylor"),
+    ("gla-impl", "gla", {"impl": "triton"}, "naive|fla"),
+    ("deltanet-heads", "deltanet", {"num_heads": 3}, "divisible by num_heads=3"),
+    ("rwkv-rank", "rwkv", {"decay_rank": 0}, "decay_rank must be >= 1"),
 ]
 
 

@@ -13,10 +13,15 @@ from zoo.models.mixers._common import make_config
 from zoo.models.mixers.attention import Attention
 from zoo.models.mixers.base_conv import BaseConv
 from zoo.models.mixers.based import Based
+from zoo.models.mixers.deltanet import DeltaNet
+from zoo.models.mixers.gated_deltanet import GatedDeltaNet
+from zoo.models.mixers.gla import GLA
 from zoo.models.mixers.h3 import H3
 from zoo.models.mixers.hyena import Hyena
+from zoo.models.mixers.linear_attention import LinearAttention
 from zoo.models.mixers.mamba import Mamba
 from zoo.models.mixers.mamba2 import Mamba2
+from zoo.models.mixers.rwkv import RWKV
 from zoo.models.mixers.sliding_window import SlidingWindowAttention
 
 MIXERS: dict[str, type] = {
@@ -28,6 +33,11 @@ MIXERS: dict[str, type] = {
     "h3": H3,
     "mamba": Mamba,
     "mamba2": Mamba2,
+    "linear_attention": LinearAttention,
+    "gla": GLA,
+    "deltanet": DeltaNet,
+    "gated_deltanet": GatedDeltaNet,
+    "rwkv": RWKV,
 }
 
 
@@ -38,4 +48,20 @@ def check_mixer_options(name: str, d_model: int, options: dict[str, Any]) -> Non
     make_config(name, MIXERS[name].Config, d_model, dict(options))
 
 
-__all__ = ["MIXERS", "Attention", "BaseConv", "Based", "SlidingWindowAttention", "check_mixer_options"]
+__all__ = [
+    "GLA",
+    "H3",
+    "MIXERS",
+    "RWKV",
+    "Attention",
+    "BaseConv",
+    "Based",
+    "DeltaNet",
+    "GatedDeltaNet",
+    "Hyena",
+    "LinearAttention",
+    "Mamba",
+    "Mamba2",
+    "SlidingWindowAttention",
+    "check_mixer_options",
+]

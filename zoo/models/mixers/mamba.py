@@ -95,29 +95,27 @@ class Mamba(nn.Module):
         dt = F.softplus(self.dt_proj(dt_low))  # [B, T, di]
         return u_conv, z, dt, Bm, Cm, new_history
 
-    def _scan(self, u, dt, Bm, Cm, h: torch.Tensor) -> torch.Tensor:
-        """The selective scan, one token at a time. h: [B, di, N] (updated in place) -> y: [B, T, di]."""
+    def _scan(self, u, dt, Bm, Cm, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The selective scan, one token at a time. h: [B, di, N] -> y: [B, T, di] and the final h."""
         A = -torch.exp(self.A_log.to(h.dtype))  # [di, N]
         u, dt, Bm, Cm = (t.to(h.dtype) for t in (u, dt, Bm, Cm))
         ys = []
         for t in range(u.shape[1]):
             decay = torch.exp(dt[:, t, :, None] * A)  # [B, di, N]
-            h.mul_(decay).add_(dt[:, t, :, None] * Bm[:, t, None, :] * u[:, t, :, None])
+            h = decay * h + dt[:, t, :, None] * Bm[:, t, None, :] * u[:, t, :, None]
             ys.append(torch.einsum("bdn,bn->bd", h, Cm[:, t]))
-        return torch.stack(ys, dim=1) + self.D.to(h.dtype) * u  # [B, T, di]
+        return torch.stack(ys, dim=1) + self.D.to(h.dtype) * u, h  # [B, T, di], [B, di, N]
 
     def forward(self, x: torch.Tensor, state: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """x: [B, T, d_model] -> [B, T, d_model]. With a state: continues the conv and the scan from it."""
         check_input(x, self.d_model, self.name)
-        B = x.shape[0]
-        if state is None:
-            state = self.init_state(B, x.device, x.dtype)
-        u, z, dt, Bm, Cm, new_history = self._prepare(x, state["conv"])
-        state["conv"].copy_(new_history)
-        dtype = torch.promote_types(x.dtype, state["ssm"].dtype)
+        initial = self.init_state(x.shape[0], x.device, x.dtype) if state is None else state
+        u, z, dt, Bm, Cm, new_history = self._prepare(x, initial["conv"])
+        dtype = torch.promote_types(x.dtype, initial["ssm"].dtype)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            h = state["ssm"].to(dtype).clone()
-            y = self._scan(u, dt, Bm, Cm, h)
+            y, h = self._scan(u, dt, Bm, Cm, initial["ssm"].to(dtype))
+        if state is not None:
+            state["conv"].copy_(new_history)
             state["ssm"].copy_(h)
         return self.out_proj(y.to(x.dtype) * F.silu(z))  # [B, T, d_model]
 
