@@ -174,6 +174,15 @@ def test_forward_with_left_padding_and_no_cache_matches_unpadded():
             torch.testing.assert_close(logits[i, -len(p) :], model(p[None], use_cache=False).logits[0])
 
 
+def test_generate_without_cache_recomputes_the_same_tokens():
+    model = tiny()
+    ids, mask = left_pad([torch.randint(1, VOCAB, (n,)) for n in (3, 8)], 0)
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **kwargs), model.generate(ids, use_cache=False, **kwargs))
+    beams = model.generate(ids, num_beams=3, **kwargs)  # reorders the cache's rows between steps
+    assert beams.shape == (2, ids.shape[1] + 6)
+
+
 def test_right_padding_is_refused():
     model = tiny()
     ids = torch.randint(1, VOCAB, (2, 5))
