@@ -66,6 +66,7 @@ class SegmentConfig:
     random_non_queries: bool = False
     num_passes: int = 1
     batch_size: int = 64
+    options: dict[str, Any] = field(default_factory=dict)  # task-specific fields, e.g. {num_updates: 4}
 
     def task_config(self, vocab_size: int):
         """The task's own config (e.g. `MQARConfig`) for this segment."""
@@ -82,6 +83,7 @@ class SegmentConfig:
             power_a=self.power_a,
             random_non_queries=self.random_non_queries,
             num_passes=self.num_passes,
+            **dict(self.options),
         )
 
 

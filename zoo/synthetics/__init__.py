@@ -17,13 +17,22 @@ import numpy as np
 import torch
 
 from zoo.synthetics.base import IGNORE_INDEX, Segment
+from zoo.synthetics.circuits import MajorityConfig, ParityConfig, generate_majority, generate_parity
+from zoo.synthetics.compositional_mqar import CompositionalMQARConfig, generate_compositional_mqar
+from zoo.synthetics.forgetting_mqar import ForgettingMQARConfig, generate_forgetting_mqar
 from zoo.synthetics.mqar import MQARConfig, generate_mqar, generate_mqar_reference
+from zoo.synthetics.stacked_mqar import StackedMQARConfig, generate_stacked_mqar
 
 __all__ = [
     "GENERATOR_VERSION",
     "IGNORE_INDEX",
     "TASKS",
+    "CompositionalMQARConfig",
+    "ForgettingMQARConfig",
     "MQARConfig",
+    "MajorityConfig",
+    "ParityConfig",
+    "StackedMQARConfig",
     "Segment",
     "cached_generate",
     "config_hash",
@@ -36,7 +45,14 @@ __all__ = [
 # Bump whenever a generator's output for a given (config, seed) changes, so stale caches are not reused.
 GENERATOR_VERSION = 1
 
-TASKS = {"mqar": (MQARConfig, generate_mqar)}
+TASKS = {
+    "mqar": (MQARConfig, generate_mqar),
+    "compositional_mqar": (CompositionalMQARConfig, generate_compositional_mqar),
+    "forgetting_mqar": (ForgettingMQARConfig, generate_forgetting_mqar),
+    "stacked_mqar": (StackedMQARConfig, generate_stacked_mqar),
+    "parity": (ParityConfig, generate_parity),
+    "majority": (MajorityConfig, generate_majority),
+}
 
 _META_FILE = "zoo_segment.json"
 
