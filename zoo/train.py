@@ -221,9 +221,15 @@ def train(cfg: Config, resolved_yaml: str | None = None) -> dict[str, Any]:
     while epoch < cfg.train.epochs and not stopped_early:
         loss_sum = torch.zeros((), device=device)
         loss_n = 0
-        for s, idx in epoch_plan(data["train"], cfg.train.seed, epoch):
+        plan = epoch_plan(data["train"], cfg.train.seed, epoch)
+        # One host-to-device copy of the epoch's indices, then views: no transfer inside the step loop.
+        flat = torch.cat([idx for _, idx in plan]).to(device, non_blocking=True)
+        offsets = [0]
+        for _, idx in plan:
+            offsets.append(offsets[-1] + idx.numel())
+        for b, (s, _) in enumerate(plan):
             seg = data["train"][s]
-            idx = idx.to(device)
+            idx = flat[offsets[b] : offsets[b + 1]]
             with amp:
                 loss = step_fn(model, seg.inputs[idx], seg.query_pos[idx], seg.query_labels[idx])
             optimizer.zero_grad(set_to_none=True)
