@@ -1,0 +1,289 @@
+"""`zoo-sweep`: run many `zoo-train` configs, each in its own run dir, resumable and failure-tolerant.
+
+    zoo-sweep experiments/zoology_fig2/sweep.py                  # every GPU, 4 runs per GPU
+    zoo-sweep configs/sweep/tiny.yaml --workers 2 --device cpu
+    zoo-sweep experiments/zoology_fig2/sweep.py --dry-run        # list the runs and what is already done
+    zoo-sweep experiments/zoology_fig2/sweep.py --emit           # one zoo-train command per line
+
+A sweep file is either
+- Python: it defines `sweep()` returning a list of runs, each a list of Hydra overrides
+  (["model=based", "optim.lr=1e-3"]) or a dict {key: value} turned into overrides; or
+- YAML: `base` (overrides shared by every run) and `grid` ({key: [values]}, the Cartesian product), or
+  `grids`, a list of such {base, grid} blocks whose runs are concatenated.
+
+What happens per run:
+- The config is composed and validated first (`zoo.train.load_config`); a config that fails is listed as
+  failed with its one-line reason, and the other runs go on.
+- Its run dir is `<runs_root>/<experiment_name>/<run name>` (the name hashes the config, so the same config
+  always lands in the same dir). A run dir holding summary.json is skipped; one without (a killed run)
+  resumes from its last checkpoint (`train.resume=true`).
+- A run that raises writes `error.txt` (the traceback) into its run dir and is listed as failed; the
+  others continue. The sweep's record goes to `<runs_root>/_sweeps/<sweep name>.json`.
+
+Parallelism: a process pool (stdlib `concurrent.futures`, spawn) of `--workers` processes. Each worker owns
+one device for its lifetime: worker i gets GPU i mod (number of GPUs), so with workers = runs_per_gpu·GPUs
+several runs share every GPU and all GPUs are used. On a cluster, run the same runs through Hydra's launchers
+instead: `zoo-sweep FILE --emit` prints one `zoo-train` command per run, to hand to the submitit (SLURM) or
+Ray launcher (`hydra/launcher=submitit_slurm`, `hydra-ray-launcher`) or any job array.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import os
+import sys
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+SWEEPS_DIR = "_sweeps"
+
+
+def _as_override(key: str, value: Any) -> str:
+    """key=value in Hydra override syntax; lists and dicts go through JSON-like flow YAML."""
+    if isinstance(value, (list, dict)):
+        text = yaml.safe_dump(value, default_flow_style=True, width=10**9).strip()
+        return f"{key}={text}"
+    if value is None:
+        return f"{key}=null"
+    if isinstance(value, bool):
+        return f"{key}={'true' if value else 'false'}"
+    return f"{key}={value}"
+
+
+def normalize(run: Any) -> list[str]:
+    """A run as a list of override strings (from a list of strings or a {key: value} dict)."""
+    if isinstance(run, dict):
+        return [_as_override(k, v) for k, v in run.items()]
+    if isinstance(run, (list, tuple)) and all(isinstance(o, str) for o in run):
+        return list(run)
+    raise ValueError(f"a sweep run must be a list of override strings or a dict, got {run!r}")
+
+
+def grid_runs(block: dict[str, Any]) -> list[list[str]]:
+    """The Cartesian product of `block["grid"]`, each with `block["base"]` in front."""
+    unknown = set(block) - {"base", "grid"}
+    if unknown:
+        raise ValueError(f"a sweep grid block has unknown keys {sorted(unknown)} (known: base, grid)")
+    base = normalize(block.get("base", []))
+    grid = block.get("grid", {}) or {}
+    keys = list(grid)
+    for key in keys:
+        if not isinstance(grid[key], list) or not grid[key]:
+            raise ValueError(f"sweep grid entry {key!r} must be a non-empty list, got {grid[key]!r}")
+    return [base + [_as_override(k, v) for k, v in zip(keys, combo)] for combo in itertools.product(*grid.values())]
+
+
+def load_sweep(path: str | Path) -> list[list[str]]:
+    """The runs of a sweep file (Python `sweep()` or a YAML grid), as override lists."""
+    path = Path(path)
+    if path.suffix == ".py":
+        spec = importlib.util.spec_from_file_location(f"_zoo_sweep_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if not hasattr(module, "sweep"):
+            raise ValueError(f"{path} must define sweep() returning a list of runs")
+        runs = [normalize(run) for run in module.sweep()]
+    elif path.suffix in (".yaml", ".yml"):
+        data = yaml.safe_load(path.read_text()) or {}
+        if "grids" in data:
+            if set(data) - {"grids"}:
+                raise ValueError(f"{path}: with `grids`, no other top-level keys are allowed")
+            runs = [run for block in data["grids"] for run in grid_runs(block)]
+        else:
+            runs = grid_runs(data)
+    else:
+        raise ValueError(f"sweep file must be .py or .yaml, got {path}")
+    if not runs:
+        raise ValueError(f"{path} defines no runs")
+    return runs
+
+
+def _worker_init(devices, threads: int) -> None:
+    """Runs once per worker: take one device for the worker's lifetime; set the CPU threads."""
+    device = devices.get()
+    os.environ["ZOO_SWEEP_DEVICE"] = device
+    if device.startswith("cuda:"):
+        # Before torch initialises CUDA in this process: the worker sees its one GPU as cuda:0.
+        os.environ["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _device_overrides() -> list[str]:
+    """In a pool worker, the device it owns (its one visible GPU is cuda:0); nothing elsewhere."""
+    device = os.environ.get("ZOO_SWEEP_DEVICE")
+    if device is None:
+        return []
+    return ["train.device=" + ("cuda" if device.startswith("cuda") else device)]
+
+
+def run_one(overrides: list[str], extra: list[str]) -> dict[str, Any]:
+    """Compose, then train one run unless it already finished; never raises (failures are returned)."""
+    from zoo.runs import RunDir
+    from zoo.train import ConfigError, load_config, run_name, train
+
+    record: dict[str, Any] = {"overrides": overrides, "run_dir": None}
+    full = overrides + extra + ["train.progress=false"] + _device_overrides()
+    t0 = time.perf_counter()
+    try:
+        cfg, resolved = load_config(full)
+    except ConfigError as e:
+        return record | {"status": "failed", "error": f"config: {e}"}
+    run = RunDir(Path(cfg.runs_root) / cfg.experiment_name / run_name(cfg))
+    record["run_dir"] = str(run.path)
+    if run.is_finished():
+        return record | {"status": "skipped"}
+    if run.exists():
+        cfg.train.resume = True
+    try:
+        summary = train(cfg, resolved)
+    except Exception:  # a failing run is recorded; the sweep goes on
+        run.path.mkdir(parents=True, exist_ok=True)
+        (run.path / "error.txt").write_text(traceback.format_exc())
+        return record | {"status": "failed", "error": traceback.format_exc().strip().splitlines()[-1]}
+    (run.path / "error.txt").unlink(missing_ok=True)
+    return record | {
+        "status": "finished",
+        "wall_s": time.perf_counter() - t0,
+        "valid/accuracy": summary.get("valid/accuracy"),
+    }
+
+
+def devices_for(device: str, workers: int) -> list[str]:
+    """One device per worker: GPUs round-robin (cuda:i), or cpu."""
+    if device == "cpu":
+        return ["cpu"] * workers
+    import torch
+
+    count = torch.cuda.device_count()
+    if count == 0:
+        if device == "cuda":
+            raise RuntimeError("zoo-sweep --device cuda: no CUDA device visible")
+        return ["cpu"] * workers
+    return [f"cuda:{i % count}" for i in range(workers)]
+
+
+def run_sweep(
+    runs: list[list[str]],
+    name: str,
+    workers: int = 1,
+    device: str = "auto",
+    extra: list[str] = (),
+    runs_root: str | None = None,
+) -> dict[str, Any]:
+    """Run every run (see the module docstring); write and return the sweep record."""
+    import multiprocessing
+
+    from tqdm.auto import tqdm
+
+    extra = list(extra) + ([f"runs_root={runs_root}"] if runs_root else [])
+    results: list[dict[str, Any] | None] = [None] * len(runs)
+    t0 = time.perf_counter()
+    bar = tqdm(total=len(runs), desc=f"sweep {name}", dynamic_ncols=True)
+    if workers <= 1:
+        serial_extra = extra + ([f"train.device={device}"] if device != "auto" else [])
+        for i, run in enumerate(runs):
+            results[i] = run_one(run, serial_extra)
+            bar.update(1)
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        queue = ctx.Manager().Queue()
+        for dev in devices_for(device, workers):
+            queue.put(dev)
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=(queue, threads)) as pool:
+            futures = {pool.submit(run_one, run, extra): i for i, run in enumerate(runs)}
+            for future in as_completed(futures):
+                i = futures[future]
+                try:
+                    results[i] = future.result()
+                except Exception as e:  # the worker process itself died
+                    results[i] = {"overrides": runs[i], "run_dir": None, "status": "failed", "error": repr(e)}
+                bar.update(1)
+    bar.close()
+    counts = {s: sum(r["status"] == s for r in results) for s in ("finished", "skipped", "failed")}
+    record = {"sweep": name, "runs": results, **counts, "wall_s": time.perf_counter() - t0}
+    root = Path(runs_root) if runs_root else _runs_root_of(runs[0], extra)
+    out = root / SWEEPS_DIR / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    record["path"] = str(out)
+    return record
+
+
+def _runs_root_of(run: list[str], extra: list[str]) -> Path:
+    for override in reversed(run + extra):
+        if override.startswith("runs_root="):
+            return Path(override.split("=", 1)[1])
+    return Path("runs")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="zoo-sweep", description=__doc__.split("\n\n")[0])
+    parser.add_argument("sweep_file")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides added to every run (e.g. train.epochs=2)")
+    parser.add_argument("--workers", type=int, default=0, help="parallel runs (default: 4 per GPU, else 1)")
+    parser.add_argument("--runs-per-gpu", type=int, default=4)
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--runs-root", default=None)
+    parser.add_argument("--name", default=None, help="sweep name (default: the file's directory or stem)")
+    parser.add_argument("--dry-run", action="store_true", help="list the runs and their state, run nothing")
+    parser.add_argument("--emit", action="store_true", help="print one zoo-train command per run")
+    args = parser.parse_args(argv)
+    runs = load_sweep(args.sweep_file)
+    path = Path(args.sweep_file)
+    name = args.name or (path.parent.name if path.stem == "sweep" else path.stem)
+    extra = list(args.overrides) + ([f"runs_root={args.runs_root}"] if args.runs_root else [])
+    if args.emit:
+        import shlex
+
+        for run in runs:
+            print(shlex.join(["zoo-train", *run, *extra]))
+        return
+    if args.dry_run:
+        _dry_run(runs, extra)
+        return
+    workers = args.workers
+    if workers <= 0:
+        import torch
+
+        workers = args.runs_per_gpu * torch.cuda.device_count() if args.device != "cpu" else 1
+        workers = max(1, workers)
+    record = run_sweep(runs, name, workers, args.device, list(args.overrides), args.runs_root)
+    print(
+        f"zoo-sweep {name}: {record['finished']} finished, {record['skipped']} skipped, "
+        f"{record['failed']} failed in {record['wall_s']:.1f} s -> {record['path']}"
+    )
+    for r in record["runs"]:
+        if r["status"] == "failed":
+            print(f"  failed: {' '.join(r['overrides'])}: {r['error']}", file=sys.stderr)
+    if record["failed"]:
+        raise SystemExit(1)
+
+
+def _dry_run(runs: list[list[str]], extra: list[str]) -> None:
+    from zoo.runs import RunDir
+    from zoo.train import ConfigError, load_config, run_name
+
+    for run in runs:
+        try:
+            cfg, _ = load_config(run + extra)
+        except ConfigError as e:
+            print(f"invalid  {' '.join(run)}: {e}")
+            continue
+        path = Path(cfg.runs_root) / cfg.experiment_name / run_name(cfg)
+        state = "done" if RunDir(path).is_finished() else ("partial" if RunDir(path).exists() else "todo")
+        print(f"{state:8s} {path}")
+
+
+if __name__ == "__main__":
+    main()
