@@ -1,0 +1,206 @@
+"""`zoo-plot <runs dir>`: the recall figures from run directories (never from a tracker).
+
+    zoo-plot runs/zoology_fig2                   # writes the PNGs and summary.json into runs/zoology_fig2
+    zoo-plot runs/zoology_fig2 --out experiments/zoology_fig2
+
+Every finished run below the directory (summary.json present) is one (mixer, d_model, lr) result. A point is
+a (mixer, d_model, state size) group; its learning rate is the one with the best validation accuracy (model
+selection on the validation split), and the point reports that run's test accuracy. Figures:
+
+- `accuracy_vs_state.png`: test accuracy against recurrent state in bytes at fp32 (4 × `state_size` at the
+  longest training length), one series per mixer, and the frontier: the best accuracy reached at or below
+  each state size, over all mixers.
+- `accuracy_vs_d_model.png`: test accuracy against d_model, one panel per test sequence length.
+
+`summary.json` beside them holds every point, the frontier and the runs they came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from zoo.runs import find_runs
+
+SELECT = "valid/accuracy"
+REPORT = "test/accuracy"
+
+
+def mixer_label(summary: dict[str, Any]) -> str:
+    """The mixers of a run in pattern order, e.g. 'base_conv+based'."""
+    return "+".join(dict.fromkeys(summary["layers"]))
+
+
+def collect(root: str | Path) -> list[dict[str, Any]]:
+    """Summaries of the finished runs below root, each with its run dir added."""
+    out = []
+    for run in find_runs(root):
+        if run.is_finished():
+            out.append(run.read_summary() | {"run_dir": str(run.path)})
+    return out
+
+
+def best_lr_points(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One point per (mixer, d_model, state bytes, experiment): the lr with the best validation accuracy."""
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for s in summaries:
+        groups[(mixer_label(s), s["d_model"], s["state_bytes_fp32"], s.get("experiment"))].append(s)
+    points = []
+    for (mixer, d_model, state_bytes, _), runs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+        best = max(runs, key=lambda s: (s.get(SELECT, -1.0), -s["lr"]))
+        slices = {k[len(REPORT) + 1 :]: v for k, v in best.items() if k.startswith(REPORT + "/")}
+        points.append(
+            {
+                "mixer": mixer,
+                "d_model": d_model,
+                "state_bytes_fp32": state_bytes,
+                "lr": best["lr"],
+                "valid_accuracy": best.get(SELECT),
+                "test_accuracy": best.get(REPORT),
+                "test_slices": slices,
+                "lrs_tried": sorted(s["lr"] for s in runs),
+                "run_dir": best["run_dir"],
+            }
+        )
+    return points
+
+
+def frontier(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The points not beaten by any point with a smaller or equal state: ascending state, rising accuracy."""
+    out, best = [], -math.inf
+    for p in sorted(points, key=lambda p: (p["state_bytes_fp32"], -(p["test_accuracy"] or 0.0))):
+        acc = p["test_accuracy"] if p["test_accuracy"] is not None else -math.inf
+        if acc > best:
+            out.append(
+                {
+                    "mixer": p["mixer"],
+                    "d_model": p["d_model"],
+                    "state_bytes_fp32": p["state_bytes_fp32"],
+                    "test_accuracy": acc,
+                }
+            )
+            best = acc
+    return out
+
+
+def seq_lens(points: list[dict[str, Any]]) -> list[int]:
+    lengths = set()
+    for p in points:
+        for key in p["test_slices"]:
+            m = re.fullmatch(r"seq_len=(\d+)", key)
+            if m:
+                lengths.add(int(m.group(1)))
+    return sorted(lengths)
+
+
+def plot(points: list[dict[str, Any]], front: list[dict[str, Any]], out: Path, title: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_mixer: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for p in points:
+        by_mixer[p["mixer"]].append(p)
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for mixer, ps in sorted(by_mixer.items()):
+        ps = sorted(ps, key=lambda p: p["state_bytes_fp32"])
+        ax.plot([p["state_bytes_fp32"] for p in ps], [p["test_accuracy"] for p in ps], "o-", label=mixer, alpha=0.8)
+    if front:
+        ax.step(
+            [f["state_bytes_fp32"] for f in front],
+            [f["test_accuracy"] for f in front],
+            "k--",
+            where="post",
+            label="frontier",
+            linewidth=1,
+        )
+    ax.set_xscale("log")
+    ax.set_xlabel("recurrent state (bytes, fp32)")
+    ax.set_ylabel("test accuracy (best lr by valid)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out / "accuracy_vs_state.png")
+    fig.savefig(paths[-1], dpi=130)
+    plt.close(fig)
+
+    lengths = seq_lens(points) or [None]
+    fig, axes = plt.subplots(1, len(lengths), figsize=(4 * len(lengths), 3.8), squeeze=False)
+    for ax, L in zip(axes[0], lengths):
+        key = f"seq_len={L}"
+        for mixer, ps in sorted(by_mixer.items()):
+            # Best point per d_model for this length (several state sizes can share a d_model).
+            best: dict[int, float] = {}
+            for p in ps:
+                acc = p["test_slices"].get(key, p["test_accuracy"]) if L is not None else p["test_accuracy"]
+                if acc is not None:
+                    best[p["d_model"]] = max(best.get(p["d_model"], -1.0), acc)
+            ds = sorted(best)
+            ax.plot(ds, [best[d] for d in ds], "o-", label=mixer, alpha=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("d_model")
+        ax.set_title(f"L = {L}" if L is not None else "all lengths")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("test accuracy")
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out / "accuracy_vs_d_model.png")
+    fig.savefig(paths[-1], dpi=130)
+    plt.close(fig)
+    return paths
+
+
+def make_figures(root: str | Path, out: str | Path | None = None, title: str | None = None) -> dict[str, Any]:
+    """Collect, select, plot; write summary.json next to the PNGs and return it."""
+    root = Path(root)
+    out = Path(out) if out is not None else root
+    summaries = collect(root)
+    if not summaries:
+        raise ValueError(f"no finished runs (summary.json) below {root}")
+    points = best_lr_points(summaries)
+    front = frontier(points)
+    out.mkdir(parents=True, exist_ok=True)
+    figures = plot(points, front, out, title or root.name)
+    record = {
+        "runs_dir": str(root),
+        "num_runs": len(summaries),
+        "selection": SELECT,
+        "reported": REPORT,
+        "points": points,
+        "frontier": front,
+        "figures": [p.name for p in figures],
+    }
+    (out / "summary.json").write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="zoo-plot", description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs_dir")
+    parser.add_argument("--out", default=None, help="where the PNGs and summary.json go (default: runs_dir)")
+    parser.add_argument("--title", default=None)
+    args = parser.parse_args(argv)
+    try:
+        record = make_figures(args.runs_dir, args.out, args.title)
+    except ValueError as e:
+        raise SystemExit(f"zoo-plot: error: {e}") from None
+    out = Path(args.out or args.runs_dir)
+    print(
+        f"zoo-plot: {record['num_runs']} runs -> {len(record['points'])} points, "
+        f"{len(record['frontier'])} on the frontier; wrote {', '.join(record['figures'])} and summary.json to {out}"
+    )
+
+
+if __name__ == "__main__":
+    main()
