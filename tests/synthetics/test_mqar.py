@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from zoo.synthetics import MQARConfig, Segment, generate, generate_mqar, generate_mqar_reference
+from zoo.synthetics import MQARConfig, Segment, generate, generate_mqar, generate_mqar_reference, mqar
 from zoo.synthetics.mqar import (
     _distinct_per_row,
     _random_permutations,
@@ -115,9 +115,10 @@ def test_seeded(random_non_queries):
     assert torch.equal(r1.inputs, r2.inputs) and torch.equal(r1.labels, r2.labels)
 
 
-def test_output_does_not_depend_on_thread_count():
-    # 20k rows: several assembly tasks, each with its own filler stream.
-    cfg = MQARConfig(vocab_size=64, seq_len=16, num_kv_pairs=2, num_examples=20_000, random_non_queries=True)
+def test_chunks_of_rows_use_their_own_streams():
+    """Rows come in chunks, each from its own stream: chunks must not repeat one another, whatever the threads."""
+    chunk = mqar._ROWS_PER_CHUNK
+    cfg = MQARConfig(vocab_size=64, seq_len=16, num_kv_pairs=2, num_examples=2 * chunk + 100, random_non_queries=True)
     before = torch.get_num_threads()
     try:
         segs = []
@@ -127,6 +128,8 @@ def test_output_does_not_depend_on_thread_count():
     finally:
         torch.set_num_threads(before)
     assert torch.equal(segs[0].inputs, segs[1].inputs) and torch.equal(segs[0].labels, segs[1].labels)
+    x = segs[0].inputs
+    assert not torch.equal(x[:100], x[chunk : chunk + 100]) and not torch.equal(x[:100], x[2 * chunk :])
 
 
 def test_output_is_pinned_to_generator_version():
