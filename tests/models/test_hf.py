@@ -92,8 +92,9 @@ def test_greedy_generate_equals_argmax_over_full_recomputation():
     assert torch.equal(out[0], argmax_reference(model, prompt, 20))
 
 
-def test_chunked_prefill_then_decode_equals_one_forward():
-    model = tiny()
+@pytest.mark.parametrize("slice_tokens", [0, 7], ids=["whole-batch", "row-slices"])
+def test_chunked_prefill_then_decode_equals_one_forward(slice_tokens):
+    model = tiny(prefill_chunk_tokens=slice_tokens)
     ids = torch.randint(0, VOCAB, (3, 15))
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
@@ -162,6 +163,22 @@ def test_left_padded_batch_equals_each_sequence_alone(pattern):
         assert torch.equal(batch.sequences[i, ids.shape[1] :], alone.sequences[0, len(p) :]), f"row {i}"
         for step, (s_batch, s_alone) in enumerate(zip(batch.scores, alone.scores)):
             torch.testing.assert_close(s_batch[i], s_alone[0], rtol=1e-4, atol=1e-4, msg=f"row {i} step {step}")
+
+
+def test_prefill_in_row_slices_equals_one_batched_prefill():
+    model = tiny()
+    ids, mask = left_pad([torch.randint(1, VOCAB, (n,)) for n in (3, 12, 7, 12, 5)], 0)
+    kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    whole = model.generate(ids, output_scores=True, return_dict_in_generate=True, **kwargs)
+    model.config.prefill_chunk_tokens = 2 * ids.shape[1]  # slices of two rows
+    sliced = model.generate(ids, output_scores=True, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(sliced.sequences, whole.sequences)
+    for a, b in zip(sliced.scores, whole.scores):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        last = model(ids[1:2], use_cache=True, logits_to_keep=3).logits
+        full = model(ids[1:2], use_cache=False).logits
+    torch.testing.assert_close(last, full[:, -3:], rtol=1e-5, atol=1e-5)
 
 
 def test_forward_with_left_padding_and_no_cache_matches_unpadded():

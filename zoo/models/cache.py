@@ -183,12 +183,15 @@ def prefill(
     input_ids: torch.Tensor,
     cache: ZooCache,
     attention_mask: torch.Tensor | None = None,
+    keep: int = 0,
+    max_tokens: int = 0,
 ) -> torch.Tensor:
-    """Run input_ids [B, T] into `cache` and return final hidden states [B, T, d_model].
+    """Run input_ids [B, T] into `cache`; return final hidden states [B, T, d_model] ([B, keep, d] if keep > 0).
 
     On a fresh cache, a left-padded attention_mask [B, T] is honoured as described in the module docstring
     (pad positions get zero hidden states). On a cache that already holds tokens, the new tokens must all be
-    real (the mask's last T columns all ones).
+    real (the mask's last T columns all ones). max_tokens > 0 runs the rows in slices of at most
+    max(1, max_tokens // T) rows, so a large batch fits in memory; the result is the same.
     """
     B, T = input_ids.shape
     if attention_mask is not None and attention_mask.shape[1] != cache.seen_tokens + T:
@@ -199,36 +202,47 @@ def prefill(
     if cache.seen_tokens > 0 or attention_mask is None or bool(attention_mask[:, -T:].all()):
         if attention_mask is not None and not bool(attention_mask[:, -T:].all()):
             raise ValueError("padding after the first forward of a cache is not supported: pad prompts on the left")
+        pads = torch.zeros(B, dtype=torch.long, device=input_ids.device)
+    else:
+        pads = _left_pad_counts(attention_mask)
+    max_rows = B if max_tokens <= 0 else max(1, max_tokens // T)
+    if max_rows >= B and not bool(pads.any()):
+        # One batched call straight into the cache: the common case, and the one without copies.
         h = model.hidden_states(input_ids, cache.states)
         cache.seen_tokens += T
-        return h
-    pads = _left_pad_counts(attention_mask)
-    h = None
+        return h[:, -keep:] if keep else h
+    K = min(keep, T) if keep else T
+    out = None
     for pad in sorted(set(pads.tolist())):
-        rows = (pads == pad).nonzero()[:, 0]  # [G]
-        group = _fresh_group_state(cache.states, rows, pad)
-        h_group = model.hidden_states(input_ids[rows, pad:], group)  # [G, T - pad, d]
-        if h is None:
-            h = h_group.new_zeros(B, T, h_group.shape[-1])
-        h[rows, pad:] = h_group
-        for full, part in zip(cache.states, group):
-            if full is None:
-                continue
-            for key, tensor in full.items():
-                if _batched(key, tensor):
-                    tensor[rows] = part[key]
-                else:
-                    tensor.copy_(part[key])  # every group ends at position T
+        for rows in (pads == pad).nonzero()[:, 0].split(max_rows):  # [G] each
+            group = _group_state(cache.states, rows, pad, fresh=cache.seen_tokens == 0)
+            h = model.hidden_states(input_ids[rows, pad:], group)  # [G, T - pad, d]
+            if out is None:
+                out = h.new_zeros(B, K, h.shape[-1])
+            n = min(K, T - pad)  # kept positions that hold real tokens, right-aligned
+            out[rows, K - n :] = h[:, h.shape[1] - n :]
+            for full, part in zip(cache.states, group):
+                for key, tensor in (full or {}).items():
+                    if _batched(key, tensor):
+                        tensor[rows] = part[key]
+    # The shared position moves once: every row ends T tokens further on (a fresh padded row starts at its pad).
+    for state in cache.states:
+        if state is not None and "pos" in state:
+            state["pos"].add_(T)
     cache.seen_tokens += T
-    return h
+    return out
 
 
-def _fresh_group_state(states: list[Any], rows: torch.Tensor, pad: int) -> list[Any]:
-    """Zeroed copies of `states` restricted to `rows`, with positions (and per-row starts) at `pad`."""
+def _group_state(states: list[Any], rows: torch.Tensor, pad: int, fresh: bool) -> list[Any]:
+    """The states of `rows` as separate tensors: copies of the cache's, or, when fresh, zeros with positions
+    (and per-row starts) at `pad`."""
     group = []
     for state in states:
         if state is None:
             group.append(None)
+            continue
+        if not fresh:
+            group.append({k: (t[rows] if _batched(k, t) else t.clone()) for k, t in state.items()})
             continue
         part = {k: (torch.zeros_like(t[rows]) if _batched(k, t) else torch.zeros_like(t)) for k, t in state.items()}
         if "pos" in part:

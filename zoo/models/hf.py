@@ -46,7 +46,8 @@ class ZooConfig(PretrainedConfig):
 
     `ZooConfig()` is a CPU-sized hybrid with all three layer kinds of the Based LM (BaseConv, sliding window,
     Based), SwiGLU, RMSNorm and tied embeddings. `tie_word_embeddings` is ModelConfig's `tie_embeddings`.
-    `decode_cuda_graph`: decode through a CUDA graph on CUDA devices.
+    `decode_cuda_graph`: decode through a CUDA graph on CUDA devices. `prefill_chunk_tokens` > 0: prefill a
+    batch in slices of rows of at most that many tokens (0: the whole batch in one forward).
     """
 
     model_type = MODEL_TYPE
@@ -63,6 +64,7 @@ class ZooConfig(PretrainedConfig):
     tie_word_embeddings: bool = True
     use_cache: bool = True
     decode_cuda_graph: bool = True
+    prefill_chunk_tokens: int = 0
 
     def __post_init__(self, **kwargs) -> None:
         super().__post_init__(**kwargs)
@@ -176,18 +178,21 @@ class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
         if cache is None and use_cache:
             cache = self.make_cache(input_ids.shape[0])
         B, T = input_ids.shape
+        chunk = self.config.prefill_chunk_tokens
         if cache is None:
             if attention_mask is not None and not bool(attention_mask.all()):
                 # Padding needs the per-group prefill; a throwaway cache runs it.
-                h = prefill(self.model, input_ids, self.make_cache(B), attention_mask)
+                h = prefill(self.model, input_ids, self.make_cache(B), attention_mask, logits_to_keep, chunk)
             else:
                 h = self.model.hidden_states(input_ids)
-            logits = self.model.logits(h if logits_to_keep == 0 else h[:, -logits_to_keep:])
+                h = h[:, -logits_to_keep:] if logits_to_keep else h
         elif cache.seen_tokens > 0 and T == 1:
+            h = None
             logits = self._decode_step(input_ids[:, 0], cache)[:, None]  # [B, 1, vocab]
         else:
-            h = prefill(self.model, input_ids, cache, attention_mask)
-            logits = self.model.logits(h if logits_to_keep == 0 else h[:, -logits_to_keep:])
+            h = prefill(self.model, input_ids, cache, attention_mask, logits_to_keep, chunk)
+        if h is not None:
+            logits = self.model.logits(h)
         logits = logits.float()
 
         loss = None
