@@ -9,7 +9,7 @@ CUDA) as ZooForCausalLM, whose decode steps replay a CUDA graph over the fixed r
 graphs included), its depth chosen so its parameter count is closest to Based's. Both run through
 `model.generate` (greedy, exactly `--gen` new tokens) on the same random prompts of `--prompt` tokens.
 
-For each batch size, doubling until the model runs out of memory (or up to --max-batch):
+For each batch size of --batches (by default ×4 from 1), until the model runs out of memory:
 - prefill: median time of one forward over the prompt batch that fills the cache (CUDA events);
 - decode: generated tokens/s = batch·gen / (generate time − prefill time), after a warm-up generate that
   compiles and captures what it needs (excluded);
@@ -173,8 +173,8 @@ def is_oom(err: BaseException) -> bool:
 
 
 def sweep(kind: str, model, args, timer: Timer, device) -> list[dict]:
-    rows, batch = [], 1
-    while batch <= args.max_batch:
+    rows = []
+    for batch in args.batches:
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
@@ -191,7 +191,6 @@ def sweep(kind: str, model, args, timer: Timer, device) -> list[dict]:
             f"{row['ms_per_step']:>9.2f} {row['decode_GB_per_s']:>8.0f}",
             flush=True,
         )
-        batch *= 2
     return rows
 
 
@@ -200,22 +199,31 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="CPU-sized models and lengths (a smoke run)")
     parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (1024; tiny: 32)")
     parser.add_argument("--gen", type=int, default=None, help="generated tokens (1024; tiny: 16)")
-    parser.add_argument("--max-batch", type=int, default=None, help="largest batch tried (4096; tiny: 2)")
+    parser.add_argument("--batches", default=None, help="comma-separated batch sizes (1,4,...,4096; tiny: 1,2)")
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=131072, help="Based prefill row slices (GPU)")
     parser.add_argument("--repeats", type=int, default=3, help="prefill timings per batch (median)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     device = torch.device(args.device)
     if args.tiny:
         preset, vocab, dtype, impl = "based_tiny", 512, torch.float32, "naive"
-        args.prompt, args.gen, args.max_batch = args.prompt or 32, args.gen or 16, args.max_batch or 2
+        args.prompt, args.gen, batches = args.prompt or 32, args.gen or 16, args.batches or "1,2"
         args.repeats = 1
     else:
         preset, vocab, impl = "based_1b", 50304, "triton" if device.type == "cuda" else "naive"
         dtype = torch.bfloat16
-        args.prompt, args.gen, args.max_batch = args.prompt or 1024, args.gen or 1024, args.max_batch or 4096
+        args.prompt, args.gen, batches = (
+            args.prompt or 1024,
+            args.gen or 1024,
+            args.batches or "1,4,16,64,256,1024,4096",
+        )
+    args.batches = [int(b) for b in batches.split(",")]
     torch.manual_seed(0)
     timer = Timer(device)
     based = based_model(preset, vocab, device, dtype, impl)
+    if device.type == "cuda":
+        # A whole batch of long prompts in one forward would need far more activation memory than decoding.
+        based.config.prefill_chunk_tokens = args.prefill_chunk_tokens
     d = based.config.d_model
     llama = llama_model(based.num_parameters(), d, max(1, d // 64), vocab, device, dtype)
     bandwidth = copy_bandwidth(device, timer)
