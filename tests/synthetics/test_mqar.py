@@ -60,6 +60,8 @@ LAYOUTS = {
     "all-slots-queried": MQARConfig(vocab_size=64, seq_len=32, num_kv_pairs=8, num_examples=300),
     "keys-crowd-range": MQARConfig(vocab_size=34, seq_len=32, num_kv_pairs=8, num_examples=300),
     "power_a=1": MQARConfig(vocab_size=128, seq_len=64, num_kv_pairs=4, num_examples=300, power_a=1.0),
+    "smallest": MQARConfig(vocab_size=5, seq_len=4, num_kv_pairs=1, num_examples=50),
+    "vocab-above-int16": MQARConfig(vocab_size=100_000, seq_len=64, num_kv_pairs=8, num_examples=300),
 }
 
 
