@@ -1,0 +1,68 @@
+"""Zoology Fig. 2 (Arora et al., 2023): MQAR accuracy against d_model for seven mixers at three lengths.
+
+Grid (shared/REFERENCE.md §1): (L, n) ∈ {(64, 4), (128, 8), (256, 16)}, d_model ∈ {64, 128, 256, 512},
+lr ∈ logspace(-4, -2, 4), mixers attention, Hyena, RWKV, BaseConv, H3 (d_state = L), Based (feature dim 8
+after a gated short conv) and Mamba: 7·4·4·3 = 336 runs. 2 layers, no MLP, 100k train / 1k valid / 3k test
+examples, batch 512/512/256, 64 epochs, early stop at 0.99 valid accuracy, AdamW wd 0.1, cosine, no warmup.
+Each length is its own run (one panel of the figure). Learning rates are selected on validation.
+
+    zoo-sweep experiments/zoology_fig2/sweep.py --runs-root runs          # the full grid (GPU)
+    ZOO_FIG2=tiny zoo-sweep experiments/zoology_fig2/sweep.py --device cpu --runs-root runs   # CPU smoke grid
+
+`ZOO_FIG2=tiny` shrinks everything (L ∈ {32, 64}, d ∈ {16, 32}, one lr, 2k examples, 8 epochs, naive impls)
+so the whole pipeline runs on a laptop CPU; it lands in its own experiment, zoology_fig2_tiny.
+"""
+
+import os
+
+MIXERS = ["attention", "hyena", "rwkv", "base_conv", "h3", "based", "mamba"]
+
+
+def model_overrides(mixer: str, L: int, gpu: bool) -> dict:
+    """The model of one mixer at length L (2 layers, no MLP: the presets' defaults)."""
+    if mixer == "based":
+        return {"model": "based", "model.mixers.based.feature_dim": 8}
+    if mixer == "h3":
+        return {"model": "h3", "model.mixers.h3.d_state": L}
+    if mixer == "hyena":
+        return {"model": "hyena", "model.mixers.hyena.max_seq_len": L}
+    if mixer == "rwkv":
+        return {"model": "rwkv", "model.mixers.rwkv.num_heads": 1, "+model.mixers.rwkv.impl": "fla" if gpu else "naive"}
+    return {"model": mixer}
+
+
+def sweep():
+    tiny = os.environ.get("ZOO_FIG2") == "tiny"
+    if tiny:
+        lengths, d_models, lrs = [(32, 2, 64), (64, 4, 64)], [16, 32], [3e-3]
+        n_train, n_valid, n_test, epochs, experiment = 2000, 200, 300, 8, "zoology_fig2_tiny"
+    else:
+        lengths, d_models = [(64, 4, 512), (128, 8, 512), (256, 16, 256)], [64, 128, 256, 512]
+        lrs = [1e-4, 10 ** (-4 + 2 / 3), 10 ** (-4 + 4 / 3), 1e-2]
+        n_train, n_valid, n_test, epochs, experiment = 100_000, 1000, 3000, 64, "zoology_fig2"
+    runs = []
+    for L, n, batch in lengths:
+        seg = {"seq_len": L, "num_kv_pairs": n, "batch_size": batch}
+        data = {
+            "data.vocab_size": 8192,
+            "data.train": [seg | {"num_examples": n_train}],
+            "data.valid": [seg | {"num_examples": n_valid}],
+            "data.test": [seg | {"num_examples": n_test}],
+        }
+        for mixer in MIXERS:
+            for d in d_models:
+                for lr in lrs:
+                    runs.append(
+                        {
+                            **model_overrides(mixer, L, gpu=not tiny),
+                            "model.d_model": d,
+                            **data,
+                            "optim.lr": float(f"{lr:.4g}"),
+                            "optim.weight_decay": 0.1,
+                            "optim.warmup_frac": 0.0,
+                            "train.epochs": epochs,
+                            "train.early_stop": 0.99,
+                            "experiment_name": experiment,
+                        }
+                    )
+    return runs

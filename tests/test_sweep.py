@@ -1,0 +1,137 @@
+"""zoo-sweep and zoo-plot on CPU: a 4-config sweep runs, a re-run skips them, a bad config fails alone, the
+plot gets written."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from zoo.plot import best_lr_points, frontier, make_figures
+from zoo.sweep import load_sweep, main, run_sweep
+
+TINY = [
+    "model.d_model=16",
+    "data.vocab_size=64",
+    "train.epochs=1",
+    "train.early_stop=null",
+    "data.train=[{seq_len:16,num_kv_pairs:2,num_examples:64,batch_size:32}]",
+    "data.valid=[{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:32}]",
+    "data.test=[{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:32},"
+    "{seq_len:32,num_kv_pairs:4,num_examples:32,batch_size:32}]",
+]
+GRID = [[f"model={m}", f"optim.lr={lr}"] for m in ("based", "attention") for lr in ("1e-3", "3e-3")]
+
+
+def test_sweep_runs_skips_and_isolates_failures(tmp_path):
+    extra = TINY + ["experiment_name=t", f"data.cache_dir={tmp_path / 'cache'}"]
+    first = run_sweep(GRID, "t", workers=1, device="cpu", extra=extra, runs_root=str(tmp_path))
+    assert (first["finished"], first["skipped"], first["failed"]) == (4, 0, 0)
+    dirs = {r["run_dir"] for r in first["runs"]}
+    assert len(dirs) == 4 and all((Path(d) / "summary.json").exists() for d in dirs)
+
+    bad_config = ["model=based", "optim.lr=-1"]  # rejected when composed
+    # A valid config that raises in training: Hyena's history is shorter than the sequences.
+    bad_run = ["model=hyena", "model.mixers.hyena.max_seq_len=8"]
+    second = run_sweep(GRID + [bad_config, bad_run], "t", workers=1, device="cpu", extra=extra, runs_root=str(tmp_path))
+    statuses = [r["status"] for r in second["runs"]]
+    assert statuses == ["skipped"] * 4 + ["failed", "failed"]
+    assert "optim.lr must be > 0" in second["runs"][4]["error"]
+    error_txt = Path(second["runs"][5]["run_dir"]) / "error.txt"
+    assert "exceed max_seq_len=8" in error_txt.read_text()
+    record = json.loads((tmp_path / "_sweeps" / "t.json").read_text())
+    assert record["failed"] == 2 and record["skipped"] == 4
+
+    out = make_figures(tmp_path / "t", tmp_path / "fig")
+    assert (tmp_path / "fig" / "accuracy_vs_state.png").stat().st_size > 1000
+    assert (tmp_path / "fig" / "accuracy_vs_d_model.png").stat().st_size > 1000
+    on_disk = json.loads((tmp_path / "fig" / "summary.json").read_text())
+    assert on_disk["num_runs"] == 4 and len(on_disk["points"]) == 2 == len(out["points"])
+    assert {p["mixer"] for p in on_disk["points"]} == {"base_conv+based", "attention"}
+    assert all(p["lrs_tried"] == [0.001, 0.003] for p in on_disk["points"])
+    assert all(set(p["test_slices"]) >= {"seq_len=16", "seq_len=32"} for p in on_disk["points"])
+
+
+def test_sweep_files_python_and_yaml(tmp_path):
+    py = tmp_path / "s.py"
+    py.write_text(
+        "def sweep():\n"
+        "    return [['model=based'], {'model': 'attention', 'optim.lr': 0.01, 'train.early_stop': None}]\n"
+    )
+    assert load_sweep(py) == [["model=based"], ["model=attention", "optim.lr=0.01", "train.early_stop=null"]]
+    yml = tmp_path / "s.yaml"
+    yml.write_text(
+        "grids:\n  - base: [model=based]\n    grid: {optim.lr: [1, 2], model.d_model: [8]}\n"
+        "  - grid: {model: [attention]}\n"
+    )
+    assert load_sweep(yml) == [
+        ["model=based", "optim.lr=1", "model.d_model=8"],
+        ["model=based", "optim.lr=2", "model.d_model=8"],
+        ["model=attention"],
+    ]
+    yml.write_text("grid: {optim.lr: []}\n")
+    with pytest.raises(ValueError, match="non-empty list"):
+        load_sweep(yml)
+    yml.write_text("grid: {optim.lr: [1]}\nbases: []\n")
+    with pytest.raises(ValueError, match="unknown keys"):
+        load_sweep(yml)
+
+
+def test_repo_sweep_files_compose(capsys):
+    """Every committed sweep file loads and each of its runs composes into a valid config (nothing runs)."""
+    from zoo.train import load_config
+
+    repo = Path(__file__).resolve().parents[1]
+    experiments = [repo / "experiments" / name / "sweep.py" for name in ("zoology_fig2", "based_frontier")]
+    files = sorted(repo.glob("configs/sweep/*.yaml")) + experiments
+    assert files
+    for path in files:
+        runs = load_sweep(path)
+        for run in runs[:: max(1, len(runs) // 8)]:
+            load_config(run)
+    main([str(repo / "configs/sweep/tiny.yaml"), "--emit"])
+    assert capsys.readouterr().out.count("zoo-train ") == len(load_sweep(repo / "configs/sweep/tiny.yaml"))
+
+
+def test_frontier_keeps_only_improvements():
+    runs = [
+        {
+            "layers": ["a"],
+            "d_model": 8,
+            "state_bytes_fp32": 10,
+            "lr": 1e-3,
+            "valid/accuracy": 0.5,
+            "test/accuracy": 0.4,
+            "run_dir": "x",
+        },
+        {
+            "layers": ["a"],
+            "d_model": 8,
+            "state_bytes_fp32": 10,
+            "lr": 1e-2,
+            "valid/accuracy": 0.6,
+            "test/accuracy": 0.3,
+            "run_dir": "y",
+        },
+        {
+            "layers": ["b"],
+            "d_model": 8,
+            "state_bytes_fp32": 20,
+            "lr": 1e-3,
+            "valid/accuracy": 0.2,
+            "test/accuracy": 0.2,
+            "run_dir": "z",
+        },
+        {
+            "layers": ["b"],
+            "d_model": 16,
+            "state_bytes_fp32": 40,
+            "lr": 1e-3,
+            "valid/accuracy": 0.9,
+            "test/accuracy": 0.9,
+            "run_dir": "w",
+        },
+    ]
+    points = best_lr_points(runs)
+    a = next(p for p in points if p["mixer"] == "a")
+    assert a["lr"] == 1e-2 and a["test_accuracy"] == 0.3, "lr is chosen on validation, not test"
+    assert [(f["state_bytes_fp32"], f["test_accuracy"]) for f in frontier(points)] == [(10, 0.3), (40, 0.9)]
