@@ -1,0 +1,117 @@
+"""Benchmark: wall-clock per run of the Zoology Fig. 2 reference config, and the whole grid extrapolated.
+
+    python experiments/bench/sweep_speed.py               # L=256, n=16, d_model=128, 100k examples/epoch
+    python experiments/bench/sweep_speed.py --tiny        # CPU-sized: L=64, n=4, d_model=32, 2k examples
+
+For Based (BaseConv + Based, f=8) and attention it measures, in this process: MQAR generation of one
+epoch's examples (no cache), and `zoo.train.train` for `--epochs` epochs (early stop off) — the epoch time
+is the training wall time over the epochs, evaluation included. A run of the grid costs generation plus up
+to 64 epochs (early stop at 0.99 cuts most runs short; the worst case is reported). The grid figure assumes
+336 such runs executed one after another; `zoo-sweep` runs several per GPU, so divide by the concurrency
+measured there.
+
+Baseline (quoted, not run here: shared/REFERENCE.md §1, one H200): Zoology takes 9–10 s per epoch of this
+config plus ≈20 s of data generation per run, ≈20–37 GPU-hours for the grid. Target: the grid in ≤ 30 min.
+Prints a table, then one JSON line.
+"""
+
+import argparse
+import json
+import tempfile
+import time
+
+from zoo.synthetics import MQARConfig, generate_mqar
+from zoo.train import load_config, train
+
+GRID_RUNS = 336
+MAX_EPOCHS = 64
+ZOOLOGY_EPOCH_S = (9.0, 10.0)
+ZOOLOGY_GEN_S = 20.0
+TARGET_GRID_S = 30 * 60
+
+
+def measure(mixer: str, L: int, n: int, d: int, examples: int, batch: int, epochs: int, root: str) -> dict:
+    def seg(count: int) -> str:
+        return f"{{seq_len:{L},num_kv_pairs:{n},num_examples:{count},batch_size:{batch}}}"
+
+    overrides = [
+        f"model={mixer}",
+        f"model.d_model={d}",
+        "data.vocab_size=8192",
+        "data.cache=false",
+        f"data.train=[{seg(examples)}]",
+        f"data.valid=[{seg(1000)}]",
+        f"data.test=[{seg(1000)}]",
+        f"train.epochs={epochs}",
+        "train.early_stop=null",
+        "train.progress=false",
+        "optim.warmup_frac=0.0",
+        f"runs_root={root}",
+        f"experiment_name=bench_{mixer}",
+    ]
+    if mixer == "based":
+        overrides.append("model.mixers.based.feature_dim=8")
+    cfg, resolved = load_config(overrides)
+    t0 = time.perf_counter()
+    generate_mqar(MQARConfig(vocab_size=8192, seq_len=L, num_kv_pairs=n, num_examples=examples), seed=0)
+    gen_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    summary = train(cfg, resolved)
+    total_s = time.perf_counter() - t0
+    epoch_s = summary["wall_time_s"] / epochs
+    return {
+        "mixer": mixer,
+        "gen_s": gen_s,
+        "epoch_s": epoch_s,
+        "run_total_s": total_s,
+        "tokens_per_s": summary["train_tokens_per_s"],
+        "worst_run_s": gen_s + MAX_EPOCHS * epoch_s,
+        "device": summary["device"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="CPU-sized config")
+    parser.add_argument("--epochs", type=int, default=2)
+    args = parser.parse_args()
+    if args.tiny:
+        shape = dict(L=64, n=4, d=32, examples=2000, batch=64)
+    else:
+        shape = dict(L=256, n=16, d=128, examples=100_000, batch=256)
+    rows = []
+    with tempfile.TemporaryDirectory() as root:
+        for mixer in ("based", "attention"):
+            rows.append(measure(mixer, **shape, epochs=args.epochs, root=root))
+    print(f"config: {shape}, epochs measured: {args.epochs}, device: {rows[0]['device']}")
+    print(f"{'mixer':10s} {'gen s':>8s} {'epoch s':>9s} {'tok/s':>12s} {'worst run s':>12s} {'vs Zoology epoch':>17s}")
+    for r in rows:
+        # Against Zoology's H200 epoch only for the reference shape; a --tiny epoch is a different workload.
+        speedup = float("nan") if args.tiny else sum(ZOOLOGY_EPOCH_S) / 2 / r["epoch_s"]
+        r["epoch_speedup_vs_zoology"] = None if args.tiny else speedup
+        print(
+            f"{r['mixer']:10s} {r['gen_s']:8.2f} {r['epoch_s']:9.2f} {r['tokens_per_s']:12.0f} "
+            f"{r['worst_run_s']:12.1f} {speedup:16.2f}x"
+        )
+    mean_worst = sum(r["worst_run_s"] for r in rows) / len(rows)
+    grid_worst_s = GRID_RUNS * mean_worst
+    result = {
+        "bench": "sweep_speed",
+        "tiny": args.tiny,
+        "shape": shape,
+        "epochs_measured": args.epochs,
+        "device": rows[0]["device"],
+        "runs": rows,
+        "grid_serial_worst_case_s": grid_worst_s,
+        "zoology_grid_gpu_hours_quoted": [20, 37],
+        "target_grid_s": TARGET_GRID_S,
+        "note": "grid = 336 runs x (generation + 64 epochs), serial, worst case (no early stop), mean of based and "
+        "attention; Zoology figures are quoted from REFERENCE.md, not measured here"
+        + ("; --tiny shape, not the reference config" if args.tiny else ""),
+    }
+    print(f"grid, serial, worst case: {grid_worst_s / 3600:.2f} h (target {TARGET_GRID_S / 60:.0f} min on one H200)")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
