@@ -17,13 +17,14 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from zoo.runs import atomic_write_bytes
 
 FORMAT_VERSION = 1
 METADATA_KEY = "zoo.cartridge"
@@ -310,17 +311,7 @@ class Cartridge(nn.Module):
             "checksum": "sha256:" + tensor_checksum(tensors),
         }
         data = st_save(tensors, metadata={METADATA_KEY: json.dumps(meta, sort_keys=True)})
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write_bytes(path, data)
         return path
 
     @classmethod
