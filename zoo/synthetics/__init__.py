@@ -125,7 +125,15 @@ def _save(segment: Segment, path: Path, meta: dict) -> None:
         columns[key] = pa.FixedSizeListArray.from_arrays(flat, length)
     features = datasets.Features({k: datasets.Sequence(datasets.Value("int64"), length=length) for k in columns})
     table = pa.table(columns).cast(features.arrow_schema)
-    datasets.Dataset(table, info=datasets.DatasetInfo(features=features)).save_to_disk(str(path))
+    dataset = datasets.Dataset(table, info=datasets.DatasetInfo(features=features))
+    # A cache write takes milliseconds; datasets' own per-write progress bar would only clutter training logs.
+    was_enabled = datasets.utils.logging.is_progress_bar_enabled()
+    datasets.utils.logging.disable_progress_bar()
+    try:
+        dataset.save_to_disk(str(path))
+    finally:
+        if was_enabled:
+            datasets.utils.logging.enable_progress_bar()
     meta = {**meta, "slices": segment.slices, "num_examples": n, "seq_len": length, "version": GENERATOR_VERSION}
     (path / _META_FILE).write_text(json.dumps(meta, indent=1))
 
