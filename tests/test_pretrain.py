@@ -105,9 +105,11 @@ def test_presets_have_the_released_layer_pattern():
         assert abs(lm.num_parameters() - params) / params < 0.05, name
 
 
-def test_unknown_key_fails_before_work(tmp_path):
+def test_unknown_key_or_missing_source_fails_before_work(tmp_path):
     with pytest.raises(ConfigError):
         config(tmp_path, "train.stepz=3")
+    with pytest.raises(ConfigError, match="data.source"):
+        config(tmp_path, "lm_data@data=files")
 
 
 def test_resume_after_a_stop_reproduces_the_uninterrupted_run(tmp_path):

@@ -244,6 +244,8 @@ class LMDataConfig:
     cache_dir: str | None = None  # None: $ZOO_CACHE_DIR/lm_data or ~/.cache/zoo/lm_data
 
     def __post_init__(self) -> None:
+        if not self.source:
+            raise ValueError("data.source is empty: give a text file, directory, glob, saved dataset or 'embedded'")
         if self.seq_len < 1 or self.bpe_vocab_size < 260:
             raise ValueError("data.seq_len must be >= 1 and data.bpe_vocab_size >= 260 (bytes + specials)")
         if not 0 < self.valid_frac < 1:
