@@ -135,3 +135,6 @@ def test_frontier_keeps_only_improvements():
     a = next(p for p in points if p["mixer"] == "a")
     assert a["lr"] == 1e-2 and a["test_accuracy"] == 0.3, "lr is chosen on validation, not test"
     assert [(f["state_bytes_fp32"], f["test_accuracy"]) for f in frontier(points)] == [(10, 0.3), (40, 0.9)]
+    # The same constant state trained at another length is another point, not another lr to choose from.
+    other_length = dict(runs[0], state_bytes_seq_len=64, **{"valid/accuracy": 0.99})
+    assert len(best_lr_points([*runs, other_length])) == len(points) + 1

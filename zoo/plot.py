@@ -46,12 +46,21 @@ def collect(root: str | Path) -> list[dict[str, Any]]:
 
 
 def best_lr_points(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One point per (mixer, d_model, state bytes, experiment): the lr with the best validation accuracy."""
+    """One point per (mixer, d_model, state bytes, training length, experiment): the lr with the best validation
+    accuracy. The training length is part of the key because a constant-state mixer has the same state at
+    every length, and runs trained at different lengths must not compete."""
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for s in summaries:
-        groups[(mixer_label(s), s["d_model"], s["state_bytes_fp32"], s.get("experiment"))].append(s)
+        key = (
+            mixer_label(s),
+            s["d_model"],
+            s["state_bytes_fp32"],
+            s.get("state_bytes_seq_len", 0),
+            s.get("experiment"),
+        )
+        groups[key].append(s)
     points = []
-    for (mixer, d_model, state_bytes, _), runs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+    for (mixer, d_model, state_bytes, train_len, _), runs in sorted(groups.items(), key=lambda kv: kv[0][:4]):
         best = max(runs, key=lambda s: (s.get(SELECT, -1.0), -s["lr"]))
         slices = {k[len(REPORT) + 1 :]: v for k, v in best.items() if k.startswith(REPORT + "/")}
         points.append(
@@ -59,6 +68,7 @@ def best_lr_points(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "mixer": mixer,
                 "d_model": d_model,
                 "state_bytes_fp32": state_bytes,
+                "train_seq_len": train_len,
                 "lr": best["lr"],
                 "valid_accuracy": best.get(SELECT),
                 "test_accuracy": best.get(REPORT),
@@ -142,7 +152,8 @@ def plot(points: list[dict[str, Any]], front: list[dict[str, Any]], out: Path, t
             # Best point per d_model for this length (several state sizes can share a d_model).
             best: dict[int, float] = {}
             for p in ps:
-                acc = p["test_slices"].get(key, p["test_accuracy"]) if L is not None else p["test_accuracy"]
+                # A point tested without this length has nothing to say about its panel.
+                acc = p["test_slices"].get(key) if L is not None else p["test_accuracy"]
                 if acc is not None:
                     best[p["d_model"]] = max(best.get(p["d_model"], -1.0), acc)
             ds = sorted(best)
