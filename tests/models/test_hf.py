@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import zoo  # noqa: F401  (registers model_type "zoo")
 from zoo.models.cache import ZooCache
-from zoo.models.hf import ZooConfig, ZooForCausalLM
+from zoo.models.hf import CACHE_KEY, ZooConfig, ZooForCausalLM
 
 VOCAB = 64
 
@@ -114,7 +114,7 @@ def test_state_memory_is_the_same_after_10_and_1000_tokens():
     for n in (10, 1000):
         out = model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, return_dict_in_generate=True)
         assert out.sequences.shape[1] == 5 + n
-        caches.append(out.cache)
+        caches.append(getattr(out, CACHE_KEY))
     short, long = caches
     assert isinstance(long, ZooCache) and long.get_seq_length() == 5 + 1000 - 1  # the last token is never fed back
     assert long.nbytes() == short.nbytes()
@@ -128,7 +128,7 @@ def test_decode_updates_the_cache_in_place():
     ids = torch.randint(0, VOCAB, (2, 6))
     with torch.no_grad():
         out = model(ids, use_cache=True)
-        cache = out.cache
+        cache = getattr(out, CACHE_KEY)
         before = [(t.data_ptr(), t.clone()) for t in cache.tensors()]
         model(ids[:, :1], cache=cache, use_cache=True)
     for (ptr, _), t in zip(before, cache.tensors()):
@@ -254,7 +254,7 @@ def test_cuda_graph_decode_matches_eager():
     eager = model.generate(prompt, max_new_tokens=30, do_sample=False, output_scores=True, return_dict_in_generate=True)
     model.config.decode_cuda_graph = True
     graph = model.generate(prompt, max_new_tokens=30, do_sample=False, output_scores=True, return_dict_in_generate=True)
-    assert graph.cache.decode_graph is not None
+    assert getattr(graph, CACHE_KEY).decode_graph is not None
     assert torch.equal(graph.sequences, eager.sequences)
     for s_graph, s_eager in zip(graph.scores, eager.scores):
         torch.testing.assert_close(s_graph, s_eager)

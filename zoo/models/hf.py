@@ -16,7 +16,7 @@ step replays a CUDA graph captured over the cache's tensors.
 from __future__ import annotations
 
 import copy
-from dataclasses import field
+from dataclasses import field, fields
 from typing import Any
 
 import torch
@@ -28,6 +28,10 @@ from zoo.config import ModelConfig
 from zoo.models.cache import DecodeGraph, ZooCache, prefill
 from zoo.models.lm import LanguageModel
 from zoo.models.lm import _init_weights as _zoo_init_weights
+
+# transformers 5.2x names the cache of model outputs and generation inputs `cache`; earlier 5.x releases (5.17
+# on the H200 image) name it `past_key_values`. Accept both, and speak the installed release's name.
+CACHE_KEY = "cache" if "cache" in {f.name for f in fields(CausalLMOutputWithPast)} else "past_key_values"
 
 MODEL_TYPE = "zoo"
 
@@ -169,6 +173,8 @@ class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
         cache: a ZooCache to continue (in place); with `use_cache` and no cache, a new one is returned.
         labels [B, T]: next-token cross-entropy, -100 ignored (shifted inside, as in transformers).
         """
+        if cache is None:
+            cache = kwargs.pop("past_key_values", None)  # the name before transformers 5.2x
         if inputs_embeds is not None:
             raise ValueError("ZooForCausalLM takes input_ids only (the mixers' states start from token embeddings)")
         if input_ids is None:
@@ -202,7 +208,7 @@ class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
             loss = F.cross_entropy(
                 logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
             )
-        out = CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache if use_cache else None)
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_KEY: cache if use_cache else None})
         return out if return_dict else out.to_tuple()
 
     def _decode_step(self, ids: torch.Tensor, cache: ZooCache) -> torch.Tensor:
@@ -226,9 +232,11 @@ class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
         **kwargs,
     ) -> dict[str, Any]:
         """The tokens the cache has not seen, with the full attention mask (prefill reads its padding)."""
+        if cache is None:
+            cache = kwargs.pop("past_key_values", None)
         if cache is not None and cache.seen_tokens > 0:
             input_ids = input_ids[:, cache.seen_tokens :]
-        inputs = {"input_ids": input_ids.contiguous(), "cache": cache, "attention_mask": attention_mask}
+        inputs = {"input_ids": input_ids.contiguous(), CACHE_KEY: cache, "attention_mask": attention_mask}
         for key in ("use_cache", "logits_to_keep"):
             if key in kwargs:
                 inputs[key] = kwargs[key]
