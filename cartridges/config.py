@@ -10,14 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from zoo.config import ConfigError, compose_config
+
 SEED_PROMPT_TYPES = ("structuring", "summarization", "question", "use_case", "creative", "generic")
 METHODS = ("self_study", "hard_labels", "ntp")
 INITS = ("first_tokens", "random")
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "cartridge"
-
-
-class ConfigError(ValueError):
-    """A config that cannot run, with a one-line reason."""
 
 
 def _check_device(name: str, device: str) -> None:
@@ -183,44 +181,12 @@ def register_configs() -> None:
         cs.store(name=f"{name}_schema", node=schema)
 
 
-def _one_line(exc: BaseException | None) -> str:
-    parts = []
-    while exc is not None:
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        if lines and lines[0] not in parts:
-            parts.append(lines[0])
-        exc = exc.__cause__ or exc.__context__
-    return " ".join(reversed(parts)) if parts else "invalid config"
-
-
 def load_config(command: str, overrides: list[str] = ()) -> tuple[Any, str]:
     """Compose configs/cartridge/<command>.yaml with Hydra `overrides`: (typed config, resolved YAML)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
     if command not in SCHEMAS:
         raise ConfigError(f"unknown command {command!r}")
     register_configs()
-    GlobalHydra.instance().clear()
-    config_dir = Path(os.environ.get("CARTRIDGES_CONFIG_DIR", CONFIG_DIR))
-    try:
-        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
-            node = compose(config_name=command, overrides=list(overrides))
-        OmegaConf.resolve(node)
-        missing = sorted(OmegaConf.missing_keys(node))
-        if missing:
-            raise ConfigError(f"{command}: set {', '.join(missing)} (e.g. {missing[0]}=...)")
-        cfg = OmegaConf.to_object(node)
-    except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(_one_line(e)) from None
-    except (ValueError, TypeError) as e:
-        raise ConfigError(str(e).splitlines()[0]) from None
-    finally:
-        GlobalHydra.instance().clear()
-    return cfg, OmegaConf.to_yaml(node)
+    return compose_config(Path(os.environ.get("CARTRIDGES_CONFIG_DIR", CONFIG_DIR)), command, overrides)
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -64,3 +64,14 @@ def test_cli_prints_one_line_error_and_exits_2(tmp_path):
 def test_experiment_preset_and_experiment_name_do_not_collide():
     cfg, _ = load_config(["+experiment=demo", "experiment_name=mine"])
     assert cfg.experiment_name == "mine" and cfg.optim.lr == 3e-3
+
+
+def test_zoo_and_cartridges_configs_compose_in_one_process(tmp_path):
+    """A zoo config composed first must not turn a cartridges field (`model`) into a Hydra group."""
+    from cartridges.config import load_config as load_cartridge_config
+
+    load_config(["model=based"])
+    doc = tmp_path / "doc.md"
+    doc.write_text("text")
+    cfg, _ = load_cartridge_config("synthesize", ["model=tiny-llama", f"corpus.path={doc}", f"output={tmp_path}"])
+    assert cfg.model == "tiny-llama"

@@ -6,6 +6,7 @@ impossible values fail in `__post_init__`, which runs when the merged config is 
 """
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -224,11 +225,9 @@ def register_configs() -> None:
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
+    # Only root schemas: the presets merge into their typed nodes. A schema stored under a group name
+    # ("model", ...) would turn a plain field of the same name in another command's config into a group.
     cs.store(name="train_schema", node=Config)
-    cs.store(group="model", name="model_schema", node=ModelConfig)
-    cs.store(group="data", name="data_schema", node=DataConfig)
-    cs.store(group="optim", name="optim_schema", node=OptimConfig)
-    cs.store(group="logger", name="logger_schema", node=LoggerConfig)
 
 
 @dataclass
@@ -320,3 +319,50 @@ def register_pretrain_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="pretrain_schema", node=PretrainConfig)
     cs.store(group="lm_data", name="lm_data_schema", node=LMDataConfig)
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; its message is one line."""
+
+
+def _one_line(exc: BaseException | None) -> str:
+    """The most specific line of a Hydra/OmegaConf error chain."""
+    parts = []
+    while exc is not None:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        if lines and lines[0] not in parts:
+            parts.append(lines[0])
+        exc = exc.__cause__ or exc.__context__
+    return " ".join(reversed(parts)) if parts else "invalid config"
+
+
+def compose_config(config_dir: str | Path, config_name: str, overrides: list[str] = ()) -> tuple[Any, str]:
+    """Compose `<config_dir>/<config_name>.yaml` with Hydra `overrides` over the registered schemas.
+
+    Returns the typed config (dataclasses, their `__post_init__` checks run) and its resolved YAML. Every
+    failure (unknown key, missing value, impossible value) is a `ConfigError` with a one-line message.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+            node = compose(config_name=config_name, overrides=list(overrides))
+        OmegaConf.resolve(node)
+        missing = sorted(OmegaConf.missing_keys(node))
+        if missing:
+            raise ConfigError(f"{config_name}: set {', '.join(missing)} (e.g. {missing[0]}=...)")
+        cfg = OmegaConf.to_object(node)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(_one_line(e)) from None
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+    finally:
+        GlobalHydra.instance().clear()
+    return cfg, OmegaConf.to_yaml(node)

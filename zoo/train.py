@@ -21,7 +21,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
-from zoo.config import SPLITS, Config, register_configs
+from zoo.config import SPLITS, Config, ConfigError, compose_config, register_configs
 from zoo.device import autocast, resolve_device
 from zoo.eval import QuerySegment, evaluate, query_loss
 from zoo.models import LanguageModel
@@ -35,46 +35,14 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 EXECUTION_KEYS = {"train": ("resume", "overwrite", "progress", "device", "compile"), "logger": None}
 
 
-class ConfigError(ValueError):
-    """A config that cannot run; its message is one line."""
-
-
 def config_dir() -> Path:
     return Path(os.environ.get("ZOO_CONFIG_DIR", CONFIG_DIR))
 
 
-def _one_line(exc: BaseException) -> str:
-    """The most specific line of a Hydra/OmegaConf error chain."""
-    parts = []
-    while exc is not None:
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        if lines and lines[0] not in parts:
-            parts.append(lines[0])
-        exc = exc.__cause__ or exc.__context__
-    return " ".join(reversed(parts)) if parts else "invalid config"
-
-
 def load_config(overrides: list[str] = (), config_name: str = "train") -> tuple[Config, str]:
     """Compose configs/<config_name>.yaml with `overrides`; return the typed config and its resolved YAML."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
     register_configs()
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-            node = compose(config_name=config_name, overrides=list(overrides))
-        OmegaConf.resolve(node)
-        cfg = OmegaConf.to_object(node)
-    except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(_one_line(e)) from None
-    except (ValueError, TypeError) as e:
-        raise ConfigError(str(e).splitlines()[0]) from None
-    finally:
-        GlobalHydra.instance().clear()
-    return cfg, OmegaConf.to_yaml(node)
+    return compose_config(config_dir(), config_name, overrides)
 
 
 def run_name(cfg: Config) -> str:
