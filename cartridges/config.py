@@ -189,6 +189,32 @@ def load_config(command: str, overrides: list[str] = ()) -> tuple[Any, str]:
     return compose_config(Path(os.environ.get("CARTRIDGES_CONFIG_DIR", CONFIG_DIR)), command, overrides)
 
 
+def run_command(prog: str, command: str, usage: str, work, argv: list[str] | None = None):
+    """The shared shell of the cartridges commands: --help, --cfg, logging, and one-line errors (exit 2).
+
+    `work(cfg)` does the command's job; its result is returned (None after --help or --cfg).
+    """
+    import logging
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in args or "--help" in args:
+        print(usage)
+        return None
+    show = "--cfg" in args
+    args = [a for a in args if a != "--cfg"]
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        cfg, resolved = load_config(command, args)
+        if show:
+            print(resolved, end="")
+            return None
+        return work(cfg)
+    except ValueError as e:
+        print(f"{prog}: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def to_dict(cfg: Any) -> dict[str, Any]:
     from dataclasses import asdict
 

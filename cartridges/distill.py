@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import random
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 
 from cartridges.cache import Cartridge, cache_kwargs
-from cartridges.config import ConfigError, DistillConfig, load_config
+from cartridges.config import ConfigError, DistillConfig, run_command
 from cartridges.corpus import Corpus, context_ids
 
 log = logging.getLogger(__name__)
@@ -304,23 +303,9 @@ Keys: cartridges/config.py DistillConfig; preset configs/cartridge/distill.yaml.
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in args or "--help" in args:
-        print(USAGE)
-        return
-    show = "--cfg" in args
-    args = [a for a in args if a != "--cfg"]
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    try:
-        cfg, resolved = load_config("distill", args)
-        if show:
-            print(resolved, end="")
-            return
-        summary = distill(cfg)
-    except ValueError as e:
-        print(f"cartridges-distill: error: {str(e).splitlines()[0]}", file=sys.stderr)
-        raise SystemExit(2) from None
-    print(json.dumps(summary))
+    summary = run_command("cartridges-distill", "distill", USAGE, distill, argv)
+    if summary is not None:
+        print(json.dumps(summary))
 
 
 if __name__ == "__main__":

@@ -15,14 +15,13 @@ answers.jsonl.
 import json
 import logging
 import re
-import sys
 import unicodedata
 from pathlib import Path
 
 import torch
 
 from cartridges.cache import Cartridge, generate
-from cartridges.config import ConfigError, EvalConfig, load_config
+from cartridges.config import ConfigError, EvalConfig, run_command
 from cartridges.corpus import Corpus, context_ids, turn_ids
 
 log = logging.getLogger(__name__)
@@ -198,19 +197,10 @@ def format_table(results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in args or "--help" in args:
-        print(__doc__)
-        return
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    try:
-        cfg, _ = load_config("eval", args)
-        results = evaluate(cfg)
-    except ValueError as e:
-        print(f"cartridges-eval: error: {str(e).splitlines()[0]}", file=sys.stderr)
-        raise SystemExit(2) from None
-    print(format_table(results))
-    print(json.dumps(results))
+    results = run_command("cartridges-eval", "eval", __doc__, evaluate, argv)
+    if results is not None:
+        print(format_table(results))
+        print(json.dumps(results))
 
 
 if __name__ == "__main__":

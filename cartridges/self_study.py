@@ -18,12 +18,11 @@ import logging
 import os
 import random
 import shutil
-import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from cartridges.config import ConfigError, SynthesizeConfig, load_config
+from cartridges.config import ConfigError, SynthesizeConfig, run_command
 from cartridges.corpus import Corpus, context_ids, turn_ids
 
 log = logging.getLogger(__name__)
@@ -199,23 +198,9 @@ command continues an interrupted run."""
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in args or "--help" in args:
-        print(USAGE)
-        return
-    show = "--cfg" in args
-    args = [a for a in args if a != "--cfg"]
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    try:
-        cfg, resolved = load_config("synthesize", args)
-        if show:
-            print(resolved, end="")
-            return
-        path = synthesize(cfg)
-    except ValueError as e:
-        print(f"cartridges-synthesize: error: {str(e).splitlines()[0]}", file=sys.stderr)
-        raise SystemExit(2) from None
-    print(f"dataset: {path}")
+    path = run_command("cartridges-synthesize", "synthesize", USAGE, synthesize, argv)
+    if path is not None:
+        print(f"dataset: {path}")
 
 
 if __name__ == "__main__":
