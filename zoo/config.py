@@ -155,6 +155,16 @@ class OptimConfig:
             raise ValueError(f"optim.beta1/beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
 
 
+def _check_execution(train) -> None:
+    """Checks shared by the `train` sections of zoo-train and zoo-pretrain: device, precision, resume."""
+    if train.precision not in ("auto", "fp32", "bf16"):
+        raise ValueError(f"train.precision must be auto|fp32|bf16, got {train.precision!r}")
+    if not (train.device in ("auto", "cpu", "cuda") or train.device.startswith("cuda:")):
+        raise ValueError(f"train.device must be auto|cpu|cuda|cuda:N, got {train.device!r}")
+    if train.resume and train.overwrite:
+        raise ValueError("train.resume and train.overwrite exclude each other")
+
+
 @dataclass
 class TrainConfig:
     epochs: int = 64
@@ -174,12 +184,7 @@ class TrainConfig:
             raise ValueError("train.epochs, train.eval_every and train.log_every must be >= 1")
         if self.early_stop is not None and not 0 < self.early_stop <= 1:
             raise ValueError(f"train.early_stop must be in (0, 1] or null, got {self.early_stop}")
-        if self.precision not in ("auto", "fp32", "bf16"):
-            raise ValueError(f"train.precision must be auto|fp32|bf16, got {self.precision!r}")
-        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
-            raise ValueError(f"train.device must be auto|cpu|cuda|cuda:N, got {self.device!r}")
-        if self.resume and self.overwrite:
-            raise ValueError("train.resume and train.overwrite exclude each other")
+        _check_execution(self)
 
 
 @dataclass
@@ -283,12 +288,7 @@ class PretrainTrainConfig:
             raise ValueError("train.ckpt_every, sample_tokens, peak_tflops and stop_after must be >= 0")
         if self.parallel not in ("ddp", "fsdp"):
             raise ValueError(f"train.parallel must be ddp|fsdp, got {self.parallel!r}")
-        if self.precision not in ("auto", "fp32", "bf16"):
-            raise ValueError(f"train.precision must be auto|fp32|bf16, got {self.precision!r}")
-        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
-            raise ValueError(f"train.device must be auto|cpu|cuda|cuda:N, got {self.device!r}")
-        if self.resume and self.overwrite:
-            raise ValueError("train.resume and train.overwrite exclude each other")
+        _check_execution(self)
 
 
 @dataclass
