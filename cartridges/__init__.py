@@ -5,7 +5,14 @@ distill.py, eval.py. `cartridges.generate(model, cartridge, input_ids, ...)` con
 cartridge and returns what `model.generate` would.
 """
 
-from cartridges.cache import Cartridge, CartridgeError, CartridgeFileError, CartridgeMismatchError, generate
+from cartridges.cache import (
+    Cartridge,
+    CartridgeError,
+    CartridgeFileError,
+    CartridgeMismatchError,
+    generate,
+    load_cartridge,
+)
 from cartridges.models import load_model, tiny_llama
 
 __all__ = [
@@ -14,6 +21,7 @@ __all__ = [
     "CartridgeFileError",
     "CartridgeMismatchError",
     "generate",
+    "load_cartridge",
     "load_model",
     "tiny_llama",
 ]

@@ -102,6 +102,8 @@ class CartridgeInfo:
 class Cartridge(nn.Module):
     """Per-layer keys and values `[num_layers, kv_heads, p, head_dim]`; the first `num_frozen` tokens frozen."""
 
+    KIND = "kv"  # the file's `kind` field; `load_cartridge` dispatches on it
+
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, info: CartridgeInfo, num_frozen: int = 1):
         super().__init__()
         if keys.ndim != 4 or keys.shape != values.shape:
@@ -297,6 +299,7 @@ class Cartridge(nn.Module):
         tensors = self._tensors()
         meta = {
             "format_version": FORMAT_VERSION,
+            "kind": self.KIND,
             "model": asdict(self.info.model),
             "num_layers": self.num_layers,
             "num_kv_heads": self.info.model.num_kv_heads,
@@ -322,6 +325,8 @@ class Cartridge(nn.Module):
         it was made for another model. The cartridge lands on `device` (default: the model's).
         """
         meta, tensors = read_cartridge_file(path)
+        if meta.get("kind", "kv") != cls.KIND:
+            raise CartridgeMismatchError(f"{path} holds a {meta['kind']!r} cartridge, not a {cls.KIND!r} one")
         sig = ModelSignature(**meta["model"])
         num_layers, num_tokens = meta["num_layers"], meta["num_tokens"]
         try:
@@ -338,6 +343,18 @@ class Cartridge(nn.Module):
         info = CartridgeInfo(sig, meta["init_method"], meta["corpus_hash"], meta["training_config"])
         device = device if device is not None else next(model.parameters()).device
         return cls(keys.to(device), values.to(device), info, num_frozen=meta["num_frozen"])
+
+
+CARTRIDGE_KINDS: dict[str, type] = {"kv": Cartridge}
+
+
+def load_cartridge(path: str | os.PathLike, model, check_model_id: bool = True, device=None):
+    """Load any kind of cartridge file (the metadata's `kind` picks the class) and check it against `model`."""
+    meta, _ = read_cartridge_file(path)
+    kind = meta.get("kind", "kv")
+    if kind not in CARTRIDGE_KINDS:
+        raise CartridgeFileError(f"{path}: unknown cartridge kind {kind!r} (known: {sorted(CARTRIDGE_KINDS)})")
+    return CARTRIDGE_KINDS[kind].load(path, model, check_model_id=check_model_id, device=device)
 
 
 def tensor_checksum(tensors: dict[str, torch.Tensor]) -> str:
