@@ -549,6 +549,7 @@ class Server:
         self.eos_ids = _eos_ids(model, tokenizer)
         self.pad_id = getattr(tokenizer, "pad_token_id", None) or 0
         self._lock = threading.Lock()  # one batch at a time on the model
+        self.stats = {"batches": 0, "requests": 0, "largest_batch": 0}
 
     # ---- requests
 
@@ -652,6 +653,9 @@ class Server:
     @torch.no_grad()
     def _run_batch(self, batch: list[_Prepared], on_event, indices: list[int]) -> list[Completion]:
         entry = self.store.get(batch[0].key)
+        self.stats["batches"] += 1
+        self.stats["requests"] += len(batch)
+        self.stats["largest_batch"] = max(self.stats["largest_batch"], len(batch))
         shared = self.shared_prefix and (entry is None or callable(getattr(entry.cartridge, "keys", None)))
         prefix_tokens = 0 if entry is None else entry.cartridge.num_tokens
         rows = [_Row(p, self.tokenizer, self.eos_ids, on_event is not None and p.stream, prefix_tokens) for p in batch]

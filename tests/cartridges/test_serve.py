@@ -1,0 +1,338 @@
+"""Serving: cascade attention equals plain attention, the Server equals `cartridges.generate`, and the real
+uvicorn server on a loopback port answers completions, streams, composes cartridges, batches 64 concurrent
+clients and refuses bad input without going down."""
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi", reason="the [serve] extra (fastapi, uvicorn) is not installed")
+httpx = pytest.importorskip("httpx")
+uvicorn = pytest.importorskip("uvicorn")
+
+from cartridges.cache import Cartridge, cache_kwargs, generate  # noqa: E402
+from cartridges.models import ByteTokenizer, tiny_llama  # noqa: E402
+from cartridges.serve import (  # noqa: E402
+    CartridgeNotFound,
+    CartridgeStore,
+    GenerationRequest,
+    ServeError,
+    Server,
+    SharedPrefixCache,
+    build_app,
+    cascade_attention,
+    main,
+)
+
+DOC, MAX_TOKENS, EOS = 24, 8, 2
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=0)
+
+
+@pytest.fixture(scope="module")
+def cartridge_dir(model, tmp_path_factory):
+    """doc.safetensors and other/cartridge.safetensors (the distill layout), a corrupted file, and a valid
+    cartridge outside the directory that no id may reach."""
+    root = tmp_path_factory.mktemp("serve")
+    directory = root / "cartridges"
+    directory.mkdir()
+    gen = torch.Generator().manual_seed(1)
+    doc = torch.randint(3, 259, (1, DOC), generator=gen)
+    Cartridge.from_prefix(model, doc).save(directory / "doc.safetensors")
+    (directory / "other").mkdir()
+    Cartridge.from_prefix(model, torch.randint(3, 259, (1, 16), generator=gen)).save(
+        directory / "other" / "cartridge.safetensors"
+    )
+    (directory / "broken.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a cartridge!")
+    Cartridge.from_prefix(model, doc).save(root / "outside.safetensors")
+    return directory
+
+
+def reference(model, cartridge, prompt, max_new_tokens=MAX_TOKENS):
+    """Greedy ids from `cartridges.generate` (or plain `generate` without a cartridge), cut at EOS."""
+    ids = torch.tensor([prompt])
+    if cartridge is None:
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)[0, len(prompt) :]
+    else:
+        out = generate(model, cartridge, ids, max_new_tokens=max_new_tokens, do_sample=False)[0, len(prompt) :]
+    out = out.tolist()
+    return out[: out.index(EOS)] if EOS in out else out
+
+
+def prompts(n, seed=2):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 259, (int(k),), generator=gen).tolist() for k in torch.randint(2, 12, (n,), generator=gen)]
+
+
+# ---- cascade attention and the Python API
+
+
+def test_cascade_attention_equals_softmax_over_the_concatenation():
+    gen = torch.Generator().manual_seed(0)
+    batch, q_heads, kv_heads, steps, size, p, dim = 3, 6, 2, 5, 7, 11, 8
+    query = torch.randn(batch, q_heads, steps, dim, generator=gen)
+    prefix_k, prefix_v = torch.randn(2, kv_heads, p, dim, generator=gen)
+    keys, values = torch.randn(2, batch, kv_heads, size, dim, generator=gen)
+    mask = torch.rand(batch, 1, steps, size, generator=gen) > 0.4
+    mask[0, 0, 1] = False  # a query that sees no suffix key at all
+    out = cascade_attention(query, prefix_k, prefix_v, keys, values, mask, 0.3)  # [B, T, Hq, D]
+
+    all_k = torch.cat([prefix_k.expand(batch, -1, -1, -1), keys], 2).repeat_interleave(3, 1)  # [B, Hq, p+S, D]
+    all_v = torch.cat([prefix_v.expand(batch, -1, -1, -1), values], 2).repeat_interleave(3, 1)
+    full_mask = torch.cat([torch.ones(batch, 1, steps, p, dtype=torch.bool), mask], -1)
+    scores = (query @ all_k.transpose(-1, -2) * 0.3).masked_fill(~full_mask, float("-inf"))
+    expected = (scores.softmax(-1) @ all_v).transpose(1, 2)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+    # without a prefix: attention over the suffix alone, zeros where a query sees nothing
+    out = cascade_attention(query, None, None, keys, values, mask, 0.3)
+    scores = (query @ keys.repeat_interleave(3, 1).transpose(-1, -2) * 0.3).masked_fill(~mask, float("-inf"))
+    expected = (scores.softmax(-1).nan_to_num(0.0) @ values.repeat_interleave(3, 1)).transpose(1, 2)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_shared_prefix_forward_equals_the_plain_cache(model, cartridge_dir):
+    """Logits of a left-padded batch through the cascade path equal each prompt alone on the cartridge's
+    DynamicCache, and the batch's cache holds the prefix once, as the stored tensor itself."""
+    server = Server(model, cartridge_dir)
+    batch = [server.prepare(GenerationRequest(prompt=p, cartridges=["doc"], max_tokens=3)) for p in prompts(4)]
+    entry = server.store.get(("doc",))
+    step = server._shared_forward(entry, batch, steps=3)
+    logits = step(None)  # [B, V]
+    cache = server.last_cache
+    assert cache.prefix_keys.data_ptr() == server.store.prefix(entry)[0].data_ptr()
+    assert cache.keys.shape[3] == max(len(x.prompt_ids) for x in batch) + 3  # the suffix holds no prefix tokens
+    next_logits = step(logits.argmax(-1))
+    for b, x in enumerate(batch):
+        ids = torch.tensor([x.prompt_ids + [int(logits[b].argmax())]])
+        plain = model(input_ids=ids, **cache_kwargs(model, entry.cartridge.as_cache(1, config=model.config))).logits
+        torch.testing.assert_close(logits[b], plain[0, -2], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(next_logits[b], plain[0, -1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("shared_prefix", [True, False], ids=["shared-prefix", "plain-cache"])
+def test_server_greedy_equals_cartridges_generate(model, cartridge_dir, shared_prefix):
+    server = Server(model, cartridge_dir, shared_prefix=shared_prefix)
+    doc = server.store.get(("doc",)).cartridge
+    both = Cartridge.concat([doc, server.store.get(("other",)).cartridge])
+    ps = prompts(6)
+    cases = [(p, ["doc"], doc) for p in ps[:3]] + [(p, ["doc", "other"], both) for p in ps[3:5]] + [(ps[5], [], None)]
+    out = server.generate([GenerationRequest(prompt=p, cartridges=ids) for p, ids, _ in cases])
+    for (p, _, cartridge), completion in zip(cases, out):
+        assert completion.token_ids == reference(model, cartridge, p, 64)
+
+
+def test_cartridges_load_once_and_the_lru_evicts_by_bytes(model, cartridge_dir):
+    store = CartridgeStore(cartridge_dir, model, max_bytes=10**9)
+    first = store.get(("doc",))
+    assert store.get(("doc",)) is first and store.loads == 1
+    size = first.cartridge.memory_bytes()
+    small = CartridgeStore(cartridge_dir, model, max_bytes=size + 1)
+    small.get(("doc",))
+    small.get(("other",))
+    assert small.cached_ids() == [("other",)] and small.cached_bytes <= size + 1
+    small.get(("doc",))
+    assert small.loads == 3
+
+
+def test_ids_that_leave_the_directory_are_refused(model, cartridge_dir):
+    store = CartridgeStore(cartridge_dir, model)
+    for bad in ("../outside", "..", "a/b", "a\\b", "/etc/passwd", ".hidden", "doc/../doc", "", "x" * 200):
+        with pytest.raises(ServeError) as err:
+            store.path(bad)
+        assert not isinstance(err.value, CartridgeNotFound), bad
+    with pytest.raises(CartridgeNotFound):
+        store.path("missing")
+    assert store.path("other").name == "cartridge.safetensors"
+    assert {c["id"] for c in store.available()} == {"doc", "other", "broken"}
+
+
+def test_shared_prefix_cache_counts_the_prefix_once():
+    prefix = torch.zeros(2, 2, 100, 8)
+    cache = SharedPrefixCache(prefix, prefix, 64, 10, 2, 2, 8, torch.float32, torch.device("cpu"))
+    assert cache.memory_bytes() == 2 * prefix.numel() * 4 + 2 * 2 * 64 * 2 * 10 * 8 * 4
+
+
+# ---- the HTTP server
+
+
+url_servers: dict[str, Server] = {}
+
+
+def free_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+@pytest.fixture(scope="module")
+def url(model, cartridge_dir):
+    """The real uvicorn server in a thread on a free loopback port."""
+    server = Server(model, cartridge_dir, ByteTokenizer(), max_batch_size=64)
+    app = build_app(server, "tiny", max_body_bytes=4096)
+    sock = free_socket()
+    config = uvicorn.Config(app, log_level="warning", lifespan="on")
+    userver = uvicorn.Server(config)
+    thread = threading.Thread(target=userver.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not userver.started:
+        assert time.time() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    url_servers[url] = server
+    yield url
+    userver.should_exit = True
+    thread.join(10)
+    sock.close()
+
+
+def completion(url, prompt, cartridges=("doc",), **extra):
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
+    body["cartridges"] = [{"id": c} for c in cartridges]
+    return httpx.post(f"{url}/v1/completions", json={**body, **extra}, timeout=30)
+
+
+def test_completion_with_a_cartridge_equals_python(url, model, cartridge_dir):
+    doc = Cartridge.load(cartridge_dir / "doc.safetensors", model)
+    p = prompts(1, seed=5)[0]
+    r = completion(url, p)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    choice = body["choices"][0]
+    assert body["object"] == "text_completion" and body["model"] == "tiny"
+    expected = reference(model, doc, p)
+    assert choice["token_ids"] == expected
+    assert choice["text"] == ByteTokenizer().decode(expected)
+    assert choice["finish_reason"] == ("length" if len(expected) == MAX_TOKENS else "stop")
+    assert body["usage"] == {
+        "prompt_tokens": len(p),
+        "completion_tokens": len(expected),
+        "total_tokens": len(p) + len(expected),
+    }
+
+
+def test_chat_completion_and_streaming(url, model, cartridge_dir):
+    body = {
+        "messages": [{"role": "user", "content": "Where is Quellmere?"}],
+        "cartridges": [{"id": "doc"}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    assert message["role"] == "assistant"
+    tok = ByteTokenizer()
+    from cartridges.corpus import turn_ids
+
+    doc = Cartridge.load(cartridge_dir / "doc.safetensors", model)
+    ids = torch.tensor([turn_ids(tok, body["messages"], add_generation_prompt=True)])
+    expected = generate(model, doc, ids, max_new_tokens=12, do_sample=False, eos_token_id=None)[0, ids.shape[1] :]
+    assert message["content"] == tok.decode(expected)
+
+    chunks = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=30) as s:
+        assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
+        for line in s.iter_lines():
+            if line:
+                assert line.startswith("data: ")
+                chunks.append(line[len("data: ") :])
+    assert chunks[-1] == "[DONE]"
+    events = [json.loads(c) for c in chunks[:-1]]
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert len(events) > 3  # the text arrived in pieces
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == message["content"]
+
+
+def test_stop_strings_seed_and_top_p(url):
+    p = prompts(1, seed=6)[0]
+    full = completion(url, p, max_tokens=16, ignore_eos=True).json()["choices"][0]
+    stop = full["text"][3:5]
+    cut = completion(url, p, max_tokens=16, ignore_eos=True, stop=[stop]).json()["choices"][0]
+    assert cut["finish_reason"] == "stop" and cut["text"] == full["text"][: full["text"].find(stop)]
+    sampled = [completion(url, p, temperature=1.5, seed=s, ignore_eos=True).json()["choices"][0] for s in (7, 7, 8)]
+    assert sampled[0]["token_ids"] == sampled[1]["token_ids"] != sampled[2]["token_ids"]
+    nucleus = completion(url, p, temperature=1.5, top_p=1e-6, seed=9, ignore_eos=True).json()["choices"][0]
+    assert nucleus["token_ids"] == completion(url, p, ignore_eos=True).json()["choices"][0]["token_ids"]
+
+
+def test_listing_endpoints(url):
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["tiny"]
+    listed = {c["id"]: c for c in httpx.get(f"{url}/v1/cartridges").json()["data"]}
+    assert set(listed) == {"doc", "other", "broken"}
+    assert listed["doc"]["num_tokens"] == DOC and listed["doc"]["kind"] == "kv"
+
+
+def test_bad_input_is_refused_and_the_server_stays_up(url):
+    post = lambda path, **kw: httpx.post(f"{url}{path}", timeout=30, **kw)  # noqa: E731
+    ok = {"prompt": [5, 6, 7], "max_tokens": 2, "cartridges": [{"id": "doc"}]}
+    cases = [
+        ("/v1/completions", {"content": b"{not json", "headers": {"content-type": "application/json"}}, 400),
+        ("/v1/completions", {"content": b"[1, 2]"}, 400),
+        ("/v1/completions", {"json": {"max_tokens": 2}}, 400),  # no prompt
+        ("/v1/completions", {"json": {**ok, "max_tokens": -1}}, 400),
+        ("/v1/completions", {"json": {**ok, "temperature": "hot"}}, 400),
+        ("/v1/completions", {"json": {**ok, "cartridge": [{"id": "doc"}]}}, 400),  # misspelt field
+        ("/v1/completions", {"json": {**ok, "n": 2}}, 400),
+        ("/v1/completions", {"json": {**ok, "prompt": [5, 999]}}, 400),  # outside the vocabulary
+        ("/v1/chat/completions", {"json": {"messages": []}}, 400),
+        ("/v1/chat/completions", {"json": {"messages": [{"role": "robot", "content": "hi"}]}}, 400),
+        ("/v1/completions", {"json": {**ok, "cartridges": [{"id": "nope"}]}}, 404),
+        ("/v1/completions", {"json": {**ok, "model": "gpt-5"}}, 404),
+        ("/v1/completions", {"json": {**ok, "cartridges": [{"id": "broken"}]}}, 400),  # unreadable file
+        ("/v1/completions", {"content": b'{"prompt": "' + b"x" * 5000 + b'"}'}, 413),
+        ("/v1/completions", {"content": iter([b'{"prompt": "', b"x" * 3000, b"y" * 3000, b'"}'])}, 413),  # chunked
+    ]
+    for bad in ("../outside", "..", "sub/../doc", "/etc/passwd", "..\\outside", "%2e%2e/outside"):
+        cases.append(("/v1/completions", {"json": {**ok, "cartridges": [{"id": bad}]}}, 400))
+    for path, kwargs, status in cases:
+        r = post(path, **kwargs)
+        assert r.status_code == status, (kwargs, r.status_code, r.text)
+        assert r.json()["error"]["message"], r.text
+    assert post("/v1/completions", json=ok).status_code == 200
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_64_concurrent_clients_are_batched_and_answered(url, model, cartridge_dir):
+    doc = Cartridge.load(cartridge_dir / "doc.safetensors", model)
+    both = Cartridge.concat([doc, Cartridge.load(cartridge_dir / "other" / "cartridge.safetensors", model)])
+    ps = prompts(64, seed=11)
+    sets = [("doc",) if i % 2 else ("doc", "other") for i in range(64)]
+
+    async def ask(client, p, ids):
+        body = {"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
+        r = await client.post(f"{url}/v1/completions", json={**body, "cartridges": [{"id": i} for i in ids]})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    async def everyone():
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=64)) as client:
+            return await asyncio.gather(*(ask(client, p, ids) for p, ids in zip(ps, sets)))
+
+    before = dict(url_servers[url].stats)
+    answers = asyncio.run(everyone())
+    stats = url_servers[url].stats
+    assert stats["requests"] - before["requests"] == 64
+    assert stats["batches"] - before["batches"] < 16 and stats["largest_batch"] >= 8  # batched, not one by one
+    for p, ids, got in zip(ps, sets, answers):
+        assert got == reference(model, doc if ids == ("doc",) else both, p)
+
+
+def test_cli_refuses_a_missing_directory(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", "tiny-llama", "--cartridges", str(tmp_path / "none"), "--port", "0"])
+    assert exit_info.value.code == 2 and "not a directory" in capsys.readouterr().err
