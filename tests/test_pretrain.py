@@ -112,6 +112,12 @@ def test_unknown_key_or_missing_source_fails_before_work(tmp_path):
         config(tmp_path, "lm_data@data=files")
 
 
+def test_a_validation_split_shorter_than_one_window_fails_before_training(tmp_path):
+    with pytest.raises(ConfigError, match="validation split"):
+        pretrain(config(tmp_path, "data.seq_len=4096"))
+    assert not list(tmp_path.rglob("metrics.jsonl"))
+
+
 def test_resume_after_a_stop_reproduces_the_uninterrupted_run(tmp_path):
     whole = pretrain(config(tmp_path, "run=whole", "train.sample_tokens=0", "train.export_hf=false"))
     assert whole["steps"] == 4

@@ -265,6 +265,12 @@ def _pretrain(cfg: PretrainConfig, resolved_yaml: str | None, d: Dist) -> dict[s
         cfg.model.vocab_size = 64 * math.ceil(data.vocab_size / 64)
     elif cfg.model.vocab_size < data.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} < the tokenizer's {data.vocab_size} tokens")
+    if len(data.valid) < cfg.data.seq_len + 1:
+        # Found here, before any step, rather than at the first evaluation.
+        raise ConfigError(
+            f"the validation split has {len(data.valid)} tokens, fewer than one window of data.seq_len+1="
+            f"{cfg.data.seq_len + 1}: lower data.seq_len or raise data.valid_frac"
+        )
 
     name = run_name(cfg)
     run = RunDir(Path(cfg.runs_root) / cfg.experiment_name / name)

@@ -174,7 +174,11 @@ def is_oom(err: BaseException) -> bool:
 
 def sweep(kind: str, model, args, timer: Timer, device) -> list[dict]:
     rows = []
+    start = time.perf_counter()
     for batch in args.batches:
+        if args.budget_s and time.perf_counter() - start > args.budget_s:
+            print(f"{kind}: time budget of {args.budget_s:.0f} s spent; batches from {batch} not run", flush=True)
+            break
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
@@ -202,6 +206,7 @@ def main() -> None:
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (1,4,...,4096; tiny: 1,2)")
     parser.add_argument("--prefill-chunk-tokens", type=int, default=131072, help="Based prefill row slices (GPU)")
     parser.add_argument("--repeats", type=int, default=3, help="prefill timings per batch (median)")
+    parser.add_argument("--budget-s", type=float, default=0.0, help="per model: start no batch after this (0: none)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     device = torch.device(args.device)

@@ -15,7 +15,7 @@
 set -euo pipefail
 OUT=${OUT:-runs/h200}
 STEPS=${STEPS:-300}
-DATA=${DATA:-"lm_data@data=embedded data.seq_len=2048 vocab_from_tokenizer=false model.vocab_size=50304"}
+DATA=${DATA:-"lm_data@data=embedded data.seq_len=2048 data.valid_frac=0.12 vocab_from_tokenizer=false model.vocab_size=50304"}
 COMMON="--config-name pretrain_h200 $DATA train.steps=$STEPS train.eval_every=100 train.progress=false runs_root=$OUT"
 mkdir -p "$OUT"
 
