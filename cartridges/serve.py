@@ -498,6 +498,8 @@ def _stop_overlap(text: str, stops: Sequence[str]) -> int:
 def _sample(logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
     """Next token per row `[B]` from logits `[B, V]`: argmax at temperature 0, else nucleus sampling."""
     tokens = logits.argmax(-1)
+    if all(row.req.temperature <= 0 for row in rows):
+        return tokens
     for b, row in enumerate(rows):
         if row.req.temperature <= 0 or row.finish is not None:
             continue
