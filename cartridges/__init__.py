@@ -1,8 +1,9 @@
 """cartridges: trainable KV caches for frozen causal LMs, distilled by self-study.
 
-Read first: cache.py (the Cartridge and its file format), models.py (loading without a hub), self_study.py,
-distill.py, eval.py. `cartridges.generate(model, cartridge, input_ids, ...)` continues generation from a
-cartridge and returns what `model.generate` would.
+Read first: cache.py (the Cartridge and its file format), state.py (the StateCartridge: a trained initial
+state for recurrent and hybrid Zoo models), models.py (loading without a hub), self_study.py, distill.py,
+eval.py. `cartridges.load_cartridge(path, model)` loads either kind; `cartridges.generate(model, cartridge,
+input_ids, ...)` continues generation from either and returns what `model.generate` would.
 """
 
 from cartridges.cache import (
@@ -14,6 +15,7 @@ from cartridges.cache import (
     load_cartridge,
 )
 from cartridges.models import load_model, tiny_llama
+from cartridges.state import StateCartridge
 
 __all__ = [
     "Cartridge",
@@ -23,5 +25,6 @@ __all__ = [
     "generate",
     "load_cartridge",
     "load_model",
+    "StateCartridge",
     "tiny_llama",
 ]

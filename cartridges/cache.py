@@ -11,6 +11,9 @@ whose layers hold views of the cartridge expanded over the batch (no copy until 
 
 On disk (`save` / `load`): safetensors with tensors `layers.{l}.keys` / `layers.{l}.values`, each
 `[kv_heads, p, head_dim]`, and one JSON metadata entry (`METADATA_KEY`) that `load` checks against the model.
+The metadata's `kind` ("kv" here; "state" for `cartridges.state.StateCartridge`) picks the class that
+`load_cartridge` returns; every kind shares the file checks of `read_cartridge_file` (structure, version,
+checksum) and the writer `write_cartridge_file` (atomic).
 """
 
 import hashlib
@@ -65,12 +68,14 @@ class ModelSignature:
         )
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        model_id = getattr(model.config, "zoo_model_id", None) or model.config.name_or_path or "unknown"
-        weight = model.get_input_embeddings().weight.detach().reshape(-1)
-        # integer spacing: a float32 linspace rounds past the last index for large embeddings
-        idx = (torch.arange(32) * (weight.numel() - 1) // 31).to(weight.device)
-        sample = weight[idx].float().cpu().tolist()
-        return cls(model_id, config_fingerprint(config), config.num_hidden_layers, num_kv_heads, head_dim, sample)
+        return cls(
+            model_id_of(model),
+            config_fingerprint(config),
+            config.num_hidden_layers,
+            num_kv_heads,
+            head_dim,
+            weights_sample(model),
+        )
 
     def mismatches(self, other: "ModelSignature", check_model_id: bool = True) -> list[str]:
         """Human-readable differences (empty when they agree); `self` is the cartridge's, `other` the model's."""
@@ -89,6 +94,18 @@ class ModelSignature:
         return out
 
 
+def model_id_of(model) -> str:
+    return getattr(model.config, "zoo_model_id", None) or model.config.name_or_path or "unknown"
+
+
+def weights_sample(model) -> list[float]:
+    """32 evenly spaced entries of the model's input embedding, as floats."""
+    weight = model.get_input_embeddings().weight.detach().reshape(-1)
+    # integer spacing: a float32 linspace rounds past the last index for large embeddings
+    idx = (torch.arange(32) * (weight.numel() - 1) // 31).to(weight.device)
+    return weight[idx].float().cpu().tolist()
+
+
 @dataclass
 class CartridgeInfo:
     """Provenance stored with a cartridge."""
@@ -103,6 +120,16 @@ class Cartridge(nn.Module):
     """Per-layer keys and values `[num_layers, kv_heads, p, head_dim]`; the first `num_frozen` tokens frozen."""
 
     KIND = "kv"  # the file's `kind` field; `load_cartridge` dispatches on it
+    # Metadata this kind needs beyond the common keys (checked by `read_cartridge_file`).
+    METADATA_KEYS = ("num_layers", "num_kv_heads", "head_dim", "num_frozen", "rope_convention")
+
+    @classmethod
+    def check_metadata(cls, meta: dict[str, Any], path) -> None:
+        """Raise `CartridgeFileError` when a file's metadata cannot describe a cartridge of this kind."""
+        if meta["rope_convention"] != ROPE_CONVENTION:
+            raise CartridgeFileError(
+                f"{path}: RoPE convention {meta['rope_convention']!r}, expected {ROPE_CONVENTION!r}"
+            )
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, info: CartridgeInfo, num_frozen: int = 1):
         super().__init__()
@@ -293,13 +320,7 @@ class Cartridge(nn.Module):
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write `path` atomically (temp file + rename): tensors + JSON metadata with a checksum of the data."""
-        from safetensors.torch import save as st_save
-
-        path = Path(path)
-        tensors = self._tensors()
         meta = {
-            "format_version": FORMAT_VERSION,
-            "kind": self.KIND,
             "model": asdict(self.info.model),
             "num_layers": self.num_layers,
             "num_kv_heads": self.info.model.num_kv_heads,
@@ -311,11 +332,8 @@ class Cartridge(nn.Module):
             "init_method": self.info.init_method,
             "corpus_hash": self.info.corpus_hash,
             "training_config": self.info.training_config,
-            "checksum": "sha256:" + tensor_checksum(tensors),
         }
-        data = st_save(tensors, metadata={METADATA_KEY: json.dumps(meta, sort_keys=True)})
-        atomic_write_bytes(path, data)
-        return path
+        return write_cartridge_file(path, self.KIND, self._tensors(), meta)
 
     @classmethod
     def load(cls, path: str | os.PathLike, model, check_model_id: bool = True, device=None) -> "Cartridge":
@@ -348,13 +366,22 @@ class Cartridge(nn.Module):
 CARTRIDGE_KINDS: dict[str, type] = {"kv": Cartridge}
 
 
+def write_cartridge_file(path: str | os.PathLike, kind: str, tensors: dict[str, torch.Tensor], meta: dict) -> Path:
+    """Write `path` atomically (temp file + rename): safetensors of `tensors` and the JSON metadata `meta`,
+    completed with the format version, the `kind` and a checksum of the tensor data."""
+    from safetensors.torch import save as st_save
+
+    path = Path(path)
+    meta = {**meta, "format_version": FORMAT_VERSION, "kind": kind, "checksum": "sha256:" + tensor_checksum(tensors)}
+    data = st_save(tensors, metadata={METADATA_KEY: json.dumps(meta, sort_keys=True)})
+    atomic_write_bytes(path, data)
+    return path
+
+
 def load_cartridge(path: str | os.PathLike, model, check_model_id: bool = True, device=None):
     """Load any kind of cartridge file (the metadata's `kind` picks the class) and check it against `model`."""
     meta, _ = read_cartridge_file(path)
-    kind = meta.get("kind", "kv")
-    if kind not in CARTRIDGE_KINDS:
-        raise CartridgeFileError(f"{path}: unknown cartridge kind {kind!r} (known: {sorted(CARTRIDGE_KINDS)})")
-    return CARTRIDGE_KINDS[kind].load(path, model, check_model_id=check_model_id, device=device)
+    return CARTRIDGE_KINDS[meta.get("kind", "kv")].load(path, model, check_model_id=check_model_id, device=device)
 
 
 def tensor_checksum(tensors: dict[str, torch.Tensor]) -> str:
@@ -401,25 +428,26 @@ def read_cartridge_file(path: str | os.PathLike) -> tuple[dict[str, Any], dict[s
         tensors = st_load(data)
     except Exception as e:  # safetensors raises its own error types for malformed data
         raise CartridgeFileError(f"{path} is corrupted: {str(e).splitlines()[0]}") from None
+    kind = meta.get("kind", "kv")
+    import cartridges.state  # noqa: F401  registers the "state" kind, whichever module was imported first
+
+    if kind not in CARTRIDGE_KINDS:
+        raise CartridgeFileError(f"{path}: unknown cartridge kind {kind!r} (known: {sorted(CARTRIDGE_KINDS)})")
+    cls = CARTRIDGE_KINDS[kind]
     required = (
         "model",
-        "num_layers",
-        "num_kv_heads",
-        "head_dim",
         "num_tokens",
-        "num_frozen",
         "init_method",
         "corpus_hash",
         "training_config",
         "checksum",
-        "rope_convention",
         "dtype",
+        *cls.METADATA_KEYS,
     )
     missing = [k for k in required if k not in meta]
     if missing:
         raise CartridgeFileError(f"{path}: cartridge metadata lacks {missing}")
-    if meta["rope_convention"] != ROPE_CONVENTION:
-        raise CartridgeFileError(f"{path}: RoPE convention {meta['rope_convention']!r}, expected {ROPE_CONVENTION!r}")
+    cls.check_metadata(meta, path)
     if meta["checksum"] != "sha256:" + tensor_checksum(tensors):
         raise CartridgeFileError(f"{path} is corrupted: the tensor data does not match its checksum")
     return meta, tensors
@@ -432,7 +460,10 @@ def generate(
 
     input_ids `[B, T]` (left-padded with `attention_mask` for a ragged batch). Internally the prompt is prefixed
     by p placeholder ids that the cache already covers, so positions start at p; they are stripped on return.
+    Any kind of cartridge: a kind other than KV brings its own `generate` method (`StateCartridge.generate`).
     """
+    if not isinstance(cartridge, Cartridge):
+        return cartridge.generate(model, input_ids, attention_mask=attention_mask, **generate_kwargs)
     if input_ids.ndim != 2:
         raise CartridgeError(f"input_ids must be [batch, time], got {tuple(input_ids.shape)}")
     batch, p = input_ids.shape[0], cartridge.num_tokens

@@ -10,6 +10,11 @@ from the teacher's top-k to the student restricted to those k tokens):
 Sequences are packed: each packed row holds several examples; every token sees the whole cartridge and the
 earlier tokens of its own example (a block-diagonal mask), and each example's positions restart at p.
 
+Both kinds of cartridge train here: a KV `Cartridge` for transformers LMs and a `StateCartridge` for Zoo models
+(`ZooForCausalLM`, picked by the model's type). A recurrent state cannot be masked per example, so for a state
+cartridge the examples of a step's packs become one row each (`collate_rows`, right-padded), every row
+starting from its own copy of the state. The model stays frozen; only the cartridge's parameters are optimised.
+
 The run dir `<output>/` holds `metrics.jsonl`, `ckpt/` (cartridge + optimizer, written atomically every
 `checkpoint_every` steps; `resume=true` continues exactly), `cartridge.safetensors` and `summary.json`.
 """
@@ -25,9 +30,10 @@ from pathlib import Path
 
 import torch
 
-from cartridges.cache import Cartridge, cache_kwargs
+from cartridges.cache import Cartridge, cache_kwargs, load_cartridge
 from cartridges.config import ConfigError, DistillConfig, run_command
 from cartridges.corpus import Corpus, context_ids
+from cartridges.state import StateCartridge, differentiable
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +141,62 @@ def collate(batch: list[list[Example]], num_prefix: int, dtype: torch.dtype, dev
     }
 
 
-def distill_loss(model, cartridge: Cartridge, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def collate_rows(batch: list[list[Example]], device) -> dict[str, torch.Tensor]:
+    """One row per example (the packs flattened), right-padded with id 0: for state cartridges.
+
+    Padding after an example never reaches its targets (causal), so no mask is needed.
+    """
+    examples = [ex for row in batch for ex in row]
+    width = max(len(ex.ids) for ex in examples)
+    k = max(len(t) for ex in examples for t in ex.top_ids)
+    ids = torch.zeros(len(examples), width, dtype=torch.long)
+    rows, cols, top_ids, top_lp = [], [], [], []
+    for b, ex in enumerate(examples):
+        ids[b, : len(ex.ids)] = torch.tensor(ex.ids)
+        for p, ti, tl in zip(ex.positions, ex.top_ids, ex.top_logprobs):
+            rows.append(b)
+            cols.append(p)
+            top_ids.append(ti + [0] * (k - len(ti)))
+            top_lp.append(tl + [float("-inf")] * (k - len(tl)))
+    return {
+        "input_ids": ids.to(device),
+        "rows": torch.tensor(rows, device=device),
+        "cols": torch.tensor(cols, device=device),
+        "top_ids": torch.tensor(top_ids, dtype=torch.long, device=device),  # [N, k]
+        "top_logprobs": torch.tensor(top_lp, dtype=torch.float32, device=device),
+    }
+
+
+def make_batch(cartridge, batch: list[list[Example]], model, device) -> dict[str, torch.Tensor]:
+    """The tensors of one step for this kind of cartridge: packed rows (KV) or one row per example (state)."""
+    if isinstance(cartridge, StateCartridge):
+        return collate_rows(batch, device)
+    return collate(batch, cartridge.num_tokens, model.dtype, device)
+
+
+def topk_kl(logq: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """logq [N, V] student log-probs at the target positions -> mean over targets of Σ_k p_k (log p_k − log q_k)."""
+    logq_top = logq.gather(1, batch["top_ids"])  # [N, k]
+    logp = batch["top_logprobs"]
+    p = logp.exp()
+    per_token = torch.where(p > 0, p * (logp - logq_top), torch.zeros_like(p)).sum(-1)  # [N]
+    return per_token.mean()
+
+
+def state_distill_loss(model, cartridge: StateCartridge, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """`distill_loss` for a StateCartridge: every row continues its own copy of the state (`collate_rows`)."""
+    lm = model.model  # the LanguageModel inside ZooForCausalLM: hidden states, then logits at targets only
+    cache = cartridge.as_cache(batch["input_ids"].shape[0], dtype=model.dtype, config=model.config)
+    with differentiable(cache):
+        hidden = lm.hidden_states(batch["input_ids"], cache.states)  # [B, T, d]
+        logq = lm.logits(hidden[batch["rows"], batch["cols"]]).float().log_softmax(-1)  # [N, V]
+    return topk_kl(logq, batch)
+
+
+def distill_loss(model, cartridge: Cartridge | StateCartridge, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Mean over target tokens of Σ_k p_k (log p_k − log q_k); 0 when the student matches the teacher's top-k."""
+    if isinstance(cartridge, StateCartridge):
+        return state_distill_loss(model, cartridge, batch)
     cache = cartridge.as_cache(batch["input_ids"].shape[0], dtype=model.dtype, config=model.config)
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     hidden = decoder(
@@ -147,14 +207,29 @@ def distill_loss(model, cartridge: Cartridge, batch: dict[str, torch.Tensor]) ->
         **cache_kwargs(model, cache),
     ).last_hidden_state  # [B, T, d]
     logq = head(hidden[batch["rows"], batch["cols"]]).float().log_softmax(-1)  # [N, V], only target positions
-    logq_top = logq.gather(1, batch["top_ids"])  # [N, k]
-    logp = batch["top_logprobs"]
-    p = logp.exp()
-    per_token = torch.where(p > 0, p * (logp - logq_top), torch.zeros_like(p)).sum(-1)  # [N]
-    return per_token.mean()
+    return topk_kl(logq, batch)
 
 
-def init_cartridge(cfg: DistillConfig, model, tokenizer, corpus: Corpus, device) -> Cartridge:
+def is_state_model(model) -> bool:
+    """Zoo models (recurrent and hybrid) get state cartridges; every other causal LM a KV cartridge."""
+    from zoo.models.hf import ZooForCausalLM
+
+    return isinstance(model, ZooForCausalLM)
+
+
+def init_cartridge(cfg: DistillConfig, model, tokenizer, corpus: Corpus, device) -> Cartridge | StateCartridge:
+    """A KV cartridge of `num_tokens` tokens, or for a Zoo model the state after `num_tokens` tokens (`num_frozen`
+    does not apply to states)."""
+    if is_state_model(model):
+        if cfg.init == "random":
+            c = StateCartridge.random(model, cfg.num_tokens, seed=cfg.seed)
+            c.info.corpus_hash = corpus.hash
+            return c.to(device)
+        ctx = context_ids(tokenizer, corpus.full_text())
+        if len(ctx) < cfg.num_tokens:
+            raise ConfigError(f"num_tokens={cfg.num_tokens} exceeds the corpus in context ({len(ctx)} tokens)")
+        prefix = torch.tensor(ctx[: cfg.num_tokens])
+        return StateCartridge.from_prefix(model, prefix, corpus_hash=corpus.hash, init_method="first_tokens").to(device)
     if cfg.init == "random":
         c = Cartridge.random(model, cfg.num_tokens, num_frozen=cfg.num_frozen, seed=cfg.seed)
         c.info.corpus_hash = corpus.hash
@@ -219,6 +294,7 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None) -> dict:
     if model is None or tokenizer is None:
         bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
         model, tokenizer = load_model(cfg.model, dtype=parse_dtype("bf16" if bf16 else "fp32"), device=device)
+    model.requires_grad_(False)  # frozen: gradients reach the cartridge only
     corpus = Corpus.from_path(
         cfg.corpus.path, tokenizer, cfg.corpus.min_tokens, cfg.corpus.max_tokens, cfg.corpus.text_field
     )
@@ -229,7 +305,7 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None) -> dict:
 
     start = 0
     if cfg.resume and (ckpt_dir / "state.pt").exists():
-        cartridge = Cartridge.load(ckpt_dir / "cartridge.safetensors", model, device=device)
+        cartridge = load_cartridge(ckpt_dir / "cartridge.safetensors", model, device=device)
         state = torch.load(ckpt_dir / "state.pt", map_location=device, weights_only=True)
         start = state["step"]
         log.info("resuming at step %d", start)
@@ -255,7 +331,7 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None) -> dict:
     t0, tokens, loss_sum, loss_n = time.time(), 0, 0.0, 0
     bar = tqdm(total=cfg.steps, initial=start, desc=f"distill {cfg.method}", disable=not cfg.progress)
     for step in range(start, cfg.steps):
-        batch = collate(steps[step], cartridge.num_tokens, model.dtype, device)
+        batch = make_batch(cartridge, steps[step], model, device)
         loss = distill_loss(model, cartridge, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -278,6 +354,7 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None) -> dict:
     final = cartridge.save(out / "cartridge.safetensors")
     wall = time.time() - t0
     summary = {
+        "kind": cartridge.KIND,
         "method": cfg.method,
         "num_tokens": cartridge.num_tokens,
         "steps": cfg.steps,

@@ -107,6 +107,18 @@ class ZooCache(Cache):
         self.seen_tokens = 0
         self.decode_graph: Any = None  # a DecodeGraph once decoding runs through a CUDA graph
 
+    @classmethod
+    def from_states(cls, states: list[dict[str, torch.Tensor] | None], seen_tokens: int) -> ZooCache:
+        """A cache over given per-layer states (e.g. a cartridge's copies) that already hold `seen_tokens` tokens.
+
+        The states must have `init_state`'s keys and shapes; positional ones (with `pos`) also need `start` [B].
+        """
+        cache = cls.__new__(cls)
+        Cache.__init__(cache, layers=[ZooLayerState(s) for s in states])
+        cache.seen_tokens = seen_tokens
+        cache.decode_graph = None
+        return cache
+
     @property
     def states(self) -> list[dict[str, torch.Tensor] | None]:
         return [layer.state for layer in self.layers]
