@@ -519,7 +519,8 @@ class Server:
     model: a transformers causal LM (frozen); cartridge_dir: where cartridge files live; tokenizer: needed for
     text prompts, chat messages and stop strings. shared_prefix: None picks the shared-prefix path when the model
     supports it (Llama family), False forces the plain `as_cache` path. max_cache_bytes bounds the LRU of
-    loaded cartridges; max_batch_size bounds one forward.
+    loaded cartridges; max_batch_size bounds one forward. `stats` counts batches and requests; `last_cache` is
+    the SharedPrefixCache of the latest shared-prefix batch (for inspection and benchmarks).
     """
 
     def __init__(
@@ -552,6 +553,7 @@ class Server:
         self.pad_id = getattr(tokenizer, "pad_token_id", None) or 0
         self._lock = threading.Lock()  # one batch at a time on the model
         self.stats = {"batches": 0, "requests": 0, "largest_batch": 0}
+        self.last_cache: SharedPrefixCache | None = None
 
     # ---- requests
 
