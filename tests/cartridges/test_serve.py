@@ -336,3 +336,31 @@ def test_cli_refuses_a_missing_directory(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--model", "tiny-llama", "--cartridges", str(tmp_path / "none"), "--port", "0"])
     assert exit_info.value.code == 2 and "not a directory" in capsys.readouterr().err
+
+
+def test_state_cartridges_take_the_plain_path(tmp_path):
+    """A recurrent Zoo model's state cartridge serves through `as_cache`, equal to the corpus in context."""
+    from cartridges.state import StateCartridge
+    from zoo.models.hf import ZooConfig, ZooForCausalLM
+
+    config = ZooConfig(
+        n_layers=2,
+        pattern=["base_conv", "based"],
+        mixers={"based": {"feature_dim": 4, "num_heads": 2, "chunk_size": 16}},
+        d_model=32,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    zoo_model = ZooForCausalLM(config).eval().requires_grad_(False)
+    corpus = torch.randint(3, 512, (20,), generator=torch.Generator().manual_seed(1))
+    StateCartridge.from_prefix(zoo_model, corpus).save(tmp_path / "state.safetensors")
+    server = Server(zoo_model, tmp_path)
+    assert not server.shared_prefix
+    ps = [[5, 6, 7], [8, 9, 10], [11, 12, 13, 14]]  # two lengths: two batches
+    out = server.generate([GenerationRequest(prompt=p, cartridges=["state"], max_tokens=5) for p in ps])
+    for p, completion in zip(ps, out):
+        full = zoo_model.generate(torch.tensor([corpus.tolist() + p]), max_new_tokens=5, do_sample=False)
+        expected = full[0, len(corpus) + len(p) :].tolist()
+        assert completion.token_ids == (expected[: expected.index(EOS)] if EOS in expected else expected)
+    assert server.stats["batches"] == 2
