@@ -96,12 +96,17 @@ def _contract(m, x, rep_a, rep_b, BC: tl.constexpr, BK: tl.constexpr, DOT: tl.co
 
 
 @triton.jit
-def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T,
+def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                 BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
                 USE_H0: tl.constexpr, STORE_HT: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr,
-                EXPAND: tl.constexpr):
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+                EXPAND: tl.constexpr, STATE_ONLY: tl.constexpr):
+    """One program: value block i_v, segment i_s (SEG tokens, a multiple of BC) of sequence i_bh.
+
+    hv0/hz0 and hvT/hzT are indexed per (sequence, segment): [B·H, NS, F, V] and [B·H, NS, F]. STATE_ONLY
+    skips the output and only sums the segment's state (the first pass of the segmented forward)."""
+    i_v, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NS = tl.num_programs(1)
     i_b, i_h = i_bh // H, i_bh % H
     F: tl.constexpr = 1 + K + K * K
     offs_c = tl.arange(0, BC)
@@ -128,8 +133,8 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T,
     z1 = tl.zeros([BK], dtype=tl.float32)
     Z2 = tl.zeros([BK, BK], dtype=tl.float32)
     if USE_H0:
-        hv0 += i_bh.to(tl.int64) * F * V
-        hz0 += i_bh.to(tl.int64) * F
+        hv0 += (i_bh * NS + i_s).to(tl.int64) * F * V
+        hz0 += (i_bh * NS + i_s).to(tl.int64) * F
         S0 += tl.load(hv0 + offs_v, mask=m_v, other=0.0)
         S1 += tl.load(hv0 + (1 + offs_k[:, None]) * V + offs_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
         S2 += tl.load(hv0 + row_kk[:, None] * V + offs_v[None, :], mask=m_kk[:, None] & m_v[None, :], other=0.0)
@@ -138,27 +143,28 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T,
         Z2 += tl.load(hz0 + 1 + K + offs_k[:, None] * K + offs_k[None, :], mask=m_k[:, None] & m_k[None, :],
                       other=0.0)
 
-    for start in range(0, T, BC):
+    seg_end = tl.minimum(T, (i_s + 1) * SEG)
+    for start in range(i_s * SEG, seg_end, BC):
         t = start + offs_c
-        m_t = t < T
-        bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        m_t = t < seg_end
         bk = tl.load(k + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         bv = tl.load(v + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-        qs = bq.to(tl.float32) * scale  # [BC, BK]
         kf = bk.to(tl.float32)
-
-        s = _mm(bq, tl.trans(bk), DOT) * scale  # [BC, BC]
-        w = tl.where(causal, 1.0 + s + 0.5 * s * s, 0.0)
-        qq = _outer(qs, rep_a, rep_b, BC, BK, DOT, EXPAND)  # [BC, K²]
-        num = _mm(w, bv, DOT) + S0[None, :] + _mm(qs, S1, DOT) + 0.5 * _mm(qq, S2, DOT)
-        if NORMALIZE:
-            qZ = _mm(qs, Z2, 0)
-            d = tl.sum(w, 1) + n + tl.sum(qs * z1[None, :], 1) + 0.5 * tl.sum(qZ * qs, 1)
-            num = num / d[:, None]
-            if i_v == 0:
-                tl.store(den + t * H, d, mask=m_t)
-        tl.store(o + t[:, None] * H * V + offs_v[None, :], num.to(o.dtype.element_ty),
-                 mask=m_t[:, None] & m_v[None, :])
+        if not STATE_ONLY:
+            bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+            qs = bq.to(tl.float32) * scale  # [BC, BK]
+            s = _mm(bq, tl.trans(bk), DOT) * scale  # [BC, BC]
+            w = tl.where(causal, 1.0 + s + 0.5 * s * s, 0.0)
+            qq = _outer(qs, rep_a, rep_b, BC, BK, DOT, EXPAND)  # [BC, K²]
+            num = _mm(w, bv, DOT) + S0[None, :] + _mm(qs, S1, DOT) + 0.5 * _mm(qq, S2, DOT)
+            if NORMALIZE:
+                qZ = _mm(qs, Z2, 0)
+                d = tl.sum(w, 1) + n + tl.sum(qs * z1[None, :], 1) + 0.5 * tl.sum(qZ * qs, 1)
+                num = num / d[:, None]
+                if i_v == 0:
+                    tl.store(den + t * H, d, mask=m_t)
+            tl.store(o + t[:, None] * H * V + offs_v[None, :], num.to(o.dtype.element_ty),
+                     mask=m_t[:, None] & m_v[None, :])
 
         S0 += tl.sum(bv.to(tl.float32), 0)
         S1 += _mm(tl.trans(kf), bv, DOT)
@@ -168,8 +174,8 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T,
         Z2 += _mm(tl.trans(kf), kf, 0)
 
     if STORE_HT:
-        hvT += i_bh.to(tl.int64) * F * V
-        hzT += i_bh.to(tl.int64) * F
+        hvT += (i_bh * NS + i_s).to(tl.int64) * F * V
+        hzT += (i_bh * NS + i_s).to(tl.int64) * F
         tl.store(hvT + offs_v, S0, mask=m_v)
         tl.store(hvT + (1 + offs_k[:, None]) * V + offs_v[None, :], S1, mask=m_k[:, None] & m_v[None, :])
         tl.store(hvT + row_kk[:, None] * V + offs_v[None, :], S2, mask=m_kk[:, None] & m_v[None, :])
@@ -389,6 +395,27 @@ def _config(K: int, V: int, dtype: torch.dtype, kind: str):
     return BK, BV, 32, 4, 2
 
 
+# The forward splits the sequence into segments that run in parallel when the (V block, sequence) programs
+# alone are fewer than TARGET_PROGRAMS (the H200 has 132 SMs), keeping at least MIN_SEGMENT_CHUNKS chunks per
+# segment. SEGMENT_TOKENS, when set, forces the segment length (tests; a multiple of the chunk).
+TARGET_PROGRAMS = 1024
+MIN_SEGMENT_CHUNKS = 8
+SEGMENT_TOKENS: int | None = None
+
+
+def _segment_tokens(T: int, programs: int, BC: int) -> int:
+    """Tokens per segment of the forward (a multiple of BC; ≥ T means one segment)."""
+    if SEGMENT_TOKENS is not None:
+        if SEGMENT_TOKENS % BC:
+            raise ValueError(f"SEGMENT_TOKENS must be a multiple of the chunk ({BC}), got {SEGMENT_TOKENS}")
+        return SEGMENT_TOKENS
+    n_chunks = triton.cdiv(T, BC)
+    segments = min(triton.cdiv(TARGET_PROGRAMS, programs), n_chunks // MIN_SEGMENT_CHUNKS)
+    if segments <= 1:
+        return n_chunks * BC
+    return triton.cdiv(n_chunks, segments) * BC
+
+
 def _symmetrise_order2(hv: torch.Tensor, K: int) -> torch.Tensor:
     """G + Gᵀ on the order-2 rows of a Taylor-order tensor [B, H, 1+K+K², *] (orders 0 and 1 unchanged)."""
     head, o2 = hv[:, :, : 1 + K], hv[:, :, 1 + K:]
@@ -408,12 +435,34 @@ class ChunkBasedFunction(torch.autograd.Function):
         NV = triton.cdiv(V, BV)
         o = torch.empty_like(v)
         den = torch.empty(B, T, H, device=q.device, dtype=torch.float32) if normalize else None
-        hvT = torch.empty(B, H, F, V, device=q.device, dtype=torch.float32) if output_final_state else None
-        hzT = torch.empty(B, H, F, device=q.device, dtype=torch.float32) if output_final_state else None
-        _fwd_kernel[(NV, B * H)](
-            q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, H=H, K=K, V=V, BK=BK, BV=BV, BC=BC,
-            USE_H0=hv0 is not None, STORE_HT=output_final_state, NORMALIZE=normalize, DOT=_dot_mode(q.dtype),
-            EXPAND=_expand_mode(BK), num_warps=num_warps, num_stages=num_stages)
+        meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NORMALIZE=normalize, DOT=_dot_mode(q.dtype),
+                    EXPAND=_expand_mode(BK), num_warps=num_warps, num_stages=num_stages)
+        SEG = _segment_tokens(T, NV * B * H, BC)
+        NS = triton.cdiv(T, SEG)
+        if NS == 1:
+            hvT = torch.empty(B, H, F, V, device=q.device, dtype=torch.float32) if output_final_state else None
+            hzT = torch.empty(B, H, F, device=q.device, dtype=torch.float32) if output_final_state else None
+            _fwd_kernel[(NV, 1, B * H)](q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG, USE_H0=hv0 is not None,
+                                        STORE_HT=output_final_state, STATE_ONLY=False, **meta)
+        else:
+            # Pass 1: each segment's own state sums, all segments in parallel. Then the state entering segment
+            # s is h0 + Σ_{s' < s} (an exclusive prefix sum over segments), and pass 2 runs the segments in
+            # parallel from those states: NS× more programs, chains NS× shorter.
+            hs = torch.empty(B, H, NS, F, V, device=q.device, dtype=torch.float32)
+            zs = torch.empty(B, H, NS, F, device=q.device, dtype=torch.float32)
+            _fwd_kernel[(NV, NS, B * H)](q, k, v, o, den, None, None, hs, zs, scale, T, SEG, USE_H0=False,
+                                         STORE_HT=True, STATE_ONLY=True, **meta)
+            hv_in = torch.cat([torch.zeros_like(hs[:, :, :1]), hs[:, :, :-1].cumsum(2)], 2)
+            hz_in = torch.cat([torch.zeros_like(zs[:, :, :1]), zs[:, :, :-1].cumsum(2)], 2)
+            if hv0 is not None:
+                hv_in += hv0[:, :, None]
+                hz_in += hz0[:, :, None]
+            hvT = hzT = None
+            if output_final_state:
+                hvT = (hv_in[:, :, -1] + hs[:, :, -1]).contiguous()
+                hzT = (hz_in[:, :, -1] + zs[:, :, -1]).contiguous()
+            _fwd_kernel[(NV, NS, B * H)](q, k, v, o, den, hv_in, hz_in, None, None, scale, T, SEG, USE_H0=True,
+                                         STORE_HT=False, STATE_ONLY=False, **meta)
         ctx.save_for_backward(q, k, v, o, den, hv0, hz0)
         ctx.scale, ctx.normalize = scale, normalize
         return o, hvT, hzT

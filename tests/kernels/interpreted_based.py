@@ -35,6 +35,24 @@ def test_chunk_matches_naive(case):
         check_against_naive(chunk_based, case, torch.float32, "cpu")
 
 
+SEGMENTED = [
+    Case(B=1, T=100, H=2, K=16, V=64),  # 4 segments of one chunk, the last one partial
+    Case(B=2, T=64, H=1, K=8, V=40, normalize=False),  # 2 full segments, numerator only
+]
+
+
+@pytest.mark.parametrize("case", SEGMENTED, ids=[c.id for c in SEGMENTED])
+def test_segmented_forward_matches_naive(case, monkeypatch):
+    """The forward split into segments of one chunk (32 tokens) run in parallel, each from the prefix state of
+    the segments before it: outputs, final state and every gradient as the naive form."""
+    from kernels.based import chunk
+
+    monkeypatch.setattr(chunk, "SEGMENT_TOKENS", 32)
+    assert chunk._segment_tokens(case.T, 1, 32) == 32
+    with nan_empty():
+        check_against_naive(chunk_based, case, torch.float32, "cpu")
+
+
 def test_two_chained_calls_equal_one():
     """Prefill in two pieces with the state carried equals one call: outputs, final state and gradients
     (which flow back through the carried state). The split is not a multiple of the chunk size."""
