@@ -396,9 +396,12 @@ def _config(K: int, V: int, dtype: torch.dtype, kind: str):
 
 
 # The forward splits the sequence into segments that run in parallel when the (V block, sequence) programs
-# alone are fewer than TARGET_PROGRAMS (the H200 has 132 SMs), keeping at least MIN_SEGMENT_CHUNKS chunks per
-# segment. SEGMENT_TOKENS, when set, forces the segment length (tests; a multiple of the chunk).
-TARGET_PROGRAMS = 1024
+# alone are fewer than TARGET_PROGRAMS, keeping at least MIN_SEGMENT_CHUNKS chunks per segment. Measured on the
+# H200 at B=8, H=16, K=16, V=64, bf16 (256 programs; experiments/LOG.md): any split was slower (0.38-0.65x: the
+# extra state pass and the prefix sum cost more than the shorter chains gain), so segments start only below one
+# program per SM (132 SMs), e.g. prefill of one sequence. SEGMENT_TOKENS, when set, forces the segment length
+# (tests; a multiple of the chunk).
+TARGET_PROGRAMS = 132
 MIN_SEGMENT_CHUNKS = 8
 SEGMENT_TOKENS: int | None = None
 
