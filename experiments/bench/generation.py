@@ -3,6 +3,11 @@
     python experiments/bench/generation.py                       # H200: 1.3B shapes, bf16, batch sweep
     python experiments/bench/generation.py --tiny                # CPU smoke run: tiny models, fp32, seconds
 
+Next H200 run (≤ 8 min; Llama's batches are few because each new shape recompiles its decode, and 1024+1024
+tokens of its KV cache are 0.48 GB per sequence, so its best batch is ≤ 256):
+    python experiments/bench/generation.py --based-batches 1,64,256,1024,4096 --llama-batches 1,64,128,256 \
+        --budget-s 200
+
 Both models have random weights. Based: `configs/model/based_1b.yaml` (1.35B parameters, Based impl=triton on
 CUDA) as ZooForCausalLM, whose decode steps replay a CUDA graph over the fixed recurrent state. Llama:
 `LlamaForCausalLM` with SDPA attention and a static KV cache (transformers compiles its decode step, CUDA
@@ -175,7 +180,7 @@ def is_oom(err: BaseException) -> bool:
 def sweep(kind: str, model, args, timer: Timer, device) -> list[dict]:
     rows = []
     start = time.perf_counter()
-    for batch in args.batches:
+    for batch in args.model_batches.get(kind) or args.batches:
         if args.budget_s and time.perf_counter() - start > args.budget_s:
             print(f"{kind}: time budget of {args.budget_s:.0f} s spent; batches from {batch} not run", flush=True)
             break
@@ -204,6 +209,12 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (1024; tiny: 32)")
     parser.add_argument("--gen", type=int, default=None, help="generated tokens (1024; tiny: 16)")
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (1,4,...,4096; tiny: 1,2)")
+    parser.add_argument("--based-batches", default=None, help="Based's batch sizes (default: --batches)")
+    parser.add_argument(
+        "--llama-batches",
+        default=None,
+        help="Llama's batch sizes (default: --batches); each new shape recompiles its static-cache decode (~1 min)",
+    )
     parser.add_argument("--prefill-chunk-tokens", type=int, default=131072, help="Based prefill row slices (GPU)")
     parser.add_argument("--repeats", type=int, default=3, help="prefill timings per batch (median)")
     parser.add_argument("--budget-s", type=float, default=0.0, help="per model: start no batch after this (0: none)")
@@ -223,6 +234,10 @@ def main() -> None:
             args.batches or "1,4,16,64,256,1024,4096",
         )
     args.batches = [int(b) for b in batches.split(",")]
+    args.model_batches = {
+        kind: [int(b) for b in value.split(",")] if value else None
+        for kind, value in (("based", args.based_batches), ("llama", args.llama_batches))
+    }
     torch.manual_seed(0)
     timer = Timer(device)
     based = based_model(preset, vocab, device, dtype, impl)
