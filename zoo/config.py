@@ -178,10 +178,15 @@ class TrainConfig:
     resume: bool = False  # continue the run in run_dir from its last checkpoint
     overwrite: bool = False  # start over in a run_dir that already holds a run
     progress: bool = True
+    # Non-empty: train one run per learning rate here (optim.lr is replaced), packed into one vmapped model
+    # in this process (zoo/packed.py). Each run lands in the run dir its unpacked config would use.
+    pack_lrs: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.eval_every < 1 or self.log_every < 1:
             raise ValueError("train.epochs, train.eval_every and train.log_every must be >= 1")
+        if any(not lr > 0 for lr in self.pack_lrs) or len(set(self.pack_lrs)) != len(self.pack_lrs):
+            raise ValueError(f"train.pack_lrs must hold distinct learning rates > 0, got {list(self.pack_lrs)}")
         if self.early_stop is not None and not 0 < self.early_stop <= 1:
             raise ValueError(f"train.early_stop must be in (0, 1] or null, got {self.early_stop}")
         _check_execution(self)

@@ -32,7 +32,7 @@ log = logging.getLogger("zoo.train")
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 # Fields that change how a run is executed, not what it computes: left out of the run's identity.
-EXECUTION_KEYS = {"train": ("resume", "overwrite", "progress", "device", "compile"), "logger": None}
+EXECUTION_KEYS = {"train": ("resume", "overwrite", "progress", "device", "compile", "pack_lrs"), "logger": None}
 
 
 def config_dir() -> Path:
@@ -139,8 +139,65 @@ def start_tracker(cfg: Config, run: RunDir, name: str) -> Tracker:
     return Tracker(run, wandb_run)
 
 
+def checkpoint_state(model, optimizer_state, scheduler_state, epoch, step, best, wall_time_s, tokens) -> dict:
+    """The contents of ckpt/last.pt: everything a resume needs (zoo.packed writes the same per member)."""
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer_state,
+        "scheduler": scheduler_state,
+        "epoch": epoch,
+        "step": step,
+        "best_valid_accuracy": best,
+        "wall_time_s": wall_time_s,
+        "train_tokens": tokens,
+        "rng_cpu": torch.get_rng_state(),
+    }
+
+
+def run_summary(
+    cfg: Config,
+    name: str,
+    model: LanguageModel,
+    final_valid: dict,
+    test: dict,
+    best: float,
+    epoch: int,
+    step: int,
+    stopped_early: bool,
+    train_time: float,
+    tokens: int,
+    device: torch.device,
+) -> dict[str, Any]:
+    """summary.json of a finished run (zoo.packed writes the same per member)."""
+    max_len = max(seg.seq_len for seg in cfg.data.train)
+    lengths = sorted({seg.seq_len for split in SPLITS for seg in getattr(cfg.data, split)})
+    return {
+        "experiment": cfg.experiment_name,
+        "run": name,
+        "layers": cfg.model.layers(),
+        "d_model": cfg.model.d_model,
+        "lr": cfg.optim.lr,
+        "seed": cfg.train.seed,
+        "parameters": model.num_parameters(),
+        "state_size": {str(L): model.state_size(L) for L in lengths},
+        "state_bytes_fp32": 4 * model.state_size(max_len),
+        "state_bytes_seq_len": max_len,
+        **final_valid,
+        **test,
+        "best_valid_accuracy": best,
+        "epochs": epoch,
+        "steps": step,
+        "stopped_early": stopped_early,
+        "wall_time_s": train_time,
+        "train_tokens_per_s": tokens / train_time if train_time > 0 else 0.0,
+        "device": str(device),
+    }
+
+
 def train(cfg: Config, resolved_yaml: str | None = None) -> dict[str, Any]:
     """Train one run; return its summary (also written to summary.json)."""
+    if cfg.train.pack_lrs:
+        raise ConfigError("train.pack_lrs is set: train the pack with zoo.packed.train_packed (or zoo-train)")
     name = run_name(cfg)
     run = RunDir(Path(cfg.runs_root) / cfg.experiment_name / name)
     if run.exists() and not (cfg.train.resume or cfg.train.overwrite):
@@ -225,41 +282,27 @@ def train(cfg: Config, resolved_yaml: str | None = None) -> dict[str, Any]:
             tracker.log({"step": step, "epoch": epoch, **metrics})
             bar.set_postfix(valid_acc=f"{metrics['valid/accuracy']:.3f}", refresh=True)
             stopped_early = cfg.train.early_stop is not None and metrics["valid/accuracy"] >= cfg.train.early_stop
-            run.save_checkpoint({
-                "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "epoch": epoch, "step": step, "best_valid_accuracy": best,
-                "wall_time_s": wall_before + time.perf_counter() - t0, "train_tokens": tokens,
-                "rng_cpu": torch.get_rng_state(),
-            })
+            run.save_checkpoint(
+                checkpoint_state(
+                    model,
+                    optimizer.state_dict(),
+                    scheduler.state_dict(),
+                    epoch,
+                    step,
+                    best,
+                    wall_before + time.perf_counter() - t0,
+                    tokens,
+                )
+            )
     bar.close()
     train_time = wall_before + time.perf_counter() - t0
 
     final_valid = evaluate(model, data["valid"], "valid", amp)
     test = evaluate(model, data["test"], "test", amp)
     tracker.log({"step": step, "epoch": epoch, **test})
-    max_len = max(seg.seq_len for seg in cfg.data.train)
-    lengths = sorted({seg.seq_len for split in SPLITS for seg in getattr(cfg.data, split)})
-    summary = {
-        "experiment": cfg.experiment_name,
-        "run": name,
-        "layers": cfg.model.layers(),
-        "d_model": cfg.model.d_model,
-        "lr": cfg.optim.lr,
-        "seed": cfg.train.seed,
-        "parameters": model.num_parameters(),
-        "state_size": {str(L): model.state_size(L) for L in lengths},
-        "state_bytes_fp32": 4 * model.state_size(max_len),
-        "state_bytes_seq_len": max_len,
-        **final_valid,
-        **test,
-        "best_valid_accuracy": best,
-        "epochs": epoch,
-        "steps": step,
-        "stopped_early": stopped_early,
-        "wall_time_s": train_time,
-        "train_tokens_per_s": tokens / train_time if train_time > 0 else 0.0,
-        "device": str(device),
-    }
+    summary = run_summary(
+        cfg, name, model, final_valid, test, best, epoch, step, stopped_early, train_time, tokens, device
+    )
     run.write_summary(summary)
     tracker.finish(summary)
     return summary
