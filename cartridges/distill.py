@@ -220,24 +220,20 @@ def is_state_model(model) -> bool:
 def init_cartridge(cfg: DistillConfig, model, tokenizer, corpus: Corpus, device) -> Cartridge | StateCartridge:
     """A KV cartridge of `num_tokens` tokens, or for a Zoo model the state after `num_tokens` tokens (`num_frozen`
     does not apply to states)."""
-    if is_state_model(model):
-        if cfg.init == "random":
-            c = StateCartridge.random(model, cfg.num_tokens, seed=cfg.seed)
-            c.info.corpus_hash = corpus.hash
-            return c.to(device)
-        ctx = context_ids(tokenizer, corpus.full_text())
-        if len(ctx) < cfg.num_tokens:
-            raise ConfigError(f"num_tokens={cfg.num_tokens} exceeds the corpus in context ({len(ctx)} tokens)")
-        prefix = torch.tensor(ctx[: cfg.num_tokens])
-        return StateCartridge.from_prefix(model, prefix, corpus_hash=corpus.hash, init_method="first_tokens").to(device)
+    state = is_state_model(model)
     if cfg.init == "random":
-        c = Cartridge.random(model, cfg.num_tokens, num_frozen=cfg.num_frozen, seed=cfg.seed)
+        if state:
+            c = StateCartridge.random(model, cfg.num_tokens, seed=cfg.seed)
+        else:
+            c = Cartridge.random(model, cfg.num_tokens, num_frozen=cfg.num_frozen, seed=cfg.seed)
         c.info.corpus_hash = corpus.hash
         return c.to(device)
     ctx = context_ids(tokenizer, corpus.full_text())
     if len(ctx) < cfg.num_tokens:
         raise ConfigError(f"num_tokens={cfg.num_tokens} exceeds the corpus in context ({len(ctx)} tokens)")
     prefix = torch.tensor(ctx[: cfg.num_tokens])
+    if state:
+        return StateCartridge.from_prefix(model, prefix, corpus_hash=corpus.hash, init_method="first_tokens").to(device)
     return Cartridge.from_prefix(
         model, prefix, num_frozen=cfg.num_frozen, corpus_hash=corpus.hash, init_method="first_tokens"
     ).to(device)
