@@ -2,7 +2,8 @@
 
 The math is in `kernels/based/README.md` and `naive.naive_chunk_based` is its line-by-line twin. One program
 owns one (batch, head, block of BV value columns) and walks the sequence in chunks of BC tokens (forward:
-first to last; backward for dk/dv: last to first). Inside a chunk it uses the quadratic form on the BC×BC tile
+first to last, or one segment of it when there are too few programs to fill the GPU; backward for dk/dv: last
+to first). Inside a chunk it uses the quadratic form on the BC×BC tile
 of s = scale·q·kᵀ; across chunks it carries the three Taylor orders of the state in registers:
 
     order 0: S0 = Σ v [BV],         n  = Σ 1
