@@ -2,6 +2,7 @@
 
     zoo-train model=based data=mqar_tiny optim.lr=3e-3
     zoo-train model=attention train.resume=true          # continue a killed run from its last checkpoint
+    zoo-train model=based train.pack_lrs=[1e-4,1e-3,1e-2]  # three runs (one per lr) packed in one process
 
 The config tree is composed by Hydra from configs/ (presets) over the schemas in zoo/config.py; a typo or an
 impossible value fails here, before any work, with a one-line reason.
@@ -313,6 +314,7 @@ USAGE = """usage: zoo-train [KEY=VALUE ...]
 Train one model on synthetic recall data. Overrides use Hydra syntax over configs/train.yaml:
   zoo-train model=based data=mqar_tiny optim.lr=3e-3
   zoo-train model=attention train.resume=true
+  zoo-train model=based train.pack_lrs=[1e-4,1e-3,1e-2]   one run per lr, trained as one vmapped pack
   zoo-train --cfg [KEY=VALUE ...]     print the resolved config and exit
 Groups: model/, data/, optim/, logger/ under configs/. Runs go to runs/<experiment_name>/<run>/."""
 
@@ -330,12 +332,18 @@ def main(argv: list[str] | None = None) -> None:
         if show:
             print(resolved, end="")
             return
-        summary = train(cfg, resolved)
+        if cfg.train.pack_lrs:
+            from zoo.packed import pack_members, train_packed
+
+            summaries = train_packed(pack_members(cfg))
+        else:
+            summaries = [train(cfg, resolved)]
     except ConfigError as e:
         print(f"zoo-train: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    keys = ["valid/accuracy", "test/accuracy", "state_bytes_fp32", "parameters", "wall_time_s"]
-    print(" ".join(f"{k}={summary[k]:.4g}" if isinstance(summary[k], float) else f"{k}={summary[k]}" for k in keys))
+    keys = ["lr", "valid/accuracy", "test/accuracy", "state_bytes_fp32", "parameters", "wall_time_s"]
+    for summary in summaries:
+        print(" ".join(f"{k}={summary[k]:.4g}" if isinstance(summary[k], float) else f"{k}={summary[k]}" for k in keys))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,227 @@
+"""Packed training (zoo/packed.py) on CPU: each member of a pack equals its standalone zoo-train run, on disk
+and in its parameters; a member that stops early leaves the others untouched; a killed pack resumes; every
+registered mixer (impl=naive) runs under vmap; a pack that cannot run fails before any work, in one line."""
+
+import pytest
+import torch
+
+from zoo.eval import query_loss
+from zoo.models import LanguageModel
+from zoo.models.mixers import MIXERS
+from zoo.packed import PackError, _Pack, check_pack, pack_members, train_packed
+from zoo.runs import RunDir
+from zoo.train import ConfigError, load_config, main, run_name, train
+
+TINY = [
+    "model.d_model=16",
+    "data.vocab_size=64",
+    "data.train=[{seq_len:16,num_kv_pairs:2,num_examples:64,batch_size:16}]",
+    "data.valid=[{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:32}]",
+    "data.test=[{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:32},"
+    "{seq_len:32,num_kv_pairs:4,num_examples:32,batch_size:32}]",
+    "optim.warmup_frac=0.25",  # warmup and cosine both happen within the few steps
+    "optim.grad_clip=0.5",
+    "train.log_every=2",
+    "train.progress=false",
+]
+LRS = [1e-3, 1e-2, 3e-2]
+# Wall-clock fields differ between any two runs; pack_size exists only in packed summaries.
+UNTIMED = ("wall_time_s", "train_tokens_per_s", "pack_size")
+
+
+def cfg_of(root, *extra):
+    return load_config([*TINY, f"runs_root={root}", *extra])
+
+
+def standalone(root, lr, *extra):
+    cfg, resolved = cfg_of(root, f"optim.lr={lr}", *extra)
+    return train(cfg, resolved)
+
+
+def packed(root, lrs, *extra):
+    cfg, _ = cfg_of(root, *extra)
+    return train_packed(pack_members(cfg, lrs))
+
+
+def set_aside(root):
+    """Move root's runs to root/ref, so a second training in the same runs_root gets the same run names."""
+    (root / "default").rename(root / "ref")
+    return root / "ref"
+
+
+def assert_same_run(ref_dir, got_dir, atol=2e-5, config=True):
+    """Two run dirs hold the same run: config, metrics, summary and checkpoint (up to float rounding)."""
+    ref, got = RunDir(ref_dir), RunDir(got_dir)
+    if config:
+        assert (ref.path / "config.yaml").read_text() == (got.path / "config.yaml").read_text()
+    ref_m, got_m = ref.read_metrics(), got.read_metrics()
+    assert [sorted(r) for r in ref_m] == [sorted(r) for r in got_m]
+    for r, g in zip(ref_m, got_m):
+        assert g == pytest.approx(r, rel=1e-4, abs=atol), (r, g)
+    ref_s, got_s = ref.read_summary(), got.read_summary()
+    assert set(got_s) ^ set(ref_s) <= {"pack_size"} and "pack_size" in got_s
+    for key, value in ref_s.items():
+        if isinstance(value, float) and key not in UNTIMED:
+            assert got_s[key] == pytest.approx(value, rel=1e-4, abs=atol), key
+        elif key not in UNTIMED:
+            assert got_s[key] == value, key
+    ref_c, got_c = ref.load_checkpoint(), got.load_checkpoint()
+    for name, value in ref_c["model"].items():
+        torch.testing.assert_close(got_c["model"][name], value, rtol=1e-4, atol=atol)
+    ref_o, got_o = ref_c["optimizer"], got_c["optimizer"]
+    assert ref_o["param_groups"] == got_o["param_groups"]
+    assert ref_o["state"].keys() == got_o["state"].keys()
+    for k, state in ref_o["state"].items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(got_o["state"][k][name], state[name], rtol=1e-3, atol=1e-7)
+        assert float(got_o["state"][k]["step"]) == float(state["step"])
+    assert ref_c["scheduler"] == got_c["scheduler"]
+    assert (ref_c["epoch"], ref_c["step"], ref_c["train_tokens"]) == (
+        got_c["epoch"],
+        got_c["step"],
+        got_c["train_tokens"],
+    )
+
+
+@pytest.mark.parametrize("model", ["attention", "based"])
+def test_pack_equals_standalone_runs(tmp_path, model):
+    extra = (f"model={model}", "train.epochs=2", "train.early_stop=null")
+    refs = [standalone(tmp_path, lr, *extra) for lr in LRS]
+    ref_root = set_aside(tmp_path)
+    got = packed(tmp_path, LRS, *extra)
+    assert [s["run"] for s in got] == [s["run"] for s in refs]
+    assert all(s["pack_size"] == len(LRS) for s in got)
+    assert len({s["test/accuracy"] for s in got}) > 1, "the learning rates made no difference: a useless test"
+    for s in refs:
+        assert_same_run(ref_root / s["run"], tmp_path / "default" / s["run"])
+
+
+def test_early_stopped_member_leaves_the_others_as_standalone(tmp_path):
+    epochs = 3
+    extra = ("model=attention", f"train.epochs={epochs}")
+    curves = []
+    for lr in LRS:
+        standalone(tmp_path / "null", lr, *extra, "train.early_stop=null")
+        cfg, _ = cfg_of(tmp_path / "null", f"optim.lr={lr}", *extra, "train.early_stop=null")
+        metrics = RunDir(tmp_path / "null" / "default" / run_name(cfg)).read_metrics()
+        curves.append([r["valid/accuracy"] for r in metrics if "valid/accuracy" in r])
+    # A threshold that exactly one member reaches, before the last epoch, and no other member ever does.
+    stop = None
+    for i, curve in enumerate(curves):
+        others = max(a for j, c in enumerate(curves) if j != i for a in c)
+        for e, acc in enumerate(curve[:-1]):
+            if acc > others and acc > max(curve[:e], default=0.0):
+                stop = (i, e + 1, acc)
+                break
+        if stop:
+            break
+    assert stop is not None, f"no member stops alone with these curves: {curves}; change the config"
+    i_stop, epoch_stop, threshold = stop
+    early = f"train.early_stop={threshold!r}"
+
+    refs = [standalone(tmp_path, lr, *extra, early) for lr in LRS]
+    ref_root = set_aside(tmp_path)
+    got = packed(tmp_path, LRS, *extra, early)
+    assert [s["stopped_early"] for s in refs] == [s["stopped_early"] for s in got] == [i == i_stop for i in range(3)]
+    assert [s["epochs"] for s in got] == [epoch_stop if i == i_stop else epochs for i in range(3)]
+    for s in refs:
+        assert_same_run(ref_root / s["run"], tmp_path / "default" / s["run"])
+
+
+def test_killed_pack_resumes_exactly(tmp_path, monkeypatch):
+    extra = ("model=based", "train.epochs=3", "train.early_stop=null")
+    reference = packed(tmp_path, LRS[:2], *extra)
+    ref_root = set_aside(tmp_path)
+
+    saves = []
+    real_save = RunDir.save_checkpoint
+
+    def save_then_die(self, state):
+        real_save(self, state)
+        saves.append(state["epoch"])
+        if len(saves) == 2 * len(LRS[:2]):  # every member saved epoch 2
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(RunDir, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        packed(tmp_path, LRS[:2], *extra)
+    monkeypatch.setattr(RunDir, "save_checkpoint", real_save)
+    assert saves == [1, 1, 2, 2]
+    with pytest.raises(ConfigError, match="already holds a run"):
+        packed(tmp_path, LRS[:2], *extra)
+    resumed = packed(tmp_path, LRS[:2], *extra, "train.resume=true")
+    for ref in reference:
+        # config.yaml differs only in `resume: true`, as for a resumed zoo.train run.
+        assert_same_run(ref_root / ref["run"], tmp_path / "default" / ref["run"], 1e-6, config=False)
+    # Finished members are not trained again.
+    assert packed(tmp_path, LRS[:2], *extra, "train.resume=true") == resumed
+
+
+MIXER_OPTIONS = {"based": {"feature_dim": 4}, "h3": {"d_state": 8}, "hyena": {"max_seq_len": 16}}
+
+
+@pytest.mark.parametrize("mixer", sorted(MIXERS))
+def test_every_naive_mixer_packs(mixer):
+    """Under vmap, each member's loss and gradient equal the plain model's."""
+    from zoo.config import ModelConfig
+
+    torch.manual_seed(0)
+    options = {mixer: MIXER_OPTIONS[mixer]} if mixer in MIXER_OPTIONS else {}
+    cfg, _ = load_config([*TINY])
+    model = LanguageModel(ModelConfig(vocab_size=64, d_model=16, n_layers=2, pattern=[mixer], mixers=options))
+    pack = _Pack(model, [1e-3, 2e-3], cfg.optim, total_steps=1)
+    inputs = torch.randint(0, 64, (4, 16))
+    query_pos = torch.randint(0, 16, (4, 3))
+    query_labels = torch.randint(0, 64, (4, 3))
+    losses = pack.losses(inputs, query_pos, query_labels)  # [2]
+    losses.sum().backward()
+    loss = query_loss(model, inputs, query_pos, query_labels)
+    loss.backward()
+    grad = torch.cat([p.grad.reshape(-1) for _, p in model.named_parameters()])
+    for member in range(2):
+        torch.testing.assert_close(losses[member], loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(pack.flat.grad[member], grad, rtol=1e-4, atol=1e-6)
+
+
+def one_line(exc_info) -> str:
+    message = str(exc_info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_invalid_packs_fail_in_one_line(tmp_path, capsys):
+    with pytest.raises(ConfigError) as e:
+        cfg_of(tmp_path, "train.pack_lrs=[1e-3,1e-3]")
+    assert "train.pack_lrs must hold distinct" in one_line(e)
+
+    cfg, _ = cfg_of(tmp_path, "model=based")
+    other, _ = cfg_of(tmp_path, "model=based", "model.d_model=32", "optim.lr=0.01")
+    with pytest.raises(PackError) as e:
+        check_pack([cfg, other])
+    assert "differ only in optim.lr" in one_line(e) and "model.d_model: 16 vs 32" in one_line(e)
+
+    for impl in ("fla", "triton"):
+        cfg, _ = cfg_of(tmp_path, "model=based", f"+model.mixers.based.impl={impl}")
+        with pytest.raises(PackError) as e:
+            check_pack(pack_members(cfg, LRS))
+        assert f"mixer based has impl={impl}" in one_line(e)
+
+    cfg, _ = cfg_of(tmp_path, "train.pack_lrs=[1e-3,1e-2]")
+    with pytest.raises(ConfigError, match="train.pack_lrs is set"):
+        train(cfg)
+
+    with pytest.raises(SystemExit) as e:
+        main([*TINY, f"runs_root={tmp_path}", "train.pack_lrs=[1e-3,1e-2]", "train.compile=true"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "train.compile=true is not supported for packed runs" in err
+    assert not (tmp_path / "default").exists(), "an invalid pack started work"
+
+
+def test_zoo_train_pack_lrs_writes_one_run_per_lr(tmp_path, capsys):
+    main([*TINY, f"runs_root={tmp_path}", "model=attention", "train.epochs=1", "train.pack_lrs=[1e-3,1e-2]"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split()[0] for line in lines] == ["lr=0.001", "lr=0.01"]
+    for lr in ("1e-3", "1e-2"):
+        cfg, _ = cfg_of(tmp_path, "model=attention", "train.epochs=1", f"optim.lr={lr}")
+        assert RunDir(tmp_path / "default" / run_name(cfg)).is_finished()
