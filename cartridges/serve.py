@@ -84,15 +84,22 @@ def cascade_attention(
     Each part yields unnormalised outputs o, row maxima m and sums l; the merge rescales both to the common
     maximum, which equals one softmax over the concatenated keys. A query that sees nothing gives zeros.
     """
+    return _cascade(query, prefix_keys, prefix_values, keys, values, ~mask[:, :, None], scaling)
+
+
+def _cascade(query, prefix_keys, prefix_values, keys, values, blocked, scaling: float) -> torch.Tensor:
+    """`cascade_attention` with the mask already inverted and shaped `[B, 1, 1, T, S]` (done once per step for
+    every layer)."""
     batch, q_heads, steps, dim = query.shape
     kv_heads, size = keys.shape[1], keys.shape[2]
     groups = q_heads // kv_heads
     q = query.reshape(batch, kv_heads, groups * steps, dim)  # [B, Hkv, G·T, D]
 
     scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scaling  # [B, Hkv, G·T, S]
-    scores = scores.view(batch, kv_heads, groups, steps, size).masked_fill(~mask[:, :, None], float("-inf"))
+    scores = scores.view(batch, kv_heads, groups, steps, size).masked_fill(blocked, float("-inf"))
     m_s = scores.amax(-1, keepdim=True)  # [B, Hkv, G, T, 1]
-    weights = torch.exp(scores - torch.where(torch.isinf(m_s), 0.0, m_s))
+    # a query that sees no suffix key has m_s = -inf: subtract 0 instead, so its weights are exp(-inf) = 0
+    weights = torch.exp(scores - m_s.nan_to_num(neginf=0.0))
     l_s = weights.sum(-1, keepdim=True)
     o_s = torch.matmul(weights.view(batch, kv_heads, groups * steps, size).to(values.dtype), values)
     o_s = o_s.float().view(batch, kv_heads, groups, steps, dim)  # [B, Hkv, G, T, D]
@@ -122,9 +129,14 @@ def cascade_attention(
 class SharedPrefixCache:
     """A batch's KV: the prefix once per layer (shared by every request) and a suffix per request.
 
-    prefix keys/values `[L, H, p, D]` (or None); the suffix buffers are `[L, B, H, capacity, D]`, written in place
-    column by column. Column c of a request holds its token c of the left-padded prompt, then its generated
-    tokens; `valid[b, c]` is False at padding. A forward runs inside `step(valid_new)`.
+    prefix keys/values `[L, H, p, D]` (or None); the suffix buffers are `[L, B, H, capacity, D]`, written in place.
+    Column c of a request holds its token c of the left-padded prompt, then its generated tokens; `valid[b, c]`
+    is False at padding and at columns not written yet. Every step attends over all `capacity` columns (masked),
+    and the next column to write lives on the device (`column`), so a decode step has fixed shapes and reads no
+    host state: it can be captured as a CUDA graph and replayed.
+
+    A step: `begin(valid_new)` (writes the new columns' flags, builds the mask; advances nothing), the model's
+    forward (each layer calls `attend`), then `advance(T)` outside any captured region.
     """
 
     def __init__(
@@ -143,9 +155,21 @@ class SharedPrefixCache:
         shape = (num_layers, batch_size, kv_heads, capacity, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
+        # per-layer views, taken once: indexing the buffers in every layer of every step costs host time
+        self._layer_keys, self._layer_values = self.keys.unbind(0), self.values.unbind(0)  # [B, H, capacity, D]
+        self._prefix_keys = None if prefix_keys is None else prefix_keys.unbind(0)  # [H, p, D]
+        self._prefix_values = None if prefix_values is None else prefix_values.unbind(0)
         self.valid = torch.zeros(batch_size, capacity, dtype=torch.bool, device=device)
-        self.length = 0  # columns written
-        self.mask: torch.Tensor | None = None  # [B, 1, T, length + T] during a step
+        self.column = torch.zeros(1, dtype=torch.long, device=device)  # next column to write, [1]
+        self.length = 0  # host copy of `column`, for bounds checks
+        self._all_columns = torch.arange(capacity, device=device)
+        self._new_columns: torch.Tensor | None = None  # [T] during a step
+        self._blocked: torch.Tensor | None = None  # [B, 1, 1, T, capacity] during a step
+        self.mask: torch.Tensor | None = None  # [B, 1, T, capacity] during a step
+
+    @property
+    def capacity(self) -> int:
+        return self.valid.shape[1]
 
     @property
     def prefix_length(self) -> int:
@@ -156,32 +180,38 @@ class SharedPrefixCache:
         prefix = 0 if self.prefix_keys is None else 2 * self.prefix_keys.numel() * self.prefix_keys.element_size()
         return prefix + 2 * self.keys.numel() * self.keys.element_size()
 
+    def reset(self) -> None:
+        """Empty the suffix for a new batch of the same shape (stale keys stay, masked: no memset)."""
+        self.valid.zero_()
+        self.column.zero_()
+        self.length = 0
+
     def begin(self, valid_new: torch.Tensor) -> torch.Tensor:
-        """Open a step of T new columns (`valid_new` `[B, T]`); returns the suffix mask `[B, 1, T, length + T]`."""
+        """Open a step of T new columns (`valid_new` `[B, T]`); returns the mask `[B, 1, T, capacity]`."""
         steps = valid_new.shape[1]
-        end = self.length + steps
-        if end > self.valid.shape[1]:
-            raise ServeError(f"the batch needs more than its {self.valid.shape[1]} preallocated positions")
-        self.valid[:, self.length : end] = valid_new
-        cols = torch.arange(end, device=self.valid.device)
-        causal = cols[None, :] <= (self.length + torch.arange(steps, device=self.valid.device))[:, None]  # [T, S]
-        self.mask = causal[None, None] & self.valid[:, None, None, :end]  # [B, 1, T, S]
+        if self.length + steps > self.capacity:
+            raise ServeError(f"the batch needs more than its {self.capacity} preallocated positions")
+        cols = self.column + torch.arange(steps, device=self.column.device)  # [T]
+        self.valid.index_copy_(1, cols, valid_new)
+        causal = self._all_columns[None, :] <= cols[:, None]  # [T, capacity]
+        self.mask = causal[None, None] & self.valid[:, None, None, :]  # [B, 1, T, capacity]
+        self._blocked = ~self.mask[:, :, None]
+        self._new_columns = cols
         return self.mask
 
-    def end(self) -> None:
-        self.length += self.mask.shape[2]
-        self.mask = None
+    def advance(self, steps: int) -> None:
+        """Close a step of `steps` columns (not part of a captured step: replays must not move the counter)."""
+        self.column += steps
+        self.length += steps
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float):
-        """Write this step's key/value `[B, H, T, D]` for `layer`, then attend to prefix + suffix so far."""
-        steps = key.shape[2]
-        end = self.length + steps
-        self.keys[layer, :, :, self.length : end] = key
-        self.values[layer, :, :, self.length : end] = value
-        prefix_k = None if self.prefix_keys is None else self.prefix_keys[layer]
-        prefix_v = None if self.prefix_values is None else self.prefix_values[layer]
-        keys, values = self.keys[layer, :, :, :end], self.values[layer, :, :, :end]  # [B, H, S, D]
-        return cascade_attention(query, prefix_k, prefix_v, keys, values, self.mask, scaling)
+        """Write this step's key/value `[B, H, T, D]` for `layer`, then attend to the prefix and the suffix."""
+        keys, values = self._layer_keys[layer], self._layer_values[layer]  # [B, H, capacity, D]
+        keys.index_copy_(2, self._new_columns, key)
+        values.index_copy_(2, self._new_columns, value)
+        prefix_k = None if self._prefix_keys is None else self._prefix_keys[layer]
+        prefix_v = None if self._prefix_values is None else self._prefix_values[layer]
+        return _cascade(query, prefix_k, prefix_v, keys, values, self._blocked, scaling)
 
 
 def _attention_function(original: str) -> Callable:
@@ -444,6 +474,27 @@ class _Row:
         self.text, self.sent = "", ""
         self.finish: str | None = None
         self.generator: torch.Generator | None = None
+        # text is decoded after every token only for streaming and stop strings; otherwise once, at the end
+        self.needs_text = tokenizer is not None and (streaming or bool(self.req.stop))
+
+    def extend(self, tokens: list[int]) -> str:
+        """Take several generated tokens in order; the same outcome as `push` of each, faster without text."""
+        if self.needs_text:
+            return "".join([self.push(t) for t in tokens])
+        if self.finish is not None:
+            return ""
+        room = self.req.max_tokens - len(self.ids)
+        if not self.req.ignore_eos and self.eos_ids:
+            stop_at = next((i for i, t in enumerate(tokens) if t in self.eos_ids), None)
+            if stop_at is not None and stop_at < room:
+                self.ids.extend(tokens[:stop_at])
+                self.finish = "stop"
+                return self._flush()
+        self.ids.extend(tokens[:room])
+        if len(self.ids) >= self.req.max_tokens:
+            self.finish = "length"
+            return self._flush()
+        return ""
 
     def push(self, token: int) -> str:
         """Take one generated token; returns the text that may be streamed now."""
@@ -453,7 +504,7 @@ class _Row:
             self.finish = "stop"
             return self._flush()
         self.ids.append(token)
-        needs_text = self.tokenizer is not None and (self.streaming or self.req.stop)
+        needs_text = self.needs_text
         if needs_text:
             self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
             cut = min((i for i in (self.text.find(s) for s in self.req.stop) if i >= 0), default=-1)
@@ -495,10 +546,11 @@ def _stop_overlap(text: str, stops: Sequence[str]) -> int:
     return best
 
 
-def _sample(logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
-    """Next token per row `[B]` from logits `[B, V]`: argmax at temperature 0, else nucleus sampling."""
+def _sample(logits: torch.Tensor, rows: list[_Row], greedy: bool) -> torch.Tensor:
+    """Next token per row `[B]` from logits `[B, V]`: argmax at temperature 0, else nucleus sampling.
+    `greedy`: every row has temperature 0 (checked once per batch, not per step)."""
     tokens = logits.argmax(-1)
-    if all(row.req.temperature <= 0 for row in rows):
+    if greedy:
         return tokens
     for b, row in enumerate(rows):
         if row.req.temperature <= 0 or row.finish is not None:
@@ -513,14 +565,161 @@ def _sample(logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
     return tokens
 
 
+# Host syncs in the decode loop: with no row that streams, samples or has stop strings, the generated tokens are
+# read back every SYNC_EVERY steps (one `.tolist()` of a [B, k] block), so the host queues steps ahead of the
+# device; a batch whose rows all stop early decodes at most SYNC_EVERY - 1 extra steps.
+SYNC_EVERY = 8
+# Suffix capacities are rounded up to this many columns, so batches of similar lengths reuse a captured graph.
+CAPACITY_QUANTUM = 16
+
+
+def _round_up(n: int, quantum: int) -> int:
+    return -(-n // quantum) * quantum
+
+
+class _GraphCheckError(RuntimeError):
+    """A captured decode step disagreed with the same step run eagerly."""
+
+
+class _SharedDecoder:
+    """Decoding over a SharedPrefixCache with fixed shapes: static input buffers (`tokens`, `positions`) and one
+    step function, `_step`, run eagerly or captured once as a CUDA graph and replayed.
+
+    `_step` reads only device buffers (the cache, `tokens`, `positions`) and advances no counter; `step` fills
+    the inputs, runs it (eagerly or by replay), then advances the cache column and the positions.
+    """
+
+    def __init__(self, model, cache: SharedPrefixCache, batch_size: int, device: torch.device):
+        self.model, self.cache = model, cache
+        self.tokens = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # [B, 1]
+        self.positions = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # [B, 1]
+        self.ones = torch.ones(batch_size, 1, dtype=torch.bool, device=device)  # [B, 1]
+        self.graph = None  # torch.cuda.CUDAGraph once captured
+        self.logits: torch.Tensor | None = None  # the graph's output buffer [B, V]
+        self.use_graph = False  # capture at the first decode step
+        self.graph_required = False  # a failed capture raises instead of falling back to eager steps
+        self.captured = False  # a capture happened since the server last looked
+        self.capture_error: Exception | None = None
+
+    def _forward(self, ids, positions, valid) -> torch.Tensor:
+        mask = self.cache.begin(valid)
+        out = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=mask,  # 4D: transformers passes it through untouched
+            shared_prefix=self.cache,
+            use_cache=False,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1].float()  # [B, V]
+
+    def prefill(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Run the left-padded prompts `ids` `[B, W]` (`valid` False at padding); logits of each last token."""
+        cache = self.cache
+        cache.reset()
+        p = cache.prefix_length
+        positions = p + (valid.cumsum(1) - 1).clamp_min(0)  # [B, W]
+        logits = self._forward(ids, positions, valid)
+        cache.advance(ids.shape[1])
+        self.positions.copy_(p + valid.sum(1, keepdim=True))  # [B, 1]: the first generated token's position
+        return logits
+
+    def _step(self) -> torch.Tensor:
+        return self._forward(self.tokens, self.positions, self.ones)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed `tokens` `[B]`; logits of the next token `[B, V]` (the graph's buffer when captured: read it before
+        the next step)."""
+        if self.cache.length + 1 > self.cache.capacity:
+            raise ServeError(f"the batch needs more than its {self.cache.capacity} preallocated positions")
+        self.tokens.copy_(tokens[:, None])
+        if self.graph is not None:
+            self.graph.replay()
+            logits = self.logits
+        elif self.use_graph:
+            self.use_graph = False
+            try:
+                logits = self.capture()
+                self.captured = True
+            except Exception as e:
+                if self.graph_required:
+                    raise
+                log.warning("CUDA graph capture failed, decoding eagerly from now on: %s", str(e).splitlines()[0])
+                self.capture_error = e
+                logits = self._step()
+        else:
+            logits = self._step()
+        self.cache.advance(1)
+        self.positions += 1
+        return logits
+
+    def capture(self) -> torch.Tensor:
+        """Capture `_step` as a CUDA graph at the current state; returns this step's logits (from a replay).
+
+        The step is first run eagerly on a side stream (the warm-up that capture needs); a replay then computes
+        the same step again and must agree with it, else `_GraphCheckError`. Neither moves a counter, so the
+        cache ends as one eager step would leave it.
+        """
+        device = self.tokens.device
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            eager = self._step().clone()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            logits = self._step()
+        graph.replay()
+        # the same kernels on the same inputs: equal up to library-level nondeterminism
+        tolerance = 1e-3 * float(eager.abs().max()) + 1e-5
+        diff = float((logits - eager).abs().max())
+        if not diff <= tolerance:
+            raise _GraphCheckError(f"the replayed decode step differs from eager by {diff:.3g} (> {tolerance:.3g})")
+        self.graph, self.logits = graph, logits
+        return logits
+
+
+class _PlainDecoder:
+    """Decoding over the cartridge's own cache (`as_cache`) and the model's attention: prompts of equal length,
+    no padding; shapes grow every step, so it is never captured."""
+
+    def __init__(self, model, cache, extra: dict):
+        from cartridges.cache import cache_kwargs
+
+        self.model, self.cache, self.extra = model, cache, extra
+        self._kwargs = cache_kwargs
+
+    def _forward(self, ids) -> torch.Tensor:
+        kwargs = {} if self.cache is None else self._kwargs(self.model, self.cache)
+        out = self.model(input_ids=ids, use_cache=True, **kwargs, **self.extra)
+        if self.cache is None:
+            self.cache = out["cache"] if "cache" in out else out["past_key_values"]
+        return out.logits[:, -1].float()  # [B, V]
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._forward(ids)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self._forward(tokens[:, None])
+
+
 class Server:
     """Batched generation from cartridges with a frozen causal LM.
 
     model: a transformers causal LM (frozen); cartridge_dir: where cartridge files live; tokenizer: needed for
     text prompts, chat messages and stop strings. shared_prefix: None picks the shared-prefix path when the model
     supports it (Llama family), False forces the plain `as_cache` path. max_cache_bytes bounds the LRU of
-    loaded cartridges; max_batch_size bounds one forward. `stats` counts batches and requests; `last_cache` is
-    the SharedPrefixCache of the latest shared-prefix batch (for inspection and benchmarks).
+    loaded cartridges; max_batch_size bounds one forward.
+
+    cuda_graphs: on the shared-prefix path, capture the decode step of a batch as a CUDA graph and replay it
+    (one launch per token instead of a few thousand). None (default) turns it on for CUDA models: a capture
+    that fails, or whose replay disagrees with the eager step, then logs a warning and the server decodes
+    eagerly from there on. True insists (raises instead; needs CUDA); False never captures. The last
+    `max_graphs` captured decoders (their suffix buffers and graphs) are kept for batches of the same size and
+    capacity; `release()` frees them.
+
+    `stats` counts batches, requests and graph captures / failures; `last_cache` is the SharedPrefixCache of the
+    latest shared-prefix batch (for inspection and benchmarks).
     """
 
     def __init__(
@@ -532,7 +731,11 @@ class Server:
         max_cache_bytes: int = 4 << 30,
         max_batch_size: int = 256,
         shared_prefix: bool | None = None,
+        cuda_graphs: bool | None = None,
+        max_graphs: int = 1,
     ):
+        import inspect
+
         if max_batch_size < 1:
             raise ServeError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model
@@ -552,8 +755,31 @@ class Server:
         self.eos_ids = _eos_ids(model, tokenizer)
         self.pad_id = getattr(tokenizer, "pad_token_id", None) or 0
         self._lock = threading.Lock()  # one batch at a time on the model
-        self.stats = {"batches": 0, "requests": 0, "largest_batch": 0}
+        if cuda_graphs and self.device.type != "cuda":
+            raise ServeError(f"cuda_graphs=True needs a model on a CUDA device, not {self.device}")
+        # captured decoding exists on the shared-prefix path only (the plain path's caches grow every step)
+        self.cuda_graphs = bool(
+            self.shared_prefix and (self.device.type == "cuda" if cuda_graphs is None else cuda_graphs)
+        )
+        self._graphs_required = bool(cuda_graphs)
+        self.max_graphs = max_graphs
+        self._decoders: OrderedDict[tuple, _SharedDecoder] = OrderedDict()
+        params = inspect.signature(model.forward).parameters
+        self._plain_extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        self.stats = {
+            "batches": 0,
+            "requests": 0,
+            "largest_batch": 0,
+            "graph_captures": 0,
+            "graph_replays": 0,
+            "graph_failures": 0,
+        }
         self.last_cache: SharedPrefixCache | None = None
+
+    def release(self) -> None:
+        """Drop the kept decoders (suffix buffers and captured graphs)."""
+        self._decoders.clear()
+        self.last_cache = None
 
     # ---- requests
 
@@ -667,97 +893,98 @@ class Server:
             if row.req.seed is not None:
                 row.generator = torch.Generator(device=self.device).manual_seed(row.req.seed)
         steps = max(r.req.max_tokens for r in rows)
-        if shared:
-            forward = self._shared_forward(entry, batch, steps)
-        else:
-            forward = self._plain_forward(entry, batch)
-        logits = forward(None)
-        for _ in range(steps):
-            tokens = _sample(logits, rows)
-            for b, (row, token) in enumerate(zip(rows, tokens.tolist())):
-                was_done = row.finish is not None
-                delta = row.push(token)
-                if on_event is not None and not was_done and (delta or row.finish is not None):
-                    on_event(indices[b], delta, row.completion() if row.finish is not None else None)
-            if all(r.finish is not None for r in rows):
-                break
-            logits = forward(tokens)
+        greedy = all(r.req.temperature <= 0 for r in rows)
+        # rows that stream, stop on strings or sample need each token on the host before the next step
+        per_token = not greedy or any(r.streaming or r.req.stop for r in rows)
+        interval = 1 if per_token else SYNC_EVERY
+        try:
+            decoder, logits = self._start(entry, batch, steps, shared)
+            pending: list[torch.Tensor] = []  # sampled tokens [B] not yet read back
+            for step in range(steps):
+                tokens = _sample(logits, rows, greedy)
+                pending.append(tokens)
+                last = step == steps - 1
+                if len(pending) == interval or last:
+                    block = torch.stack(pending, 1).tolist()  # [B, k]: the one host sync of these k steps
+                    pending = []
+                    for b, (row, new) in enumerate(zip(rows, block)):
+                        if row.finish is not None:
+                            continue
+                        delta = row.extend(new)
+                        if on_event is not None and (delta or row.finish is not None):
+                            on_event(indices[b], delta, row.completion() if row.finish is not None else None)
+                    if all(r.finish is not None for r in rows):
+                        break
+                if last:
+                    break
+                logits = decoder.step(tokens)
+                if isinstance(decoder, _SharedDecoder) and decoder.graph is not None:
+                    self.stats["graph_replays"] += 1
+        except BaseException:
+            self._decoders.clear()  # a failed batch (OOM included) keeps no buffers or graphs alive
+            raise
+        if isinstance(decoder, _SharedDecoder):
+            self._note_capture(decoder)
         return [r.completion() for r in rows]
 
-    def _shared_forward(self, entry, batch: list[_Prepared], steps: int):
-        """A step function over a SharedPrefixCache: None runs the left-padded prompts, a `[B]` tensor one token."""
+    def _note_capture(self, decoder: _SharedDecoder) -> None:
+        if decoder.captured:
+            self.stats["graph_captures"] += 1
+            decoder.captured = False
+        if decoder.capture_error is not None:
+            self.stats["graph_failures"] += 1
+            self.cuda_graphs = False
+            self._decoders.clear()
+
+    def _start(self, entry, batch: list[_Prepared], steps: int, shared: bool):
+        """A decoder for the batch and the logits `[B, V]` after its prompts (left-padded on the shared path)."""
+        if not shared:
+            # the plain path's batches hold prompts of one length (see `_plan`): no padding
+            ids = torch.tensor([x.prompt_ids for x in batch], dtype=torch.long, device=self.device)
+            cache = (
+                None
+                if entry is None
+                else entry.cartridge.as_cache(len(batch), dtype=self.dtype, config=self.model.config)
+            )
+            decoder = _PlainDecoder(self.model, cache, self._plain_extra)
+            return decoder, decoder.prefill(ids)
         prefix = None if entry is None else self.store.prefix(entry)
-        p = 0 if prefix is None else prefix[0].shape[2]
         size, width = len(batch), max(len(x.prompt_ids) for x in batch)
         ids = torch.full((size, width), self.pad_id, dtype=torch.long)
         valid = torch.zeros(size, width, dtype=torch.bool)
         for b, x in enumerate(batch):
             ids[b, width - len(x.prompt_ids) :] = torch.tensor(x.prompt_ids)
             valid[b, width - len(x.prompt_ids) :] = True
-        ids, valid = ids.to(self.device), valid.to(self.device)
-        lengths = valid.sum(1)  # [B]
+        decoder = self._shared_decoder(prefix, size, _round_up(width + steps, CAPACITY_QUANTUM))
+        self.last_cache = decoder.cache
+        return decoder, decoder.prefill(ids.to(self.device), valid.to(self.device))
+
+    def _shared_decoder(self, prefix, batch_size: int, capacity: int) -> _SharedDecoder:
+        """A decoder with suffix room for `capacity` columns: a kept one of this shape when graphs are on."""
+        prefix_keys = None if prefix is None else prefix[0]
+        key = (None if prefix_keys is None else prefix_keys.data_ptr(), batch_size, capacity)
+        if self.cuda_graphs:
+            kept = self._decoders.get(key)
+            if kept is not None and kept.cache.prefix_keys is prefix_keys:
+                self._decoders.move_to_end(key)
+                return kept
+            while self._decoders and len(self._decoders) >= self.max_graphs:
+                self._decoders.popitem(last=False)  # free the old buffers before allocating new ones
         cache = SharedPrefixCache(
-            None if prefix is None else prefix[0],
+            prefix_keys,
             None if prefix is None else prefix[1],
-            size,
-            width + steps,
+            batch_size,
+            capacity,
             self.config.num_hidden_layers,
             *_kv_shape(self.config),
             dtype=self.dtype,
             device=self.device,
         )
-        self.last_cache = cache
-        state = {"step": 0}
-
-        def forward(tokens):
-            if tokens is None:
-                inputs, positions, new_valid = ids, p + (valid.cumsum(1) - 1).clamp_min(0), valid
-            else:
-                inputs = tokens[:, None]
-                positions = (p + lengths + state["step"])[:, None]
-                new_valid = torch.ones_like(inputs, dtype=torch.bool)
-                state["step"] += 1
-            mask = cache.begin(new_valid)
-            try:
-                out = self.model(
-                    input_ids=inputs,
-                    position_ids=positions,
-                    attention_mask=mask,  # 4D: transformers passes it through untouched
-                    shared_prefix=cache,
-                    use_cache=False,
-                    logits_to_keep=1,
-                )
-            finally:
-                cache.end()
-            return out.logits[:, -1].float()
-
-        return forward
-
-    def _plain_forward(self, entry, batch: list[_Prepared]):
-        """A step function over the cartridge's own cache (`as_cache`): prompts of equal length, no padding."""
-        import inspect
-
-        from cartridges.cache import cache_kwargs
-
-        size = len(batch)
-        ids = torch.tensor([x.prompt_ids for x in batch], dtype=torch.long, device=self.device)
-        params = inspect.signature(self.model.forward).parameters
-        extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
-        state = {
-            "cache": None
-            if entry is None
-            else entry.cartridge.as_cache(size, dtype=self.dtype, config=self.model.config)
-        }
-
-        def forward(tokens):
-            inputs = ids if tokens is None else tokens[:, None]
-            kwargs = {} if state["cache"] is None else cache_kwargs(self.model, state["cache"])
-            out = self.model(input_ids=inputs, use_cache=True, **kwargs, **extra)
-            if state["cache"] is None:
-                state["cache"] = out["cache"] if "cache" in out else out["past_key_values"]
-            return out.logits[:, -1].float()
-
-        return forward
+        decoder = _SharedDecoder(self.model, cache, batch_size, self.device)
+        decoder.use_graph, decoder.graph_required = self.cuda_graphs, self._graphs_required
+        if self.cuda_graphs and self.max_graphs > 0:
+            self._decoders[key] = decoder
+        return decoder
 
 
 def _kv_shape(config) -> tuple[int, int]:

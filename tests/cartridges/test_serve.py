@@ -24,6 +24,9 @@ from cartridges.serve import (  # noqa: E402
     ServeError,
     Server,
     SharedPrefixCache,
+    _Prepared,
+    _Row,
+    _SharedDecoder,
     build_app,
     cascade_attention,
     main,
@@ -105,12 +108,12 @@ def test_shared_prefix_forward_equals_the_plain_cache(model, cartridge_dir):
     server = Server(model, cartridge_dir)
     batch = [server.prepare(GenerationRequest(prompt=p, cartridges=["doc"], max_tokens=3)) for p in prompts(4)]
     entry = server.store.get(("doc",))
-    step = server._shared_forward(entry, batch, steps=3)
-    logits = step(None)  # [B, V]
+    decoder, logits = server._start(entry, batch, steps=3, shared=True)  # [B, V]
     cache = server.last_cache
     assert cache.prefix_keys.data_ptr() == server.store.prefix(entry)[0].data_ptr()
-    assert cache.keys.shape[3] == max(len(x.prompt_ids) for x in batch) + 3  # the suffix holds no prefix tokens
-    next_logits = step(logits.argmax(-1))
+    width = max(len(x.prompt_ids) for x in batch)
+    assert width + 3 <= cache.keys.shape[3] < width + 3 + 16  # the suffix holds no prefix tokens
+    next_logits = decoder.step(logits.argmax(-1))
     for b, x in enumerate(batch):
         ids = torch.tensor([x.prompt_ids + [int(logits[b].argmax())]])
         plain = model(input_ids=ids, **cache_kwargs(model, entry.cartridge.as_cache(1, config=model.config))).logits
@@ -128,6 +131,76 @@ def test_server_greedy_equals_cartridges_generate(model, cartridge_dir, shared_p
     out = server.generate([GenerationRequest(prompt=p, cartridges=ids, max_tokens=16) for p, ids, _ in cases])
     for (p, _, cartridge), completion in zip(cases, out):
         assert completion.token_ids == reference(model, cartridge, p, 16)
+
+
+def test_extending_a_row_by_blocks_equals_pushing_token_by_token():
+    """The loop reads tokens back in blocks (one host sync per block); a row's outcome must not change."""
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(200):
+        max_tokens, ignore_eos = int(torch.randint(1, 12, (1,), generator=gen)), trial % 3 == 0
+        tokens = torch.randint(0, 6, (16,), generator=gen).tolist()  # EOS (2) appears at random places
+        request = GenerationRequest(prompt=[5], max_tokens=max_tokens, ignore_eos=ignore_eos)
+        one, blocks = (_Row(_Prepared(request, [5], ()), None, {EOS}, False, 0) for _ in range(2))
+        for t in tokens:
+            one.push(t)
+        block = int(torch.randint(1, 9, (1,), generator=gen))
+        for start in range(0, len(tokens), block):
+            blocks.extend(tokens[start : start + block])
+        assert (blocks.ids, blocks.finish) == (one.ids, one.finish), (tokens, max_tokens, ignore_eos, block)
+
+
+def stand_in_capture(self):
+    """`_SharedDecoder.capture` without CUDA: the warm-up, then a 'graph' whose replay reruns the same step into
+    the same output buffer. What it checks is what a real capture relies on: the step moves no counter, so
+    running it twice gives the same logits and leaves the cache as once."""
+    length, column = self.cache.length, self.cache.column.clone()
+    eager = self._step().clone()
+    logits = self._step()
+    assert torch.equal(logits, eager) and self.cache.length == length and torch.equal(self.cache.column, column)
+
+    class Replay:
+        def replay(_):
+            logits.copy_(self._step())
+
+    self.graph, self.logits = Replay(), logits
+    return logits
+
+
+def test_kept_decoders_are_reset_and_replayed(model, cartridge_dir, monkeypatch):
+    """With graphs on, a batch's decoder (suffix buffers, graph) is kept and reused by the next batch of the same
+    size and capacity: its output still equals `cartridges.generate`."""
+    monkeypatch.setattr(_SharedDecoder, "capture", stand_in_capture)
+    server = Server(model, cartridge_dir)
+    server.cuda_graphs = True  # on CPU, with the stand-in capture
+    doc = server.store.get(("doc",)).cartridge
+    for seed in (2, 3, 4):  # three batches of 3 prompts (2..11 tokens + 16 steps: capacity 32)
+        ps = prompts(3, seed=seed)
+        out = server.generate([GenerationRequest(prompt=p, cartridges=["doc"], max_tokens=16) for p in ps])
+        for p, completion in zip(ps, out):
+            assert completion.token_ids == reference(model, doc, p, 16)
+    assert server.stats["graph_captures"] == 1 and server.stats["graph_failures"] == 0
+    assert server.stats["graph_replays"] >= 3 * 8  # reads back every SYNC_EVERY steps: no early stop before 8
+    assert len(server._decoders) == 1
+    server.release()
+    assert not server._decoders
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_graph_decoding_equals_eager(cartridge_dir, dtype):
+    """The captured decode step gives the eager step's greedy tokens, batch after batch (the graph is reused)."""
+    gpu_model = tiny_llama(seed=0).to("cuda", dtype)
+    graphed = Server(gpu_model, cartridge_dir, cuda_graphs=True)
+    eager = Server(gpu_model, cartridge_dir, cuda_graphs=False)
+    for seed in (2, 3):
+        ps = prompts(5, seed=seed)
+        requests = [GenerationRequest(prompt=p, cartridges=["doc"], max_tokens=24, ignore_eos=True) for p in ps]
+        requests += [GenerationRequest(prompt=ps[0], cartridges=["doc", "other"], max_tokens=24)]
+        got, expected = graphed.generate(requests), eager.generate(requests)
+        assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    assert graphed.stats["graph_failures"] == 0 and graphed.stats["graph_captures"] >= 2  # doc, doc+other
+    assert graphed.stats["graph_replays"] > 0 and eager.stats["graph_captures"] == 0
 
 
 def test_cartridges_load_once_and_the_lru_evicts_by_bytes(model, cartridge_dir):
