@@ -10,6 +10,8 @@ reports the fraction of both ceilings it reaches, counting the minimum bytes (in
 once) and the FLOPs of kernels/based/README.md. The last line is JSON.
 
 --sweep first times a grid of block configurations of our kernel at T=4096 and uses the fastest.
+`ours_fwd_batched_o2` is our kernel with `chunk.FWD_EXPAND = 2` (its backward is the default one); its output
+is checked against `ours` before it is timed.
 """
 
 import argparse
@@ -70,11 +72,26 @@ def inputs(T, d_qk=K, d_v=V, layout="bthd"):
     return q, k, v, do
 
 
+def with_fwd_expand(mode):
+    """Our kernel with the forward's order-2 mode set to `mode` for the call (chunk.FWD_EXPAND)."""
+
+    def fn(q, k, v):
+        saved, chunk_mod.FWD_EXPAND = chunk_mod.FWD_EXPAND, mode
+        try:
+            return chunk_based(q, k, v)[0]
+        finally:
+            chunk_mod.FWD_EXPAND = saved
+
+    return fn
+
+
 def impls():
     from fla.ops.based import fused_chunk_based, parallel_based
 
     out = {
         "ours": (lambda q, k, v: chunk_based(q, k, v)[0], "bthd", K),
+        # the forward's order-2 terms by batched dots over the first index (no 0/1 expansion matrices)
+        "ours_fwd_batched_o2": (with_fwd_expand(2), "bthd", K),
         "fla_parallel_based": (lambda q, k, v: parallel_based(q, k, v, scale=None, use_norm=True), "bthd", K),
         "fla_fused_chunk_based": (lambda q, k, v: fused_chunk_based(q, k, v, scale=None, use_norm=True), "bthd", K),
         "sdpa_causal_d64": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), "bhtd", SDPA_D),
@@ -174,6 +191,13 @@ def main():
     for T in args.T:
         for name, (fn, layout, d_qk) in names.items():
             try:
+                if name == "ours_fwd_batched_o2":
+                    q, k, v, _ = inputs(T)
+                    with torch.no_grad():
+                        ref, out = chunk_based(q, k, v)[0].float(), fn(q, k, v).float()
+                    err = ((out - ref).norm() / ref.norm()).item()
+                    if not err < 2e-2:
+                        raise ValueError(f"output differs from ours: relative error {err:.2e}")
                 fwd, both = time_impl(fn, T, layout, d_qk)
             except Exception as e:  # keep the table going if a baseline breaks on this stack; say so
                 print(f"{name:24s} {T:6d} failed: {type(e).__name__}: {str(e)[:200]}")

@@ -33,8 +33,14 @@ DOT_IEEE, DOT_TF32, DOT_BF16 = 0, 1, 2
 EXPAND = 1
 
 
-def _expand_mode(BK: int) -> int:
-    return EXPAND if BK <= 16 else 0
+# The forward may instead keep S2 as [K, K, BV] and use batched dots over the first index (2: no 0/1 matrices,
+# about half the forward's matrix work at K=16). Not yet timed on a GPU, so not the default.
+FWD_EXPAND = 1
+
+
+def _expand_mode(BK: int, forward: bool = False) -> int:
+    mode = FWD_EXPAND if forward else EXPAND
+    return mode if BK <= 16 else 0
 
 
 def _dot_mode(dtype: torch.dtype) -> int:
@@ -97,6 +103,27 @@ def _contract(m, x, rep_a, rep_b, BC: tl.constexpr, BK: tl.constexpr, DOT: tl.co
 
 
 @triton.jit
+def _o2_read(qs, S2, BC: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
+    """(q⊗q)·S2 for S2 kept as [BK, BK, BV], without forming q⊗q: Σ_a q_a (q·S2[a]), one batched dot over a.
+
+    qs [BC, BK] -> [BC, BV]."""
+    if DOT == 2:
+        qs = qs.to(tl.bfloat16).to(tl.float32)  # the operand rounding the big dot would apply
+    x = _mm(tl.broadcast_to(qs[None, :, :], (BK, BC, BK)), S2, DOT)  # [BK (a), BC, BV]
+    return tl.sum(tl.trans(qs)[:, :, None] * x, 0)
+
+
+@triton.jit
+def _o2_update(kf, bv, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr):
+    """Σ_c (k_c⊗k_c) v_cᵀ as [BK, BK, BV]: for each a, (k·k_a)ᵀ v, one batched dot over a."""
+    if DOT == 2:
+        kf = kf.to(tl.bfloat16).to(tl.float32)
+    kt = tl.trans(kf)  # [BK, BC]
+    a = kt[:, None, :] * kt[None, :, :]  # [BK (a), BK (b), BC]: k_a·k_b, exact in fp32
+    return _mm(a, tl.broadcast_to(bv[None, :, :], (BK, BC, BV)), DOT)
+
+
+@triton.jit
 def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                 BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
@@ -129,7 +156,13 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
 
     S0 = tl.zeros([BV], dtype=tl.float32)
     S1 = tl.zeros([BK, BV], dtype=tl.float32)
-    S2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
+    if EXPAND == 2:
+        S2 = tl.zeros([BK, BK, BV], dtype=tl.float32)
+        a3, b3, v3 = offs_k[:, None, None], offs_k[None, :, None], offs_v[None, None, :]
+        off3 = (1 + K + a3 * K + b3) * V + v3
+        m3 = (a3 < K) & (b3 < K) & (v3 < V)
+    else:
+        S2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
     n = 0.0
     z1 = tl.zeros([BK], dtype=tl.float32)
     Z2 = tl.zeros([BK, BK], dtype=tl.float32)
@@ -138,7 +171,10 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
         hz0 += (i_bh * NS + i_s).to(tl.int64) * F
         S0 += tl.load(hv0 + offs_v, mask=m_v, other=0.0)
         S1 += tl.load(hv0 + (1 + offs_k[:, None]) * V + offs_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-        S2 += tl.load(hv0 + row_kk[:, None] * V + offs_v[None, :], mask=m_kk[:, None] & m_v[None, :], other=0.0)
+        if EXPAND == 2:
+            S2 += tl.load(hv0 + off3, mask=m3, other=0.0)
+        else:
+            S2 += tl.load(hv0 + row_kk[:, None] * V + offs_v[None, :], mask=m_kk[:, None] & m_v[None, :], other=0.0)
         n += tl.load(hz0)
         z1 += tl.load(hz0 + 1 + offs_k, mask=m_k, other=0.0)
         Z2 += tl.load(hz0 + 1 + K + offs_k[:, None] * K + offs_k[None, :], mask=m_k[:, None] & m_k[None, :],
@@ -156,8 +192,11 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
             qs = bq.to(tl.float32) * scale  # [BC, BK]
             s = _mm(bq, tl.trans(bk), DOT) * scale  # [BC, BC]
             w = tl.where(causal, 1.0 + s + 0.5 * s * s, 0.0)
-            qq = _outer(qs, rep_a, rep_b, BC, BK, DOT, EXPAND)  # [BC, K²]
-            num = _mm(w, bv, DOT) + S0[None, :] + _mm(qs, S1, DOT) + 0.5 * _mm(qq, S2, DOT)
+            if EXPAND == 2:
+                o2 = _o2_read(qs, S2, BC, BK, DOT)
+            else:
+                o2 = _mm(_outer(qs, rep_a, rep_b, BC, BK, DOT, EXPAND), S2, DOT)  # (q⊗q) [BC, K²] · S2
+            num = _mm(w, bv, DOT) + S0[None, :] + _mm(qs, S1, DOT) + 0.5 * o2
             if NORMALIZE:
                 qZ = _mm(qs, Z2, 0)
                 d = tl.sum(w, 1) + n + tl.sum(qs * z1[None, :], 1) + 0.5 * tl.sum(qZ * qs, 1)
@@ -169,7 +208,10 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
 
         S0 += tl.sum(bv.to(tl.float32), 0)
         S1 += _mm(tl.trans(kf), bv, DOT)
-        S2 += _mm(tl.trans(_outer(kf, rep_a, rep_b, BC, BK, DOT, EXPAND)), bv, DOT)
+        if EXPAND == 2:
+            S2 += _o2_update(kf, bv, BC, BK, BV, DOT)
+        else:
+            S2 += _mm(tl.trans(_outer(kf, rep_a, rep_b, BC, BK, DOT, EXPAND)), bv, DOT)
         n += tl.sum(m_t.to(tl.float32), 0)
         z1 += tl.sum(kf, 0)
         Z2 += _mm(tl.trans(kf), kf, 0)
@@ -179,7 +221,10 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
         hzT += (i_bh * NS + i_s).to(tl.int64) * F
         tl.store(hvT + offs_v, S0, mask=m_v)
         tl.store(hvT + (1 + offs_k[:, None]) * V + offs_v[None, :], S1, mask=m_k[:, None] & m_v[None, :])
-        tl.store(hvT + row_kk[:, None] * V + offs_v[None, :], S2, mask=m_kk[:, None] & m_v[None, :])
+        if EXPAND == 2:
+            tl.store(hvT + off3, S2, mask=m3)
+        else:
+            tl.store(hvT + row_kk[:, None] * V + offs_v[None, :], S2, mask=m_kk[:, None] & m_v[None, :])
         if i_v == 0:
             tl.store(hzT, n)
             tl.store(hzT + 1 + offs_k, z1, mask=m_k)
@@ -440,7 +485,7 @@ class ChunkBasedFunction(torch.autograd.Function):
         o = torch.empty_like(v)
         den = torch.empty(B, T, H, device=q.device, dtype=torch.float32) if normalize else None
         meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NORMALIZE=normalize, DOT=_dot_mode(q.dtype),
-                    EXPAND=_expand_mode(BK), num_warps=num_warps, num_stages=num_stages)
+                    EXPAND=_expand_mode(BK, forward=True), num_warps=num_warps, num_stages=num_stages)
         SEG = _segment_tokens(T, NV * B * H, BC)
         NS = triton.cdiv(T, SEG)
         if NS == 1:
