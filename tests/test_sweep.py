@@ -2,6 +2,7 @@
 plot gets written."""
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,13 @@ def test_repo_sweep_files_compose(capsys):
             load_config(run)
     main([str(repo / "configs/sweep/tiny.yaml"), "--emit"])
     assert capsys.readouterr().out.count("zoo-train ") == len(load_sweep(repo / "configs/sweep/tiny.yaml"))
+    # --pack-lrs --emit: one zoo-train per group of runs differing only in optim.lr (4 lrs per Fig. 2 point).
+    fig2 = repo / "experiments/zoology_fig2/sweep.py"
+    main([str(fig2), "--emit", "--pack-lrs"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(load_sweep(fig2)) // 4 and all("train.pack_lrs=[" in line for line in lines)
+    cfg, _ = load_config(shlex.split(lines[0])[1:])
+    assert len(cfg.train.pack_lrs) == 4
 
 
 def test_frontier_keeps_only_improvements():
@@ -138,3 +146,22 @@ def test_frontier_keeps_only_improvements():
     # The same constant state trained at another length is another point, not another lr to choose from.
     other_length = dict(runs[0], state_bytes_seq_len=64, **{"valid/accuracy": 0.99})
     assert len(best_lr_points([*runs, other_length])) == len(points) + 1
+
+
+def test_sweep_pack_lrs_trains_each_lr_group_as_one_pack(tmp_path):
+    from zoo.sweep import lr_groups
+
+    extra = TINY + ["experiment_name=p", f"data.cache_dir={tmp_path / 'cache'}"]
+    # A group that cannot pack (impl=fla has no vmap rule) runs unpacked and says why.
+    fla = [["model=based", "+model.mixers.based.impl=fla", f"optim.lr={lr}"] for lr in ("1e-3", "3e-3")]
+    assert lr_groups(GRID + fla) == [[0, 1], [2, 3], [4, 5]]
+    first = run_sweep(GRID + fla, "p", device="cpu", extra=extra, runs_root=str(tmp_path), pack_lrs=True)
+    packed, unpacked = first["runs"][:4], first["runs"][4:]
+    assert [r["status"] for r in packed] == ["finished"] * 4 and all(r["packed"] == 2 for r in packed)
+    assert all("impl=fla" in r["unpacked"] for r in unpacked)
+    summaries = [json.loads((Path(r["run_dir"]) / "summary.json").read_text()) for r in packed]
+    assert [s["pack_size"] for s in summaries] == [2] * 4 and [s["lr"] for s in summaries] == [1e-3, 3e-3] * 2
+    # The packed runs sit in the unpacked runs' dirs: an unpacked re-run skips them all.
+    second = run_sweep(GRID, "p", device="cpu", extra=extra, runs_root=str(tmp_path))
+    assert [r["status"] for r in second["runs"]] == ["skipped"] * 4
+    assert [r["run_dir"] for r in second["runs"]] == [r["run_dir"] for r in packed]

@@ -4,6 +4,7 @@
     zoo-sweep configs/sweep/tiny.yaml --workers 2 --device cpu
     zoo-sweep experiments/zoology_fig2/sweep.py --dry-run        # list the runs and what is already done
     zoo-sweep experiments/zoology_fig2/sweep.py --emit           # one zoo-train command per line
+    zoo-sweep experiments/zoology_fig2/sweep.py --pack-lrs       # the 4 lrs of each point as one packed job
 
 A sweep file is either
 - Python: it defines `sweep()` returning a list of runs, each a list of Hydra overrides
@@ -19,6 +20,11 @@ What happens per run:
   resumes from its last checkpoint (`train.resume=true`).
 - A run that raises writes `error.txt` (the traceback) into its run dir and is listed as failed; the
   others continue. The sweep's record goes to `<runs_root>/_sweeps/<sweep name>.json`.
+
+Packing (`--pack-lrs`): runs whose overrides differ only in `optim.lr=` form one job, trained as one vmapped
+pack in one process (zoo/packed.py); each still gets the run dir, files and `run_name` of its unpacked
+config, so packed and unpacked sweeps skip each other's finished runs. A group that cannot pack (an FLA or
+Triton impl, members killed at different checkpoints) runs one run at a time, and its records say why.
 
 Parallelism: a process pool (stdlib `concurrent.futures`, spawn) of `--workers` processes. Each worker owns
 one device for its lifetime: worker i gets GPU i mod (number of GPUs), so with workers = runs_per_gpu·GPUs
@@ -158,6 +164,78 @@ def run_one(overrides: list[str], extra: list[str]) -> dict[str, Any]:
     }
 
 
+def lr_groups(runs: list[list[str]]) -> list[list[int]]:
+    """Indices of runs whose overrides are equal but for `optim.lr=...`, in order of first appearance."""
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i, run in enumerate(runs):
+        groups.setdefault(tuple(o for o in run if not o.startswith("optim.lr=")), []).append(i)
+    return list(groups.values())
+
+
+def run_pack(runs: list[list[str]], extra: list[str]) -> list[dict[str, Any]]:
+    """Runs that differ only in optim.lr, trained as one pack; never raises (failures are returned).
+
+    Finished runs are skipped and failed configs reported, as in `run_one`; the rest train together, or one at
+    a time when they cannot pack (the reason goes into each record as `unpacked`).
+    """
+    from zoo.packed import PackError, train_packed
+    from zoo.runs import RunDir
+    from zoo.train import ConfigError, load_config, run_name
+
+    full = extra + ["train.progress=false"] + _device_overrides()
+    records: list[dict[str, Any]] = []
+    members, resolved, todo = [], [], []
+    for overrides in runs:
+        record: dict[str, Any] = {"overrides": overrides, "run_dir": None}
+        records.append(record)
+        try:
+            cfg, text = load_config(overrides + full)
+        except ConfigError as e:
+            record |= {"status": "failed", "error": f"config: {e}"}
+            continue
+        run = RunDir(Path(cfg.runs_root) / cfg.experiment_name / run_name(cfg))
+        record["run_dir"] = str(run.path)
+        if run.is_finished():
+            record["status"] = "skipped"
+            continue
+        members.append(cfg)
+        resolved.append(text)
+        todo.append(record)
+    if not members:
+        return records
+    if any(RunDir(r["run_dir"]).exists() for r in todo):
+        for cfg in members:
+            cfg.train.resume = True
+    t0 = time.perf_counter()
+    try:
+        summaries = train_packed(members, resolved)
+    except PackError as e:
+        for record in todo:
+            record |= run_one(record["overrides"], extra) | {"unpacked": str(e)}
+        return records
+    except Exception:  # the whole pack failed: every member is recorded as failed; the sweep goes on
+        for record in todo:
+            path = Path(record["run_dir"])
+            path.mkdir(parents=True, exist_ok=True)
+            (path / "error.txt").write_text(traceback.format_exc())
+            record |= {"status": "failed", "error": traceback.format_exc().strip().splitlines()[-1]}
+        return records
+    for record, summary in zip(todo, summaries):
+        (Path(record["run_dir"]) / "error.txt").unlink(missing_ok=True)
+        record |= {
+            "status": "finished",
+            "wall_s": time.perf_counter() - t0,
+            "valid/accuracy": summary.get("valid/accuracy"),
+            "packed": len(members),
+        }
+    return records
+
+
+def run_job(runs: list[list[str]], extra: list[str]) -> list[dict[str, Any]]:
+    """One job of the pool: a single run, or a group of runs differing only in optim.lr (a pack)."""
+    return [run_one(runs[0], extra)] if len(runs) == 1 else run_pack(runs, extra)
+
+
 def devices_for(device: str, workers: int) -> list[str]:
     """One device per worker: GPUs round-robin (cuda:i), or cpu."""
     if device == "cpu":
@@ -179,8 +257,12 @@ def run_sweep(
     device: str = "auto",
     extra: list[str] = (),
     runs_root: str | None = None,
+    pack_lrs: bool = False,
 ) -> dict[str, Any]:
-    """Run every run (see the module docstring); write and return the sweep record."""
+    """Run every run (see the module docstring); write and return the sweep record.
+
+    pack_lrs: train each group of runs that differ only in optim.lr as one pack (`lr_groups`, `run_pack`).
+    """
     import multiprocessing
 
     from tqdm.auto import tqdm
@@ -189,11 +271,13 @@ def run_sweep(
     results: list[dict[str, Any] | None] = [None] * len(runs)
     t0 = time.perf_counter()
     bar = tqdm(total=len(runs), desc=f"sweep {name}", dynamic_ncols=True)
+    jobs = lr_groups(runs) if pack_lrs else [[i] for i in range(len(runs))]
     if workers <= 1:
         serial_extra = extra + ([f"train.device={device}"] if device != "auto" else [])
-        for i, run in enumerate(runs):
-            results[i] = run_one(run, serial_extra)
-            bar.update(1)
+        for job in jobs:
+            for i, result in zip(job, run_job([runs[i] for i in job], serial_extra)):
+                results[i] = result
+            bar.update(len(job))
     else:
         ctx = multiprocessing.get_context("spawn")
         queue = ctx.Manager().Queue()
@@ -201,14 +285,16 @@ def run_sweep(
             queue.put(dev)
         threads = max(1, (os.cpu_count() or 1) // workers)
         with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=(queue, threads)) as pool:
-            futures = {pool.submit(run_one, run, extra): i for i, run in enumerate(runs)}
+            futures = {pool.submit(run_job, [runs[i] for i in job], extra): job for job in jobs}
             for future in as_completed(futures):
-                i = futures[future]
+                job = futures[future]
                 try:
-                    results[i] = future.result()
+                    for i, result in zip(job, future.result()):
+                        results[i] = result
                 except Exception as e:  # the worker process itself died
-                    results[i] = {"overrides": runs[i], "run_dir": None, "status": "failed", "error": repr(e)}
-                bar.update(1)
+                    for i in job:
+                        results[i] = {"overrides": runs[i], "run_dir": None, "status": "failed", "error": repr(e)}
+                bar.update(len(job))
     bar.close()
     counts = {s: sum(r["status"] == s for r in results) for s in ("finished", "skipped", "failed")}
     record = {"sweep": name, "runs": results, **counts, "wall_s": time.perf_counter() - t0}
@@ -237,7 +323,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs-root", default=None)
     parser.add_argument("--name", default=None, help="sweep name (default: the file's directory or stem)")
     parser.add_argument("--dry-run", action="store_true", help="list the runs and their state, run nothing")
-    parser.add_argument("--emit", action="store_true", help="print one zoo-train command per run")
+    parser.add_argument("--emit", action="store_true", help="print one zoo-train command per run (per pack)")
+    parser.add_argument(
+        "--pack-lrs", action="store_true", help="train runs differing only in optim.lr as one packed job each"
+    )
     args = parser.parse_args(argv)
     runs = load_sweep(args.sweep_file)
     path = Path(args.sweep_file)
@@ -246,7 +335,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.emit:
         import shlex
 
-        for run in runs:
+        for job in lr_groups(runs) if args.pack_lrs else [[i] for i in range(len(runs))]:
+            run = runs[job[0]]
+            if len(job) > 1:
+                lrs = ",".join(o.split("=", 1)[1] for i in job for o in runs[i] if o.startswith("optim.lr="))
+                run = [o for o in run if not o.startswith("optim.lr=")] + [f"train.pack_lrs=[{lrs}]"]
             print(shlex.join(["zoo-train", *run, *extra]))
         return
     if args.dry_run:
@@ -258,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
 
         workers = args.runs_per_gpu * torch.cuda.device_count() if args.device != "cpu" else 1
         workers = max(1, workers)
-    record = run_sweep(runs, name, workers, args.device, list(args.overrides), args.runs_root)
+    record = run_sweep(runs, name, workers, args.device, list(args.overrides), args.runs_root, args.pack_lrs)
     print(
         f"zoo-sweep {name}: {record['finished']} finished, {record['skipped']} skipped, "
         f"{record['failed']} failed in {record['wall_s']:.1f} s -> {record['path']}"
