@@ -10,11 +10,12 @@ reports the fraction of both ceilings it reaches, counting the minimum bytes (in
 once) and the FLOPs of kernels/based/README.md. The last line is JSON.
 
 --sweep first times a grid of block configurations of our kernel at T=4096 and uses the fastest.
-`ours_fwd_batched_o2` is our kernel with `chunk.FWD_EXPAND = 2` (its backward is the default one); its output
-is checked against `ours` before it is timed.
+`ours_batched_o2` is our kernel with `chunk.FWD_EXPAND = chunk.BWD_EXPAND = 2`; its output and gradients are
+checked against `ours` before it is timed.
 """
 
 import argparse
+import contextlib
 import json
 import math
 
@@ -72,17 +73,17 @@ def inputs(T, d_qk=K, d_v=V, layout="bthd"):
     return q, k, v, do
 
 
-def with_fwd_expand(mode):
-    """Our kernel with the forward's order-2 mode set to `mode` for the call (chunk.FWD_EXPAND)."""
-
-    def fn(q, k, v):
-        saved, chunk_mod.FWD_EXPAND = chunk_mod.FWD_EXPAND, mode
-        try:
-            return chunk_based(q, k, v)[0]
-        finally:
-            chunk_mod.FWD_EXPAND = saved
-
-    return fn
+@contextlib.contextmanager
+def order2_mode(name):
+    """`ours_batched_o2` runs our kernels with chunk.FWD_EXPAND = BWD_EXPAND = 2 (order-2 states as [K, K, BV],
+    batched dots); every other implementation as configured."""
+    saved = chunk_mod.FWD_EXPAND, chunk_mod.BWD_EXPAND
+    if name == "ours_batched_o2":
+        chunk_mod.FWD_EXPAND = chunk_mod.BWD_EXPAND = 2
+    try:
+        yield
+    finally:
+        chunk_mod.FWD_EXPAND, chunk_mod.BWD_EXPAND = saved
 
 
 def impls():
@@ -90,8 +91,8 @@ def impls():
 
     out = {
         "ours": (lambda q, k, v: chunk_based(q, k, v)[0], "bthd", K),
-        # the forward's order-2 terms by batched dots over the first index (no 0/1 expansion matrices)
-        "ours_fwd_batched_o2": (with_fwd_expand(2), "bthd", K),
+        # order-2 terms by batched dots over the first index, no 0/1 expansion matrices (see order2_mode)
+        "ours_batched_o2": (lambda q, k, v: chunk_based(q, k, v)[0], "bthd", K),
         "fla_parallel_based": (lambda q, k, v: parallel_based(q, k, v, scale=None, use_norm=True), "bthd", K),
         "fla_fused_chunk_based": (lambda q, k, v: fused_chunk_based(q, k, v, scale=None, use_norm=True), "bthd", K),
         "sdpa_causal_d64": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), "bhtd", SDPA_D),
@@ -191,14 +192,19 @@ def main():
     for T in args.T:
         for name, (fn, layout, d_qk) in names.items():
             try:
-                if name == "ours_fwd_batched_o2":
-                    q, k, v, _ = inputs(T)
-                    with torch.no_grad():
-                        ref, out = chunk_based(q, k, v)[0].float(), fn(q, k, v).float()
-                    err = ((out - ref).norm() / ref.norm()).item()
+                if name == "ours_batched_o2":
+                    q, k, v, do = inputs(T)
+                    ref = chunk_based(q, k, v)[0]
+                    ref_grads = torch.autograd.grad(ref, (q, k, v), do)
+                    with order2_mode(name):
+                        out = chunk_based(q, k, v)[0]
+                        grads = torch.autograd.grad(out, (q, k, v), do)
+                    err = max(((a.float() - b.float()).norm() / b.float().norm()).item()
+                              for a, b in zip((out, *grads), (ref, *ref_grads)))
                     if not err < 2e-2:
-                        raise ValueError(f"output differs from ours: relative error {err:.2e}")
-                fwd, both = time_impl(fn, T, layout, d_qk)
+                        raise ValueError(f"output or gradients differ from ours: relative error {err:.2e}")
+                with order2_mode(name):
+                    fwd, both = time_impl(fn, T, layout, d_qk)
             except Exception as e:  # keep the table going if a baseline breaks on this stack; say so
                 print(f"{name:24s} {T:6d} failed: {type(e).__name__}: {str(e)[:200]}")
                 continue

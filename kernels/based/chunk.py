@@ -33,13 +33,15 @@ DOT_IEEE, DOT_TF32, DOT_BF16 = 0, 1, 2
 EXPAND = 1
 
 
-# The forward may instead keep S2 as [K, K, BV] and use batched dots over the first index (2: no 0/1 matrices,
-# about half the forward's matrix work at K=16). Not yet timed on a GPU, so not the default.
-FWD_EXPAND = 1
+# Mode 2 keeps the order-2 state as [K, K, BV] and reads, updates and contracts it with batched dots over the
+# first index: no 0/1 matrices, about half the matrix work at K=16. FWD_EXPAND / BWD_EXPAND pick it for the
+# forward / backward; not yet timed on a GPU, so not the default.
+FWD_EXPAND = EXPAND
+BWD_EXPAND = EXPAND
 
 
-def _expand_mode(BK: int, forward: bool = False) -> int:
-    mode = FWD_EXPAND if forward else EXPAND
+def _expand_mode(BK: int, forward: bool) -> int:
+    mode = FWD_EXPAND if forward else BWD_EXPAND
     return mode if BK <= 16 else 0
 
 
@@ -121,6 +123,14 @@ def _o2_update(kf, bv, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT
     kt = tl.trans(kf)  # [BK, BC]
     a = kt[:, None, :] * kt[None, :, :]  # [BK (a), BK (b), BC]: k_a·k_b, exact in fp32
     return _mm(a, tl.broadcast_to(bv[None, :, :], (BK, BC, BV)), DOT)
+
+
+@triton.jit
+def _o2_contract(g, S2, x, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr):
+    """out[c, a] = Σ_b (Σ_v S2[a, b, v]·g[c, v])·x[c, b] for S2 [BK, BK, BV], g [BC, BV], x [BC, BK] -> [BC, BK]:
+    one batched dot over a, then the sum over b on the vector units."""
+    y = _mm(tl.broadcast_to(g[None, :, :], (BK, BC, BV)), tl.permute(S2, (0, 2, 1)), DOT)  # [BK (a), BC, BK (b)]
+    return tl.trans(tl.sum(y * x[None, :, :], 2))
 
 
 @triton.jit
@@ -289,14 +299,23 @@ def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
         dden += i_b.to(tl.int64) * T * H + i_h
 
     S1 = tl.zeros([BK, BV], dtype=tl.float32)
-    S2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
+    if EXPAND == 2:
+        S2 = tl.zeros([BK, BK, BV], dtype=tl.float32)
+        a3, b3, v3 = offs_k[:, None, None], offs_k[None, :, None], offs_v[None, None, :]
+        off3 = (1 + K + a3 * K + b3) * V + v3
+        m3 = (a3 < K) & (b3 < K) & (v3 < V)
+    else:
+        S2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
     z1 = tl.zeros([BK], dtype=tl.float32)
     Z2 = tl.zeros([BK, BK], dtype=tl.float32)
     if USE_H0:
         hv0 += i_bh.to(tl.int64) * F * V
         hz0 += i_bh.to(tl.int64) * F
         S1 += tl.load(hv0 + (1 + offs_k[:, None]) * V + offs_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-        S2 += tl.load(hv0 + row_kk[:, None] * V + offs_v[None, :], mask=m_kk[:, None] & m_v[None, :], other=0.0)
+        if EXPAND == 2:
+            S2 += tl.load(hv0 + off3, mask=m3, other=0.0)
+        else:
+            S2 += tl.load(hv0 + row_kk[:, None] * V + offs_v[None, :], mask=m_kk[:, None] & m_v[None, :], other=0.0)
         z1 += tl.load(hz0 + 1 + offs_k, mask=m_k, other=0.0)
         Z2 += tl.load(hz0 + 1 + K + offs_k[:, None] * K + offs_k[None, :], mask=m_k[:, None] & m_k[None, :],
                       other=0.0)
@@ -316,13 +335,19 @@ def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
         ds = tl.where(causal, dp * (1.0 + s), 0.0)
         dqs = _mm(ds, bk, DOT) + _mm(dnum, tl.trans(S1), DOT)
         # Σ_b (Σ_v S2[a·BK + b, v]·dnum_v)·q_s[b]
-        dqs += _contract(_mm(dnum, tl.trans(S2), DOT), qs, rep_a, rep_b, BC, BK, DOT, EXPAND)
+        if EXPAND == 2:
+            dqs += _o2_contract(dnum, S2, qs, BC, BK, BV, DOT)
+        else:
+            dqs += _contract(_mm(dnum, tl.trans(S2), DOT), qs, rep_a, rep_b, BC, BK, DOT, EXPAND)
         if NORMALIZE:
             dqs += dd[:, None] * (z1[None, :] + _mm(qs, Z2, 0))
         tl.store(dq + t[:, None] * H * K + offs_k[None, :], dqs * scale, mask=m_t[:, None] & m_k[None, :])
 
         S1 += _mm(tl.trans(kf), bv, DOT)
-        S2 += _mm(tl.trans(_outer(kf, rep_a, rep_b, BC, BK, DOT, EXPAND)), bv, DOT)
+        if EXPAND == 2:
+            S2 += _o2_update(kf, bv, BC, BK, BV, DOT)
+        else:
+            S2 += _mm(tl.trans(_outer(kf, rep_a, rep_b, BC, BK, DOT, EXPAND)), bv, DOT)
         z1 += tl.sum(kf, 0)
         Z2 += _mm(tl.trans(kf), kf, 0)
 
@@ -362,7 +387,13 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
 
     D0 = tl.zeros([BV], dtype=tl.float32)
     D1 = tl.zeros([BK, BV], dtype=tl.float32)
-    D2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
+    if EXPAND == 2:
+        D2 = tl.zeros([BK, BK, BV], dtype=tl.float32)
+        a3, b3, v3 = offs_k[:, None, None], offs_k[None, :, None], offs_v[None, None, :]
+        off3 = (1 + K + a3 * K + b3) * V + v3
+        m3 = (a3 < K) & (b3 < K) & (v3 < V)
+    else:
+        D2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
     d0 = 0.0
     d1 = tl.zeros([BK], dtype=tl.float32)
     d2 = tl.zeros([BK, BK], dtype=tl.float32)
@@ -373,7 +404,11 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
         D0 += tl.load(dhvT + offs_v, mask=m_v, other=0.0)
         D1 += tl.load(dhvT + (1 + offs_k[:, None]) * V + offs_v[None, :], mask=m_k[:, None] & m_v[None, :],
                       other=0.0)
-        D2 += tl.load(dhvT + row_kk[:, None] * V + offs_v[None, :], mask=m_kk[:, None] & m_v[None, :], other=0.0)
+        if EXPAND == 2:
+            D2 += tl.load(dhvT + off3, mask=m3, other=0.0)
+        else:
+            D2 += tl.load(dhvT + row_kk[:, None] * V + offs_v[None, :], mask=m_kk[:, None] & m_v[None, :],
+                          other=0.0)
         if i_v == 0:
             # the denominator's state enters dk once, through the first V block
             d0 += tl.load(dhzT)
@@ -394,8 +429,11 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
 
         st = _mm(bk, tl.trans(bq), DOT) * scale  # [BC keys, BC queries]
         wt = tl.where(causal_t, 1.0 + st + 0.5 * st * st, 0.0)
-        kk = _outer(kf, rep_a, rep_b, BC, BK, DOT, EXPAND)  # [BC, K²]
-        bdv = _mm(wt, dnum, DOT) + D0[None, :] + _mm(kf, D1, DOT) + 0.5 * _mm(kk, D2, DOT)
+        if EXPAND == 2:
+            o2 = _o2_read(kf, D2, BC, BK, DOT)
+        else:
+            o2 = _mm(_outer(kf, rep_a, rep_b, BC, BK, DOT, EXPAND), D2, DOT)  # (k⊗k) [BC, K²] · D2
+        bdv = _mm(wt, dnum, DOT) + D0[None, :] + _mm(kf, D1, DOT) + 0.5 * o2
         tl.store(dv + t[:, None] * H * V + offs_v[None, :], bdv.to(dv.dtype.element_ty),
                  mask=m_t[:, None] & m_v[None, :])
 
@@ -403,14 +441,20 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
         dst = tl.where(causal_t, dpt * (1.0 + st), 0.0)
         bdk = _mm(dst, qs, DOT) + _mm(bv, tl.trans(D1), DOT)
         # Σ_b (Σ_v D2[a·BK + b, v]·v_v)·k[b]
-        bdk += _contract(_mm(bv, tl.trans(D2), DOT), kf, rep_a, rep_b, BC, BK, DOT, EXPAND)
+        if EXPAND == 2:
+            bdk += _o2_contract(bv, D2, kf, BC, BK, BV, DOT)
+        else:
+            bdk += _contract(_mm(bv, tl.trans(D2), DOT), kf, rep_a, rep_b, BC, BK, DOT, EXPAND)
         # d1, d2 hold dO's share through the denominator and the final k_sum's gradient, normalised or not
         bdk += d1[None, :] + _mm(kf, d2, 0)
         tl.store(dk + t[:, None] * H * K + offs_k[None, :], bdk, mask=m_t[:, None] & m_k[None, :])
 
         D0 += tl.sum(dnum, 0)
         D1 += _mm(tl.trans(qs), dnum, DOT)
-        D2 += _mm(tl.trans(_outer(qs, rep_a, rep_b, BC, BK, DOT, EXPAND)), dnum, DOT)
+        if EXPAND == 2:
+            D2 += _o2_update(qs, dnum, BC, BK, BV, DOT)
+        else:
+            D2 += _mm(tl.trans(_outer(qs, rep_a, rep_b, BC, BK, DOT, EXPAND)), dnum, DOT)
         d0 += tl.sum(dd, 0)
         d1 += tl.sum(qs * dd[:, None], 0)
         d2 += _mm(tl.trans(qs), qs * dd[:, None], 0)
@@ -420,7 +464,10 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
         dhz0 += i_bh.to(tl.int64) * F
         tl.store(dhv0 + offs_v, D0, mask=m_v)
         tl.store(dhv0 + (1 + offs_k[:, None]) * V + offs_v[None, :], D1, mask=m_k[:, None] & m_v[None, :])
-        tl.store(dhv0 + row_kk[:, None] * V + offs_v[None, :], 0.5 * D2, mask=m_kk[:, None] & m_v[None, :])
+        if EXPAND == 2:
+            tl.store(dhv0 + off3, 0.5 * D2, mask=m3)
+        else:
+            tl.store(dhv0 + row_kk[:, None] * V + offs_v[None, :], 0.5 * D2, mask=m_kk[:, None] & m_v[None, :])
         if i_v == 0:
             tl.store(dhz0, d0)
             tl.store(dhz0 + 1 + offs_k, d1, mask=m_k)
@@ -544,7 +591,7 @@ class ChunkBasedFunction(torch.autograd.Function):
         dk = torch.empty(NV, B, T, H, K, device=q.device, dtype=torch.float32)
         dv = torch.empty_like(v)
         meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NORMALIZE=ctx.normalize, DOT=_dot_mode(q.dtype),
-                    EXPAND=_expand_mode(BK), num_warps=num_warps, num_stages=num_stages)
+                    EXPAND=_expand_mode(BK, forward=False), num_warps=num_warps, num_stages=num_stages)
         _bwd_dq_kernel[(NV, B * H)](q, k, v, do, den, dden, dq, hv0, hz0, ctx.scale, T, USE_H0=hv0 is not None,
                                     **meta)
         _bwd_dkv_kernel[(NV, B * H)](q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, ctx.scale, T,

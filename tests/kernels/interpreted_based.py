@@ -57,12 +57,14 @@ BATCHED_O2 = [Case(B=1, T=100, H=2, K=16, V=64), Case(B=2, T=37, H=1, K=5, V=40,
 
 
 @pytest.mark.parametrize("case", BATCHED_O2, ids=[c.id for c in BATCHED_O2])
-def test_forward_with_batched_order2_matches_naive(case, monkeypatch):
-    """FWD_EXPAND=2: the forward keeps S2 as [K, K, BV] and reads/updates it with batched dots over the first
-    index; with one-chunk segments too, so the state's load and store in that layout are exercised."""
+def test_batched_order2_matches_naive(case, monkeypatch):
+    """Mode 2: forward and backward keep the order-2 states as [K, K, BV] and read, update and contract them
+    with batched dots over the first index; with one-chunk segments, so the forward's state loads and stores in
+    that layout are exercised too."""
     from kernels.based import chunk
 
     monkeypatch.setattr(chunk, "FWD_EXPAND", 2)
+    monkeypatch.setattr(chunk, "BWD_EXPAND", 2)
     monkeypatch.setattr(chunk, "SEGMENT_TOKENS", 32)
     with nan_empty():
         check_against_naive(chunk_based, case, torch.float32, "cpu")
