@@ -1,40 +1,59 @@
 """Benchmark: serving throughput and KV memory of a 512-token cartridge against an 8K-token corpus in context.
 
+Next GPU session (H200, transformers 5.17; about 4 minutes for the bench, 1 for the graph test):
+
+    .venv/bin/pytest -q tests/cartridges/test_serve.py -k "cuda_graph or greedy or kept"
+    .venv/bin/python experiments/bench/serving.py 2>&1 | tee serving_h200.log
+
     python experiments/bench/serving.py          # H200: SmolLM2-135M's shape, random weights, bf16
     python experiments/bench/serving.py --tiny   # CPU smoke run: a tiny Llama, fp32, seconds
 
 The model is a LlamaForCausalLM built from a LlamaConfig of SmolLM2-135M's shape (30 layers, d 576, 9 heads,
 3 KV heads, vocab 49152) with random weights: speed and memory do not depend on the weights. The corpus is
 `--corpus` random token ids. Every request has its own random `--prompt`-token question and decodes exactly
-`--gen` tokens greedily (EOS ignored). Arms, each swept over batch sizes doubling from 1 until it runs out of
-memory, `--max-batch` or its `--budget-s`:
+`--gen` tokens greedily (EOS ignored). Arms, in this order, each over the batch sizes of `--batches` (jumps, not
+doublings, so a few minutes reach the batches where KV size decides throughput):
 
+- `cartridge`: a 512-token cartridge (the KV of the corpus' first 512 tokens stands in for a trained one: only
+  its size matters here) through `Server`: one shared copy, cascade attention, the decode step captured as a
+  CUDA graph on CUDA (the JSON says whether captures happened or fell back).
+- `icl_static`: the corpus KV copied once per sequence into a preallocated `StaticCache` (in-place writes,
+  masked SDPA), eager.
 - `icl_dynamic`: the corpus in context the way transformers shares a prefix: its KV is computed once and
   handed to every request as a view (`Cartridge.from_prefix(corpus).as_cache`); transformers' `DynamicCache`
   then copies it per sequence at the first step and appends with `torch.cat`. Run through `Server` with
-  `shared_prefix=False` (the plain path: the model's own SDPA attention).
-- `icl_static`: the same KV copied once per sequence into a preallocated `StaticCache` (in-place writes,
-  masked SDPA).
-- `cartridge`: a 512-token cartridge (the KV of the corpus' first 512 tokens stands in for a trained one: only
-  its size matters here) through `Server`: one shared copy, cascade attention.
-- `cartridge_plain`: the same cartridge on the plain path (a copy per sequence), to separate the gain of the
-  smaller cache from the gain of sharing it.
+  `shared_prefix=False` (the plain path: the model's own SDPA attention), eager.
+- `cartridge_plain`: the cartridge on the plain path (a copy per sequence, eager), to separate the gain of the
+  smaller cache from the gain of sharing it and of the graph.
+- `icl_shared` (only when named in `--arms`): the corpus as a shared prefix through the cartridge's own path,
+  i.e. prefix sharing beyond what transformers offers.
+
+A batch starts only while its arm is within `--budget-s` and the whole sweep within `--total-s`; an
+out-of-memory error ends the arm after one try halfway (geometrically) between the last batch that fit and the
+one that did not. Every batch size of a graphed arm runs once unmeasured first (the capture happens there).
 
 Throughput = batch·gen / wall time of the whole batch (cache setup, prompt prefill and decode; the corpus'
 prefill, done once, is excluded). Peak memory = peak allocated during the batch minus what was allocated
-before it (KV plus activations); KV = the bytes the cache tensors hold. The last line is JSON with every row,
-each arm's best throughput and the ratio cartridge / best ICL arm (target >= 10x; the paper reports 26.4x).
+before it (KV plus activations; for a graphed arm, over its unmeasured and measured runs, the capture
+included); KV = the bytes the cache tensors hold. The last line is JSON with every row,
+each arm's best throughput and largest KV, and the ratio cartridge / best transformers ICL arm (target >= 10x;
+the paper reports 26.4x).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import math
 import os
+import sys
 import tempfile
 import time
+import traceback
 
 import torch
+import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cartridges.cache import Cartridge, cache_kwargs
@@ -99,27 +118,45 @@ class StaticICL:
         return batch * self.length * kv_bytes_per_token(model.config, model.dtype)
 
 
+def next_batch_after_oom(good: int | None, failed: int) -> int | None:
+    """One more try between the largest batch that fit and the one that ran out of memory (a power of two)."""
+    if good is None:
+        return None
+    mid = 2 ** round((math.log2(good) + math.log2(failed)) / 2)
+    return mid if good < mid < failed else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="CPU-sized model and lengths (a smoke run)")
     parser.add_argument("--corpus", type=int, default=None, help="corpus tokens (8192; tiny: 256)")
     parser.add_argument("--cartridge", type=int, default=None, help="cartridge tokens (512; tiny: 32)")
     parser.add_argument("--prompt", type=int, default=None, help="question tokens per request (32; tiny: 8)")
-    parser.add_argument("--gen", type=int, default=None, help="generated tokens per request (128; tiny: 8)")
-    parser.add_argument("--max-batch", type=int, default=None, help="largest batch tried (4096; tiny: 4)")
-    parser.add_argument("--budget-s", type=float, default=None, help="per arm: start no batch after (45; tiny: 10)")
-    parser.add_argument("--arms", default="icl_dynamic,icl_static,cartridge,cartridge_plain")
+    parser.add_argument("--gen", type=int, default=None, help="generated tokens per request (64; tiny: 8)")
+    parser.add_argument("--batches", default=None, help="batch sizes (1,16,64,256,1024,4096; tiny: 1,4,16)")
+    parser.add_argument("--max-batch", type=int, default=None, help="drop batch sizes above this")
+    parser.add_argument("--budget-s", type=float, default=None, help="per arm: start no batch after (50; tiny: 10)")
+    parser.add_argument("--total-s", type=float, default=None, help="whole sweep: start no batch after (230; tiny: 40)")
+    parser.add_argument("--arms", default="cartridge,icl_static,icl_dynamic,cartridge_plain")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="decode the cartridge arms eagerly")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     tiny = args.tiny
     corpus_len = args.corpus or (256 if tiny else 8192)
     cart_len = args.cartridge or (32 if tiny else 512)
     prompt_len = args.prompt or (8 if tiny else 32)
-    gen = args.gen or (8 if tiny else 128)
-    max_batch = args.max_batch or (4 if tiny else 4096)
-    budget = args.budget_s if args.budget_s is not None else (10.0 if tiny else 45.0)
+    gen = args.gen or (8 if tiny else 64)
+    batches = [int(b) for b in (args.batches or ("1,4,16" if tiny else "1,16,64,256,1024,4096")).split(",")]
+    batches = [b for b in batches if args.max_batch is None or b <= args.max_batch]
+    budget = args.budget_s if args.budget_s is not None else (10.0 if tiny else 50.0)
+    total = args.total_s if args.total_s is not None else (40.0 if tiny else 230.0)
+    arms = args.arms.split(",")
+    unknown = set(arms) - {"cartridge", "icl_static", "icl_dynamic", "cartridge_plain", "icl_shared"}
+    if unknown:
+        parser.error(f"unknown arms {sorted(unknown)}")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    graphs = None if not args.no_cuda_graphs else False
 
     config = llama(tiny, max_positions=corpus_len + prompt_len + gen + 16)
     torch.manual_seed(0)
@@ -129,6 +166,7 @@ def main() -> None:
     gen_ids = torch.Generator().manual_seed(1)
     corpus = torch.randint(3, config.vocab_size, (1, corpus_len), generator=gen_ids)
     per_token = kv_bytes_per_token(config, dtype)
+    max_batch = max(batches)
 
     workdir = tempfile.TemporaryDirectory()
     icl_dir, cart_dir = f"{workdir.name}/icl", f"{workdir.name}/cart"
@@ -139,8 +177,9 @@ def main() -> None:
     Cartridge.from_prefix(model, corpus[:, :cart_len].to(device), dtype=dtype).save(f"{cart_dir}/c.safetensors")
     servers = {
         "icl_dynamic": (Server(model, icl_dir, shared_prefix=False, max_batch_size=max_batch), "corpus"),
-        "cartridge": (Server(model, cart_dir, max_batch_size=max_batch), "c"),
+        "cartridge": (Server(model, cart_dir, max_batch_size=max_batch, cuda_graphs=graphs), "c"),
         "cartridge_plain": (Server(model, cart_dir, shared_prefix=False, max_batch_size=max_batch), "c"),
+        "icl_shared": (Server(model, icl_dir, max_batch_size=max_batch, cuda_graphs=graphs), "corpus"),
     }
     static = StaticICL(model, servers["icl_dynamic"][0].store.get(("corpus",)).cartridge, corpus_len + prompt_len + gen)
 
@@ -153,40 +192,71 @@ def main() -> None:
             GenerationRequest(prompt=p, cartridges=[cid], max_tokens=steps, ignore_eos=True) for p in prompts.tolist()
         ]
         server.generate(requests)
-        if arm == "cartridge":
+        if server.shared_prefix:
             return server.last_cache.memory_bytes()
         prefix = corpus_len if arm == "icl_dynamic" else cart_len
         return len(requests) * (prefix + prompts.shape[1] + steps) * per_token
 
+    def release(arm: str) -> None:
+        if arm in servers:
+            servers[arm][0].release()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
     header = f"{'arm':16s} {'batch':>6s} {'seconds':>9s} {'tokens/s':>13s} {'KV MiB':>12s} {'peak MiB':>12s}"
-    print(header)
-    rows, errors = [], {}
-    for arm in args.arms.split(","):
+    print(header, flush=True)
+    rows, errors, notes = [], {}, {}
+    sweep_start = time.perf_counter()
+    for arm in arms:
         arm_start = time.perf_counter()
-        batch = 1
+        graphed = arm in servers and servers[arm][0].cuda_graphs
         try:  # warm-up (allocator, kernels, cartridge loading), excluded
             run_arm(arm, torch.randint(3, config.vocab_size, (2, prompt_len), generator=gen_ids), 2)
-        except Exception as e:  # noqa: BLE001 (an arm that cannot run on this transformers is reported, not fatal)
+        except Exception as e:  # noqa: BLE001 (an arm that cannot run here is reported, not fatal)
             errors[arm] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            traceback.print_exc(file=sys.stderr)
+            release(arm)
             continue
-        while batch <= max_batch and time.perf_counter() - arm_start < budget:
+        queue, good, last = list(batches), None, None  # last: (batch, seconds) of the latest measured batch
+        while queue:
+            batch = queue.pop(0)
+            now = time.perf_counter()
+            # predicted time of this batch: the last one's, scaled by the batch ratio (memory-bound at worst)
+            guess = 0.0 if last is None else last[1] * max(1.0, batch / last[0]) * (2 if graphed else 1)
+            if now + guess - arm_start > budget or now + guess - sweep_start > total:
+                notes[arm] = f"stopped by the time budget before batch {batch}"
+                break
             prompts = torch.randint(3, config.vocab_size, (batch, prompt_len), generator=gen_ids)
-            sync(device)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(device)
-                before = torch.cuda.memory_allocated(device)
+            failure = None
             try:
+                sync(device)
+                if device.type == "cuda":
+                    # before the unmeasured run of a graphed arm: the decoder it keeps holds the batch's KV
+                    torch.cuda.reset_peak_memory_stats(device)
+                    before = torch.cuda.memory_allocated(device)
+                if graphed:  # the capture for this shape happens here, unmeasured
+                    run_arm(arm, prompts, gen)
+                    sync(device)
                 t0 = time.perf_counter()
                 kv = run_arm(arm, prompts, gen)
                 sync(device)
                 seconds = time.perf_counter() - t0
             except Exception as e:  # noqa: BLE001
                 if not is_oom(e):
-                    raise
-                errors[arm] = f"out of memory at batch {batch}"
-                torch.cuda.empty_cache()
-                break
+                    errors[arm] = f"batch {batch}: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    traceback.print_exc(file=sys.stderr)
+                    failure = "error"
+                else:
+                    failure = "oom"
+            if failure is not None:
+                release(arm)
+                if failure == "error":
+                    break
+                notes[arm] = f"out of memory at batch {batch}"
+                retry = next_batch_after_oom(good, batch)
+                queue = [retry] if retry is not None else []
+                continue
             peak = torch.cuda.max_memory_allocated(device) - before if device.type == "cuda" else 0
             rows.append(
                 {
@@ -198,18 +268,24 @@ def main() -> None:
                     "peak_extra_bytes": peak,
                 }
             )
+            good, last = batch, (batch, seconds)
             r = rows[-1]
             print(
                 f"{arm:16s} {batch:6d} {seconds:9.3f} {r['tokens_per_s']:13,.0f} {kv / 2**20:12,.1f} "
                 f"{peak / 2**20:12,.1f}",
                 flush=True,
             )
-            batch *= 2
+        if arm in servers and servers[arm][0].shared_prefix:
+            stats = servers[arm][0].stats
+            notes[arm + "_graphs"] = {k: stats[k] for k in ("graph_captures", "graph_replays", "graph_failures")}
+        release(arm)
 
-    best = {}
+    best, largest = {}, {}
     for r in rows:
         if r["tokens_per_s"] > best.get(r["arm"], {}).get("tokens_per_s", 0):
             best[r["arm"]] = r
+        if r["kv_bytes"] > largest.get(r["arm"], {}).get("kv_bytes", -1):
+            largest[r["arm"]] = r
     icl = max(
         (best[a] for a in ("icl_dynamic", "icl_static") if a in best), key=lambda r: r["tokens_per_s"], default=None
     )
@@ -220,8 +296,15 @@ def main() -> None:
             f"{arm:16s} {r['batch']:6d} {r['seconds']:9.3f} {r['tokens_per_s']:13,.0f} {r['kv_bytes'] / 2**20:12,.1f} "
             f"{r['peak_extra_bytes'] / 2**20:12,.1f}"
         )
+    for arm, r in largest.items():
+        print(
+            f"{arm}: largest batch {r['batch']}, KV {r['kv_bytes'] / 2**20:,.1f} MiB, "
+            f"peak {r['peak_extra_bytes'] / 2**20:,.1f} MiB"
+        )
     for arm, err in errors.items():
-        print(f"{arm}: {err}")
+        print(f"{arm}: error: {err}")
+    for arm, note in notes.items():
+        print(f"{arm}: {note}")
     ratio = best["cartridge"]["tokens_per_s"] / icl["tokens_per_s"] if icl and "cartridge" in best else None
     if ratio is not None:
         print(f"cartridge / corpus in context ({icl['arm']}): {ratio:.1f}x throughput (target >= 10x)")
@@ -230,16 +313,27 @@ def main() -> None:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."),
         "model": "tiny-llama" if tiny else "smollm2-135m-shape (random weights)",
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
         "corpus_tokens": corpus_len,
         "cartridge_tokens": cart_len,
         "prompt_tokens": prompt_len,
         "gen_tokens": gen,
+        "batches": batches,
+        "budget_s": budget,
+        "total_s": total,
         "kv_bytes_per_token": per_token,
         "rows": rows,
         "best": {
             arm: {k: r[k] for k in ("batch", "tokens_per_s", "kv_bytes", "peak_extra_bytes")} for arm, r in best.items()
         },
+        "largest": {
+            arm: {k: r[k] for k in ("batch", "tokens_per_s", "kv_bytes", "peak_extra_bytes")}
+            for arm, r in largest.items()
+        },
         "errors": errors,
+        "notes": notes,
+        "seconds_total": round(time.perf_counter() - sweep_start, 1),
         "baseline_arm": icl["arm"] if icl else None,
         "ratio_cartridge_vs_icl": round(ratio, 2) if ratio is not None else None,
         "target_ratio": 10.0,
