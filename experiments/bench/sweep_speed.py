@@ -2,6 +2,7 @@
 
     python experiments/bench/sweep_speed.py               # L=256, n=16, d_model=128, 100k examples/epoch
     python experiments/bench/sweep_speed.py --tiny        # CPU-sized: L=64, n=4, d_model=32, 2k examples
+    python experiments/bench/sweep_speed.py --no-pack     # skip the packed-vs-separate measurement
 
 For Based (BaseConv + Based, f=8) and attention it measures, in this process: MQAR generation of one
 epoch's examples (no cache), and `zoo.train.train` for `--epochs` epochs (early stop off) — the epoch time
@@ -9,6 +10,11 @@ is the training wall time over the epochs, evaluation included. A run of the gri
 to 64 epochs (early stop at 0.99 cuts most runs short; the worst case is reported). The grid figure assumes
 336 such runs executed one after another; `zoo-sweep` runs several per GPU, so divide by the concurrency
 measured there.
+
+Packing (zoo/packed.py, `zoo-sweep --pack-lrs`): for each mixer it also trains the 4 learning rates of a grid
+point one after another (`zoo.train.train`, 4 runs) and as one pack (`zoo.packed.train_packed`), same shape,
+same process, and reports the ratio of wall times (training loop with its evaluations; and whole calls,
+where the pack also generates its data once instead of 4 times).
 
 Baseline (quoted, not run here: shared/REFERENCE.md §1, one H200): Zoology takes 9–10 s per epoch of this
 config plus ≈20 s of data generation per run, ≈20–37 GPU-hours for the grid. Target: the grid in ≤ 30 min.
@@ -20,6 +26,7 @@ import json
 import tempfile
 import time
 
+from zoo.packed import pack_members, train_packed
 from zoo.synthetics import MQARConfig, generate_mqar
 from zoo.train import load_config, train
 
@@ -28,11 +35,12 @@ MAX_EPOCHS = 64
 ZOOLOGY_EPOCH_S = (9.0, 10.0)
 ZOOLOGY_GEN_S = 20.0
 TARGET_GRID_S = 30 * 60
+GRID_LRS = [1e-4, 4.642e-4, 2.154e-3, 1e-2]  # logspace(-4, -2, 4), as in experiments/zoology_fig2/sweep.py
 
 
-def measure(
+def bench_overrides(
     mixer: str, L: int, n: int, d: int, examples: int, batch: int, epochs: int, root: str, compile: bool = False
-) -> dict:
+) -> list[str]:
     def seg(count: int) -> str:
         return f"{{seq_len:{L},num_kv_pairs:{n},num_examples:{count},batch_size:{batch}}}"
 
@@ -54,7 +62,13 @@ def measure(
     ]
     if mixer == "based":
         overrides.append("model.mixers.based.feature_dim=8")
-    cfg, resolved = load_config(overrides)
+    return overrides
+
+
+def measure(
+    mixer: str, L: int, n: int, d: int, examples: int, batch: int, epochs: int, root: str, compile: bool = False
+) -> dict:
+    cfg, resolved = load_config(bench_overrides(mixer, L, n, d, examples, batch, epochs, root, compile))
     t0 = time.perf_counter()
     generate_mqar(MQARConfig(vocab_size=8192, seq_len=L, num_kv_pairs=n, num_examples=examples), seed=0)
     gen_s = time.perf_counter() - t0
@@ -73,11 +87,38 @@ def measure(
     }
 
 
+def measure_pack(mixer: str, L: int, n: int, d: int, examples: int, batch: int, epochs: int, root: str) -> dict:
+    """The 4 learning rates of one grid point: 4 `train` calls one after another vs one `train_packed` call."""
+    base = bench_overrides(mixer, L, n, d, examples, batch, epochs, root)
+    separate_train_s, t0 = 0.0, time.perf_counter()
+    for lr in GRID_LRS:
+        cfg, resolved = load_config(base + [f"optim.lr={lr}", f"experiment_name=bench_{mixer}_separate"])
+        separate_train_s += train(cfg, resolved)["wall_time_s"]
+    separate_s = time.perf_counter() - t0
+    cfg, _ = load_config(base + [f"experiment_name=bench_{mixer}_packed"])
+    t0 = time.perf_counter()
+    summaries = train_packed(pack_members(cfg, GRID_LRS))
+    packed_s = time.perf_counter() - t0
+    packed_train_s = max(s["wall_time_s"] for s in summaries)
+    return {
+        "mixer": mixer,
+        "lrs": GRID_LRS,
+        "separate_train_s": separate_train_s,
+        "packed_train_s": packed_train_s,
+        "train_speedup": separate_train_s / packed_train_s,
+        "separate_total_s": separate_s,
+        "packed_total_s": packed_s,
+        "total_speedup": separate_s / packed_s,
+        "packed_epoch_s": packed_train_s / epochs,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="CPU-sized config")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--compile", action="store_true", help="also measure each mixer with train.compile=true")
+    parser.add_argument("--no-pack", action="store_true", help="skip packed (4 lrs) vs 4 separate runs")
     args = parser.parse_args()
     if args.tiny:
         shape = dict(L=64, n=4, d=32, examples=2000, batch=64)
@@ -88,6 +129,11 @@ def main() -> None:
         for compile in (False, True) if args.compile else (False,):
             for mixer in ("based", "attention"):
                 rows.append(measure(mixer, **shape, epochs=args.epochs, root=root, compile=compile))
+        packs = (
+            []
+            if args.no_pack
+            else [measure_pack(m, **shape, epochs=args.epochs, root=root) for m in ("based", "attention")]
+        )
     print(f"config: {shape}, epochs measured: {args.epochs}, device: {rows[0]['device']}")
     print(f"{'mixer':21s} {'gen s':>8s} {'epoch s':>9s} {'tok/s':>12s} {'worst run s':>12s} {'vs Zoology epoch':>17s}")
     for r in rows:
@@ -120,6 +166,20 @@ def main() -> None:
         + ("; --tiny shape, not the reference config" if args.tiny else ""),
     }
     print(f"grid, serial, worst case: {grid_worst_s / 3600:.2f} h (target {TARGET_GRID_S / 60:.0f} min on one H200)")
+    if packs:
+        print(f"\n4 lrs {GRID_LRS}: 4 separate runs vs one pack (train = training loop with its evaluations)")
+        head = ("separate s", 11), ("packed s", 9), ("train x", 8), ("total s", 8), ("packed s", 9), ("total x", 8)
+        print(f"{'mixer':10s} " + " ".join(f"{h:>{w}s}" for h, w in head))
+        for p in packs:
+            print(
+                f"{p['mixer']:10s} {p['separate_train_s']:11.2f} {p['packed_train_s']:9.2f} {p['train_speedup']:7.2f}x "
+                f"{p['separate_total_s']:8.2f} {p['packed_total_s']:9.2f} {p['total_speedup']:7.2f}x"
+            )
+        gen = {r["mixer"]: r["gen_s"] for r in eager}
+        packed_worst = [gen[p["mixer"]] + MAX_EPOCHS * p["packed_epoch_s"] for p in packs]
+        result["packed"] = packs
+        result["grid_serial_worst_case_packed_s"] = GRID_RUNS / len(GRID_LRS) * sum(packed_worst) / len(packed_worst)
+        print(f"grid, serial, worst case, packed by lr: {result['grid_serial_worst_case_packed_s'] / 3600:.2f} h")
     print(json.dumps(result))
 
 
