@@ -14,6 +14,13 @@ suffix separately, then merges the two softmaxes with their log-sum-exp (cascade
 kinds (and other models) take the plain path: `cartridge.as_cache(batch_size, dtype=, config=)` and the
 model's own cache, batching only prompts of equal length.
 
+Decoding without host overhead. A small model's decode step is a few thousand kernel launches, so eager
+PyTorch is bound by the host, not the GPU. The shared-prefix decode step therefore has fixed shapes for a
+batch: it attends over the whole preallocated suffix (masked), reads the next column and the positions from
+device tensors, and takes its inputs from static buffers; on CUDA it is captured once as a CUDA graph and
+replayed per token (`Server(cuda_graphs=...)`). The eager and the captured path run the same step function. The
+loop reads the generated tokens back every `SYNC_EVERY` steps unless a row streams, samples or stops on strings.
+
 HTTP (FastAPI + uvicorn): `POST /v1/chat/completions` and `/v1/completions` take the extension field
 `cartridges: [{"id": "..."}]` (ids are file names in the cartridge dir: `<id>.safetensors` or
 `<id>/cartridge.safetensors`) and stream over SSE with `stream: true`. `GET /v1/models`, `/v1/cartridges`,
@@ -642,7 +649,8 @@ class _SharedDecoder:
                 logits = self.capture()
                 self.captured = True
             except Exception as e:
-                if self.graph_required:
+                # out of memory is the batch's problem, not the graph's: it must not turn graphs off for good
+                if self.graph_required or isinstance(e, torch.OutOfMemoryError):
                     raise
                 log.warning("CUDA graph capture failed, decoding eagerly from now on: %s", str(e).splitlines()[0])
                 self.capture_error = e
@@ -1332,6 +1340,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"], help="auto: bf16 on CUDA")
     parser.add_argument("--max-batch-size", type=int, default=256)
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA (default: graphs)")
     parser.add_argument("--cache-bytes", type=int, default=4 << 30, help="LRU budget of loaded cartridges")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
     parser.add_argument("--max-tokens-limit", type=int, default=2048)
@@ -1350,7 +1359,12 @@ def main(argv: list[str] | None = None) -> None:
         bf16 = args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
         model, tokenizer = load_model(args.model, dtype=parse_dtype("bf16" if bf16 else "fp32"), device=device)
         server = Server(
-            model, args.cartridges, tokenizer, max_cache_bytes=args.cache_bytes, max_batch_size=args.max_batch_size
+            model,
+            args.cartridges,
+            tokenizer,
+            max_cache_bytes=args.cache_bytes,
+            max_batch_size=args.max_batch_size,
+            cuda_graphs=False if args.no_cuda_graphs else None,
         )
     except (ValueError, ImportError) as e:
         print(f"cartridges-serve: error: {str(e).splitlines()[0]}", file=sys.stderr)
