@@ -29,6 +29,15 @@ LRS = [1e-3, 1e-2, 3e-2]
 UNTIMED = ("wall_time_s", "train_tokens_per_s", "pack_size")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These models are tiny: a second intra-op thread only adds contention on a shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def cfg_of(root, *extra):
     return load_config([*TINY, f"runs_root={root}", *extra])
 
