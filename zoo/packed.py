@@ -170,10 +170,11 @@ class _Pack:
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """name -> [N, *shape] views of a [N, P] tensor."""
-        return {
-            name: flat[:, a:b].view(flat.shape[0], *shape)
-            for name, shape, a, b in zip(self.names, self.shapes, self.offsets, self.offsets[1:])
-        }
+        # One split, not a slice per parameter: split's backward is one cat into [N, P], where slices would
+        # each scatter into a zero-filled [N, P] and add.
+        sizes = [b - a for a, b in zip(self.offsets, self.offsets[1:])]
+        pieces = torch.split(flat, sizes, dim=1)
+        return {name: x.view(flat.shape[0], *shape) for name, shape, x in zip(self.names, self.shapes, pieces)}
 
     def _member_loss(self, params, inputs, query_pos, query_labels):
         params = {f"lm.{k}": v for k, v in params.items()}
