@@ -1,9 +1,13 @@
 """Benchmark: serving throughput and KV memory of a 512-token cartridge against an 8K-token corpus in context.
 
-Next GPU session (H200, transformers 5.17; about 4 minutes for the bench, 1 for the graph test):
+Next GPU session (one H200, its transformers 5.17; under 5 minutes for the bench, about 1 for the tests):
 
     .venv/bin/pytest -q tests/cartridges/test_serve.py -k "cuda_graph or greedy or kept"
     .venv/bin/python experiments/bench/serving.py 2>&1 | tee serving_h200.log
+
+The first line checks that the captured decode step gives the eager step's greedy tokens (fp32 and bf16). In
+the bench's JSON, `notes.cartridge_graphs` must show captures and no failures (a failed capture logs a warning
+on stderr and decodes eagerly, which the ratio would then measure); `ratio_cartridge_vs_icl` is the target.
 
     python experiments/bench/serving.py          # H200: SmolLM2-135M's shape, random weights, bf16
     python experiments/bench/serving.py --tiny   # CPU smoke run: a tiny Llama, fp32, seconds
