@@ -137,7 +137,7 @@ def main() -> None:
     parser.add_argument("--cartridge", type=int, default=None, help="cartridge tokens (512; tiny: 32)")
     parser.add_argument("--prompt", type=int, default=None, help="question tokens per request (32; tiny: 8)")
     parser.add_argument("--gen", type=int, default=None, help="generated tokens per request (64; tiny: 8)")
-    parser.add_argument("--batches", default=None, help="batch sizes (1,16,64,256,1024,4096; tiny: 1,4,16)")
+    parser.add_argument("--batches", default=None, help="batch sizes (1,16,64,256,1024,4096,16384; tiny: 1,4,16)")
     parser.add_argument("--max-batch", type=int, default=None, help="drop batch sizes above this")
     parser.add_argument("--budget-s", type=float, default=None, help="per arm: start no batch after (50; tiny: 10)")
     parser.add_argument("--total-s", type=float, default=None, help="whole sweep: start no batch after (230; tiny: 40)")
@@ -150,7 +150,7 @@ def main() -> None:
     cart_len = args.cartridge or (32 if tiny else 512)
     prompt_len = args.prompt or (8 if tiny else 32)
     gen = args.gen or (8 if tiny else 64)
-    batches = [int(b) for b in (args.batches or ("1,4,16" if tiny else "1,16,64,256,1024,4096")).split(",")]
+    batches = [int(b) for b in (args.batches or ("1,4,16" if tiny else "1,16,64,256,1024,4096,16384")).split(",")]
     batches = [b for b in batches if args.max_batch is None or b <= args.max_batch]
     budget = args.budget_s if args.budget_s is not None else (10.0 if tiny else 50.0)
     total = args.total_s if args.total_s is not None else (40.0 if tiny else 230.0)
