@@ -28,9 +28,11 @@ Triton impl, members killed at different checkpoints) runs one run at a time, an
 
 Parallelism: a process pool (stdlib `concurrent.futures`, spawn) of `--workers` processes. Each worker owns
 one device for its lifetime: worker i gets GPU i mod (number of GPUs), so with workers = runs_per_gpu·GPUs
-several runs share every GPU and all GPUs are used. On a cluster, run the same runs through Hydra's launchers
-instead: `zoo-sweep FILE --emit` prints one `zoo-train` command per run, to hand to the submitit (SLURM) or
-Ray launcher (`hydra/launcher=submitit_slurm`, `hydra-ray-launcher`) or any job array.
+several runs share every GPU and all GPUs are used. The same skip/resume/record semantics are available through
+Hydra's own sweeper and launchers: `zoo-train -m model=based,attention optim.lr=1e-3,3e-3
+hydra/launcher=joblib hydra.launcher.n_jobs=8` (joblib locally; job i on GPU i mod count), or on a cluster
+`hydra/launcher=submitit_slurm` (hydra-submitit-launcher) or `hydra/launcher=ray` (hydra-ray-launcher);
+each job calls `run_one`. `zoo-sweep FILE --emit` prints one `zoo-train` command per run for any job array.
 """
 
 from __future__ import annotations

@@ -316,13 +316,60 @@ Train one model on synthetic recall data. Overrides use Hydra syntax over config
   zoo-train model=attention train.resume=true
   zoo-train model=based train.pack_lrs=[1e-4,1e-3,1e-2]   one run per lr, trained as one vmapped pack
   zoo-train --cfg [KEY=VALUE ...]     print the resolved config and exit
+  zoo-train -m model=based,attention optim.lr=1e-3,3e-3 hydra/launcher=joblib hydra.launcher.n_jobs=4
+                                      a Hydra multirun: every combination, through any Hydra launcher
+                                      (joblib here; submitit or ray on a cluster). Finished runs are skipped,
+                                      a failing run is recorded and the others go on; with GPUs, job i uses
+                                      cuda:(i mod GPU count) unless train.device is given.
 Groups: model/, data/, optim/, logger/ under configs/. Runs go to runs/<experiment_name>/<run>/."""
+
+
+def multirun_job(overrides: list[str], job_num: int) -> dict:
+    """One job of a Hydra multirun: `zoo.sweep.run_one` on its overrides (skip if finished, resume if started,
+    failures recorded), on GPU `job_num mod count` when there are GPUs and no train.device override."""
+    from zoo.sweep import run_one
+
+    extra = []
+    if not any(o.startswith("train.device=") for o in overrides) and torch.cuda.is_available():
+        extra.append(f"train.device=cuda:{job_num % torch.cuda.device_count()}")
+    record = run_one(list(overrides), extra)
+    print(
+        f"zoo-train -m: job {job_num} {record['status']}: {record.get('run_dir') or ' '.join(overrides)}"
+        + (f" ({record['error']})" if record.get("error") else ""),
+        flush=True,
+    )
+    return record
+
+
+def multirun(args: list[str]) -> None:
+    """`zoo-train -m ...`: hand the command line to Hydra, whose sweeper and launcher run `multirun_job`."""
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+
+    from zoo.config import register_configs
+
+    register_configs()
+
+    @hydra.main(config_path=str(config_dir()), config_name="train", version_base="1.3")
+    def task(_node) -> dict:
+        job = HydraConfig.get().job
+        return multirun_job(list(HydraConfig.get().overrides.task), job.num)
+
+    saved = sys.argv
+    sys.argv = ["zoo-train", *args]
+    try:
+        task()
+    finally:
+        sys.argv = saved
 
 
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if "-h" in args or "--help" in args:
         print(USAGE)
+        return
+    if "-m" in args or "--multirun" in args:
+        multirun(args)
         return
     show = "--cfg" in args
     args = [a for a in args if a != "--cfg"]

@@ -1,0 +1,35 @@
+"""`zoo-train -m`: a Hydra multirun through Hydra's joblib launcher; finished runs skipped, a bad run recorded."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+TINY = [
+    "+experiment=demo",
+    "train.epochs=1",
+    "data.train=[{seq_len:32,num_kv_pairs:2,num_examples:128,batch_size:64}]",
+    "data.valid=[{seq_len:32,num_kv_pairs:2,num_examples:64,batch_size:64}]",
+    "data.test=[{seq_len:32,num_kv_pairs:2,num_examples:64,batch_size:64}]",
+    "model.d_model=16",
+    "train.progress=false",
+]
+
+
+def multirun(tmp_path: Path, *overrides: str) -> list[str]:
+    cmd = [sys.executable, "-m", "zoo.train", "-m", *TINY, f"runs_root={tmp_path / 'runs'}", *overrides]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return sorted(line for line in proc.stdout.splitlines() if line.startswith("zoo-train -m: job"))
+
+
+def test_multirun_with_joblib_skips_finished_runs_and_records_a_bad_one(tmp_path):
+    sweep = ["model=attention", "optim.lr=3e-3,-1", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]
+    first = multirun(tmp_path, *sweep)
+    assert len(first) == 2
+    assert "finished" in first[0] and "/attention-d16-lr0.003" in first[0]
+    assert "failed" in first[1] and "optim.lr" in first[1]
+    runs = list((tmp_path / "runs" / "demo").iterdir())
+    assert len(runs) == 1 and (runs[0] / "summary.json").is_file()
+    assert not (tmp_path / "multirun").exists() and not (tmp_path / "outputs").exists()  # under the runs root
+    again = multirun(tmp_path, *sweep[:2])  # Hydra's basic launcher this time
+    assert "skipped" in again[0] and "failed" in again[1]
