@@ -1,11 +1,14 @@
 """State cartridges vs KV cartridges: a Based LM and an attention LM of equal size, recall of an unseen fact sheet.
 
-1. Data: synthetic fact sheets ("Mirelo: city Tolmi, color amber, job baker.") each followed by questions in
-   the chat format the cartridges code renders ("Q: city of Mirelo?" / "A: Tolmi"); names and values are drawn
-   afresh per sheet, so a model can only answer by recalling the sheet in its context.
-2. Pretraining (zoo.pretrain, one run per model, BPE tokenizer trained on the sheets): the Based hybrid
+1. Data: synthetic fact sheets, one fact per line ("Mirelo city Tolmi"), each followed by questions in the
+   chat format KV_TEMPLATE renders: the question is the key ("Mirelo city"), the answer the next word ("Tolmi").
+   Names come from a fixed pool of one-token names and values are drawn afresh per sheet, so a model can only
+   answer by recalling the sheet in its context: Zoology's MQAR with two-token keys, in text. Pretraining
+   sheets have 1..entities entities and their questions repeat until the window is full; every document is
+   exactly one packed window (README: the recipe search that led here).
+2. Pretraining (zoo.pretrain, one run per model, a BPE trained on the sheets): the Based hybrid
    (BaseConv, Based, sliding window, as configs/model/based_tiny.yaml) and an attention LM with the same
-   d_model and layer count.
+   d_model and layer count. Each model's ICL recall over 8 fresh sheets goes to summary.json.
 3. The corpus: a fresh sheet; the QA set: every (entity, attribute) of it.
 4. Self-study with each model (the model writes questions about the sheet, then answers them with the sheet
    in context; its top-k log-probs are the targets), then `cartridges.distill` trains
@@ -16,8 +19,8 @@
    cartridge before training: for the Based LM the whole sheet's state, so it must equal icl), self_study.
    Accuracy = the first generated line equals the value. Bytes = the state (or KV) per sequence at fp32.
 
-    python -m experiments.state_cartridges.run --out runs/state_cartridges            # H200, ~5-7 min
-    python -m experiments.state_cartridges.run --quick --out runs/state_cartridges_quick  # CPU, ~2-3 min
+    python -m experiments.state_cartridges.run --out runs/state_cartridges            # H200, est. 6-8 min
+    python -m experiments.state_cartridges.run --quick --out runs/state_cartridges_quick  # CPU, ~7 min
 
 Writes <out>/summary.json (every arm: accuracy, bytes, tokens), <out>/accuracy_vs_bytes.png, the pretraining
 runs (<out>/pretrain/...), self-study data, cartridges and per-question answers (<out>/answers.jsonl).
@@ -26,6 +29,7 @@ runs (<out>/pretrain/...), self-study data, cartridges and per-question answers 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import random
@@ -51,66 +55,158 @@ CHAT_TEMPLATE = (
     "{% else %}A: {{ m['content'] }}\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
 )
+# layout "kv": a turn is "Mirelo city Tolmi", the very form of a sheet line: a question is a two-token key
+# (Zoology's MQAR with a short conv's bigram keys) and the answer the token after it.
+KV_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ m['content'] }}\n"
+    "{% elif m['role'] == 'user' %}{{ m['content'] }}"
+    "{% else %} {{ m['content'] }}\n{% endif %}"
+    "{% endfor %}"
+)
 
 
 @dataclass
 class Scale:
-    entities: int  # per sheet
+    entities: int  # per sheet (every sheet has exactly this many)
     sheets: int  # pretraining documents
     d_model: int
     n_layers: int
     steps: int
     batch_size: int
-    seq_len: int
     conversations: int
     distill_steps: int
+    passes: int = 1  # times each (entity, attribute) is asked after a pretraining sheet, each pass shuffled
+    lr: float = 3e-3
+    warmup_frac: float = 0.05
+    names: int = 128  # the name pool (each name one BPE token)
+    # kv: "Mirelo city Tolmi" per line, questions "Mirelo city" (KV_TEMPLATE); facts: "Mirelo city Tolmi." per
+    # line, lines: "Mirelo: city Tolmi, color amber, job baker." (both with "Q: Mirelo city?" / "A: Tolmi" turns)
+    layout: str = "kv"
+    seq_len: int = 0  # 0: one whole document per window (set from the tokenized documents)
+    curriculum: bool = True  # sheets of 1..entities entities, their questions repeated to fill the window
 
 
-FULL = Scale(entities=16, sheets=40_000, d_model=128, n_layers=10, steps=1500, batch_size=64, seq_len=512,
-             conversations=1024, distill_steps=300)  # fmt: skip
-QUICK = Scale(entities=6, sheets=3000, d_model=64, n_layers=5, steps=150, batch_size=16, seq_len=256,
-              conversations=48, distill_steps=20)  # fmt: skip
+# Recipe (README, "Recipe search"): one-token names and values, "key = value" lines, a query region of the same
+# form, sheets of 1..entities entities filled up with repeated questions, one document per window, lr 1e-2 (CPU)
+# or 5e-3 (GPU, 16x the batch) with 10% warmup.
+FULL = Scale(entities=16, sheets=40_000, d_model=128, n_layers=10, steps=1000, batch_size=256,
+             conversations=1024, distill_steps=300, lr=5e-3, warmup_frac=0.1)  # fmt: skip
+QUICK = Scale(entities=4, sheets=10_000, d_model=64, n_layers=5, steps=3000, batch_size=8,
+              conversations=48, distill_steps=20, lr=1e-2, warmup_frac=0.1)  # fmt: skip
 
 
-def make_names(rng: random.Random, n: int) -> list[str]:
+@functools.cache
+def name_pool(n: int) -> tuple[str, ...]:
+    """A fixed pool of n two-syllable names; sheets draw their entities from it, so every name is a word the
+    BPE sees thousands of times (one token) and recall is a lookup, not a spelling task."""
+    rng = random.Random("names")
     names: set[str] = set()
     while len(names) < n:
-        names.add("".join(rng.choice(SYLLABLES) for _ in range(rng.choice((2, 3)))).capitalize())
-    return sorted(names, key=lambda _: rng.random())
+        names.add("".join(rng.choice(SYLLABLES) for _ in range(2)).capitalize())
+    return tuple(sorted(names))
 
 
-def make_sheet(rng: random.Random, entities: int) -> tuple[str, list[dict]]:
-    """(sheet text, QA items) of one fact sheet with fresh names and values."""
-    names = make_names(rng, entities)
+def make_sheet(rng: random.Random, entities: int, names: int = 128, layout: str = "kv") -> tuple[str, list[dict]]:
+    """(sheet text, QA items) of one fact sheet: `entities` names from the pool, fresh values."""
     lines, qa = [], []
-    for name in names:
+    if layout == "kv1":  # one-token keys: 3·entities names, one value each (the same number of facts)
+        values = [v for vals in ATTRIBUTES.values() for v in vals]
+        for name in rng.sample(name_pool(names), 3 * entities):
+            value = rng.choice(values)
+            lines.append(f"{name} {value}")
+            qa.append({"question": name, "answer": value})
+        return "\n".join(lines), qa
+    for name in rng.sample(name_pool(names), entities):
         values = {attr: rng.choice(vals) for attr, vals in ATTRIBUTES.items()}
-        lines.append(f"{name}: " + ", ".join(f"{attr} {value}" for attr, value in values.items()) + ".")
-        qa += [{"question": f"{attr} of {name}?", "answer": value} for attr, value in values.items()]
+        if layout == "kv":
+            lines += [f"{name} {attr} {value}" for attr, value in values.items()]
+            qa += [{"question": f"{name} {attr}", "answer": value} for attr, value in values.items()]
+        elif layout == "facts":
+            lines += [f"{name} {attr} {value}." for attr, value in values.items()]
+            qa += [{"question": f"{name} {attr}?", "answer": value} for attr, value in values.items()]
+        else:
+            lines.append(f"{name}: " + ", ".join(f"{attr} {value}" for attr, value in values.items()) + ".")
+            qa += [{"question": f"{attr} of {name}?", "answer": value} for attr, value in values.items()]
     return "\n".join(lines), qa
 
 
-def pretraining_text(rng: random.Random, entities: int, questions: int) -> str:
-    """A sheet as the model reads it in context, then `questions` turns: the chat format of the cartridges code."""
+def pretraining_text(rng: random.Random, scale: Scale, entities: int | None = None) -> tuple[str, list[str]]:
+    """(prefix, turns) of one pretraining document: the sheet as the model reads it in context, then every
+    (entity, attribute) question `passes` times, each pass in random order (MQAR's query region), in the chat
+    format of the cartridges code."""
     from cartridges.corpus import CONTEXT_INSTRUCTION
 
-    sheet, qa = make_sheet(rng, rng.randint(max(2, entities // 2), entities))
-    turns = "".join(f"Q: {it['question']}\nA: {it['answer']}\n" for it in rng.sample(qa, min(questions, len(qa))))
-    return f"{CONTEXT_INSTRUCTION}{sheet}\n{turns}"
+    sheet, qa = make_sheet(rng, entities or scale.entities, scale.names, scale.layout)
+    turn = "{} {}\n" if scale.layout in ("kv", "kv1") else "Q: {}\nA: {}\n"
+    turns = [turn.format(it["question"], it["answer"]) for _ in range(scale.passes) for it in rng.sample(qa, len(qa))]
+    return f"{CONTEXT_INSTRUCTION}{sheet}\n", turns
 
 
-def write_pretraining_data(out: Path, scale: Scale, seed: int) -> Path:
+def write_pretraining_data(out: Path, scale: Scale, seed: int) -> tuple[Path, Path]:
+    """(saved dataset, tokenizer dir): the documents and a byte-level BPE trained on them.
+
+    Every document is exactly seq_len tokens with its end-of-text (scale.seq_len, when 0, is the length of a
+    full-size sheet and its questions), so each packed window holds one whole document. With `curriculum`,
+    a sheet has 1..entities entities and its questions repeat (new random order per pass) until the window is
+    full, then <|pad|> tokens; small sheets are where recall is learnt first."""
     import datasets
+    from transformers import PreTrainedTokenizerFast
 
-    target = out / "data" / "sheets"
-    if not (target / "state.json").is_file() and not (target / "dataset_info.json").is_file():
-        rng = random.Random(seed)
-        docs = [pretraining_text(rng, scale.entities, 2 * scale.entities) for _ in range(scale.sheets)]
+    from cartridges.corpus import CONTEXT_INSTRUCTION
+    from zoo.lm_data import PAD, train_bpe
+
+    root = out / "data"
+    target, tok_dir = root / "sheets", root / "tokenizer"
+    rng = random.Random(seed)
+    if not (tok_dir / "tokenizer.json").is_file():
+        sample = [p + "".join(t) for p, t in (pretraining_text(rng, scale) for _ in range(2000))]
+        train_bpe(sample, 1024).save_pretrained(str(tok_dir))
+    tok = PreTrainedTokenizerFast.from_pretrained(str(tok_dir))
+
+    @functools.cache
+    def length(text: str) -> int:
+        return len(tok.encode(text, add_special_tokens=False))
+
+    def prefix_length(prefix: str) -> int:  # sheet lines tokenize apart (a name starts a pre-token): cached
+        sheet = prefix[len(CONTEXT_INSTRUCTION) :]
+        return length(CONTEXT_INSTRUCTION) + sum(length(line + "\n") for line in sheet.split("\n")[:-1])
+
+    prefix, turns = pretraining_text(random.Random(seed), scale)
+    # + one <|pad|> at least (zoo.lm_data strips the text, and a trailing newline with it) + end-of-text
+    full = prefix_length(prefix) + sum(length(t) for t in turns) + 2
+    if not scale.seq_len:
+        scale.seq_len = full
+    if not (target / "state.json").is_file():
+        docs, pads = [], 0
+        for _ in range(scale.sheets):
+            entities = rng.randint(1, scale.entities) if scale.curriculum else scale.entities
+            prefix, turns = pretraining_text(rng, scale, entities)
+            n, text = prefix_length(prefix), prefix
+            while True:
+                for t in turns:
+                    if n + length(t) > scale.seq_len - 1:
+                        break
+                    n, text = n + length(t), text + t
+                else:
+                    if scale.curriculum:
+                        turns = rng.sample(turns, len(turns))
+                        continue
+                break
+            docs.append(text + PAD * (scale.seq_len - 1 - n))
+            pads += scale.seq_len - 1 - n
+        check = {length(d) + 1 for d in docs[:200]}
+        if check != {scale.seq_len}:
+            log.warning("documents of %s tokens, not all %d: windows cut documents", sorted(check), scale.seq_len)
+        log.info("%d documents of %d tokens (%.1f%% padding)", len(docs), scale.seq_len,
+                 100 * pads / (len(docs) * scale.seq_len))  # fmt: skip
         datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(target))
-    return target
+    return target, tok_dir
 
 
-def pretrain_model(name: str, model_args: list[str], data: Path, out: Path, scale: Scale, device: str) -> Path:
+def pretrain_model(
+    name: str, model_args: list[str], data: Path, tok_dir: Path, out: Path, scale: Scale, device: str
+) -> Path:
     """One zoo.pretrain run; returns its exported HF dir (skipped when it exists)."""
     from zoo.config import register_pretrain_configs
     from zoo.pretrain import pretrain
@@ -125,8 +221,7 @@ def pretrain_model(name: str, model_args: list[str], data: Path, out: Path, scal
             *model_args,
             "lm_data@data=files",
             f"data.source={data}",
-            "data.tokenizer=bpe",
-            "data.bpe_vocab_size=1024",
+            f"data.tokenizer={tok_dir}",
             f"data.seq_len={scale.seq_len}",
             "data.valid_frac=0.02",
             f"data.cache_dir={out / 'data' / 'cache'}",
@@ -139,7 +234,8 @@ def pretrain_model(name: str, model_args: list[str], data: Path, out: Path, scal
             "train.progress=false",
             "train.sample_tokens=0",
             "train.overwrite=true",
-            "optim.lr=3e-3",
+            f"optim.lr={scale.lr}",
+            f"optim.warmup_frac={scale.warmup_frac}",
             f"runs_root={out}",
             "experiment_name=pretrain",
             f"run={name}",
@@ -152,12 +248,12 @@ def pretrain_model(name: str, model_args: list[str], data: Path, out: Path, scal
     return run_dir / "hf"
 
 
-def load(hf_dir: Path, device: torch.device):
+def load(hf_dir: Path, device: torch.device, layout: str = "kv"):
     from cartridges.models import load_model
 
     # fp32 on every device: these models are tiny, and fp32 keeps cartridge training and the arms exact.
     model, tok = load_model(str(hf_dir), dtype=torch.float32, device=device)
-    tok.chat_template = CHAT_TEMPLATE
+    tok.chat_template = KV_TEMPLATE if layout in ("kv", "kv1") else CHAT_TEMPLATE
     return model, tok
 
 
@@ -173,7 +269,9 @@ def stop_at_newline(tok, ids: list[int]) -> int:
     return len(ids)
 
 
-def self_study(model, tok, corpus_path: Path, out: Path, n: int, seed: int, batch: int = 64) -> Path:
+def self_study(
+    model, tok, corpus_path: Path, out: Path, n: int, seed: int, batch: int = 64, key_words: int = 2
+) -> Path:
     """Self-study for a base model: A (the model, sampling at temperature 1) writes a question after the sheet in
     the sheet's own format; B (the same model, greedy) answers it with the sheet in context, its top-k log-probs
     kept. Written in `cartridges-synthesize`'s dataset format, so `cartridges.distill` reads it."""
@@ -187,12 +285,15 @@ def self_study(model, tok, corpus_path: Path, out: Path, n: int, seed: int, batc
     corpus = Corpus.from_path(corpus_path, tok, 1, 1 << 20)
     ctx = context_ids(tok, corpus.full_text())
     client = TransformersClient(model, tok)
-    q_prefix = tok.encode("Q:", add_special_tokens=False)
+    kv = tok.chat_template == KV_TEMPLATE  # a question is the key of a line the model writes ("Mirelo city")
+    q_prefix = [] if kv else tok.encode("Q:", add_special_tokens=False)
     shards = []
     for start in range(0, n, batch):
         size = min(batch, n - start)
         a = client.complete([ctx + q_prefix] * size, 16, 1.0, 0, seed=seed * 1000 + start)
         questions = [first_line(tok.decode(c.token_ids[: stop_at_newline(tok, c.token_ids)])) for c in a]
+        if kv:
+            questions = [" ".join(q.split()[:key_words]) for q in questions]
         turns = [turn_ids(tok, [{"role": "user", "content": q}], add_generation_prompt=True) for q in questions]
         b = client.complete([ctx + t for t in turns], 8, 0.0, 20, seed=seed)
         rows = []
@@ -285,6 +386,20 @@ def answer(model, tok, qa: list[dict], cartridge=None, context: list[int] | None
     return outs
 
 
+def recall_accuracy(model, tok, scale: Scale, seed: int, sheets: int = 8) -> float:
+    """ICL accuracy over `sheets` fresh sheets (every question of each): does the pretrained model recall?"""
+    from cartridges.corpus import context_ids
+
+    rng = random.Random(f"recall:{seed}")
+    correct = total = 0
+    for _ in range(sheets):
+        sheet, qa = make_sheet(rng, scale.entities, scale.names, scale.layout)
+        outs = answer(model, tok, qa, context=context_ids(tok, sheet))
+        correct += sum(o == it["answer"] for o, it in zip(outs, qa))
+        total += len(qa)
+    return correct / total
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/state_cartridges")
@@ -309,8 +424,8 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.time()
     timings = {}
 
-    data = write_pretraining_data(out, scale, args.seed)
-    heads = max(1, scale.d_model // 64)
+    data, tok_dir = write_pretraining_data(out, scale, args.seed)
+    heads = max(1, scale.d_model // 16)  # head dim 16: more heads learn recall sooner
     models = {
         "based": ["model=based_tiny"],
         "attention": ["model=attention", f"model.mixers.attention.num_heads={heads}"],
@@ -318,21 +433,23 @@ def main(argv: list[str] | None = None) -> None:
     hf_dirs = {}
     for name, model_args in models.items():
         t = time.time()
-        hf_dirs[name] = pretrain_model(name, model_args, data, out, scale, str(device))
+        hf_dirs[name] = pretrain_model(name, model_args, data, tok_dir, out, scale, str(device))
         timings[f"pretrain/{name}"] = time.time() - t
 
     # The corpus: a fresh sheet (a seed no pretraining sheet used), and its QA set.
-    sheet, qa = make_sheet(random.Random(f"eval:{args.seed}"), scale.entities)
+    sheet, qa = make_sheet(random.Random(f"eval:{args.seed}"), scale.entities, scale.names, scale.layout)
     corpus_path = out / "corpus.md"
     corpus_path.write_text(sheet)
     (out / "qa.json").write_text(json.dumps(qa, indent=1))
 
-    results, answers = {}, []
+    results, answers, recall = {}, [], {}
     based_bytes = None
     for name in ("based", "attention"):
-        model, tok = load(hf_dirs[name], device)
+        model, tok = load(hf_dirs[name], device, scale.layout)
         ctx = context_ids(tok, sheet)
         params = sum(p_.numel() for p_ in model.parameters())
+        recall[name] = recall_accuracy(model, tok, scale, args.seed)
+        log.info("%s: ICL recall over 8 fresh sheets %.3f", name, recall[name])
 
         def record(arm: str, outs: list[str], nbytes: int, tokens: int, _name=name, _params=params) -> None:
             correct = [o == it["answer"] for o, it in zip(outs, qa)]
@@ -356,7 +473,10 @@ def main(argv: list[str] | None = None) -> None:
         record("icl", answer(model, tok, qa, context=ctx), full.memory_bytes(torch.float32), len(ctx))
         empty = StateCartridge.from_prefix(model, torch.tensor(context_ids(tok, "")))
         record("none", answer(model, tok, qa, cartridge=empty), empty.memory_bytes(torch.float32), empty.num_tokens)
-        ss = self_study(model, tok, corpus_path, out / "self_study" / name, scale.conversations, args.seed)
+        ss = self_study(
+            model, tok, corpus_path, out / "self_study" / name, scale.conversations, args.seed,
+            key_words=1 if scale.layout == "kv1" else 2,
+        )  # fmt: skip
         timings[f"self_study/{name}"] = time.time() - t
         if name == "based":
             sizes = {"": len(ctx)}  # the whole sheet: a state has the same size whatever it read
@@ -385,6 +505,7 @@ def main(argv: list[str] | None = None) -> None:
         "scale": scale.__dict__,
         "device": str(device),
         "results": results,
+        "icl_recall_8_sheets": recall,
         "timings_s": timings,
         "wall_time_s": time.time() - t0,
     }
