@@ -87,9 +87,9 @@ class Scale:
     curriculum: bool = True  # sheets of 1..entities entities, their questions repeated to fill the window
 
 
-# Recipe (README, "Recipe search"): one-token names and values, "key = value" lines, a query region of the same
-# form, sheets of 1..entities entities filled up with repeated questions, one document per window, lr 1e-2 (CPU)
-# or 5e-3 (GPU, 16x the batch) with 10% warmup.
+# Recipe (README, "Recipe search"): one-token names and values, "name attribute value" lines, a query region of
+# the same form, sheets of 1..entities entities filled with repeated questions, one document per window, lr 1e-2 (CPU)
+# or 5e-3 (GPU, 32x the batch, 2x the width) with 10% warmup.
 FULL = Scale(entities=16, sheets=40_000, d_model=128, n_layers=10, steps=1000, batch_size=256,
              conversations=1024, distill_steps=300, lr=5e-3, warmup_frac=0.1)  # fmt: skip
 QUICK = Scale(entities=4, sheets=10_000, d_model=64, n_layers=5, steps=3000, batch_size=8,
