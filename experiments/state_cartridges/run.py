@@ -20,7 +20,7 @@
    Accuracy = the first generated line equals the value. Bytes = the state (or KV) per sequence at fp32.
 
     python -m experiments.state_cartridges.run --out runs/state_cartridges            # H200, est. 6-8 min
-    python -m experiments.state_cartridges.run --quick --out runs/state_cartridges_quick  # CPU, ~7 min
+    python -m experiments.state_cartridges.run --quick --out runs/state_cartridges_quick  # CPU, ~6 min
 
 Writes <out>/summary.json (every arm: accuracy, bytes, tokens), <out>/accuracy_vs_bytes.png, the pretraining
 runs (<out>/pretrain/...), self-study data, cartridges and per-question answers (<out>/answers.jsonl).
