@@ -54,7 +54,7 @@ from zoo.train import (
     Tracker,
     build_optimizer,
     checkpoint_state,
-    epoch_plan,
+    epoch_batches,
     load_split,
     lr_lambda,
     run_name,
@@ -367,14 +367,7 @@ def train_packed(members: list[Config], resolved: list[str | None] | None = None
     while epoch < cfg.train.epochs and live:
         loss_sum = torch.zeros(len(live), device=device)
         loss_n = 0
-        plan = epoch_plan(data["train"], cfg.train.seed, epoch)
-        flat = torch.cat([idx for _, idx in plan]).to(device, non_blocking=True)
-        offsets = [0]
-        for _, idx in plan:
-            offsets.append(offsets[-1] + idx.numel())
-        for b, (s, _) in enumerate(plan):
-            seg = data["train"][s]
-            idx = flat[offsets[b] : offsets[b + 1]]
+        for seg, idx in epoch_batches(data["train"], cfg.train.seed, epoch, device):
             with amp:
                 losses = pack.losses(seg.inputs[idx], seg.query_pos[idx], seg.query_labels[idx])  # [N]
             pack.flat.grad = None

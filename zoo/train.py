@@ -82,6 +82,17 @@ def epoch_plan(segments: list[QuerySegment], seed: int, epoch: int) -> list[tupl
     return [batches[i] for i in order]
 
 
+def epoch_batches(segments: list[QuerySegment], seed: int, epoch: int, device: torch.device):
+    """(segment, example indices on `device`) per batch of `epoch_plan`, after one host-to-device copy of the
+    whole epoch's indices: no transfer inside the step loop."""
+    plan = epoch_plan(segments, seed, epoch)
+    flat = torch.cat([idx for _, idx in plan]).to(device, non_blocking=True)
+    start = 0
+    for s, idx in plan:
+        yield segments[s], flat[start : start + idx.numel()]
+        start += idx.numel()
+
+
 def lr_lambda(total_steps: int, warmup_frac: float, min_ratio: float):
     warmup = int(total_steps * warmup_frac)
 
@@ -247,15 +258,7 @@ def train(cfg: Config, resolved_yaml: str | None = None) -> dict[str, Any]:
     while epoch < cfg.train.epochs and not stopped_early:
         loss_sum = torch.zeros((), device=device)
         loss_n = 0
-        plan = epoch_plan(data["train"], cfg.train.seed, epoch)
-        # One host-to-device copy of the epoch's indices, then views: no transfer inside the step loop.
-        flat = torch.cat([idx for _, idx in plan]).to(device, non_blocking=True)
-        offsets = [0]
-        for _, idx in plan:
-            offsets.append(offsets[-1] + idx.numel())
-        for b, (s, _) in enumerate(plan):
-            seg = data["train"][s]
-            idx = flat[offsets[b] : offsets[b + 1]]
+        for seg, idx in epoch_batches(data["train"], cfg.train.seed, epoch, device):
             with amp:
                 loss = step_fn(model, seg.inputs[idx], seg.query_pos[idx], seg.query_labels[idx])
             optimizer.zero_grad(set_to_none=True)

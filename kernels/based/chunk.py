@@ -105,6 +105,13 @@ def _contract(m, x, rep_a, rep_b, BC: tl.constexpr, BK: tl.constexpr, DOT: tl.co
 
 
 @triton.jit
+def _o2_offsets(offs_k, offs_v, K: tl.constexpr, V: tl.constexpr):
+    """Offsets [BK, BK, BV] of the order-2 rows (a, b) in a Taylor-order state [F, V], and their mask."""
+    a3, b3, v3 = offs_k[:, None, None], offs_k[None, :, None], offs_v[None, None, :]
+    return (1 + K + a3 * K + b3) * V + v3, (a3 < K) & (b3 < K) & (v3 < V)
+
+
+@triton.jit
 def _o2_read(qs, S2, BC: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
     """(q⊗q)·S2 for S2 kept as [BK, BK, BV], without forming q⊗q: Σ_a q_a (q·S2[a]), one batched dot over a.
 
@@ -168,9 +175,7 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
     S1 = tl.zeros([BK, BV], dtype=tl.float32)
     if EXPAND == 2:
         S2 = tl.zeros([BK, BK, BV], dtype=tl.float32)
-        a3, b3, v3 = offs_k[:, None, None], offs_k[None, :, None], offs_v[None, None, :]
-        off3 = (1 + K + a3 * K + b3) * V + v3
-        m3 = (a3 < K) & (b3 < K) & (v3 < V)
+        off3, m3 = _o2_offsets(offs_k, offs_v, K, V)
     else:
         S2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
     n = 0.0
@@ -301,9 +306,7 @@ def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
     S1 = tl.zeros([BK, BV], dtype=tl.float32)
     if EXPAND == 2:
         S2 = tl.zeros([BK, BK, BV], dtype=tl.float32)
-        a3, b3, v3 = offs_k[:, None, None], offs_k[None, :, None], offs_v[None, None, :]
-        off3 = (1 + K + a3 * K + b3) * V + v3
-        m3 = (a3 < K) & (b3 < K) & (v3 < V)
+        off3, m3 = _o2_offsets(offs_k, offs_v, K, V)
     else:
         S2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
     z1 = tl.zeros([BK], dtype=tl.float32)
@@ -389,9 +392,7 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
     D1 = tl.zeros([BK, BV], dtype=tl.float32)
     if EXPAND == 2:
         D2 = tl.zeros([BK, BK, BV], dtype=tl.float32)
-        a3, b3, v3 = offs_k[:, None, None], offs_k[None, :, None], offs_v[None, None, :]
-        off3 = (1 + K + a3 * K + b3) * V + v3
-        m3 = (a3 < K) & (b3 < K) & (v3 < V)
+        off3, m3 = _o2_offsets(offs_k, offs_v, K, V)
     else:
         D2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
     d0 = 0.0
