@@ -483,7 +483,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             per_token = 2 * scale.d_model * scale.n_layers * 4  # attention KV bytes per token at fp32
             p_eq = max(2, round(based_bytes / per_token))
-            sizes = {f"_p{p_eq}": p_eq, f"_p{4 * p_eq}": min(4 * p_eq, len(ctx))}
+            # equal bytes, and 4x (capped at the sheet: the label names the tokens it really holds)
+            sizes = {f"_p{p}": p for p in dict.fromkeys((min(p_eq, len(ctx)), min(4 * p_eq, len(ctx))))}
         for suffix, num_tokens in sizes.items():
             t = time.time()
             prefill = StateCartridge.from_prefix(model, torch.tensor(ctx[:num_tokens]))
