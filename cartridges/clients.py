@@ -15,6 +15,8 @@ from typing import Protocol
 
 import torch
 
+from cartridges.corpus import left_pad
+
 log = logging.getLogger(__name__)
 
 
@@ -57,12 +59,8 @@ class TransformersClient:
     @torch.no_grad()
     def complete(self, prompts, max_tokens, temperature, top_logprobs=0, seed=0):
         device = next(self.model.parameters()).device
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):  # left padding
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
+        ids, mask = left_pad(prompts, self.pad_id)
+        width = ids.shape[1]
         sample = temperature > 0
         if sample:
             kwargs = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}

@@ -137,3 +137,13 @@ class Corpus:
                 if len(piece) >= self.min_tokens:
                     out.append(piece)
         return out
+
+
+def left_pad(prompts: list[list[int]], pad_id: int):
+    """Token-id prompts as one left-padded batch: (ids [B, W], attention mask [B, W] of 0/1), both long."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
+    return ids, mask

@@ -22,7 +22,7 @@ import torch
 
 from cartridges.cache import Cartridge, generate
 from cartridges.config import ConfigError, EvalConfig, run_command
-from cartridges.corpus import Corpus, context_ids, turn_ids
+from cartridges.corpus import Corpus, context_ids, left_pad, turn_ids
 
 log = logging.getLogger(__name__)
 
@@ -86,12 +86,8 @@ def answer(
             turn_ids(tokenizer, [{"role": "user", "content": q}], add_generation_prompt=True)
             for q in questions[start : start + batch_size]
         ]
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
+        ids, mask = left_pad(prompts, pad)
+        width = ids.shape[1]
         out = generate(
             model,
             prefix,

@@ -46,6 +46,8 @@ from typing import Any
 
 import torch
 
+from cartridges.corpus import left_pad
+
 log = logging.getLogger(__name__)
 
 # Model types whose attention modules call `ALL_ATTENTION_FUNCTIONS[config._attn_implementation]` with the
@@ -965,11 +967,9 @@ class Server:
             decoder = _PlainDecoder(self.model, cache, self._plain_extra)
             return decoder, decoder.prefill(ids)
         prefix = None if entry is None else self.store.prefix(entry)
-        size, width = len(batch), max(len(x.prompt_ids) for x in batch)
-        # left padding, built as one list: a tensor per prompt costs milliseconds at thousands of prompts
-        ids = torch.tensor([[self.pad_id] * (width - len(x.prompt_ids)) + x.prompt_ids for x in batch])
-        lengths = torch.tensor([len(x.prompt_ids) for x in batch])
-        valid = torch.arange(width)[None, :] >= (width - lengths)[:, None]  # [B, W]
+        ids, mask = left_pad([x.prompt_ids for x in batch], self.pad_id)
+        size, width = ids.shape
+        valid = mask.bool()  # [B, W]
         decoder = self._shared_decoder(prefix, size, _round_up(width + steps, CAPACITY_QUANTUM))
         self.last_cache = decoder.cache
         return decoder, decoder.prefill(ids.to(self.device), valid.to(self.device))

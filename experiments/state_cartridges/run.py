@@ -361,7 +361,7 @@ def answer(model, tok, qa: list[dict], cartridge=None, context: list[int] | None
     """Greedy first-line answers to every question, after a cartridge (cartridges.generate) or after `context`
     in the prompt itself (plain model.generate: in-context learning)."""
     from cartridges.cache import generate
-    from cartridges.corpus import turn_ids
+    from cartridges.corpus import left_pad, turn_ids
 
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     outs = []
@@ -370,12 +370,8 @@ def answer(model, tok, qa: list[dict], cartridge=None, context: list[int] | None
             (context or []) + turn_ids(tok, [{"role": "user", "content": it["question"]}], add_generation_prompt=True)
             for it in qa[start : start + batch]
         ]
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
+        ids, mask = left_pad(prompts, pad)
+        width = ids.shape[1]
         ids, mask = ids.to(model.device), mask.to(model.device)
         kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": pad}
         if cartridge is None:
