@@ -342,9 +342,12 @@ class Cartridge(nn.Module):
         Raises `CartridgeFileError` for a missing, truncated or corrupted file and `CartridgeMismatchError` when
         it was made for another model. The cartridge lands on `device` (default: the model's).
         """
-        meta, tensors = read_cartridge_file(path)
-        if meta.get("kind", "kv") != cls.KIND:
-            raise CartridgeMismatchError(f"{path} holds a {meta['kind']!r} cartridge, not a {cls.KIND!r} one")
+        meta, tensors = read_cartridge_file(path, expected_kind=cls.KIND)
+        return cls.from_file(path, meta, tensors, model, check_model_id, device)
+
+    @classmethod
+    def from_file(cls, path, meta: dict, tensors: dict, model, check_model_id: bool = True, device=None) -> "Cartridge":
+        """The cartridge of an already read and checked file (`read_cartridge_file`); see `load`."""
         sig = ModelSignature(**meta["model"])
         num_layers, num_tokens = meta["num_layers"], meta["num_tokens"]
         try:
@@ -380,8 +383,9 @@ def write_cartridge_file(path: str | os.PathLike, kind: str, tensors: dict[str, 
 
 def load_cartridge(path: str | os.PathLike, model, check_model_id: bool = True, device=None):
     """Load any kind of cartridge file (the metadata's `kind` picks the class) and check it against `model`."""
-    meta, _ = read_cartridge_file(path)
-    return CARTRIDGE_KINDS[meta.get("kind", "kv")].load(path, model, check_model_id=check_model_id, device=device)
+    meta, tensors = read_cartridge_file(path)  # read and checksummed once
+    cls = CARTRIDGE_KINDS[meta.get("kind", "kv")]
+    return cls.from_file(path, meta, tensors, model, check_model_id=check_model_id, device=device)
 
 
 def tensor_checksum(tensors: dict[str, torch.Tensor]) -> str:
@@ -394,8 +398,11 @@ def tensor_checksum(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def read_cartridge_file(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(metadata, tensors) of a cartridge file, after checking its structure, version and checksum."""
+def read_cartridge_file(
+    path: str | os.PathLike, expected_kind: str | None = None
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(metadata, tensors) of a cartridge file, after checking its structure, version and checksum (and, when
+    given, that it holds a cartridge of `expected_kind`)."""
     from safetensors.torch import load as st_load
 
     path = Path(path)
@@ -433,6 +440,8 @@ def read_cartridge_file(path: str | os.PathLike) -> tuple[dict[str, Any], dict[s
 
     if kind not in CARTRIDGE_KINDS:
         raise CartridgeFileError(f"{path}: unknown cartridge kind {kind!r} (known: {sorted(CARTRIDGE_KINDS)})")
+    if expected_kind is not None and kind != expected_kind:
+        raise CartridgeMismatchError(f"{path} holds a {kind!r} cartridge, not a {expected_kind!r} one")
     cls = CARTRIDGE_KINDS[kind]
     required = (
         "model",

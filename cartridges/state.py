@@ -368,9 +368,14 @@ class StateCartridge(nn.Module):
         Raises `CartridgeFileError` for a missing, truncated or corrupted file and `CartridgeMismatchError` when
         it was made for another model. The cartridge lands on `device` (default: the model's).
         """
-        meta, tensors = read_cartridge_file(path)
-        if meta.get("kind", "kv") != cls.KIND:
-            raise CartridgeMismatchError(f"{path} holds a {meta.get('kind', 'kv')!r} cartridge, not a {cls.KIND!r} one")
+        meta, tensors = read_cartridge_file(path, expected_kind=cls.KIND)
+        return cls.from_file(path, meta, tensors, model, check_model_id, device)
+
+    @classmethod
+    def from_file(
+        cls, path, meta: dict, tensors: dict, model, check_model_id: bool = True, device=None
+    ) -> StateCartridge:
+        """The state cartridge of an already read and checked file (`read_cartridge_file`); see `load`."""
         signature = ModelSignature(**meta["model"])
         problems = signature.mismatches(state_signature(model), check_model_id=check_model_id)
         problems += _layout_problems(meta["layout"], model_layout(model))
