@@ -34,8 +34,12 @@ EXPAND = 1
 
 
 # Mode 2 keeps the order-2 state as [K, K, BV] and reads, updates and contracts it with batched dots over the
-# first index: no 0/1 matrices, about half the matrix work at K=16. FWD_EXPAND / BWD_EXPAND pick it for the
-# forward / backward; not yet timed on a GPU, so not the default.
+# first index: no 0/1 matrices, about half the matrix work at K=16. Mode 3 ("pairs") uses the symmetry of the
+# order-2 state: a diagonal block [K, BV] plus one row per unordered pair {a, b}, a≠b, laid out cyclically
+# (row (d, a) holds the pair (a, (a+d) mod BK), d = 1..BK/2: BK²/2 rows, a power of two) instead of K² rows:
+# 144 rows instead of 256 at K=16, so 44% less order-2 matrix work and state registers; k and q enter the
+# updates transposed straight from memory (no register transposes). FWD_EXPAND / BWD_EXPAND pick the mode for
+# the forward / backward; modes 2 and 3 are not yet timed on a GPU, so not the default.
 FWD_EXPAND = EXPAND
 BWD_EXPAND = EXPAND
 
@@ -141,6 +145,97 @@ def _o2_contract(g, S2, x, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 
 
 @triton.jit
+def _pair_cols(BK: tl.constexpr):
+    """The pair layout's rows j = (d-1)·BK + a, d = 1..BK/2: the pair (a_j, b_j = (a_j + d) mod BK) and its
+    weight w_j, the number of ordered pairs (a, b), a≠b, it stands for (2, or 1 at d = BK/2, where (a, a+BK/2)
+    and (a+BK/2, a) both have rows). So Σ_{a≠b} x_a x_b S_ab = Σ_j w_j x_{a_j} x_{b_j} S_{a_j b_j} for symmetric S."""
+    j = tl.arange(0, BK * (BK // 2))
+    d = 1 + j // BK
+    a = j % BK
+    b = (a + d) % BK
+    w = tl.where(d < BK // 2, 2.0, 1.0)
+    return a, b, w
+
+
+@triton.jit
+def _pair_reps(BK: tl.constexpr, TRANSPOSED: tl.constexpr, WEIGHTED: tl.constexpr):
+    """0/1 matrices selecting a_j and b_j: [BK, J] (x @ rep puts x_{a_j} at column j), or [J, BK] transposed;
+    WEIGHTED puts w_j instead of 1 in the a_j matrix (exact: 1 or 2)."""
+    a, b, w = _pair_cols(BK)
+    rows = tl.arange(0, BK)
+    if TRANSPOSED:
+        rep_a = (a[:, None] == rows[None, :]).to(tl.float32)
+        rep_b = (b[:, None] == rows[None, :]).to(tl.float32)
+        if WEIGHTED:
+            rep_a = rep_a * w[:, None]
+    else:
+        rep_a = (rows[:, None] == a[None, :]).to(tl.float32)
+        rep_b = (rows[:, None] == b[None, :]).to(tl.float32)
+        if WEIGHTED:
+            rep_a = rep_a * w[None, :]
+    return rep_a, rep_b
+
+
+@triton.jit
+def _pairs(x, BK: tl.constexpr, DOT: tl.constexpr):
+    """x [BC, BK] -> [BC, J]: x_{a_j}·x_{b_j} (x first rounded to the dot's operand dtype, as in `_outer`)."""
+    rep_a, rep_b = _pair_reps(BK, False, False)
+    if DOT == 2:
+        x = x.to(tl.bfloat16)
+    return _mm(x, rep_a, DOT) * _mm(x, rep_b, DOT)
+
+
+@triton.jit
+def _pairs_t(xt, BK: tl.constexpr, DOT: tl.constexpr):
+    """xt [BK, BC] (x transposed) -> [J, BC]: w_j·x_{a_j}·x_{b_j}, the weighted pair features of each column."""
+    rep_a, rep_b = _pair_reps(BK, True, True)
+    if DOT == 2:
+        xt = xt.to(tl.bfloat16)
+    return _mm(rep_a, xt, DOT) * _mm(rep_b, xt, DOT)
+
+
+@triton.jit
+def _pair_contract(g, x, BK: tl.constexpr, DOT: tl.constexpr):
+    """½ ∂/∂x_r of Σ_j g_j x_{a_j} x_{b_j}, per row: g [BC, J], x [BC, BK] -> [BC, BK]. With g_j = w_j·(G_{a_j b_j})
+    for a symmetric G this is Σ_{b≠r} G_rb x_b, the off-diagonal part of `_contract`."""
+    rep_a, rep_b = _pair_reps(BK, False, False)
+    rep_at, rep_bt = _pair_reps(BK, True, False)
+    xa = _mm(x, rep_a, DOT)
+    xb = _mm(x, rep_b, DOT)
+    P: tl.constexpr = 1 if DOT == 2 else DOT  # tf32 operands keep the products' precision in bf16 mode
+    return 0.5 * (_mm(g * xb, rep_at, P) + _mm(g * xa, rep_bt, P))
+
+
+@triton.jit
+def _pair_state_load(h, offs_k, offs_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr):
+    """From a Taylor-order state h [F, V] (order 2 as K² rows (a, b)): the diagonal block [BK, BV] and the pair
+    rows [J, BV], row j = h_(a,b) + h_(b,a) where w_j = 2 and h_(a,b) where w_j = 1 (its mirror has its own row),
+    so that the pair form computes what the K² form computes from h, symmetric or not."""
+    a, b, w = _pair_cols(BK)
+    m_v = offs_v < V
+    m_k = offs_k < K
+    m_j = ((a < K) & (b < K))[:, None] & m_v[None, :]
+    Sd = tl.load(h + (1 + K + offs_k * (K + 1))[:, None] * V + offs_v[None, :], mask=m_k[:, None] & m_v[None, :],
+                 other=0.0)
+    Sp = tl.load(h + (1 + K + a * K + b)[:, None] * V + offs_v[None, :], mask=m_j, other=0.0)
+    Sp += tl.load(h + (1 + K + b * K + a)[:, None] * V + offs_v[None, :], mask=m_j & (w > 1.5)[:, None], other=0.0)
+    return Sd, Sp
+
+
+@triton.jit
+def _pair_state_store(h, Sd, Sp, c, offs_k, offs_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr):
+    """c·(the symmetric K² form of (Sd, Sp)) into the order-2 rows of a Taylor-order state h [F, V]."""
+    a, b, w = _pair_cols(BK)
+    m_v = offs_v < V
+    m_k = offs_k < K
+    m_j = ((a < K) & (b < K))[:, None] & m_v[None, :]
+    tl.store(h + (1 + K + offs_k * (K + 1))[:, None] * V + offs_v[None, :], c * Sd, mask=m_k[:, None] & m_v[None, :])
+    x = c * Sp / w[:, None]
+    tl.store(h + (1 + K + a * K + b)[:, None] * V + offs_v[None, :], x, mask=m_j)
+    tl.store(h + (1 + K + b * K + a)[:, None] * V + offs_v[None, :], x, mask=m_j & (w > 1.5)[:, None])
+
+
+@triton.jit
 def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                 BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
@@ -173,9 +268,12 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
 
     S0 = tl.zeros([BV], dtype=tl.float32)
     S1 = tl.zeros([BK, BV], dtype=tl.float32)
+    Sd = tl.zeros([BK, BV], dtype=tl.float32)  # mode 3: the order-2 diagonal
     if EXPAND == 2:
         S2 = tl.zeros([BK, BK, BV], dtype=tl.float32)
         off3, m3 = _o2_offsets(offs_k, offs_v, K, V)
+    elif EXPAND == 3:
+        S2 = tl.zeros([BK * (BK // 2), BV], dtype=tl.float32)  # mode 3: the pair rows
     else:
         S2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
     n = 0.0
@@ -188,6 +286,10 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
         S1 += tl.load(hv0 + (1 + offs_k[:, None]) * V + offs_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
         if EXPAND == 2:
             S2 += tl.load(hv0 + off3, mask=m3, other=0.0)
+        elif EXPAND == 3:
+            hd, hp = _pair_state_load(hv0, offs_k, offs_v, K, V, BK)
+            Sd += hd
+            S2 += hp
         else:
             S2 += tl.load(hv0 + row_kk[:, None] * V + offs_v[None, :], mask=m_kk[:, None] & m_v[None, :], other=0.0)
         n += tl.load(hz0)
@@ -202,13 +304,21 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
         bk = tl.load(k + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         bv = tl.load(v + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
         kf = bk.to(tl.float32)
+        # kᵀ [BK, BC]: mode 3 loads it transposed from memory; the others transpose in registers
+        if EXPAND == 3:
+            bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+        else:
+            bkt = tl.trans(bk)
+        kft = bkt.to(tl.float32)
         if not STATE_ONLY:
             bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
             qs = bq.to(tl.float32) * scale  # [BC, BK]
-            s = _mm(bq, tl.trans(bk), DOT) * scale  # [BC, BC]
+            s = _mm(bq, bkt, DOT) * scale  # [BC, BC]
             w = tl.where(causal, 1.0 + s + 0.5 * s * s, 0.0)
             if EXPAND == 2:
                 o2 = _o2_read(qs, S2, BC, BK, DOT)
+            elif EXPAND == 3:
+                o2 = _mm(qs * qs, Sd, DOT) + _mm(_pairs(qs, BK, DOT), S2, DOT)
             else:
                 o2 = _mm(_outer(qs, rep_a, rep_b, BC, BK, DOT, EXPAND), S2, DOT)  # (q⊗q) [BC, K²] · S2
             num = _mm(w, bv, DOT) + S0[None, :] + _mm(qs, S1, DOT) + 0.5 * o2
@@ -222,14 +332,17 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
                      mask=m_t[:, None] & m_v[None, :])
 
         S0 += tl.sum(bv.to(tl.float32), 0)
-        S1 += _mm(tl.trans(kf), bv, DOT)
+        S1 += _mm(kft, bv, DOT)
         if EXPAND == 2:
             S2 += _o2_update(kf, bv, BC, BK, BV, DOT)
+        elif EXPAND == 3:
+            Sd += _mm(kft * kft, bv, DOT)
+            S2 += _mm(_pairs_t(kft, BK, DOT), bv, DOT)
         else:
             S2 += _mm(tl.trans(_outer(kf, rep_a, rep_b, BC, BK, DOT, EXPAND)), bv, DOT)
         n += tl.sum(m_t.to(tl.float32), 0)
         z1 += tl.sum(kf, 0)
-        Z2 += _mm(tl.trans(kf), kf, 0)
+        Z2 += _mm(kft, kf, 0)
 
     if STORE_HT:
         hvT += (i_bh * NS + i_s).to(tl.int64) * F * V
@@ -238,6 +351,8 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
         tl.store(hvT + (1 + offs_k[:, None]) * V + offs_v[None, :], S1, mask=m_k[:, None] & m_v[None, :])
         if EXPAND == 2:
             tl.store(hvT + off3, S2, mask=m3)
+        elif EXPAND == 3:
+            _pair_state_store(hvT, Sd, S2, 1.0, offs_k, offs_v, K, V, BK)
         else:
             tl.store(hvT + row_kk[:, None] * V + offs_v[None, :], S2, mask=m_kk[:, None] & m_v[None, :])
         if i_v == 0:
@@ -304,9 +419,12 @@ def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
         dden += i_b.to(tl.int64) * T * H + i_h
 
     S1 = tl.zeros([BK, BV], dtype=tl.float32)
+    Sd = tl.zeros([BK, BV], dtype=tl.float32)
     if EXPAND == 2:
         S2 = tl.zeros([BK, BK, BV], dtype=tl.float32)
         off3, m3 = _o2_offsets(offs_k, offs_v, K, V)
+    elif EXPAND == 3:
+        S2 = tl.zeros([BK * (BK // 2), BV], dtype=tl.float32)
     else:
         S2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
     z1 = tl.zeros([BK], dtype=tl.float32)
@@ -317,6 +435,10 @@ def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
         S1 += tl.load(hv0 + (1 + offs_k[:, None]) * V + offs_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
         if EXPAND == 2:
             S2 += tl.load(hv0 + off3, mask=m3, other=0.0)
+        elif EXPAND == 3:
+            hd, hp = _pair_state_load(hv0, offs_k, offs_v, K, V, BK)
+            Sd += hd
+            S2 += hp
         else:
             S2 += tl.load(hv0 + row_kk[:, None] * V + offs_v[None, :], mask=m_kk[:, None] & m_v[None, :], other=0.0)
         z1 += tl.load(hz0 + 1 + offs_k, mask=m_k, other=0.0)
@@ -332,27 +454,37 @@ def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
         dnum, dd = _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H, V, BC, NORMALIZE)
         qs = bq.to(tl.float32) * scale
         kf = bk.to(tl.float32)
+        if EXPAND == 3:
+            bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+        else:
+            bkt = tl.trans(bk)
+        kft = bkt.to(tl.float32)
 
-        s = _mm(bq, tl.trans(bk), DOT) * scale  # [BC, BC]
+        s = _mm(bq, bkt, DOT) * scale  # [BC, BC]
         dp = _mm(dnum, tl.trans(bv), DOT) + dd[:, None]
         ds = tl.where(causal, dp * (1.0 + s), 0.0)
         dqs = _mm(ds, bk, DOT) + _mm(dnum, tl.trans(S1), DOT)
         # Σ_b (Σ_v S2[a·BK + b, v]·dnum_v)·q_s[b]
         if EXPAND == 2:
             dqs += _o2_contract(dnum, S2, qs, BC, BK, BV, DOT)
+        elif EXPAND == 3:
+            dqs += qs * _mm(dnum, tl.trans(Sd), DOT) + _pair_contract(_mm(dnum, tl.trans(S2), DOT), qs, BK, DOT)
         else:
             dqs += _contract(_mm(dnum, tl.trans(S2), DOT), qs, rep_a, rep_b, BC, BK, DOT, EXPAND)
         if NORMALIZE:
             dqs += dd[:, None] * (z1[None, :] + _mm(qs, Z2, 0))
         tl.store(dq + t[:, None] * H * K + offs_k[None, :], dqs * scale, mask=m_t[:, None] & m_k[None, :])
 
-        S1 += _mm(tl.trans(kf), bv, DOT)
+        S1 += _mm(kft, bv, DOT)
         if EXPAND == 2:
             S2 += _o2_update(kf, bv, BC, BK, BV, DOT)
+        elif EXPAND == 3:
+            Sd += _mm(kft * kft, bv, DOT)
+            S2 += _mm(_pairs_t(kft, BK, DOT), bv, DOT)
         else:
             S2 += _mm(tl.trans(_outer(kf, rep_a, rep_b, BC, BK, DOT, EXPAND)), bv, DOT)
         z1 += tl.sum(kf, 0)
-        Z2 += _mm(tl.trans(kf), kf, 0)
+        Z2 += _mm(kft, kf, 0)
 
 
 @triton.jit
@@ -390,9 +522,12 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
 
     D0 = tl.zeros([BV], dtype=tl.float32)
     D1 = tl.zeros([BK, BV], dtype=tl.float32)
+    Dd = tl.zeros([BK, BV], dtype=tl.float32)
     if EXPAND == 2:
         D2 = tl.zeros([BK, BK, BV], dtype=tl.float32)
         off3, m3 = _o2_offsets(offs_k, offs_v, K, V)
+    elif EXPAND == 3:
+        D2 = tl.zeros([BK * (BK // 2), BV], dtype=tl.float32)
     else:
         D2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
     d0 = 0.0
@@ -407,6 +542,10 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
                       other=0.0)
         if EXPAND == 2:
             D2 += tl.load(dhvT + off3, mask=m3, other=0.0)
+        elif EXPAND == 3:
+            gd, gp = _pair_state_load(dhvT, offs_k, offs_v, K, V, BK)
+            Dd += gd
+            D2 += gp
         else:
             D2 += tl.load(dhvT + row_kk[:, None] * V + offs_v[None, :], mask=m_kk[:, None] & m_v[None, :],
                           other=0.0)
@@ -427,11 +566,18 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
         dnum, dd = _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H, V, BC, NORMALIZE)
         qs = bq.to(tl.float32) * scale
         kf = bk.to(tl.float32)
+        if EXPAND == 3:
+            bqt = tl.load(q + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+        else:
+            bqt = tl.trans(bq)
+        qst = bqt.to(tl.float32) * scale
 
-        st = _mm(bk, tl.trans(bq), DOT) * scale  # [BC keys, BC queries]
+        st = _mm(bk, bqt, DOT) * scale  # [BC keys, BC queries]
         wt = tl.where(causal_t, 1.0 + st + 0.5 * st * st, 0.0)
         if EXPAND == 2:
             o2 = _o2_read(kf, D2, BC, BK, DOT)
+        elif EXPAND == 3:
+            o2 = _mm(kf * kf, Dd, DOT) + _mm(_pairs(kf, BK, DOT), D2, DOT)
         else:
             o2 = _mm(_outer(kf, rep_a, rep_b, BC, BK, DOT, EXPAND), D2, DOT)  # (k⊗k) [BC, K²] · D2
         bdv = _mm(wt, dnum, DOT) + D0[None, :] + _mm(kf, D1, DOT) + 0.5 * o2
@@ -444,6 +590,8 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
         # Σ_b (Σ_v D2[a·BK + b, v]·v_v)·k[b]
         if EXPAND == 2:
             bdk += _o2_contract(bv, D2, kf, BC, BK, BV, DOT)
+        elif EXPAND == 3:
+            bdk += kf * _mm(bv, tl.trans(Dd), DOT) + _pair_contract(_mm(bv, tl.trans(D2), DOT), kf, BK, DOT)
         else:
             bdk += _contract(_mm(bv, tl.trans(D2), DOT), kf, rep_a, rep_b, BC, BK, DOT, EXPAND)
         # d1, d2 hold dO's share through the denominator and the final k_sum's gradient, normalised or not
@@ -451,14 +599,17 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
         tl.store(dk + t[:, None] * H * K + offs_k[None, :], bdk, mask=m_t[:, None] & m_k[None, :])
 
         D0 += tl.sum(dnum, 0)
-        D1 += _mm(tl.trans(qs), dnum, DOT)
+        D1 += _mm(qst, dnum, DOT)
         if EXPAND == 2:
             D2 += _o2_update(qs, dnum, BC, BK, BV, DOT)
+        elif EXPAND == 3:
+            Dd += _mm(qst * qst, dnum, DOT)
+            D2 += _mm(_pairs_t(qst, BK, DOT), dnum, DOT)
         else:
             D2 += _mm(tl.trans(_outer(qs, rep_a, rep_b, BC, BK, DOT, EXPAND)), dnum, DOT)
         d0 += tl.sum(dd, 0)
         d1 += tl.sum(qs * dd[:, None], 0)
-        d2 += _mm(tl.trans(qs), qs * dd[:, None], 0)
+        d2 += _mm(qst, qs * dd[:, None], 0)
 
     if STORE_DH0:
         dhv0 += i_bh.to(tl.int64) * F * V
@@ -467,6 +618,8 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
         tl.store(dhv0 + (1 + offs_k[:, None]) * V + offs_v[None, :], D1, mask=m_k[:, None] & m_v[None, :])
         if EXPAND == 2:
             tl.store(dhv0 + off3, 0.5 * D2, mask=m3)
+        elif EXPAND == 3:
+            _pair_state_store(dhv0, Dd, D2, 0.5, offs_k, offs_v, K, V, BK)
         else:
             tl.store(dhv0 + row_kk[:, None] * V + offs_v[None, :], 0.5 * D2, mask=m_kk[:, None] & m_v[None, :])
         if i_v == 0:

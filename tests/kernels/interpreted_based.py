@@ -70,6 +70,24 @@ def test_batched_order2_matches_naive(case, monkeypatch):
         check_against_naive(chunk_based, case, torch.float32, "cpu")
 
 
+PAIRS = [Case(B=1, T=100, H=2, K=16, V=64), Case(B=2, T=37, H=1, K=5, V=40, normalize=False),
+         Case(B=1, T=15, H=2, K=16, V=112, scale=0.3)]
+
+
+@pytest.mark.parametrize("case", PAIRS, ids=[c.id for c in PAIRS])
+def test_pair_order2_matches_naive(case, monkeypatch):
+    """Mode 3: forward and backward keep the order-2 states as a diagonal block plus one row per unordered pair
+    (cyclic layout, weights 2 and 1); with one-chunk segments, so the pair form's state loads and stores, the
+    initial state's gradient and the final state's gradient are exercised too."""
+    from kernels.based import chunk
+
+    monkeypatch.setattr(chunk, "FWD_EXPAND", 3)
+    monkeypatch.setattr(chunk, "BWD_EXPAND", 3)
+    monkeypatch.setattr(chunk, "SEGMENT_TOKENS", 32)
+    with nan_empty():
+        check_against_naive(chunk_based, case, torch.float32, "cpu")
+
+
 def test_two_chained_calls_equal_one():
     """Prefill in two pieces with the state carried equals one call: outputs, final state and gradients
     (which flow back through the carried state). The split is not a multiple of the chunk size."""
