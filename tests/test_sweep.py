@@ -165,3 +165,37 @@ def test_sweep_pack_lrs_trains_each_lr_group_as_one_pack(tmp_path):
     second = run_sweep(GRID, "p", device="cpu", extra=extra, runs_root=str(tmp_path))
     assert [r["status"] for r in second["runs"]] == ["skipped"] * 4
     assert [r["run_dir"] for r in second["runs"]] == [r["run_dir"] for r in packed]
+
+
+def test_shard_takes_every_nth_lr_group_and_rejects_bad_specs():
+    from zoo.sweep import shard
+
+    grid = [[f"model={m}", f"model.d_model={d}", f"optim.lr={lr}"]
+            for m in ("based", "attention") for d in (16, 32) for lr in ("1e-3", "3e-3")]
+    # four lr groups (model, d); shard 1/2 is the second and the fourth, each with both lrs
+    assert shard(grid, "1/2") == grid[2:4] + grid[6:8]
+    assert sorted(map(tuple, shard(grid, "0/2") + shard(grid, "1/2"))) == sorted(map(tuple, grid))
+    for bad in ("2/2", "x", "1/0"):
+        with pytest.raises(SystemExit, match="--shard must be I/N"):
+            shard(grid, bad)
+
+
+def test_record_is_rewritten_after_every_job(tmp_path, monkeypatch):
+    """A sweep stopped after its first job keeps a record: that run finished, the others pending."""
+    import zoo.sweep as sweep_mod
+
+    real, calls = sweep_mod.run_job, []
+
+    def stop_after_one(runs, extra):
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(runs)
+        return real(runs, extra)
+
+    monkeypatch.setattr(sweep_mod, "run_job", stop_after_one)
+    extra = TINY + ["experiment_name=t", f"data.cache_dir={tmp_path / 'cache'}"]
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(GRID[:3], "t", workers=1, device="cpu", extra=extra, runs_root=str(tmp_path))
+    record = json.loads((tmp_path / "_sweeps" / "t.json").read_text())
+    assert [r["status"] for r in record["runs"]] == ["finished", "pending", "pending"]
+    assert (record["finished"], record["pending"]) == (1, 2)

@@ -19,7 +19,12 @@ What happens per run:
   always lands in the same dir). A run dir holding summary.json is skipped; one without (a killed run)
   resumes from its last checkpoint (`train.resume=true`).
 - A run that raises writes `error.txt` (the traceback) into its run dir and is listed as failed; the
-  others continue. The sweep's record goes to `<runs_root>/_sweeps/<sweep name>.json`.
+  others continue. The sweep's record goes to `<runs_root>/_sweeps/<sweep name>.json`, rewritten (atomically)
+  after every job, so a sweep that is stopped keeps the record of what finished (unstarted runs: "pending").
+
+Sharding (`--shard I/N`): only the I-th of every N groups of runs differing only in optim.lr (the packs of
+`--pack-lrs`, whichever mode runs) — to split one grid over machines or job-array tasks, or to time a spread-out
+subset of a grid. Each shard writes its own record (`<sweep name>.shard-I-of-N.json`).
 
 Packing (`--pack-lrs`): runs whose overrides differ only in `optim.lr=` form one job, trained as one vmapped
 pack in one process (zoo/packed.py); each still gets the run dir, files and `run_name` of its unpacked
@@ -264,6 +269,7 @@ def run_sweep(
     """Run every run (see the module docstring); write and return the sweep record.
 
     pack_lrs: train each group of runs that differ only in optim.lr as one pack (`lr_groups`, `run_pack`).
+    The record is rewritten after every job (unstarted or unfinished runs are "pending").
     """
     import multiprocessing
 
@@ -272,6 +278,20 @@ def run_sweep(
     extra = list(extra) + ([f"runs_root={runs_root}"] if runs_root else [])
     results: list[dict[str, Any] | None] = [None] * len(runs)
     t0 = time.perf_counter()
+    root = Path(runs_root) if runs_root else _runs_root_of(runs[0], extra)
+    out = root / SWEEPS_DIR / f"{name}.json"
+
+    def write_record() -> dict[str, Any]:
+        rows = [r if r is not None else {"overrides": runs[i], "run_dir": None, "status": "pending"}
+                for i, r in enumerate(results)]
+        counts = {s: sum(r["status"] == s for r in rows) for s in ("finished", "skipped", "failed", "pending")}
+        record = {"sweep": name, "runs": rows, **counts, "wall_s": time.perf_counter() - t0}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
+        os.replace(tmp, out)
+        return record
+
     bar = tqdm(total=len(runs), desc=f"sweep {name}", dynamic_ncols=True)
     jobs = lr_groups(runs) if pack_lrs else [[i] for i in range(len(runs))]
     if workers <= 1:
@@ -280,6 +300,7 @@ def run_sweep(
             for i, result in zip(job, run_job([runs[i] for i in job], serial_extra)):
                 results[i] = result
             bar.update(len(job))
+            write_record()
     else:
         ctx = multiprocessing.get_context("spawn")
         queue = ctx.Manager().Queue()
@@ -297,15 +318,22 @@ def run_sweep(
                     for i in job:
                         results[i] = {"overrides": runs[i], "run_dir": None, "status": "failed", "error": repr(e)}
                 bar.update(len(job))
+                write_record()
     bar.close()
-    counts = {s: sum(r["status"] == s for r in results) for s in ("finished", "skipped", "failed")}
-    record = {"sweep": name, "runs": results, **counts, "wall_s": time.perf_counter() - t0}
-    root = Path(runs_root) if runs_root else _runs_root_of(runs[0], extra)
-    out = root / SWEEPS_DIR / f"{name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1) + "\n")
+    record = write_record()
     record["path"] = str(out)
     return record
+
+
+def shard(runs: list[list[str]], spec: str) -> list[list[str]]:
+    """The runs of shard "I/N": those of every N-th lr group (`lr_groups`) starting at group I."""
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+        if not 0 <= i < n:
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"zoo-sweep: --shard must be I/N with 0 <= I < N, got {spec!r}") from None
+    return [runs[r] for g, group in enumerate(lr_groups(runs)) if g % n == i for r in group]
 
 
 def _runs_root_of(run: list[str], extra: list[str]) -> Path:
@@ -329,10 +357,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--pack-lrs", action="store_true", help="train runs differing only in optim.lr as one packed job each"
     )
+    parser.add_argument("--shard", default=None, help="I/N: only every N-th lr group, from group I")
     args = parser.parse_args(argv)
     runs = load_sweep(args.sweep_file)
     path = Path(args.sweep_file)
     name = args.name or (path.parent.name if path.stem == "sweep" else path.stem)
+    if args.shard:
+        runs = shard(runs, args.shard)
+        name += ".shard-{}-of-{}".format(*args.shard.split("/"))
     extra = list(args.overrides) + ([f"runs_root={args.runs_root}"] if args.runs_root else [])
     if args.emit:
         import shlex
@@ -356,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
     record = run_sweep(runs, name, workers, args.device, list(args.overrides), args.runs_root, args.pack_lrs)
     print(
         f"zoo-sweep {name}: {record['finished']} finished, {record['skipped']} skipped, "
-        f"{record['failed']} failed in {record['wall_s']:.1f} s -> {record['path']}"
+        f"{record['failed']} failed, {record['pending']} pending in {record['wall_s']:.1f} s -> {record['path']}"
     )
     for r in record["runs"]:
         if r["status"] == "failed":

@@ -10,6 +10,9 @@ reports the fraction of both ceilings it reaches, counting the minimum bytes (in
 once) and the FLOPs of kernels/based/README.md. The last line is JSON.
 
 --sweep first times a grid of block configurations of our kernel at T=4096 and uses the fastest.
+--tuned FILE sets our kernel's order-2 modes and block configurations from a JSON file
+{"fwd": {"mode": m, "cfg": [BK, BV, BC, warps, stages]}, "fb": {...}} (the forward from "fwd", the backward from
+"fb"), as a tuning run writes it; the table then times `ours` with them.
 `ours_batched_o2` is our kernel with `chunk.FWD_EXPAND = chunk.BWD_EXPAND = 2`; its output and gradients are
 checked against `ours` before it is timed.
 """
@@ -173,13 +176,26 @@ def main():
     p.add_argument("--T", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--skip-baselines", action="store_true")
+    p.add_argument("--tuned", default=None, help="JSON with the forward/backward modes and block configs to use")
     args = p.parse_args()
+    if args.tuned:
+        tuned = json.load(open(args.tuned))
+        chunk_mod.FWD_EXPAND, chunk_mod.BWD_EXPAND = tuned["fwd"]["mode"], tuned["fb"]["mode"]
+        cfgs = {"fwd": tuple(tuned["fwd"]["cfg"]), "bwd": tuple(tuned["fb"]["cfg"])}
+        default_cfg = chunk_mod._config
+        chunk_mod._config = lambda K_, V_, dtype, kind: cfgs[kind] if (K_, V_, dtype) == (K, V, DT) else \
+            default_cfg(K_, V_, dtype, kind)
+        print(f"tuned: modes fwd {chunk_mod.FWD_EXPAND} bwd {chunk_mod.BWD_EXPAND}, configs {cfgs}")
     torch.manual_seed(0)
     bw, gemm = copy_bandwidth(), gemm_rate()
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 GEMM {gemm / 1e12:.0f} TFLOP/s")
     result = {"device": torch.cuda.get_device_name(), "copy_TBps": bw / 1e12, "gemm_TFLOPs": gemm / 1e12,
               "shape": {"B": B, "H": H, "K": K, "V": V, "dtype": "bf16"}, "rows": []}
+    if args.tuned:
+        result["tuned"] = {"fwd_mode": chunk_mod.FWD_EXPAND, "bwd_mode": chunk_mod.BWD_EXPAND,
+                           "fwd_cfg": list(chunk_mod._config(K, V, DT, "fwd")),
+                           "bwd_cfg": list(chunk_mod._config(K, V, DT, "bwd"))}
     if args.sweep:
         best, table = sweep()
         default = chunk_mod._config
@@ -187,6 +203,8 @@ def main():
             default(K_, V_, dtype, kind)
         result["sweep"] = {"best": best, "table": table}
     names = impls() if not args.skip_baselines else {"ours": impls()["ours"]}
+    if args.tuned:
+        names.pop("ours_batched_o2")
     print(f"{'impl':24s} {'T':>6s} {'fwd ms':>8s} {'fwd+bwd ms':>10s} {'fwd %bw':>8s} {'fwd %gemm':>9s} "
           f"{'f+b %bw':>8s} {'f+b %gemm':>9s}")
     for T in args.T:

@@ -152,7 +152,7 @@ def measure(kind: str, model, batch: int, args, timer: Timer, device) -> dict:
     ids = torch.randint(1, model.config.vocab_size, (batch, args.prompt), generator=g).to(device)
     kwargs = generate_kwargs(kind, args.gen, args.prompt)
     with torch.no_grad():
-        for _ in range(2):  # compile / capture / autotune, excluded
+        for _ in range(args.warmups):  # compile / capture / autotune, excluded
             prefill(kind, model, ids)
             model.generate(ids, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
         prefill_s = statistics.median(timer(lambda: prefill(kind, model, ids)) for _ in range(args.repeats))
@@ -217,6 +217,7 @@ def main() -> None:
     )
     parser.add_argument("--prefill-chunk-tokens", type=int, default=131072, help="Based prefill row slices (GPU)")
     parser.add_argument("--repeats", type=int, default=3, help="prefill timings per batch (median)")
+    parser.add_argument("--warmups", type=int, default=2, help="untimed prefill + short generate rounds per batch")
     parser.add_argument("--budget-s", type=float, default=0.0, help="per model: start no batch after this (0: none)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
