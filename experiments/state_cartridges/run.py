@@ -29,6 +29,7 @@ runs (<out>/pretrain/...), self-study data, cartridges and per-question answers 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import logging
@@ -403,10 +404,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=0, help="pretraining steps (0: the scale's)")
+    p.add_argument("--layout", choices=["kv", "kv1", "facts", "sheet"], default=None,
+                   help="sheet layout (the scale's: kv); kv1 = one-token keys, 3·entities names with one value each")
+    p.add_argument("--entities", type=int, default=0, help="entities per sheet (0: the scale's)")
+    p.add_argument("--lr", type=float, default=0.0, help="pretraining peak lr (0: the scale's)")
+    p.add_argument("--conversations", type=int, default=0, help="self-study conversations (0: the scale's)")
     args = p.parse_args(argv)
-    scale = QUICK if args.quick else FULL
-    if args.steps:
-        scale.steps = args.steps
+    scale = dataclasses.replace(QUICK if args.quick else FULL)
+    for field, value in (("steps", args.steps), ("layout", args.layout), ("entities", args.entities),
+                         ("lr", args.lr), ("conversations", args.conversations)):
+        if value:
+            setattr(scale, field, value)
 
     from cartridges.corpus import context_ids
     from cartridges.state import StateCartridge
