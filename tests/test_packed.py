@@ -234,3 +234,28 @@ def test_zoo_train_pack_lrs_writes_one_run_per_lr(tmp_path, capsys):
     for lr in ("1e-3", "1e-2"):
         cfg, _ = cfg_of(tmp_path, "model=attention", "train.epochs=1", f"optim.lr={lr}")
         assert RunDir(tmp_path / "default" / run_name(cfg)).is_finished()
+
+
+@pytest.mark.parametrize("mixer", sorted(MIXERS))
+def test_every_naive_mixer_packs_under_bf16_autocast(mixer):
+    """What a GPU pack runs (train.precision auto = bf16 autocast), here on the CPU's autocast: each member's loss
+    equals the plain model's under the same autocast (the vmapped depthwise conv once failed there on its fp32
+    bias)."""
+    from zoo.config import ModelConfig
+    from zoo.device import autocast
+
+    torch.manual_seed(0)
+    options = {mixer: MIXER_OPTIONS[mixer]} if mixer in MIXER_OPTIONS else {}
+    cfg, _ = load_config([*TINY])
+    model = LanguageModel(ModelConfig(vocab_size=64, d_model=16, n_layers=2, pattern=[mixer], mixers=options))
+    pack = _Pack(model, [1e-3, 2e-3], cfg.optim, total_steps=1)
+    inputs = torch.randint(0, 64, (4, 16))
+    query_pos = torch.randint(0, 16, (4, 3))
+    query_labels = torch.randint(0, 64, (4, 3))
+    with autocast(torch.device("cpu"), "bf16"):
+        losses = pack.losses(inputs, query_pos, query_labels)  # [2]
+        loss = query_loss(model, inputs, query_pos, query_labels)
+    losses.sum().backward()
+    assert torch.isfinite(pack.flat.grad).all()
+    for member in range(2):
+        torch.testing.assert_close(losses[member].float(), loss.float(), rtol=2e-2, atol=2e-2)

@@ -172,6 +172,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--compile", action="store_true", help="also measure each mixer with train.compile=true")
     parser.add_argument("--no-pack", action="store_true", help="skip packed (4 lrs) vs 4 separate runs")
+    parser.add_argument("--mixers", default="based,attention", help="comma-separated: based, attention")
     args = parser.parse_args()
     if args.tiny:
         shape = dict(L=64, n=4, d=32, examples=2000, batch=64)
@@ -179,14 +180,15 @@ def main() -> None:
         shape = dict(L=256, n=16, d=128, examples=100_000, batch=256)
     rows = []
     with tempfile.TemporaryDirectory() as root:
+        mixers = args.mixers.split(",")
         for compile in (False, True) if args.compile else (False,):
-            for mixer in ("based", "attention"):
+            for mixer in mixers:
                 rows.append(measure(mixer, **shape, epochs=args.epochs, root=root, compile=compile))
-        packs = (
-            []
-            if args.no_pack
-            else [measure_pack(m, **shape, epochs=args.epochs, root=root) for m in ("based", "attention")]
-        )
+                print(f"measured: {json.dumps(rows[-1])}", flush=True)  # kept if a time limit cuts the run
+        packs = []
+        for m in [] if args.no_pack else mixers:
+            packs.append(measure_pack(m, **shape, epochs=args.epochs, root=root))
+            print(f"measured: {json.dumps(packs[-1])}", flush=True)
     print(f"config: {shape}, epochs measured: {args.epochs}, device: {rows[0]['device']}")
     print(f"{'mixer':21s} {'gen s':>8s} {'epoch s':>9s} {'tok/s':>12s} {'worst run s':>12s} {'vs Zoology epoch':>17s}")
     for r in rows:
