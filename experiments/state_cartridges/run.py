@@ -86,6 +86,7 @@ class Scale:
     layout: str = "kv"
     seq_len: int = 0  # 0: one whole document per window (set from the tokenized documents)
     curriculum: bool = True  # sheets of 1..entities entities, their questions repeated to fill the window
+    precision: str = "auto"  # pretraining train.precision: auto (bf16 autocast on CUDA), fp32 or bf16
 
 
 # Recipe (README, "Recipe search"): one-token names and values, "name attribute value" lines, a query region of
@@ -237,6 +238,7 @@ def pretrain_model(
             "train.overwrite=true",
             f"optim.lr={scale.lr}",
             f"optim.warmup_frac={scale.warmup_frac}",
+            f"train.precision={scale.precision}",
             f"runs_root={out}",
             "experiment_name=pretrain",
             f"run={name}",
@@ -409,10 +411,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--entities", type=int, default=0, help="entities per sheet (0: the scale's)")
     p.add_argument("--lr", type=float, default=0.0, help="pretraining peak lr (0: the scale's)")
     p.add_argument("--conversations", type=int, default=0, help="self-study conversations (0: the scale's)")
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default=None, help="pretraining precision")
     args = p.parse_args(argv)
     scale = dataclasses.replace(QUICK if args.quick else FULL)
     for field, value in (("steps", args.steps), ("layout", args.layout), ("entities", args.entities),
-                         ("lr", args.lr), ("conversations", args.conversations)):
+                         ("lr", args.lr), ("conversations", args.conversations), ("precision", args.precision)):
         if value:
             setattr(scale, field, value)
 
