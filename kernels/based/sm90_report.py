@@ -46,7 +46,8 @@ def ptxas_report(ptx: str) -> str:
                                capture_output=True, text=True)
             if r.returncode == 0:
                 lines = (r.stdout + r.stderr).splitlines()
-                return "; ".join(line.split(":", 1)[-1].strip() for line in lines if "regist" in line or "spill" in line)
+                kept = [line.split(":", 1)[-1].strip() for line in lines if "regist" in line or "spill" in line]
+                return "; ".join(kept)
     return "ptxas failed: " + (r.stdout + r.stderr).strip().splitlines()[-1]
 
 
@@ -60,8 +61,10 @@ def main() -> None:
     k = compile_forward(args.mode, args.bv, args.bc, args.warps)
     ttgir = k.asm["ttgir"]
     print(f"mode {args.mode} BV={args.bv} BC={args.bc} warps={args.warps}: "
-          f"wgmma {ttgir.count('ttng.warp_group_dot ')}, mma.sync/fma dots {len(re.findall(r'= tt[.]dot ', ttgir))}, "
-          f"layout conversions {ttgir.count('ttg.convert_layout')}, shared allocations {ttgir.count('ttg.local_alloc')}")
+          f"wgmma {ttgir.count('ttng.warp_group_dot ')}, "
+          f"mma.sync/fma dots {len(re.findall(r'= tt[.]dot ', ttgir))}, "
+          f"layout conversions {ttgir.count('ttg.convert_layout')}, "
+          f"shared allocations {ttgir.count('ttg.local_alloc')}")
     print(f"ptxas sm_90a: {ptxas_report(k.asm['ptx'])}")
 
 
