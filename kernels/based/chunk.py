@@ -38,7 +38,10 @@ EXPAND = 1
 # order-2 state: a diagonal block [K, BV] plus one row per unordered pair {a, b}, a≠b, laid out cyclically
 # (row (d, a) holds the pair (a, (a+d) mod BK), d = 1..BK/2: BK²/2 rows, a power of two) instead of K² rows:
 # 144 rows instead of 256 at K=16, so 44% less order-2 matrix work and state registers; k and q enter the
-# updates transposed straight from memory (no register transposes). FWD_EXPAND / BWD_EXPAND pick the mode for
+# updates transposed straight from memory (no register transposes). Mode 5 is mode 3 with the pair rows in two
+# halves (d = 1..4 and 5..8), each its own state tensor and dots, so the [BC, 64] pair features of one half are
+# live at a time: compiled for sm_90a (kernels/based/sm90_report.py) the BC=64 forward spills 132 B instead of
+# 534; not yet timed, so opt-in. FWD_EXPAND / BWD_EXPAND pick the mode for
 # the forward / backward. Measured on the H200 (bf16, T=4096, experiments/LOG.md): mode 3 forward 0.462 ms and
 # forward+backward 2.31 ms, against 0.684 / 3.01 for mode 1 and 0.981 / 3.09 for mode 2; mode 3 is the default.
 FWD_EXPAND = 3
@@ -146,11 +149,11 @@ def _o2_contract(g, S2, x, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 
 
 @triton.jit
-def _pair_cols(BK: tl.constexpr):
+def _pair_cols(BK: tl.constexpr, P: tl.constexpr, NP: tl.constexpr):
     """The pair layout's rows j = (d-1)·BK + a, d = 1..BK/2: the pair (a_j, b_j = (a_j + d) mod BK) and its
     weight w_j, the number of ordered pairs (a, b), a≠b, it stands for (2, or 1 at d = BK/2, where (a, a+BK/2)
     and (a+BK/2, a) both have rows). So Σ_{a≠b} x_a x_b S_ab = Σ_j w_j x_{a_j} x_{b_j} S_{a_j b_j} for symmetric S."""
-    j = tl.arange(0, BK * (BK // 2))
+    j = P * (BK * (BK // 2) // NP) + tl.arange(0, BK * (BK // 2) // NP)  # part P of NP (mode 5: two halves)
     d = 1 + j // BK
     a = j % BK
     b = (a + d) % BK
@@ -159,10 +162,11 @@ def _pair_cols(BK: tl.constexpr):
 
 
 @triton.jit
-def _pair_reps(BK: tl.constexpr, TRANSPOSED: tl.constexpr, WEIGHTED: tl.constexpr):
+def _pair_reps(BK: tl.constexpr, TRANSPOSED: tl.constexpr, WEIGHTED: tl.constexpr, P: tl.constexpr,
+               NP: tl.constexpr):
     """0/1 matrices selecting a_j and b_j: [BK, J] (x @ rep puts x_{a_j} at column j), or [J, BK] transposed;
     WEIGHTED puts w_j instead of 1 in the a_j matrix (exact: 1 or 2)."""
-    a, b, w = _pair_cols(BK)
+    a, b, w = _pair_cols(BK, P, NP)
     rows = tl.arange(0, BK)
     if TRANSPOSED:
         rep_a = (a[:, None] == rows[None, :]).to(tl.float32)
@@ -178,29 +182,29 @@ def _pair_reps(BK: tl.constexpr, TRANSPOSED: tl.constexpr, WEIGHTED: tl.constexp
 
 
 @triton.jit
-def _pairs(x, BK: tl.constexpr, DOT: tl.constexpr):
+def _pairs(x, BK: tl.constexpr, DOT: tl.constexpr, P: tl.constexpr, NP: tl.constexpr):
     """x [BC, BK] -> [BC, J]: x_{a_j}·x_{b_j} (x first rounded to the dot's operand dtype, as in `_outer`)."""
-    rep_a, rep_b = _pair_reps(BK, False, False)
+    rep_a, rep_b = _pair_reps(BK, False, False, P, NP)
     if DOT == 2:
         x = x.to(tl.bfloat16)
     return _mm(x, rep_a, DOT) * _mm(x, rep_b, DOT)
 
 
 @triton.jit
-def _pairs_t(xt, BK: tl.constexpr, DOT: tl.constexpr):
+def _pairs_t(xt, BK: tl.constexpr, DOT: tl.constexpr, P: tl.constexpr, NP: tl.constexpr):
     """xt [BK, BC] (x transposed) -> [J, BC]: w_j·x_{a_j}·x_{b_j}, the weighted pair features of each column."""
-    rep_a, rep_b = _pair_reps(BK, True, True)
+    rep_a, rep_b = _pair_reps(BK, True, True, P, NP)
     if DOT == 2:
         xt = xt.to(tl.bfloat16)
     return _mm(rep_a, xt, DOT) * _mm(rep_b, xt, DOT)
 
 
 @triton.jit
-def _pair_contract(g, x, BK: tl.constexpr, DOT: tl.constexpr):
+def _pair_contract(g, x, BK: tl.constexpr, DOT: tl.constexpr, P: tl.constexpr, NP: tl.constexpr):
     """½ ∂/∂x_r of Σ_j g_j x_{a_j} x_{b_j}, per row: g [BC, J], x [BC, BK] -> [BC, BK]. With g_j = w_j·(G_{a_j b_j})
     for a symmetric G this is Σ_{b≠r} G_rb x_b, the off-diagonal part of `_contract`."""
-    rep_a, rep_b = _pair_reps(BK, False, False)
-    rep_at, rep_bt = _pair_reps(BK, True, False)
+    rep_a, rep_b = _pair_reps(BK, False, False, P, NP)
+    rep_at, rep_bt = _pair_reps(BK, True, False, P, NP)
     xa = _mm(x, rep_a, DOT)
     xb = _mm(x, rep_b, DOT)
     P: tl.constexpr = 1 if DOT == 2 else DOT  # tf32 operands keep the products' precision in bf16 mode
@@ -208,11 +212,12 @@ def _pair_contract(g, x, BK: tl.constexpr, DOT: tl.constexpr):
 
 
 @triton.jit
-def _pair_state_load(h, offs_k, offs_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr):
+def _pair_state_load(h, offs_k, offs_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, P: tl.constexpr,
+                     NP: tl.constexpr):
     """From a Taylor-order state h [F, V] (order 2 as K² rows (a, b)): the diagonal block [BK, BV] and the pair
     rows [J, BV], row j = h_(a,b) + h_(b,a) where w_j = 2 and h_(a,b) where w_j = 1 (its mirror has its own row),
     so that the pair form computes what the K² form computes from h, symmetric or not."""
-    a, b, w = _pair_cols(BK)
+    a, b, w = _pair_cols(BK, P, NP)
     m_v = offs_v < V
     m_k = offs_k < K
     m_j = ((a < K) & (b < K))[:, None] & m_v[None, :]
@@ -224,9 +229,10 @@ def _pair_state_load(h, offs_k, offs_v, K: tl.constexpr, V: tl.constexpr, BK: tl
 
 
 @triton.jit
-def _pair_state_store(h, Sd, Sp, c, offs_k, offs_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr):
+def _pair_state_store(h, Sd, Sp, c, offs_k, offs_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                      P: tl.constexpr, NP: tl.constexpr):
     """c·(the symmetric K² form of (Sd, Sp)) into the order-2 rows of a Taylor-order state h [F, V]."""
-    a, b, w = _pair_cols(BK)
+    a, b, w = _pair_cols(BK, P, NP)
     m_v = offs_v < V
     m_k = offs_k < K
     m_j = ((a < K) & (b < K))[:, None] & m_v[None, :]
@@ -269,12 +275,14 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
 
     S0 = tl.zeros([BV], dtype=tl.float32)
     S1 = tl.zeros([BK, BV], dtype=tl.float32)
-    Sd = tl.zeros([BK, BV], dtype=tl.float32)  # mode 3: the order-2 diagonal
+    Sd = tl.zeros([BK, BV], dtype=tl.float32)  # modes 3, 5: the order-2 diagonal
+    NP: tl.constexpr = 2 if EXPAND == 5 else 1  # mode 5: the pair rows in two halves (S2, S2b)
+    S2b = tl.zeros([BK * (BK // 2) // 2, BV], dtype=tl.float32)
     if EXPAND == 2:
         S2 = tl.zeros([BK, BK, BV], dtype=tl.float32)
         off3, m3 = _o2_offsets(offs_k, offs_v, K, V)
-    elif EXPAND == 3:
-        S2 = tl.zeros([BK * (BK // 2), BV], dtype=tl.float32)  # mode 3: the pair rows
+    elif EXPAND >= 3:
+        S2 = tl.zeros([BK * (BK // 2) // NP, BV], dtype=tl.float32)  # modes 3, 5: the pair rows
     else:
         S2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
     n = 0.0
@@ -287,10 +295,12 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
         S1 += tl.load(hv0 + (1 + offs_k[:, None]) * V + offs_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
         if EXPAND == 2:
             S2 += tl.load(hv0 + off3, mask=m3, other=0.0)
-        elif EXPAND == 3:
-            hd, hp = _pair_state_load(hv0, offs_k, offs_v, K, V, BK)
+        elif EXPAND >= 3:
+            hd, hp = _pair_state_load(hv0, offs_k, offs_v, K, V, BK, 0, NP)
             Sd += hd
             S2 += hp
+            if NP == 2:
+                S2b += _pair_state_load(hv0, offs_k, offs_v, K, V, BK, 1, 2)[1]
         else:
             S2 += tl.load(hv0 + row_kk[:, None] * V + offs_v[None, :], mask=m_kk[:, None] & m_v[None, :], other=0.0)
         n += tl.load(hz0)
@@ -306,7 +316,7 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
         bv = tl.load(v + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
         kf = bk.to(tl.float32)
         # kᵀ [BK, BC]: mode 3 loads it transposed from memory; the others transpose in registers
-        if EXPAND == 3:
+        if EXPAND >= 3:
             bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
         else:
             bkt = tl.trans(bk)
@@ -318,8 +328,10 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
             w = tl.where(causal, 1.0 + s + 0.5 * s * s, 0.0)
             if EXPAND == 2:
                 o2 = _o2_read(qs, S2, BC, BK, DOT)
-            elif EXPAND == 3:
-                o2 = _mm(qs * qs, Sd, DOT) + _mm(_pairs(qs, BK, DOT), S2, DOT)
+            elif EXPAND >= 3:
+                o2 = _mm(qs * qs, Sd, DOT) + _mm(_pairs(qs, BK, DOT, 0, NP), S2, DOT)
+                if NP == 2:
+                    o2 += _mm(_pairs(qs, BK, DOT, 1, 2), S2b, DOT)
             else:
                 o2 = _mm(_outer(qs, rep_a, rep_b, BC, BK, DOT, EXPAND), S2, DOT)  # (q⊗q) [BC, K²] · S2
             num = _mm(w, bv, DOT) + S0[None, :] + _mm(qs, S1, DOT) + 0.5 * o2
@@ -336,9 +348,11 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
         S1 += _mm(kft, bv, DOT)
         if EXPAND == 2:
             S2 += _o2_update(kf, bv, BC, BK, BV, DOT)
-        elif EXPAND == 3:
+        elif EXPAND >= 3:
             Sd += _mm(kft * kft, bv, DOT)
-            S2 += _mm(_pairs_t(kft, BK, DOT), bv, DOT)
+            S2 += _mm(_pairs_t(kft, BK, DOT, 0, NP), bv, DOT)
+            if NP == 2:
+                S2b += _mm(_pairs_t(kft, BK, DOT, 1, 2), bv, DOT)
         else:
             S2 += _mm(tl.trans(_outer(kf, rep_a, rep_b, BC, BK, DOT, EXPAND)), bv, DOT)
         n += tl.sum(m_t.to(tl.float32), 0)
@@ -352,8 +366,10 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
         tl.store(hvT + (1 + offs_k[:, None]) * V + offs_v[None, :], S1, mask=m_k[:, None] & m_v[None, :])
         if EXPAND == 2:
             tl.store(hvT + off3, S2, mask=m3)
-        elif EXPAND == 3:
-            _pair_state_store(hvT, Sd, S2, 1.0, offs_k, offs_v, K, V, BK)
+        elif EXPAND >= 3:
+            _pair_state_store(hvT, Sd, S2, 1.0, offs_k, offs_v, K, V, BK, 0, NP)
+            if NP == 2:
+                _pair_state_store(hvT, Sd, S2b, 1.0, offs_k, offs_v, K, V, BK, 1, 2)
         else:
             tl.store(hvT + row_kk[:, None] * V + offs_v[None, :], S2, mask=m_kk[:, None] & m_v[None, :])
         if i_v == 0:
@@ -421,11 +437,13 @@ def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
 
     S1 = tl.zeros([BK, BV], dtype=tl.float32)
     Sd = tl.zeros([BK, BV], dtype=tl.float32)
+    NP: tl.constexpr = 2 if EXPAND == 5 else 1
+    S2b = tl.zeros([BK * (BK // 2) // 2, BV], dtype=tl.float32)
     if EXPAND == 2:
         S2 = tl.zeros([BK, BK, BV], dtype=tl.float32)
         off3, m3 = _o2_offsets(offs_k, offs_v, K, V)
-    elif EXPAND == 3:
-        S2 = tl.zeros([BK * (BK // 2), BV], dtype=tl.float32)
+    elif EXPAND >= 3:
+        S2 = tl.zeros([BK * (BK // 2) // NP, BV], dtype=tl.float32)
     else:
         S2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
     z1 = tl.zeros([BK], dtype=tl.float32)
@@ -436,10 +454,12 @@ def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
         S1 += tl.load(hv0 + (1 + offs_k[:, None]) * V + offs_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
         if EXPAND == 2:
             S2 += tl.load(hv0 + off3, mask=m3, other=0.0)
-        elif EXPAND == 3:
-            hd, hp = _pair_state_load(hv0, offs_k, offs_v, K, V, BK)
+        elif EXPAND >= 3:
+            hd, hp = _pair_state_load(hv0, offs_k, offs_v, K, V, BK, 0, NP)
             Sd += hd
             S2 += hp
+            if NP == 2:
+                S2b += _pair_state_load(hv0, offs_k, offs_v, K, V, BK, 1, 2)[1]
         else:
             S2 += tl.load(hv0 + row_kk[:, None] * V + offs_v[None, :], mask=m_kk[:, None] & m_v[None, :], other=0.0)
         z1 += tl.load(hz0 + 1 + offs_k, mask=m_k, other=0.0)
@@ -455,7 +475,7 @@ def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
         dnum, dd = _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H, V, BC, NORMALIZE)
         qs = bq.to(tl.float32) * scale
         kf = bk.to(tl.float32)
-        if EXPAND == 3:
+        if EXPAND >= 3:
             bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
         else:
             bkt = tl.trans(bk)
@@ -468,8 +488,10 @@ def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
         # Σ_b (Σ_v S2[a·BK + b, v]·dnum_v)·q_s[b]
         if EXPAND == 2:
             dqs += _o2_contract(dnum, S2, qs, BC, BK, BV, DOT)
-        elif EXPAND == 3:
-            dqs += qs * _mm(dnum, tl.trans(Sd), DOT) + _pair_contract(_mm(dnum, tl.trans(S2), DOT), qs, BK, DOT)
+        elif EXPAND >= 3:
+            dqs += qs * _mm(dnum, tl.trans(Sd), DOT) + _pair_contract(_mm(dnum, tl.trans(S2), DOT), qs, BK, DOT, 0, NP)
+            if NP == 2:
+                dqs += _pair_contract(_mm(dnum, tl.trans(S2b), DOT), qs, BK, DOT, 1, 2)
         else:
             dqs += _contract(_mm(dnum, tl.trans(S2), DOT), qs, rep_a, rep_b, BC, BK, DOT, EXPAND)
         if NORMALIZE:
@@ -479,9 +501,11 @@ def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
         S1 += _mm(kft, bv, DOT)
         if EXPAND == 2:
             S2 += _o2_update(kf, bv, BC, BK, BV, DOT)
-        elif EXPAND == 3:
+        elif EXPAND >= 3:
             Sd += _mm(kft * kft, bv, DOT)
-            S2 += _mm(_pairs_t(kft, BK, DOT), bv, DOT)
+            S2 += _mm(_pairs_t(kft, BK, DOT, 0, NP), bv, DOT)
+            if NP == 2:
+                S2b += _mm(_pairs_t(kft, BK, DOT, 1, 2), bv, DOT)
         else:
             S2 += _mm(tl.trans(_outer(kf, rep_a, rep_b, BC, BK, DOT, EXPAND)), bv, DOT)
         z1 += tl.sum(kf, 0)
@@ -524,11 +548,13 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
     D0 = tl.zeros([BV], dtype=tl.float32)
     D1 = tl.zeros([BK, BV], dtype=tl.float32)
     Dd = tl.zeros([BK, BV], dtype=tl.float32)
+    NP: tl.constexpr = 2 if EXPAND == 5 else 1
+    D2b = tl.zeros([BK * (BK // 2) // 2, BV], dtype=tl.float32)
     if EXPAND == 2:
         D2 = tl.zeros([BK, BK, BV], dtype=tl.float32)
         off3, m3 = _o2_offsets(offs_k, offs_v, K, V)
-    elif EXPAND == 3:
-        D2 = tl.zeros([BK * (BK // 2), BV], dtype=tl.float32)
+    elif EXPAND >= 3:
+        D2 = tl.zeros([BK * (BK // 2) // NP, BV], dtype=tl.float32)
     else:
         D2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
     d0 = 0.0
@@ -543,10 +569,12 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
                       other=0.0)
         if EXPAND == 2:
             D2 += tl.load(dhvT + off3, mask=m3, other=0.0)
-        elif EXPAND == 3:
-            gd, gp = _pair_state_load(dhvT, offs_k, offs_v, K, V, BK)
+        elif EXPAND >= 3:
+            gd, gp = _pair_state_load(dhvT, offs_k, offs_v, K, V, BK, 0, NP)
             Dd += gd
             D2 += gp
+            if NP == 2:
+                D2b += _pair_state_load(dhvT, offs_k, offs_v, K, V, BK, 1, 2)[1]
         else:
             D2 += tl.load(dhvT + row_kk[:, None] * V + offs_v[None, :], mask=m_kk[:, None] & m_v[None, :],
                           other=0.0)
@@ -567,7 +595,7 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
         dnum, dd = _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H, V, BC, NORMALIZE)
         qs = bq.to(tl.float32) * scale
         kf = bk.to(tl.float32)
-        if EXPAND == 3:
+        if EXPAND >= 3:
             bqt = tl.load(q + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
         else:
             bqt = tl.trans(bq)
@@ -577,8 +605,10 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
         wt = tl.where(causal_t, 1.0 + st + 0.5 * st * st, 0.0)
         if EXPAND == 2:
             o2 = _o2_read(kf, D2, BC, BK, DOT)
-        elif EXPAND == 3:
-            o2 = _mm(kf * kf, Dd, DOT) + _mm(_pairs(kf, BK, DOT), D2, DOT)
+        elif EXPAND >= 3:
+            o2 = _mm(kf * kf, Dd, DOT) + _mm(_pairs(kf, BK, DOT, 0, NP), D2, DOT)
+            if NP == 2:
+                o2 += _mm(_pairs(kf, BK, DOT, 1, 2), D2b, DOT)
         else:
             o2 = _mm(_outer(kf, rep_a, rep_b, BC, BK, DOT, EXPAND), D2, DOT)  # (k⊗k) [BC, K²] · D2
         bdv = _mm(wt, dnum, DOT) + D0[None, :] + _mm(kf, D1, DOT) + 0.5 * o2
@@ -591,8 +621,10 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
         # Σ_b (Σ_v D2[a·BK + b, v]·v_v)·k[b]
         if EXPAND == 2:
             bdk += _o2_contract(bv, D2, kf, BC, BK, BV, DOT)
-        elif EXPAND == 3:
-            bdk += kf * _mm(bv, tl.trans(Dd), DOT) + _pair_contract(_mm(bv, tl.trans(D2), DOT), kf, BK, DOT)
+        elif EXPAND >= 3:
+            bdk += kf * _mm(bv, tl.trans(Dd), DOT) + _pair_contract(_mm(bv, tl.trans(D2), DOT), kf, BK, DOT, 0, NP)
+            if NP == 2:
+                bdk += _pair_contract(_mm(bv, tl.trans(D2b), DOT), kf, BK, DOT, 1, 2)
         else:
             bdk += _contract(_mm(bv, tl.trans(D2), DOT), kf, rep_a, rep_b, BC, BK, DOT, EXPAND)
         # d1, d2 hold dO's share through the denominator and the final k_sum's gradient, normalised or not
@@ -603,9 +635,11 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
         D1 += _mm(qst, dnum, DOT)
         if EXPAND == 2:
             D2 += _o2_update(qs, dnum, BC, BK, BV, DOT)
-        elif EXPAND == 3:
+        elif EXPAND >= 3:
             Dd += _mm(qst * qst, dnum, DOT)
-            D2 += _mm(_pairs_t(qst, BK, DOT), dnum, DOT)
+            D2 += _mm(_pairs_t(qst, BK, DOT, 0, NP), dnum, DOT)
+            if NP == 2:
+                D2b += _mm(_pairs_t(qst, BK, DOT, 1, 2), dnum, DOT)
         else:
             D2 += _mm(tl.trans(_outer(qs, rep_a, rep_b, BC, BK, DOT, EXPAND)), dnum, DOT)
         d0 += tl.sum(dd, 0)
@@ -619,8 +653,10 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
         tl.store(dhv0 + (1 + offs_k[:, None]) * V + offs_v[None, :], D1, mask=m_k[:, None] & m_v[None, :])
         if EXPAND == 2:
             tl.store(dhv0 + off3, 0.5 * D2, mask=m3)
-        elif EXPAND == 3:
-            _pair_state_store(dhv0, Dd, D2, 0.5, offs_k, offs_v, K, V, BK)
+        elif EXPAND >= 3:
+            _pair_state_store(dhv0, Dd, D2, 0.5, offs_k, offs_v, K, V, BK, 0, NP)
+            if NP == 2:
+                _pair_state_store(dhv0, Dd, D2b, 0.5, offs_k, offs_v, K, V, BK, 1, 2)
         else:
             tl.store(dhv0 + row_kk[:, None] * V + offs_v[None, :], 0.5 * D2, mask=m_kk[:, None] & m_v[None, :])
         if i_v == 0:

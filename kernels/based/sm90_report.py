@@ -53,7 +53,7 @@ def ptxas_report(ptx: str) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mode", type=int, default=chunk.FWD_EXPAND, help="order-2 mode (chunk.py): 0, 1, 2 or 3")
+    p.add_argument("--mode", type=int, default=chunk.FWD_EXPAND, help="order-2 mode (chunk.py): 0, 1, 2, 3 or 5")
     p.add_argument("--bv", type=int, default=32)
     p.add_argument("--bc", type=int, default=64)
     p.add_argument("--warps", type=int, default=4)
