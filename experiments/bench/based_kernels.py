@@ -9,7 +9,8 @@ copy bandwidth (device-to-device copy, bytes read + written) and bf16 GEMM rate 
 reports the fraction of both ceilings it reaches, counting the minimum bytes (inputs read once, outputs written
 once) and the FLOPs of kernels/based/README.md. The last line is JSON.
 
---sweep first times a grid of block configurations of our kernel at T=4096 and uses the fastest.
+--sweep first times order-2 modes (3, 5) x block configurations of our kernel at T=4096 (each checked against
+the default) and uses the fastest mode and configuration per pass.
 --tuned FILE sets our kernel's order-2 modes and block configurations from a JSON file
 {"fwd": {"mode": m, "cfg": [BK, BV, BC, warps, stages]}, "fb": {...}} (the forward from "fwd", the backward from
 "fb"), as a tuning run writes it; the table then times `ours` with them.
@@ -111,43 +112,50 @@ def time_impl(fn, T, layout, d_qk):
     return fwd, both
 
 
-def sweep():
-    """Time block configurations of our kernel at T=4096; return the fastest forward and backward configs."""
+def sweep(modes=(3, 5)):
+    """Time order-2 modes x block configurations of our kernel at T=4096, each checked against the default
+    first; return the fastest (mode, config) for the forward and for the backward, and the table."""
     T = 4096
     q, k, v, do = inputs(T)
     default = chunk_mod._config
+    saved = chunk_mod.FWD_EXPAND, chunk_mod.BWD_EXPAND
     with torch.no_grad():
         ref = chunk_based(q, k, v)[0].float()
     ref_grads = torch.autograd.grad(chunk_based(q, k, v)[0], (q, k, v), do)
-    grid = [(BV, 32, w, 2) for BV in (16, 32, 64) for w in (4, 8)]  # BC=64 faulted in bf16 (LOG.md)
+    # BC=64 only forward: bf16 at BC=64 faulted in the backward in v0 (LOG.md)
+    grid = {"fwd": [(BV, BC, w, 2) for BV in (16, 32, 64) for BC in (32, 64) for w in (4, 8)],
+            "bwd": [(BV, 32, w, 2) for BV in (16, 32, 64) for w in (4, 8)]}
     results = {"fwd": [], "bwd": []}
     for kind in ("fwd", "bwd"):
-        for BV, BC, w, s in grid:
-            def cfg(K_, V_, dtype, kind_, BV=BV, BC=BC, w=w, s=s, kind=kind):
-                return (16, BV, BC, w, s) if kind_ == kind else default(K_, V_, dtype, kind_)
-            chunk_mod._config = cfg
-            try:
-                if kind == "fwd":
-                    with torch.no_grad():
-                        err = ((chunk_based(q, k, v)[0].float() - ref).norm() / ref.norm()).item()
-                        ms = bench(lambda: chunk_based(q, k, v))
-                else:
-                    grads = torch.autograd.grad(chunk_based(q, k, v)[0], (q, k, v), do)
-                    err = max(((a.float() - b.float()).norm() / b.float().norm()).item()
-                              for a, b in zip(grads, ref_grads))
-                    ms = bench(lambda: chunk_based(q, k, v)[0].backward(do), grad_to_none=[q, k, v])
-            except Exception as e:  # a config that fails to compile (registers, shared memory) is skipped
-                print(f"sweep {kind} BV={BV} BC={BC} warps={w} stages={s}: failed: {type(e).__name__}: "
-                      f"{str(e)[:200]}")
-                continue
-            finally:
-                chunk_mod._config = default
-            print(f"sweep {kind} BV={BV} BC={BC} warps={w} stages={s}: {ms:.4f} ms  (rel diff vs default {err:.1e})")
-            if err < 2e-2:
-                results[kind].append((ms, (16, BV, BC, w, s)))
-    best = {kind: min(r)[1] for kind, r in results.items()}
-    print(f"sweep best: {best}")
-    return best, {kind: [(ms, list(c)) for ms, c in r] for kind, r in results.items()}
+        for mode in modes:
+            for BV, BC, w, s in grid[kind]:
+                def cfg(K_, V_, dtype, kind_, BV=BV, BC=BC, w=w, s=s, kind=kind):
+                    return (16, BV, BC, w, s) if kind_ == kind else default(K_, V_, dtype, kind_)
+                chunk_mod._config = cfg
+                chunk_mod.FWD_EXPAND = chunk_mod.BWD_EXPAND = mode
+                label = f"sweep {kind} mode={mode} BV={BV} BC={BC} warps={w} stages={s}"
+                try:
+                    if kind == "fwd":
+                        with torch.no_grad():
+                            err = ((chunk_based(q, k, v)[0].float() - ref).norm() / ref.norm()).item()
+                            ms = bench(lambda: chunk_based(q, k, v))
+                    else:
+                        grads = torch.autograd.grad(chunk_based(q, k, v)[0], (q, k, v), do)
+                        err = max(((a.float() - b.float()).norm() / b.float().norm()).item()
+                                  for a, b in zip(grads, ref_grads))
+                        ms = bench(lambda: chunk_based(q, k, v)[0].backward(do), grad_to_none=[q, k, v])
+                except Exception as e:  # a config that fails to compile (registers, shared memory) is skipped
+                    print(f"{label}: failed: {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                finally:
+                    chunk_mod._config = default
+                    chunk_mod.FWD_EXPAND, chunk_mod.BWD_EXPAND = saved
+                print(f"{label}: {ms:.4f} ms  (rel diff vs default {err:.1e})", flush=True)
+                if err < 2e-2:
+                    results[kind].append((ms, mode, (16, BV, BC, w, s)))
+    best = {kind: min(r)[1:] for kind, r in results.items()}
+    print(f"sweep best (mode, config): {best}")
+    return best, {kind: [(ms, m, list(c)) for ms, m, c in r] for kind, r in results.items()}
 
 
 def decode_step_ms(batch):
@@ -199,7 +207,8 @@ def main():
     if args.sweep:
         best, table = sweep()
         default = chunk_mod._config
-        chunk_mod._config = lambda K_, V_, dtype, kind: best[kind] if (K_, V_, dtype) == (K, V, DT) else \
+        chunk_mod.FWD_EXPAND, chunk_mod.BWD_EXPAND = best["fwd"][0], best["bwd"][0]
+        chunk_mod._config = lambda K_, V_, dtype, kind: best[kind][1] if (K_, V_, dtype) == (K, V, DT) else \
             default(K_, V_, dtype, kind)
         result["sweep"] = {"best": best, "table": table}
     names = impls() if not args.skip_baselines else {"ours": impls()["ours"]}
