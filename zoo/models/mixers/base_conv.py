@@ -80,10 +80,17 @@ class BaseConv(nn.Module):
         """x_t: [B, d_model] -> [B, d_model]; shifts the stored conv inputs in place."""
         check_step_input(x_t, self.d_model, self.name)
         u, g = self.in_proj(x_t).chunk(2, dim=-1)  # [B, C] each
-        window = torch.cat([state["conv"].to(u.dtype), u[:, None]], dim=1)  # [B, k, C]
-        weight = rearrange(self.conv.weight, "c 1 k -> k c")  # [k, C]
-        conv = torch.einsum("bkc,kc->bc", window, weight) + self.conv.bias  # [B, C]
-        state["conv"].copy_(window[:, 1:])
+        # k multiply-adds on [B, C] and a shift of the history in place: no [B, k, C] window is built (its
+        # concatenation and the batched GEMV over it were ~8% of a Based-1B decode step at batch 1,024)
+        history, k = state["conv"], self.kernel_size  # [B, k-1, C]
+        weight = self.conv.weight[:, 0].to(u.dtype)  # [C, k]
+        conv = torch.addcmul(self.conv.bias.to(u.dtype), u, weight[:, k - 1])  # [B, C]
+        for i in range(k - 1):
+            conv = torch.addcmul(conv, history[:, i].to(u.dtype), weight[:, i])
+        for i in range(k - 2):
+            history[:, i].copy_(history[:, i + 1])
+        if k > 1:
+            history[:, k - 2].copy_(u)
         return self.out(F.silu(conv) * g)  # [B, d_model]
 
     def init_state(
