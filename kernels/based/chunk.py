@@ -10,6 +10,7 @@ of s = scale·q·kᵀ; across chunks it carries the three Taylor orders of the s
     order 1: S1 = Σ k vᵀ [K, BV],   z1 = Σ k [K]
     order 2: S2 = Σ (k⊗k) vᵀ [K², BV], Z2 = Σ k kᵀ [K, K]
 
+(order 2 in the default mode 3 as a diagonal block plus one row per unordered pair: see FWD_EXPAND below),
 so the E = 153 Taylor features never touch HBM: q, k, v are read once and o is written once. The E-feature
 state (kv [B,H,E,V], k_sum [B,H,E], FLA's TaylorFeatureMap order) is converted to and from these orders only at
 the boundaries (`naive.state_to_orders`, `naive.orders_to_state`), in fp32.
