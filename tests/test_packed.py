@@ -169,9 +169,8 @@ def test_killed_pack_resumes_exactly(tmp_path, monkeypatch):
 MIXER_OPTIONS = {"based": {"feature_dim": 4}, "h3": {"d_state": 8}, "hyena": {"max_seq_len": 16}}
 
 
-@pytest.mark.parametrize("mixer", sorted(MIXERS))
-def test_every_naive_mixer_packs(mixer):
-    """Under vmap, each member's loss and gradient equal the plain model's."""
+def tiny_pack(mixer: str):
+    """(model, a pack of 2 lrs of it, inputs, query positions, labels): two layers of one mixer, d=16, V=64."""
     from zoo.config import ModelConfig
 
     torch.manual_seed(0)
@@ -179,9 +178,14 @@ def test_every_naive_mixer_packs(mixer):
     cfg, _ = load_config([*TINY])
     model = LanguageModel(ModelConfig(vocab_size=64, d_model=16, n_layers=2, pattern=[mixer], mixers=options))
     pack = _Pack(model, [1e-3, 2e-3], cfg.optim, total_steps=1)
-    inputs = torch.randint(0, 64, (4, 16))
-    query_pos = torch.randint(0, 16, (4, 3))
-    query_labels = torch.randint(0, 64, (4, 3))
+    batch = torch.randint(0, 64, (4, 16)), torch.randint(0, 16, (4, 3)), torch.randint(0, 64, (4, 3))
+    return model, pack, *batch
+
+
+@pytest.mark.parametrize("mixer", sorted(MIXERS))
+def test_every_naive_mixer_packs(mixer):
+    """Under vmap, each member's loss and gradient equal the plain model's."""
+    model, pack, inputs, query_pos, query_labels = tiny_pack(mixer)
     losses = pack.losses(inputs, query_pos, query_labels)  # [2]
     losses.sum().backward()
     loss = query_loss(model, inputs, query_pos, query_labels)
@@ -241,17 +245,9 @@ def test_every_naive_mixer_packs_under_bf16_autocast(mixer):
     """What a GPU pack runs (train.precision auto = bf16 autocast), here on the CPU's autocast: each member's loss
     equals the plain model's under the same autocast (the vmapped depthwise conv once failed there on its fp32
     bias)."""
-    from zoo.config import ModelConfig
     from zoo.device import autocast
 
-    torch.manual_seed(0)
-    options = {mixer: MIXER_OPTIONS[mixer]} if mixer in MIXER_OPTIONS else {}
-    cfg, _ = load_config([*TINY])
-    model = LanguageModel(ModelConfig(vocab_size=64, d_model=16, n_layers=2, pattern=[mixer], mixers=options))
-    pack = _Pack(model, [1e-3, 2e-3], cfg.optim, total_steps=1)
-    inputs = torch.randint(0, 64, (4, 16))
-    query_pos = torch.randint(0, 16, (4, 3))
-    query_labels = torch.randint(0, 64, (4, 3))
+    model, pack, inputs, query_pos, query_labels = tiny_pack(mixer)
     with autocast(torch.device("cpu"), "bf16"):
         losses = pack.losses(inputs, query_pos, query_labels)  # [2]
         loss = query_loss(model, inputs, query_pos, query_labels)

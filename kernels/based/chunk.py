@@ -183,21 +183,17 @@ def _pair_reps(BK: tl.constexpr, TRANSPOSED: tl.constexpr, WEIGHTED: tl.constexp
 
 
 @triton.jit
-def _pairs(x, BK: tl.constexpr, DOT: tl.constexpr, P: tl.constexpr, NP: tl.constexpr):
-    """x [BC, BK] -> [BC, J]: x_{a_j}·x_{b_j} (x first rounded to the dot's operand dtype, as in `_outer`)."""
-    rep_a, rep_b = _pair_reps(BK, False, False, P, NP)
+def _pairs(x, BK: tl.constexpr, DOT: tl.constexpr, P: tl.constexpr, NP: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """The pair features of part P of NP: x [BC, BK] -> [BC, J] with x_{a_j}·x_{b_j} (the reads' form), or with
+    TRANSPOSED x [BK, BC] -> [J, BC] with w_j·x_{a_j}·x_{b_j} (the updates' form, weights included). x is first
+    rounded to the dot's operand dtype, as in `_outer`."""
+    rep_a, rep_b = _pair_reps(BK, TRANSPOSED, TRANSPOSED, P, NP)
     if DOT == 2:
         x = x.to(tl.bfloat16)
-    return _mm(x, rep_a, DOT) * _mm(x, rep_b, DOT)
-
-
-@triton.jit
-def _pairs_t(xt, BK: tl.constexpr, DOT: tl.constexpr, P: tl.constexpr, NP: tl.constexpr):
-    """xt [BK, BC] (x transposed) -> [J, BC]: w_j·x_{a_j}·x_{b_j}, the weighted pair features of each column."""
-    rep_a, rep_b = _pair_reps(BK, True, True, P, NP)
-    if DOT == 2:
-        xt = xt.to(tl.bfloat16)
-    return _mm(rep_a, xt, DOT) * _mm(rep_b, xt, DOT)
+    if TRANSPOSED:
+        return _mm(rep_a, x, DOT) * _mm(rep_b, x, DOT)
+    else:
+        return _mm(x, rep_a, DOT) * _mm(x, rep_b, DOT)
 
 
 @triton.jit
@@ -208,8 +204,8 @@ def _pair_contract(g, x, BK: tl.constexpr, DOT: tl.constexpr, P: tl.constexpr, N
     rep_at, rep_bt = _pair_reps(BK, True, False, P, NP)
     xa = _mm(x, rep_a, DOT)
     xb = _mm(x, rep_b, DOT)
-    P: tl.constexpr = 1 if DOT == 2 else DOT  # tf32 operands keep the products' precision in bf16 mode
-    return 0.5 * (_mm(g * xb, rep_at, P) + _mm(g * xa, rep_bt, P))
+    PREC: tl.constexpr = 1 if DOT == 2 else DOT  # tf32 operands keep the products' precision in bf16 mode
+    return 0.5 * (_mm(g * xb, rep_at, PREC) + _mm(g * xa, rep_bt, PREC))
 
 
 @triton.jit
@@ -330,9 +326,9 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
             if EXPAND == 2:
                 o2 = _o2_read(qs, S2, BC, BK, DOT)
             elif EXPAND >= 3:
-                o2 = _mm(qs * qs, Sd, DOT) + _mm(_pairs(qs, BK, DOT, 0, NP), S2, DOT)
+                o2 = _mm(qs * qs, Sd, DOT) + _mm(_pairs(qs, BK, DOT, 0, NP, False), S2, DOT)
                 if NP == 2:
-                    o2 += _mm(_pairs(qs, BK, DOT, 1, 2), S2b, DOT)
+                    o2 += _mm(_pairs(qs, BK, DOT, 1, 2, False), S2b, DOT)
             else:
                 o2 = _mm(_outer(qs, rep_a, rep_b, BC, BK, DOT, EXPAND), S2, DOT)  # (q⊗q) [BC, K²] · S2
             num = _mm(w, bv, DOT) + S0[None, :] + _mm(qs, S1, DOT) + 0.5 * o2
@@ -351,9 +347,9 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
             S2 += _o2_update(kf, bv, BC, BK, BV, DOT)
         elif EXPAND >= 3:
             Sd += _mm(kft * kft, bv, DOT)
-            S2 += _mm(_pairs_t(kft, BK, DOT, 0, NP), bv, DOT)
+            S2 += _mm(_pairs(kft, BK, DOT, 0, NP, True), bv, DOT)
             if NP == 2:
-                S2b += _mm(_pairs_t(kft, BK, DOT, 1, 2), bv, DOT)
+                S2b += _mm(_pairs(kft, BK, DOT, 1, 2, True), bv, DOT)
         else:
             S2 += _mm(tl.trans(_outer(kf, rep_a, rep_b, BC, BK, DOT, EXPAND)), bv, DOT)
         n += tl.sum(m_t.to(tl.float32), 0)
@@ -504,9 +500,9 @@ def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
             S2 += _o2_update(kf, bv, BC, BK, BV, DOT)
         elif EXPAND >= 3:
             Sd += _mm(kft * kft, bv, DOT)
-            S2 += _mm(_pairs_t(kft, BK, DOT, 0, NP), bv, DOT)
+            S2 += _mm(_pairs(kft, BK, DOT, 0, NP, True), bv, DOT)
             if NP == 2:
-                S2b += _mm(_pairs_t(kft, BK, DOT, 1, 2), bv, DOT)
+                S2b += _mm(_pairs(kft, BK, DOT, 1, 2, True), bv, DOT)
         else:
             S2 += _mm(tl.trans(_outer(kf, rep_a, rep_b, BC, BK, DOT, EXPAND)), bv, DOT)
         z1 += tl.sum(kf, 0)
@@ -607,9 +603,9 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
         if EXPAND == 2:
             o2 = _o2_read(kf, D2, BC, BK, DOT)
         elif EXPAND >= 3:
-            o2 = _mm(kf * kf, Dd, DOT) + _mm(_pairs(kf, BK, DOT, 0, NP), D2, DOT)
+            o2 = _mm(kf * kf, Dd, DOT) + _mm(_pairs(kf, BK, DOT, 0, NP, False), D2, DOT)
             if NP == 2:
-                o2 += _mm(_pairs(kf, BK, DOT, 1, 2), D2b, DOT)
+                o2 += _mm(_pairs(kf, BK, DOT, 1, 2, False), D2b, DOT)
         else:
             o2 = _mm(_outer(kf, rep_a, rep_b, BC, BK, DOT, EXPAND), D2, DOT)  # (k⊗k) [BC, K²] · D2
         bdv = _mm(wt, dnum, DOT) + D0[None, :] + _mm(kf, D1, DOT) + 0.5 * o2
@@ -638,9 +634,9 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
             D2 += _o2_update(qs, dnum, BC, BK, BV, DOT)
         elif EXPAND >= 3:
             Dd += _mm(qst * qst, dnum, DOT)
-            D2 += _mm(_pairs_t(qst, BK, DOT, 0, NP), dnum, DOT)
+            D2 += _mm(_pairs(qst, BK, DOT, 0, NP, True), dnum, DOT)
             if NP == 2:
-                D2b += _mm(_pairs_t(qst, BK, DOT, 1, 2), dnum, DOT)
+                D2b += _mm(_pairs(qst, BK, DOT, 1, 2, True), dnum, DOT)
         else:
             D2 += _mm(tl.trans(_outer(qs, rep_a, rep_b, BC, BK, DOT, EXPAND)), dnum, DOT)
         d0 += tl.sum(dd, 0)

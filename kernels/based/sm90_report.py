@@ -1,13 +1,14 @@
-"""Compile the Based forward kernel for an H100/H200 (sm_90a) on any machine, GPU or not, and report what
+"""Compile a Based chunk kernel for an H100/H200 (sm_90a) on any machine, GPU or not, and report what
 the compiler made of it: dot instructions (wgmma vs mma.sync), layout conversions and shared-memory
 allocations per program (Triton's TTGIR), and registers and spills (ptxas). The GPU-free half of kernel work:
 a variant that spills or lowers its dots to mma.sync where it meant wgmma shows here before it is timed.
 
-    python -m kernels.based.sm90_report [--mode 3] [--bv 32] [--bc 64] [--warps 4]
+    python -m kernels.based.sm90_report [--kernel fwd|dq|dkv] [--mode 3] [--bv 32] [--bc 64] [--warps 4] [--states]
 
 Uses the ptxas that ships with Triton (ptxas-blackwell where the bundled ptxas is older than the PTX Triton
-emits). The counts are per kernel (the chunk loop body dominates), at B·T·H-independent constexprs
-H=16, K=16, V=64, bf16 operands, normalised output, no state in or out.
+emits). The counts are per kernel (the chunk loop body dominates), at the benchmark's constexprs H=16, K=16,
+V=64, bf16 operands, normalised output. The tests compile every kernel in the default mode this way, since the
+interpreter accepts code that the compiler refuses.
 """
 
 import argparse
@@ -22,16 +23,32 @@ from triton.compiler import ASTSource
 
 import kernels.based.chunk as chunk
 
+KERNELS = {
+    # name: (the kernel, its bf16 pointers; every other pointer is fp32, the scalars are scale, T and SEG)
+    "fwd": (chunk._fwd_kernel, ("q", "k", "v", "o")),
+    "dq": (chunk._bwd_dq_kernel, ("q", "k", "v", "do")),
+    "dkv": (chunk._bwd_dkv_kernel, ("q", "k", "v", "do", "dv")),
+}
 
-def compile_forward(mode: int, BV: int, BC: int, warps: int, stages: int = 2):
-    fn = chunk._fwd_kernel
-    ptrs = {n: "*bf16" for n in ("q", "k", "v", "o")} | {n: "*fp32" for n in ("den", "hv0", "hz0", "hvT", "hzT")}
-    const = dict(H=16, K=16, V=64, BK=16, BV=BV, BC=BC, USE_H0=False, STORE_HT=False, NORMALIZE=True, DOT=2,
-                 EXPAND=mode, STATE_ONLY=False)
+
+def compile_kernel(kind: str, mode: int, BV: int, BC: int, warps: int, stages: int = 2, states: bool = False):
+    """Compile one of KERNELS for sm_90a at H=16, K=16, V=64, bf16 operands, normalised; `states` turns on the
+    state inputs and outputs (their loads and stores compiled too)."""
+    fn, bf16 = KERNELS[kind]
+    const = dict(H=16, K=16, V=64, BK=16, BV=BV, BC=BC, NORMALIZE=True, DOT=2, EXPAND=mode, STATE_ONLY=False,
+                 USE_H0=states, STORE_HT=states, USE_DHT=states, STORE_DH0=states)
     sig = {}
     for name in fn.arg_names:
-        sig[name] = ptrs.get(name) or ("fp32" if name == "scale" else "i32" if name in ("T", "SEG") else "constexpr")
-    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+        if name in const:
+            sig[name] = "constexpr"
+        elif name == "scale":
+            sig[name] = "fp32"
+        elif name in ("T", "SEG"):
+            sig[name] = "i32"
+        else:
+            sig[name] = "*bf16" if name in bf16 else "*fp32"
+    constexprs = {(fn.arg_names.index(k),): v for k, v in const.items() if k in fn.arg_names}
+    src = ASTSource(fn, sig, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
 
@@ -53,14 +70,16 @@ def ptxas_report(ptx: str) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kernel", choices=sorted(KERNELS), default="fwd")
     p.add_argument("--mode", type=int, default=chunk.FWD_EXPAND, help="order-2 mode (chunk.py): 0, 1, 2, 3 or 5")
     p.add_argument("--bv", type=int, default=32)
     p.add_argument("--bc", type=int, default=64)
     p.add_argument("--warps", type=int, default=4)
+    p.add_argument("--states", action="store_true", help="with the state inputs and outputs")
     args = p.parse_args()
-    k = compile_forward(args.mode, args.bv, args.bc, args.warps)
+    k = compile_kernel(args.kernel, args.mode, args.bv, args.bc, args.warps, states=args.states)
     ttgir = k.asm["ttgir"]
-    print(f"mode {args.mode} BV={args.bv} BC={args.bc} warps={args.warps}: "
+    print(f"{args.kernel} mode {args.mode} BV={args.bv} BC={args.bc} warps={args.warps}: "
           f"wgmma {ttgir.count('ttng.warp_group_dot ')}, "
           f"mma.sync/fma dots {len(re.findall(r'= tt[.]dot ', ttgir))}, "
           f"layout conversions {ttgir.count('ttg.convert_layout')}, "
