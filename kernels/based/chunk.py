@@ -240,6 +240,58 @@ def _pair_state_store(h, Sd, Sp, c, offs_k, offs_v, K: tl.constexpr, V: tl.const
 
 
 @triton.jit
+def _order2_init(h, LOAD: tl.constexpr, offs_k, offs_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                 BV: tl.constexpr, EXPAND: tl.constexpr):
+    """The order-2 state in the mode's layout, (Sd, S2, S2b): zero, or with LOAD read from the order-2 rows of a
+    Taylor-order state h [F, V] (h already at the sequence). S2 is [K², BV] (modes 0, 1), [BK, BK, BV] (mode 2)
+    or the pair rows (mode 3; their first half in mode 5, S2b the second); Sd is the diagonal of modes 3 and 5."""
+    NP: tl.constexpr = 2 if EXPAND == 5 else 1
+    Sd = tl.zeros([BK, BV], dtype=tl.float32)
+    S2b = tl.zeros([BK * (BK // 2) // 2, BV], dtype=tl.float32)
+    if EXPAND == 2:
+        S2 = tl.zeros([BK, BK, BV], dtype=tl.float32)
+        if LOAD:
+            off3, m3 = _o2_offsets(offs_k, offs_v, K, V)
+            S2 += tl.load(h + off3, mask=m3, other=0.0)
+    elif EXPAND >= 3:
+        S2 = tl.zeros([BK * (BK // 2) // NP, BV], dtype=tl.float32)
+        if LOAD:
+            hd, hp = _pair_state_load(h, offs_k, offs_v, K, V, BK, 0, NP)
+            Sd += hd
+            S2 += hp
+            if NP == 2:
+                S2b += _pair_state_load(h, offs_k, offs_v, K, V, BK, 1, 2)[1]
+    else:
+        S2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
+        if LOAD:
+            offs_kk = tl.arange(0, BK * BK)
+            row_kk = 1 + K + (offs_kk // BK) * K + offs_kk % BK  # state row of the pair (a, b)
+            m_kk = ((offs_kk // BK) < K) & ((offs_kk % BK) < K)
+            S2 += tl.load(h + row_kk[:, None] * V + offs_v[None, :], mask=m_kk[:, None] & (offs_v < V)[None, :],
+                          other=0.0)
+    return Sd, S2, S2b
+
+
+@triton.jit
+def _order2_store(h, Sd, S2, S2b, c, offs_k, offs_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                  EXPAND: tl.constexpr):
+    """c·(the order-2 state of `_order2_init`'s layout) into the order-2 rows of a Taylor-order state h [F, V]."""
+    if EXPAND == 2:
+        off3, m3 = _o2_offsets(offs_k, offs_v, K, V)
+        tl.store(h + off3, c * S2, mask=m3)
+    elif EXPAND >= 3:
+        NP: tl.constexpr = 2 if EXPAND == 5 else 1
+        _pair_state_store(h, Sd, S2, c, offs_k, offs_v, K, V, BK, 0, NP)
+        if NP == 2:
+            _pair_state_store(h, Sd, S2b, c, offs_k, offs_v, K, V, BK, 1, 2)
+    else:
+        offs_kk = tl.arange(0, BK * BK)
+        row_kk = 1 + K + (offs_kk // BK) * K + offs_kk % BK
+        m_kk = ((offs_kk // BK) < K) & ((offs_kk % BK) < K)
+        tl.store(h + row_kk[:, None] * V + offs_v[None, :], c * S2, mask=m_kk[:, None] & (offs_v < V)[None, :])
+
+
+@triton.jit
 def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                 BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
@@ -256,10 +308,7 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
     offs_c = tl.arange(0, BC)
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
-    offs_kk = tl.arange(0, BK * BK)
     m_k, m_v = offs_k < K, offs_v < V
-    row_kk = 1 + K + (offs_kk // BK) * K + offs_kk % BK  # state row of the pair (a, b)
-    m_kk = ((offs_kk // BK) < K) & ((offs_kk % BK) < K)
     causal = offs_c[:, None] >= offs_c[None, :]
     rep_a, rep_b = _expanders(BK)
 
@@ -270,18 +319,9 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
     if NORMALIZE:
         den += i_b.to(tl.int64) * T * H + i_h
 
+    NP: tl.constexpr = 2 if EXPAND == 5 else 1  # mode 5: the pair rows in two halves (S2, S2b)
     S0 = tl.zeros([BV], dtype=tl.float32)
     S1 = tl.zeros([BK, BV], dtype=tl.float32)
-    Sd = tl.zeros([BK, BV], dtype=tl.float32)  # modes 3, 5: the order-2 diagonal
-    NP: tl.constexpr = 2 if EXPAND == 5 else 1  # mode 5: the pair rows in two halves (S2, S2b)
-    S2b = tl.zeros([BK * (BK // 2) // 2, BV], dtype=tl.float32)
-    if EXPAND == 2:
-        S2 = tl.zeros([BK, BK, BV], dtype=tl.float32)
-        off3, m3 = _o2_offsets(offs_k, offs_v, K, V)
-    elif EXPAND >= 3:
-        S2 = tl.zeros([BK * (BK // 2) // NP, BV], dtype=tl.float32)  # modes 3, 5: the pair rows
-    else:
-        S2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
     n = 0.0
     z1 = tl.zeros([BK], dtype=tl.float32)
     Z2 = tl.zeros([BK, BK], dtype=tl.float32)
@@ -290,20 +330,12 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
         hz0 += (i_bh * NS + i_s).to(tl.int64) * F
         S0 += tl.load(hv0 + offs_v, mask=m_v, other=0.0)
         S1 += tl.load(hv0 + (1 + offs_k[:, None]) * V + offs_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-        if EXPAND == 2:
-            S2 += tl.load(hv0 + off3, mask=m3, other=0.0)
-        elif EXPAND >= 3:
-            hd, hp = _pair_state_load(hv0, offs_k, offs_v, K, V, BK, 0, NP)
-            Sd += hd
-            S2 += hp
-            if NP == 2:
-                S2b += _pair_state_load(hv0, offs_k, offs_v, K, V, BK, 1, 2)[1]
-        else:
-            S2 += tl.load(hv0 + row_kk[:, None] * V + offs_v[None, :], mask=m_kk[:, None] & m_v[None, :], other=0.0)
         n += tl.load(hz0)
         z1 += tl.load(hz0 + 1 + offs_k, mask=m_k, other=0.0)
         Z2 += tl.load(hz0 + 1 + K + offs_k[:, None] * K + offs_k[None, :], mask=m_k[:, None] & m_k[None, :],
                       other=0.0)
+
+    Sd, S2, S2b = _order2_init(hv0, USE_H0, offs_k, offs_v, K, V, BK, BV, EXPAND)
 
     seg_end = tl.minimum(T, (i_s + 1) * SEG)
     for start in range(i_s * SEG, seg_end, BC):
@@ -361,14 +393,7 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
         hzT += (i_bh * NS + i_s).to(tl.int64) * F
         tl.store(hvT + offs_v, S0, mask=m_v)
         tl.store(hvT + (1 + offs_k[:, None]) * V + offs_v[None, :], S1, mask=m_k[:, None] & m_v[None, :])
-        if EXPAND == 2:
-            tl.store(hvT + off3, S2, mask=m3)
-        elif EXPAND >= 3:
-            _pair_state_store(hvT, Sd, S2, 1.0, offs_k, offs_v, K, V, BK, 0, NP)
-            if NP == 2:
-                _pair_state_store(hvT, Sd, S2b, 1.0, offs_k, offs_v, K, V, BK, 1, 2)
-        else:
-            tl.store(hvT + row_kk[:, None] * V + offs_v[None, :], S2, mask=m_kk[:, None] & m_v[None, :])
+        _order2_store(hvT, Sd, S2, S2b, 1.0, offs_k, offs_v, K, V, BK, EXPAND)
         if i_v == 0:
             tl.store(hzT, n)
             tl.store(hzT + 1 + offs_k, z1, mask=m_k)
@@ -415,10 +440,7 @@ def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
     offs_c = tl.arange(0, BC)
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
-    offs_kk = tl.arange(0, BK * BK)
     m_k, m_v = offs_k < K, offs_v < V
-    row_kk = 1 + K + (offs_kk // BK) * K + offs_kk % BK
-    m_kk = ((offs_kk // BK) < K) & ((offs_kk % BK) < K)
     causal = offs_c[:, None] >= offs_c[None, :]
     rep_a, rep_b = _expanders(BK)
     first = i_v == 0
@@ -432,36 +454,19 @@ def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
         den += i_b.to(tl.int64) * T * H + i_h
         dden += i_b.to(tl.int64) * T * H + i_h
 
-    S1 = tl.zeros([BK, BV], dtype=tl.float32)
-    Sd = tl.zeros([BK, BV], dtype=tl.float32)
     NP: tl.constexpr = 2 if EXPAND == 5 else 1
-    S2b = tl.zeros([BK * (BK // 2) // 2, BV], dtype=tl.float32)
-    if EXPAND == 2:
-        S2 = tl.zeros([BK, BK, BV], dtype=tl.float32)
-        off3, m3 = _o2_offsets(offs_k, offs_v, K, V)
-    elif EXPAND >= 3:
-        S2 = tl.zeros([BK * (BK // 2) // NP, BV], dtype=tl.float32)
-    else:
-        S2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
+    S1 = tl.zeros([BK, BV], dtype=tl.float32)
     z1 = tl.zeros([BK], dtype=tl.float32)
     Z2 = tl.zeros([BK, BK], dtype=tl.float32)
     if USE_H0:
         hv0 += i_bh.to(tl.int64) * F * V
         hz0 += i_bh.to(tl.int64) * F
         S1 += tl.load(hv0 + (1 + offs_k[:, None]) * V + offs_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-        if EXPAND == 2:
-            S2 += tl.load(hv0 + off3, mask=m3, other=0.0)
-        elif EXPAND >= 3:
-            hd, hp = _pair_state_load(hv0, offs_k, offs_v, K, V, BK, 0, NP)
-            Sd += hd
-            S2 += hp
-            if NP == 2:
-                S2b += _pair_state_load(hv0, offs_k, offs_v, K, V, BK, 1, 2)[1]
-        else:
-            S2 += tl.load(hv0 + row_kk[:, None] * V + offs_v[None, :], mask=m_kk[:, None] & m_v[None, :], other=0.0)
         z1 += tl.load(hz0 + 1 + offs_k, mask=m_k, other=0.0)
         Z2 += tl.load(hz0 + 1 + K + offs_k[:, None] * K + offs_k[None, :], mask=m_k[:, None] & m_k[None, :],
                       other=0.0)
+
+    Sd, S2, S2b = _order2_init(hv0, USE_H0, offs_k, offs_v, K, V, BK, BV, EXPAND)
 
     for start in range(0, T, BC):
         t = start + offs_c
@@ -524,10 +529,7 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
     offs_c = tl.arange(0, BC)
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
-    offs_kk = tl.arange(0, BK * BK)
     m_k, m_v = offs_k < K, offs_v < V
-    row_kk = 1 + K + (offs_kk // BK) * K + offs_kk % BK
-    m_kk = ((offs_kk // BK) < K) & ((offs_kk % BK) < K)
     causal_t = offs_c[:, None] <= offs_c[None, :]  # [key j, query i]: j ≤ i
     rep_a, rep_b = _expanders(BK)
     first = i_v == 0
@@ -543,17 +545,8 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
         dden += i_b.to(tl.int64) * T * H + i_h
 
     D0 = tl.zeros([BV], dtype=tl.float32)
-    D1 = tl.zeros([BK, BV], dtype=tl.float32)
-    Dd = tl.zeros([BK, BV], dtype=tl.float32)
     NP: tl.constexpr = 2 if EXPAND == 5 else 1
-    D2b = tl.zeros([BK * (BK // 2) // 2, BV], dtype=tl.float32)
-    if EXPAND == 2:
-        D2 = tl.zeros([BK, BK, BV], dtype=tl.float32)
-        off3, m3 = _o2_offsets(offs_k, offs_v, K, V)
-    elif EXPAND >= 3:
-        D2 = tl.zeros([BK * (BK // 2) // NP, BV], dtype=tl.float32)
-    else:
-        D2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
+    D1 = tl.zeros([BK, BV], dtype=tl.float32)
     d0 = 0.0
     d1 = tl.zeros([BK], dtype=tl.float32)
     d2 = tl.zeros([BK, BK], dtype=tl.float32)
@@ -564,23 +557,14 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
         D0 += tl.load(dhvT + offs_v, mask=m_v, other=0.0)
         D1 += tl.load(dhvT + (1 + offs_k[:, None]) * V + offs_v[None, :], mask=m_k[:, None] & m_v[None, :],
                       other=0.0)
-        if EXPAND == 2:
-            D2 += tl.load(dhvT + off3, mask=m3, other=0.0)
-        elif EXPAND >= 3:
-            gd, gp = _pair_state_load(dhvT, offs_k, offs_v, K, V, BK, 0, NP)
-            Dd += gd
-            D2 += gp
-            if NP == 2:
-                D2b += _pair_state_load(dhvT, offs_k, offs_v, K, V, BK, 1, 2)[1]
-        else:
-            D2 += tl.load(dhvT + row_kk[:, None] * V + offs_v[None, :], mask=m_kk[:, None] & m_v[None, :],
-                          other=0.0)
         if i_v == 0:
             # the denominator's state enters dk once, through the first V block
             d0 += tl.load(dhzT)
             d1 += tl.load(dhzT + 1 + offs_k, mask=m_k, other=0.0)
             d2 += tl.load(dhzT + 1 + K + offs_k[:, None] * K + offs_k[None, :], mask=m_k[:, None] & m_k[None, :],
                           other=0.0)
+
+    Dd, D2, D2b = _order2_init(dhvT, USE_DHT, offs_k, offs_v, K, V, BK, BV, EXPAND)
 
     n_chunks = tl.cdiv(T, BC)
     for i in range(0, n_chunks):
@@ -648,14 +632,7 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
         dhz0 += i_bh.to(tl.int64) * F
         tl.store(dhv0 + offs_v, D0, mask=m_v)
         tl.store(dhv0 + (1 + offs_k[:, None]) * V + offs_v[None, :], D1, mask=m_k[:, None] & m_v[None, :])
-        if EXPAND == 2:
-            tl.store(dhv0 + off3, 0.5 * D2, mask=m3)
-        elif EXPAND >= 3:
-            _pair_state_store(dhv0, Dd, D2, 0.5, offs_k, offs_v, K, V, BK, 0, NP)
-            if NP == 2:
-                _pair_state_store(dhv0, Dd, D2b, 0.5, offs_k, offs_v, K, V, BK, 1, 2)
-        else:
-            tl.store(dhv0 + row_kk[:, None] * V + offs_v[None, :], 0.5 * D2, mask=m_kk[:, None] & m_v[None, :])
+        _order2_store(dhv0, Dd, D2, D2b, 0.5, offs_k, offs_v, K, V, BK, EXPAND)
         if i_v == 0:
             tl.store(dhz0, d0)
             tl.store(dhz0 + 1 + offs_k, d1, mask=m_k)
