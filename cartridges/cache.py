@@ -235,12 +235,7 @@ class Cartridge(nn.Module):
         init_method: str = "prefix",
     ) -> "Cartridge":
         """The model's own KV of `input_ids` (`[p]` or `[1, p]`): generation from it equals reading the prefix."""
-        if input_ids.ndim == 2:
-            if input_ids.shape[0] != 1:
-                raise CartridgeError(f"from_prefix takes one sequence, got a batch of {input_ids.shape[0]}")
-            input_ids = input_ids[0]
-        if input_ids.ndim != 1 or input_ids.numel() == 0:
-            raise CartridgeError(f"input_ids must be a non-empty [p] or [1, p] tensor, got {tuple(input_ids.shape)}")
+        input_ids = prefix_ids(input_ids)
         device = next(model.parameters()).device
         with torch.no_grad():
             out = model(input_ids=input_ids[None].to(device), use_cache=True)
@@ -367,6 +362,17 @@ class Cartridge(nn.Module):
 
 
 CARTRIDGE_KINDS: dict[str, type] = {"kv": Cartridge}
+
+
+def prefix_ids(input_ids: torch.Tensor) -> torch.Tensor:
+    """A `from_prefix` argument, `[p]` or `[1, p]`, as `[p]`; anything else is a CartridgeError."""
+    if input_ids.ndim == 2:
+        if input_ids.shape[0] != 1:
+            raise CartridgeError(f"from_prefix takes one sequence, got a batch of {input_ids.shape[0]}")
+        input_ids = input_ids[0]
+    if input_ids.ndim != 1 or input_ids.numel() == 0:
+        raise CartridgeError(f"input_ids must be a non-empty [p] or [1, p] tensor, got {tuple(input_ids.shape)}")
+    return input_ids
 
 
 def write_cartridge_file(path: str | os.PathLike, kind: str, tensors: dict[str, torch.Tensor], meta: dict) -> Path:

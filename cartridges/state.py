@@ -48,6 +48,7 @@ from cartridges.cache import (
     ModelSignature,
     cache_kwargs,
     model_id_of,
+    prefix_ids,
     read_cartridge_file,
     weights_sample,
     write_cartridge_file,
@@ -312,12 +313,7 @@ class StateCartridge(nn.Module):
         from zoo.models.cache import prefill
 
         model = zoo_model(model)
-        if input_ids.ndim == 2:
-            if input_ids.shape[0] != 1:
-                raise CartridgeError(f"from_prefix takes one sequence, got a batch of {input_ids.shape[0]}")
-            input_ids = input_ids[0]
-        if input_ids.ndim != 1 or input_ids.numel() == 0:
-            raise CartridgeError(f"input_ids must be a non-empty [p] or [1, p] tensor, got {tuple(input_ids.shape)}")
+        input_ids = prefix_ids(input_ids)
         cache = model.make_cache(1)
         with torch.no_grad():
             ids = input_ids[None].to(model.device)
