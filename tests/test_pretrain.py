@@ -88,6 +88,45 @@ def test_packed_windows_split_a_global_batch_and_cover_each_epoch_once():
         assert sorted(epoch.tolist()) == list(range(0, 80, 8))
 
 
+def test_a_tokenized_dataset_with_labels_takes_the_loss_where_they_say(tmp_path):
+    """input_ids + labels (-100: no loss) pass through unchanged, end-of-text after each row; the windows'
+    targets come from the labels; the loss averages over the labelled positions only, 0 when there are none."""
+    import datasets
+
+    from zoo.lm_data import train_bpe, valid_windows
+    from zoo.pretrain import lm_loss
+
+    tok_dir = tmp_path / "tok"
+    train_bpe(["a b c d e f g h"] * 10, 300).save_pretrained(str(tok_dir))
+    ids = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    labels = [[-100, -100, 7, -100, 9], [-100, 11, 12]]
+    datasets.Dataset.from_dict({"input_ids": ids, "labels": labels}).save_to_disk(str(tmp_path / "ds"))
+    data = prepare(str(tmp_path / "ds"), str(tok_dir), valid_frac=0.2, cache_dir=str(tmp_path / "cache"))
+    eos = data.tokenizer.eos_token_id
+    assert torch.cat([data.train, data.valid]).tolist() == [5, 6, 7, 8, 9, eos, 10, 11, 12, eos]
+    labelled = [-100, -100, 7, -100, 9, eos, -100, 11, 12, eos]
+    assert torch.cat([data.train_labels, data.valid_labels]).tolist() == labelled
+    x, y = PackedWindows(data.train, seq_len=4, global_batch=1, seed=0, labels=data.train_labels).batch(0, 0, 1)
+    start = int(x[0, 0] == 9) * 4  # the one window of 8 training tokens starts at 0 or 4
+    assert y.tolist() == [data.train_labels[start + 1 : start + 5].tolist()]
+    vx, vy = valid_windows(torch.arange(9), 4, 2, labels=torch.arange(9) * -1)
+    assert vy.tolist() == [[-1, -2, -3, -4], [-5, -6, -7, -8]]
+
+    class Uniform(torch.nn.Module):  # equal logits: the cross-entropy of every position is log(V)
+        def forward(self, inputs):
+            return torch.zeros(*inputs.shape, 16, requires_grad=True)
+
+    targets = torch.tensor([[3, -100, -100], [-100, 2, -100]])
+    inputs = torch.zeros(2, 3, dtype=torch.long)
+    assert torch.isclose(lm_loss(Uniform(), inputs, targets), torch.log(torch.tensor(16.0)))
+    assert lm_loss(Uniform(), torch.zeros(1, 3, dtype=torch.long), torch.full((1, 3), -100)).item() == 0.0
+    with pytest.raises(ValueError, match="already tokenized"):
+        prepare(str(tmp_path / "ds"), "bpe", cache_dir=str(tmp_path / "cache"))
+    datasets.Dataset.from_dict({"input_ids": [[5, 6]], "labels": [[5]]}).save_to_disk(str(tmp_path / "bad"))
+    with pytest.raises(ValueError, match="must match its input_ids"):
+        prepare(str(tmp_path / "bad"), str(tok_dir), cache_dir=str(tmp_path / "cache"))
+
+
 def test_presets_have_the_released_layer_pattern():
     for name, d, n_layers, dv, params in (("based_360m", 1024, 27, 64, 360e6), ("based_1b", 1792, 36, 112, 1.35e9)):
         node = OmegaConf.merge(

@@ -5,7 +5,9 @@ Sources (`LMDataConfig.source`):
   runs offline on a fresh machine;
 - a text file, a directory (every *.txt and *.md below it) or a glob;
 - a `datasets` dataset saved with `save_to_disk` (a directory holding dataset_dict.json or state.json), read
-  from its `text_field` column (the "train" split of a DatasetDict).
+  from its `text_field` column (the "train" split of a DatasetDict);
+- such a dataset already tokenized: an `input_ids` column, and optionally `labels` (the transformers
+  convention: -100 where no loss is taken, e.g. a prompt); `data.tokenizer` must name the tokenizer that made it.
 
 Tokenizers (`LMDataConfig.tokenizer`):
 - `bpe`: a byte-level BPE of `bpe_vocab_size` trained with `tokenizers` on the corpus, cached by corpus hash;
@@ -170,6 +172,24 @@ class TokenData:
     tokenizer: object
     tokenizer_id: str
     vocab_size: int  # len(tokenizer)
+    train_labels: torch.Tensor | None = None  # [N_train] int64, -100 = no loss; None: the tokens themselves
+    valid_labels: torch.Tensor | None = None
+
+
+def pretokenized(source: str) -> tuple[list[list[int]], list[list[int]] | None] | None:
+    """(input_ids, labels or None) of a saved dataset with an `input_ids` column; None for any other source."""
+    path = Path(source).expanduser()
+    if source == "embedded" or not is_saved_dataset(path):
+        return None
+    import datasets
+
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        ds = ds["train"] if "train" in ds else None
+    if ds is None or "input_ids" not in ds.column_names:
+        return None
+    labels = list(ds["labels"]) if "labels" in ds.column_names else None
+    return list(ds["input_ids"]), labels
 
 
 def prepare(
@@ -181,6 +201,9 @@ def prepare(
     cache_dir: str | None = None,
 ) -> TokenData:
     """Read, tokenize (cached) and split a corpus."""
+    ready = pretokenized(source)
+    if ready is not None:
+        return _prepare_pretokenized(source, *ready, tokenizer_spec, valid_frac, cache_dir)
     docs = read_documents(source, text_field)
     tokenizer, tok_id = load_tokenizer(tokenizer_spec, docs, bpe_vocab_size, cache_dir)
     key = hashlib.sha256(f"{corpus_hash(docs)}|{tok_id}".encode()).hexdigest()[:16]
@@ -205,6 +228,37 @@ def prepare(
     )
 
 
+def _prepare_pretokenized(source, ids, labels, tokenizer_spec, valid_frac, cache_dir) -> TokenData:
+    """TokenData of a tokenized dataset: each row then end-of-text, as `tokenize` does for text (its label:
+    end-of-text too, a loss is taken on ending the document)."""
+    if tokenizer_spec == "bpe":
+        raise ValueError(f"data.source={source!r} is already tokenized: set data.tokenizer to the one that made it")
+    tokenizer, tok_id = load_tokenizer(tokenizer_spec, [], 0, cache_dir)
+    eos = tokenizer.eos_token_id
+    if labels is not None and any(len(a) != len(b) for a, b in zip(ids, labels)):
+        raise ValueError(f"data.source={source!r}: every row's labels must match its input_ids in length")
+    rows = [r for r in range(len(ids)) if len(ids[r])]
+    if not rows:
+        raise ValueError(f"data.source={source!r} holds no tokens")
+    tokens = torch.tensor([t for r in rows for t in [*ids[r], eos]], dtype=torch.int64)
+    if tokens.max() >= len(tokenizer) or tokens.min() < 0:
+        raise ValueError(f"data.source={source!r} has token ids outside the tokenizer's {len(tokenizer)}")
+    targets = None
+    if labels is not None:
+        targets = torch.tensor([t for r in rows for t in [*labels[r], eos]], dtype=torch.int64)
+    n_valid = int(len(tokens) * valid_frac)
+    cut = len(tokens) - n_valid
+    return TokenData(
+        train=tokens[:cut],
+        valid=tokens[cut:],
+        tokenizer=tokenizer,
+        tokenizer_id=tok_id,
+        vocab_size=len(tokenizer),
+        train_labels=None if targets is None else targets[:cut],
+        valid_labels=None if targets is None else targets[cut:],
+    )
+
+
 class PackedWindows:
     """Non-overlapping windows of seq_len + 1 tokens over a stream, visited in a seeded order, epoch by epoch.
 
@@ -212,8 +266,11 @@ class PackedWindows:
     batch of `global_batch` windows: inputs and targets [count, seq_len], targets shifted by one.
     """
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, global_batch: int, seed: int) -> None:
+    def __init__(
+        self, tokens: torch.Tensor, seq_len: int, global_batch: int, seed: int, labels: torch.Tensor | None = None
+    ) -> None:
         self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
+        self.labels = tokens if labels is None else labels  # targets come from here (-100: no loss)
         self.num_windows = (len(tokens) - 1) // seq_len
         if self.num_windows < 1:
             raise ValueError(f"the token stream ({len(tokens)} tokens) is shorter than one window of {seq_len + 1}")
@@ -232,15 +289,16 @@ class PackedWindows:
         flat = step * self.global_batch + start + torch.arange(count)  # [count] positions in the endless order
         windows = torch.stack([self._order(int(i) // self.num_windows)[int(i) % self.num_windows] for i in flat])
         offsets = windows[:, None] * self.seq_len + torch.arange(self.seq_len + 1)  # [count, seq_len + 1]
-        rows = self.tokens[offsets]
-        return rows[:, :-1], rows[:, 1:]
+        return self.tokens[offsets][:, :-1], self.labels[offsets][:, 1:]
 
 
-def valid_windows(tokens: torch.Tensor, seq_len: int, max_windows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first `max_windows` non-overlapping windows of the validation stream: inputs, targets [W, seq_len]."""
+def valid_windows(
+    tokens: torch.Tensor, seq_len: int, max_windows: int, labels: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `max_windows` non-overlapping windows of the validation stream: inputs, targets [W, seq_len]
+    (targets from `labels` when given, -100 = no loss)."""
     n = min((len(tokens) - 1) // seq_len, max_windows)
     if n < 1:
         raise ValueError(f"the validation stream ({len(tokens)} tokens) is shorter than one window of {seq_len + 1}")
     offsets = torch.arange(n)[:, None] * seq_len + torch.arange(seq_len + 1)
-    rows = tokens[offsets]
-    return rows[:, :-1], rows[:, 1:]
+    return tokens[offsets][:, :-1], (tokens if labels is None else labels)[offsets][:, 1:]

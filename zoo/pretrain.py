@@ -173,15 +173,17 @@ def load_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, ckpt: 
 
 
 def lm_loss(module: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over every position: inputs, targets [B, T]."""
+    """Mean next-token cross-entropy over the positions whose target is not -100: inputs, targets [B, T]. A
+    batch with no such position gives 0 (and no gradient), not NaN."""
     logits = module(inputs)  # [B, T, V]
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    total = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+    return total / (targets != -100).sum().clamp(min=1)
 
 
 @torch.no_grad()
 def evaluate(module: torch.nn.Module, data: TokenData, cfg: PretrainConfig, d: Dist, amp) -> float:
     """Mean validation loss over the first `eval_windows` windows, each process taking every world-th one."""
-    inputs, targets = valid_windows(data.valid, cfg.data.seq_len, cfg.train.eval_windows)
+    inputs, targets = valid_windows(data.valid, cfg.data.seq_len, cfg.train.eval_windows, data.valid_labels)
     total = torch.zeros(2, device=d.device, dtype=torch.float64)
     mine = torch.arange(d.rank, len(inputs), d.world)
     module.eval()
@@ -295,7 +297,7 @@ def _pretrain(cfg: PretrainConfig, resolved_yaml: str | None, d: Dist) -> dict[s
     amp = autocast(d.device, tc.precision)
     forward = torch.compile(module) if tc.compile else module
     global_batch = d.world * tc.batch_size * tc.grad_accum
-    windows = PackedWindows(data.train, cfg.data.seq_len, global_batch, tc.seed)
+    windows = PackedWindows(data.train, cfg.data.seq_len, global_batch, tc.seed, data.train_labels)
     tokens_per_step = global_batch * cfg.data.seq_len
 
     step, wall_before, best_valid = 0, 0.0, float("inf")

@@ -87,6 +87,7 @@ class Scale:
     seq_len: int = 0  # 0: one whole document per window (set from the tokenized documents)
     curriculum: bool = True  # sheets of 1..entities entities, their questions repeated to fill the window
     precision: str = "auto"  # pretraining train.precision: auto (bf16 autocast on CUDA), fp32 or bf16
+    answer_loss: bool = False  # pretrain on the answers' tokens only (a tokenized dataset with labels)
 
 
 # Recipe (README, "Recipe search"): one-token names and values, "name attribute value" lines, a query region of
@@ -179,17 +180,20 @@ def write_pretraining_data(out: Path, scale: Scale, seed: int) -> tuple[Path, Pa
     full = prefix_length(prefix) + sum(length(t) for t in turns) + 2
     if not scale.seq_len:
         scale.seq_len = full
+    if scale.answer_loss:
+        target = root / "sheets_answers"
     if not (target / "state.json").is_file():
-        docs, pads = [], 0
+        docs, pads, rows = [], 0, {"input_ids": [], "labels": []}
         for _ in range(scale.sheets):
             entities = rng.randint(1, scale.entities) if scale.curriculum else scale.entities
             prefix, turns = pretraining_text(rng, scale, entities)
-            n, text = prefix_length(prefix), prefix
+            n, text, used = prefix_length(prefix), prefix, []
             while True:
                 for t in turns:
                     if n + length(t) > scale.seq_len - 1:
                         break
                     n, text = n + length(t), text + t
+                    used.append(t)
                 else:
                     if scale.curriculum:
                         turns = rng.sample(turns, len(turns))
@@ -197,13 +201,36 @@ def write_pretraining_data(out: Path, scale: Scale, seed: int) -> tuple[Path, Pa
                 break
             docs.append(text + PAD * (scale.seq_len - 1 - n))
             pads += scale.seq_len - 1 - n
+            if scale.answer_loss:
+                ids, labels = answer_labels(tok, prefix, used, scale.seq_len - 1)
+                rows["input_ids"].append(ids)
+                rows["labels"].append(labels)
         check = {length(d) + 1 for d in docs[:200]}
         if check != {scale.seq_len}:
             log.warning("documents of %s tokens, not all %d: windows cut documents", sorted(check), scale.seq_len)
         log.info("%d documents of %d tokens (%.1f%% padding)", len(docs), scale.seq_len,
                  100 * pads / (len(docs) * scale.seq_len))  # fmt: skip
-        datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(target))
+        if scale.answer_loss:
+            datasets.Dataset.from_dict(rows).save_to_disk(str(target))
+        else:
+            datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(target))
     return target, tok_dir
+
+
+def answer_labels(tok, prefix: str, turns: list[str], n_tokens: int) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) of one document, padded to n_tokens: the labels keep each turn's answer (the words
+    after its key, and the newline) and are -100 on the sheet, the keys and the padding. Pieces tokenize apart
+    (a name, and a word after a space, start a pre-token), so the ids equal the document's own tokenization."""
+    ids = tok.encode(prefix, add_special_tokens=False)
+    labels = [-100] * len(ids)
+    for turn in turns:
+        key, answer = turn.rsplit(" ", 1) if " " in turn.rstrip("\n") else ("", turn)
+        k = tok.encode(key, add_special_tokens=False)
+        a = tok.encode(" " + answer if key else answer, add_special_tokens=False)
+        ids += k + a
+        labels += [-100] * len(k) + a
+    pad = n_tokens - len(ids)
+    return ids + [tok.pad_token_id] * pad, labels + [-100] * pad
 
 
 def pretrain_model(
@@ -412,10 +439,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lr", type=float, default=0.0, help="pretraining peak lr (0: the scale's)")
     p.add_argument("--conversations", type=int, default=0, help="self-study conversations (0: the scale's)")
     p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default=None, help="pretraining precision")
+    p.add_argument("--answer-loss", action="store_true", help="pretrain on the answers' tokens only")
     args = p.parse_args(argv)
     scale = dataclasses.replace(QUICK if args.quick else FULL)
     for field, value in (("steps", args.steps), ("layout", args.layout), ("entities", args.entities),
-                         ("lr", args.lr), ("conversations", args.conversations), ("precision", args.precision)):
+                         ("lr", args.lr), ("conversations", args.conversations), ("precision", args.precision),
+                         ("answer_loss", args.answer_loss)):
         if value:
             setattr(scale, field, value)
 

@@ -259,3 +259,27 @@ def test_distillation_runs_end_to_end(tmp_path):
     run("ntp", "method=ntp", f"num_tokens={n_ctx}", "steps=2")
     run("ntp", "method=ntp", f"num_tokens={n_ctx}", "steps=3", "resume=true")
     assert len((tmp_path / "ntp" / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_answer_only_pretraining_data_of_the_experiment(tmp_path):
+    """experiments/state_cartridges with --answer-loss: each row is the document's own tokenization, padded to
+    the window, and its labels keep exactly the answers (value and newline of every question line)."""
+    import dataclasses
+
+    import datasets
+    from transformers import PreTrainedTokenizerFast
+
+    from experiments.state_cartridges import run
+
+    scale = dataclasses.replace(run.QUICK, layout="kv1", entities=3, sheets=20, answer_loss=True)
+    data, tok_dir = run.write_pretraining_data(tmp_path, scale, seed=0)
+    tok = PreTrainedTokenizerFast.from_pretrained(str(tok_dir))
+    rows = datasets.load_from_disk(str(data))
+    values = {v for vals in run.ATTRIBUTES.values() for v in vals}
+    for row in rows:
+        ids, labels = row["input_ids"], row["labels"]
+        assert len(ids) == len(labels) == scale.seq_len - 1
+        assert tok.encode(tok.decode(ids), add_special_tokens=False) == ids
+        kept = [tok.decode([t]) for t, label in zip(ids, labels) if label != -100]
+        assert kept and all(label in (-100, t) for t, label in zip(ids, labels))
+        assert kept[1::2] == ["\n"] * (len(kept) // 2) and all(w.strip() in values for w in kept[0::2])
