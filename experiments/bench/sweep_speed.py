@@ -42,6 +42,9 @@ TARGET_GRID_S = 30 * 60
 GRID_LRS = [1e-4, 4.642e-4, 2.154e-3, 1e-2]  # logspace(-4, -2, 4), as in experiments/zoology_fig2/sweep.py
 
 
+BASED_IMPL = "naive"  # --based-impl: the Based mixer's path in the measured runs (packs need naive)
+
+
 def bench_overrides(
     mixer: str, L: int, n: int, d: int, examples: int, batch: int, epochs: int, root: str, compile: bool = False
 ) -> list[str]:
@@ -66,6 +69,8 @@ def bench_overrides(
     ]
     if mixer == "based":
         overrides.append("model.mixers.based.feature_dim=8")
+        if BASED_IMPL != "naive":
+            overrides.append(f"+model.mixers.based.impl={BASED_IMPL}")
     return overrides
 
 
@@ -173,7 +178,11 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also measure each mixer with train.compile=true")
     parser.add_argument("--no-pack", action="store_true", help="skip packed (4 lrs) vs 4 separate runs")
     parser.add_argument("--mixers", default="based,attention", help="comma-separated: based, attention")
+    parser.add_argument("--based-impl", default="naive", choices=["naive", "triton"],
+                        help="Based's path (triton: the chunk kernels, CUDA only; packs need naive, so use --no-pack)")
     args = parser.parse_args()
+    global BASED_IMPL
+    BASED_IMPL = args.based_impl
     if args.tiny:
         shape = dict(L=64, n=4, d=32, examples=2000, batch=64)
     else:
