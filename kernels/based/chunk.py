@@ -292,6 +292,56 @@ def _order2_store(h, Sd, S2, S2b, c, offs_k, offs_v, K: tl.constexpr, V: tl.cons
 
 
 @triton.jit
+def _order2_read(x, Sd, S2, S2b, rep_a, rep_b, BC: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
+                 EXPAND: tl.constexpr):
+    """(x⊗x)·S for the order-2 state (Sd, S2, S2b) in `_order2_init`'s layout: x [BC, BK] -> [BC, BV]."""
+    NP: tl.constexpr = 2 if EXPAND == 5 else 1
+    if EXPAND == 2:
+        return _o2_read(x, S2, BC, BK, DOT)
+    elif EXPAND >= 3:
+        o2 = _mm(x * x, Sd, DOT) + _mm(_pairs(x, BK, DOT, 0, NP, False), S2, DOT)
+        if EXPAND == 5:
+            o2 += _mm(_pairs(x, BK, DOT, 1, 2, False), S2b, DOT)
+        return o2
+    else:
+        return _mm(_outer(x, rep_a, rep_b, BC, BK, DOT, EXPAND), S2, DOT)  # (x⊗x) [BC, K²] · S2
+
+
+@triton.jit
+def _order2_update(x, xt, y, Sd, S2, S2b, rep_a, rep_b, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   DOT: tl.constexpr, EXPAND: tl.constexpr):
+    """(Sd, S2, S2b) + Σ_c (x_c⊗x_c) y_cᵀ in `_order2_init`'s layout: x [BC, BK], xt = xᵀ, y [BC, BV]."""
+    NP: tl.constexpr = 2 if EXPAND == 5 else 1
+    if EXPAND == 2:
+        S2 += _o2_update(x, y, BC, BK, BV, DOT)
+    elif EXPAND >= 3:
+        Sd += _mm(xt * xt, y, DOT)
+        S2 += _mm(_pairs(xt, BK, DOT, 0, NP, True), y, DOT)
+        if EXPAND == 5:
+            S2b += _mm(_pairs(xt, BK, DOT, 1, 2, True), y, DOT)
+    else:
+        S2 += _mm(tl.trans(_outer(x, rep_a, rep_b, BC, BK, DOT, EXPAND)), y, DOT)
+    return Sd, S2, S2b
+
+
+@triton.jit
+def _order2_contract(y, x, Sd, S2, S2b, rep_a, rep_b, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                     DOT: tl.constexpr, EXPAND: tl.constexpr):
+    """Σ_b (y·S[a, b])·x_b for the symmetric order-2 state S in `_order2_init`'s layout: y [BC, BV], x [BC, BK]
+    -> [BC, BK]; the order-2 part of the gradient of (x⊗x)·S·y / 2 with respect to x."""
+    NP: tl.constexpr = 2 if EXPAND == 5 else 1
+    if EXPAND == 2:
+        return _o2_contract(y, S2, x, BC, BK, BV, DOT)
+    elif EXPAND >= 3:
+        g = x * _mm(y, tl.trans(Sd), DOT) + _pair_contract(_mm(y, tl.trans(S2), DOT), x, BK, DOT, 0, NP)
+        if EXPAND == 5:
+            g += _pair_contract(_mm(y, tl.trans(S2b), DOT), x, BK, DOT, 1, 2)
+        return g
+    else:
+        return _contract(_mm(y, tl.trans(S2), DOT), x, rep_a, rep_b, BC, BK, DOT, EXPAND)
+
+
+@triton.jit
 def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                 BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
@@ -319,7 +369,6 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
     if NORMALIZE:
         den += i_b.to(tl.int64) * T * H + i_h
 
-    NP: tl.constexpr = 2 if EXPAND == 5 else 1  # mode 5: the pair rows in two halves (S2, S2b)
     S0 = tl.zeros([BV], dtype=tl.float32)
     S1 = tl.zeros([BK, BV], dtype=tl.float32)
     n = 0.0
@@ -355,14 +404,7 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
             qs = bq.to(tl.float32) * scale  # [BC, BK]
             s = _mm(bq, bkt, DOT) * scale  # [BC, BC]
             w = tl.where(causal, 1.0 + s + 0.5 * s * s, 0.0)
-            if EXPAND == 2:
-                o2 = _o2_read(qs, S2, BC, BK, DOT)
-            elif EXPAND >= 3:
-                o2 = _mm(qs * qs, Sd, DOT) + _mm(_pairs(qs, BK, DOT, 0, NP, False), S2, DOT)
-                if NP == 2:
-                    o2 += _mm(_pairs(qs, BK, DOT, 1, 2, False), S2b, DOT)
-            else:
-                o2 = _mm(_outer(qs, rep_a, rep_b, BC, BK, DOT, EXPAND), S2, DOT)  # (q⊗q) [BC, K²] · S2
+            o2 = _order2_read(qs, Sd, S2, S2b, rep_a, rep_b, BC, BK, DOT, EXPAND)
             num = _mm(w, bv, DOT) + S0[None, :] + _mm(qs, S1, DOT) + 0.5 * o2
             if NORMALIZE:
                 qZ = _mm(qs, Z2, 0)
@@ -375,15 +417,7 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
 
         S0 += tl.sum(bv.to(tl.float32), 0)
         S1 += _mm(kft, bv, DOT)
-        if EXPAND == 2:
-            S2 += _o2_update(kf, bv, BC, BK, BV, DOT)
-        elif EXPAND >= 3:
-            Sd += _mm(kft * kft, bv, DOT)
-            S2 += _mm(_pairs(kft, BK, DOT, 0, NP, True), bv, DOT)
-            if NP == 2:
-                S2b += _mm(_pairs(kft, BK, DOT, 1, 2, True), bv, DOT)
-        else:
-            S2 += _mm(tl.trans(_outer(kf, rep_a, rep_b, BC, BK, DOT, EXPAND)), bv, DOT)
+        Sd, S2, S2b = _order2_update(kf, kft, bv, Sd, S2, S2b, rep_a, rep_b, BC, BK, BV, DOT, EXPAND)
         n += tl.sum(m_t.to(tl.float32), 0)
         z1 += tl.sum(kf, 0)
         Z2 += _mm(kft, kf, 0)
@@ -454,7 +488,6 @@ def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
         den += i_b.to(tl.int64) * T * H + i_h
         dden += i_b.to(tl.int64) * T * H + i_h
 
-    NP: tl.constexpr = 2 if EXPAND == 5 else 1
     S1 = tl.zeros([BK, BV], dtype=tl.float32)
     z1 = tl.zeros([BK], dtype=tl.float32)
     Z2 = tl.zeros([BK, BK], dtype=tl.float32)
@@ -487,29 +520,13 @@ def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
         dp = _mm(dnum, tl.trans(bv), DOT) + dd[:, None]
         ds = tl.where(causal, dp * (1.0 + s), 0.0)
         dqs = _mm(ds, bk, DOT) + _mm(dnum, tl.trans(S1), DOT)
-        # Σ_b (Σ_v S2[a·BK + b, v]·dnum_v)·q_s[b]
-        if EXPAND == 2:
-            dqs += _o2_contract(dnum, S2, qs, BC, BK, BV, DOT)
-        elif EXPAND >= 3:
-            dqs += qs * _mm(dnum, tl.trans(Sd), DOT) + _pair_contract(_mm(dnum, tl.trans(S2), DOT), qs, BK, DOT, 0, NP)
-            if NP == 2:
-                dqs += _pair_contract(_mm(dnum, tl.trans(S2b), DOT), qs, BK, DOT, 1, 2)
-        else:
-            dqs += _contract(_mm(dnum, tl.trans(S2), DOT), qs, rep_a, rep_b, BC, BK, DOT, EXPAND)
+        dqs += _order2_contract(dnum, qs, Sd, S2, S2b, rep_a, rep_b, BC, BK, BV, DOT, EXPAND)
         if NORMALIZE:
             dqs += dd[:, None] * (z1[None, :] + _mm(qs, Z2, 0))
         tl.store(dq + t[:, None] * H * K + offs_k[None, :], dqs * scale, mask=m_t[:, None] & m_k[None, :])
 
         S1 += _mm(kft, bv, DOT)
-        if EXPAND == 2:
-            S2 += _o2_update(kf, bv, BC, BK, BV, DOT)
-        elif EXPAND >= 3:
-            Sd += _mm(kft * kft, bv, DOT)
-            S2 += _mm(_pairs(kft, BK, DOT, 0, NP, True), bv, DOT)
-            if NP == 2:
-                S2b += _mm(_pairs(kft, BK, DOT, 1, 2, True), bv, DOT)
-        else:
-            S2 += _mm(tl.trans(_outer(kf, rep_a, rep_b, BC, BK, DOT, EXPAND)), bv, DOT)
+        Sd, S2, S2b = _order2_update(kf, kft, bv, Sd, S2, S2b, rep_a, rep_b, BC, BK, BV, DOT, EXPAND)
         z1 += tl.sum(kf, 0)
         Z2 += _mm(kft, kf, 0)
 
@@ -545,7 +562,6 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
         dden += i_b.to(tl.int64) * T * H + i_h
 
     D0 = tl.zeros([BV], dtype=tl.float32)
-    NP: tl.constexpr = 2 if EXPAND == 5 else 1
     D1 = tl.zeros([BK, BV], dtype=tl.float32)
     d0 = 0.0
     d1 = tl.zeros([BK], dtype=tl.float32)
@@ -584,14 +600,7 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
 
         st = _mm(bk, bqt, DOT) * scale  # [BC keys, BC queries]
         wt = tl.where(causal_t, 1.0 + st + 0.5 * st * st, 0.0)
-        if EXPAND == 2:
-            o2 = _o2_read(kf, D2, BC, BK, DOT)
-        elif EXPAND >= 3:
-            o2 = _mm(kf * kf, Dd, DOT) + _mm(_pairs(kf, BK, DOT, 0, NP, False), D2, DOT)
-            if NP == 2:
-                o2 += _mm(_pairs(kf, BK, DOT, 1, 2, False), D2b, DOT)
-        else:
-            o2 = _mm(_outer(kf, rep_a, rep_b, BC, BK, DOT, EXPAND), D2, DOT)  # (k⊗k) [BC, K²] · D2
+        o2 = _order2_read(kf, Dd, D2, D2b, rep_a, rep_b, BC, BK, DOT, EXPAND)
         bdv = _mm(wt, dnum, DOT) + D0[None, :] + _mm(kf, D1, DOT) + 0.5 * o2
         tl.store(dv + t[:, None] * H * V + offs_v[None, :], bdv.to(dv.dtype.element_ty),
                  mask=m_t[:, None] & m_v[None, :])
@@ -599,30 +608,14 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
         dpt = _mm(bv, tl.trans(dnum), DOT) + dd[None, :]
         dst = tl.where(causal_t, dpt * (1.0 + st), 0.0)
         bdk = _mm(dst, qs, DOT) + _mm(bv, tl.trans(D1), DOT)
-        # Σ_b (Σ_v D2[a·BK + b, v]·v_v)·k[b]
-        if EXPAND == 2:
-            bdk += _o2_contract(bv, D2, kf, BC, BK, BV, DOT)
-        elif EXPAND >= 3:
-            bdk += kf * _mm(bv, tl.trans(Dd), DOT) + _pair_contract(_mm(bv, tl.trans(D2), DOT), kf, BK, DOT, 0, NP)
-            if NP == 2:
-                bdk += _pair_contract(_mm(bv, tl.trans(D2b), DOT), kf, BK, DOT, 1, 2)
-        else:
-            bdk += _contract(_mm(bv, tl.trans(D2), DOT), kf, rep_a, rep_b, BC, BK, DOT, EXPAND)
+        bdk += _order2_contract(bv, kf, Dd, D2, D2b, rep_a, rep_b, BC, BK, BV, DOT, EXPAND)
         # d1, d2 hold dO's share through the denominator and the final k_sum's gradient, normalised or not
         bdk += d1[None, :] + _mm(kf, d2, 0)
         tl.store(dk + t[:, None] * H * K + offs_k[None, :], bdk, mask=m_t[:, None] & m_k[None, :])
 
         D0 += tl.sum(dnum, 0)
         D1 += _mm(qst, dnum, DOT)
-        if EXPAND == 2:
-            D2 += _o2_update(qs, dnum, BC, BK, BV, DOT)
-        elif EXPAND >= 3:
-            Dd += _mm(qst * qst, dnum, DOT)
-            D2 += _mm(_pairs(qst, BK, DOT, 0, NP, True), dnum, DOT)
-            if NP == 2:
-                D2b += _mm(_pairs(qst, BK, DOT, 1, 2, True), dnum, DOT)
-        else:
-            D2 += _mm(tl.trans(_outer(qs, rep_a, rep_b, BC, BK, DOT, EXPAND)), dnum, DOT)
+        Dd, D2, D2b = _order2_update(qs, qst, dnum, Dd, D2, D2b, rep_a, rep_b, BC, BK, BV, DOT, EXPAND)
         d0 += tl.sum(dd, 0)
         d1 += tl.sum(qs * dd[:, None], 0)
         d2 += _mm(qst, qs * dd[:, None], 0)
