@@ -29,11 +29,9 @@ import triton.language as tl
 from kernels.based.naive import orders_to_state, state_to_orders
 
 DOT_IEEE, DOT_TF32, DOT_BF16 = 0, 1, 2
-# How the order-2 features q⊗q, k⊗k are formed: 1 = dots with 0/1 matrices (faster on the H200 at K=16),
-# 0 = broadcast and reshape. The 0/1 matrices are [K, K²]: at K=32 they overflow shared memory, so K > 16 uses 0.
-EXPAND = 1
-
-
+# Order-2 modes: how the order-2 state is kept and q⊗q, k⊗k are formed. Mode 0 keeps K² rows and forms the
+# features by broadcast and reshape; mode 1 keeps K² rows and forms them with dots against 0/1 matrices [K, K²]
+# (faster than 0 on the H200 at K=16; at K=32 the matrices overflow shared memory, so K > 16 uses mode 0).
 # Mode 2 keeps the order-2 state as [K, K, BV] and reads, updates and contracts it with batched dots over the
 # first index: no 0/1 matrices, about half the matrix work at K=16. Mode 3 ("pairs") uses the symmetry of the
 # order-2 state: a diagonal block [K, BV] plus one row per unordered pair {a, b}, a≠b, laid out cyclically
@@ -42,9 +40,9 @@ EXPAND = 1
 # updates transposed straight from memory (no register transposes). Mode 5 is mode 3 with the pair rows in two
 # halves (d = 1..4 and 5..8), each its own state tensor and dots, so the [BC, 64] pair features of one half are
 # live at a time: compiled for sm_90a (kernels/based/sm90_report.py) the BC=64 forward spills 132 B instead of
-# 534; not yet timed, so opt-in. FWD_EXPAND / BWD_EXPAND pick the mode for
-# the forward / backward. Measured on the H200 (bf16, T=4096, experiments/LOG.md): mode 3 forward 0.462 ms and
-# forward+backward 2.31 ms, against 0.684 / 3.01 for mode 1 and 0.981 / 3.09 for mode 2; mode 3 is the default.
+# 534; not yet timed, so opt-in. FWD_EXPAND / BWD_EXPAND pick the mode for the forward / backward. Measured on
+# the H200 (bf16, T=4096, experiments/LOG.md): mode 3 forward 0.462 ms and forward+backward 2.31 ms, against
+# 0.684 / 3.01 for mode 1 and 0.981 / 3.09 for mode 2; mode 3 is the default.
 FWD_EXPAND = 3
 BWD_EXPAND = 3
 
