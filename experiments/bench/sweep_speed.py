@@ -42,11 +42,9 @@ TARGET_GRID_S = 30 * 60
 GRID_LRS = [1e-4, 4.642e-4, 2.154e-3, 1e-2]  # logspace(-4, -2, 4), as in experiments/zoology_fig2/sweep.py
 
 
-BASED_IMPL = "naive"  # --based-impl: the Based mixer's path in the measured runs (packs need naive)
-
-
 def bench_overrides(
-    mixer: str, L: int, n: int, d: int, examples: int, batch: int, epochs: int, root: str, compile: bool = False
+    mixer: str, L: int, n: int, d: int, examples: int, batch: int, epochs: int, root: str, compile: bool = False,
+    based_impl: str = "naive",
 ) -> list[str]:
     def seg(count: int) -> str:
         return f"{{seq_len:{L},num_kv_pairs:{n},num_examples:{count},batch_size:{batch}}}"
@@ -69,15 +67,16 @@ def bench_overrides(
     ]
     if mixer == "based":
         overrides.append("model.mixers.based.feature_dim=8")
-        if BASED_IMPL != "naive":
-            overrides.append(f"+model.mixers.based.impl={BASED_IMPL}")
+        if based_impl != "naive":  # packs need naive
+            overrides.append(f"+model.mixers.based.impl={based_impl}")
     return overrides
 
 
 def measure(
-    mixer: str, L: int, n: int, d: int, examples: int, batch: int, epochs: int, root: str, compile: bool = False
+    mixer: str, L: int, n: int, d: int, examples: int, batch: int, epochs: int, root: str, compile: bool = False,
+    based_impl: str = "naive",
 ) -> dict:
-    cfg, resolved = load_config(bench_overrides(mixer, L, n, d, examples, batch, epochs, root, compile))
+    cfg, resolved = load_config(bench_overrides(mixer, L, n, d, examples, batch, epochs, root, compile, based_impl))
     t0 = time.perf_counter()
     generate_mqar(MQARConfig(vocab_size=8192, seq_len=L, num_kv_pairs=n, num_examples=examples), seed=0)
     gen_s = time.perf_counter() - t0
@@ -181,8 +180,6 @@ def main() -> None:
     parser.add_argument("--based-impl", default="naive", choices=["naive", "triton"],
                         help="Based's path (triton: the chunk kernels, CUDA only; packs need naive, so use --no-pack)")
     args = parser.parse_args()
-    global BASED_IMPL
-    BASED_IMPL = args.based_impl
     if args.tiny:
         shape = dict(L=64, n=4, d=32, examples=2000, batch=64)
     else:
@@ -192,7 +189,8 @@ def main() -> None:
         mixers = args.mixers.split(",")
         for compile in (False, True) if args.compile else (False,):
             for mixer in mixers:
-                rows.append(measure(mixer, **shape, epochs=args.epochs, root=root, compile=compile))
+                rows.append(measure(mixer, **shape, epochs=args.epochs, root=root, compile=compile,
+                                    based_impl=args.based_impl))
                 print(f"measured: {json.dumps(rows[-1])}", flush=True)  # kept if a time limit cuts the run
         packs = []
         for m in [] if args.no_pack else mixers:
