@@ -255,3 +255,17 @@ def test_every_naive_mixer_packs_under_bf16_autocast(mixer):
     assert torch.isfinite(pack.flat.grad).all()
     for member in range(2):
         torch.testing.assert_close(losses[member].float(), loss.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("model", ["attention", "based"])
+def test_captured_step_path_equals_standalone_runs(tmp_path, model):
+    """train.cuda_graph=true: the static-buffer step (device scalars for the lr factor and step count, batch
+    indices copied into a fixed buffer) trains each member exactly as its standalone run. On CPU the same path
+    runs without the graph; tests/test_packed_gpu.py replays the captured graph against it on CUDA."""
+    extra = (f"model={model}", "train.epochs=2", "train.early_stop=null")
+    refs = [standalone(tmp_path, lr, *extra) for lr in LRS[:2]]
+    ref_root = set_aside(tmp_path)
+    got = packed(tmp_path, LRS[:2], *extra, "train.cuda_graph=true")
+    assert [s["run"] for s in got] == [s["run"] for s in refs]
+    for s in refs:
+        assert_same_run(ref_root / s["run"], tmp_path / "default" / s["run"], config=False)

@@ -175,6 +175,10 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
     compile: bool = False
+    # On CUDA: capture the whole training step (forward, backward, AdamW) as a CUDA graph per batch shape and
+    # replay it, so a tiny model's step costs a few launches instead of hundreds (zoo/packed.py; a single run
+    # trains as a pack of one, so impl=naive). Ignored with a warning on CPU.
+    cuda_graph: bool = False
     resume: bool = False  # continue the run in run_dir from its last checkpoint
     overwrite: bool = False  # start over in a run_dir that already holds a run
     progress: bool = True

@@ -15,9 +15,11 @@ def resolve_device(name: str = "auto") -> torch.device:
     return device
 
 
-def autocast(device: torch.device, precision: str = "auto") -> contextlib.AbstractContextManager:
-    """bf16 autocast on CUDA by default; fp32 on CPU (CPU bf16 matmuls are slow and lossy)."""
+def autocast(device: torch.device, precision: str = "auto", cache: bool = True) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA by default; fp32 on CPU (CPU bf16 matmuls are slow and lossy).
+
+    `cache=False` turns off autocast's cache of weight casts (inside a CUDA-graph capture)."""
     use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
     if not use_bf16:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=cache)

@@ -24,7 +24,7 @@ Limits, each a one-line PackError before any work:
 - Members share train.seed: zoo.train draws the batch order from it, so runs of other seeds see other
   batches and cannot share a forward pass. Pack learning rates; run seeds as separate packs.
 - Every mixer runs at impl=naive: the FLA and Triton kernels have no vmap rule.
-- No train.compile and no wandb mirror yet.
+- No train.compile (train.cuda_graph captures the whole step instead) and no wandb mirror yet.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -185,8 +184,11 @@ class _Pack:
         return self._batched_loss(self.views(self.flat), inputs, query_pos, query_labels)
 
     @torch.no_grad()
-    def adamw_step(self, lr_factor: float, t: int) -> None:
-        """torch.optim.AdamW's update at step t (1-based) with lr = lrs·lr_factor, after clipping per member."""
+    def adamw_step(self, lr_factor: float | torch.Tensor, t: int | torch.Tensor) -> None:
+        """torch.optim.AdamW's update at step t (1-based) with lr = lrs·lr_factor, after clipping per member.
+
+        `lr_factor` and `t` may be 0-dim device tensors: then the update reads no host value, so a CUDA graph
+        can capture it and replay it at every step (zoo.graphs)."""
         o = self.optim
         g = self.flat.grad  # [N, P]
         if o.grad_clip > 0:
@@ -197,7 +199,7 @@ class _Pack:
         self.flat.mul_(1 - lr * self.decay)
         self.exp_avg.lerp_(g, 1 - o.beta1)
         self.exp_avg_sq.mul_(o.beta2).addcmul_(g, g, value=1 - o.beta2)
-        denom = (self.exp_avg_sq.sqrt() / math.sqrt(1 - o.beta2**t)).add_(o.eps)
+        denom = (self.exp_avg_sq.sqrt() / (1 - o.beta2**t) ** 0.5).add_(o.eps)
         self.flat.sub_(lr / (1 - o.beta1**t) * self.exp_avg / denom)
 
     def keep(self, rows: list[int]) -> None:
@@ -247,6 +249,77 @@ class _Pack:
             if state:
                 m[name][row].copy_(state["exp_avg"])
                 v[name][row].copy_(state["exp_avg_sq"])
+
+
+class _CapturedSteps:
+    """The pack's training step as one CUDA graph per (segment, batch size), captured once and replayed.
+
+    The graph holds the batch gather from the segment's device tensors, the vmapped forward and backward and
+    the AdamW update, which reads its lr factor and step count from device scalars: a step is three small
+    device writes and one replay, where the eager step launches hundreds of kernels. Capture follows
+    PyTorch's whole-network recipe: a warm-up on a side stream, then the capture with the gradient unset, so
+    it lives in the graph's pool. The warm-up's updates (and its RNG draws) are undone, so the first replay is
+    the eager step. `capture=False` runs the same static-buffer path eagerly (the CPU tests use it).
+    """
+
+    def __init__(self, pack: _Pack, device: torch.device, precision: str, capture: bool = True, warmup: int = 2):
+        self.pack, self.device, self.precision = pack, device, precision
+        self.capture, self.warmup = capture, warmup
+        self.lr_factor = torch.zeros((), device=device)
+        self.t = torch.zeros((), device=device)
+        self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor, torch.Tensor | None]] = {}
+
+    def reset(self) -> None:
+        """Forget the graphs: pack.keep() replaced the tensors they captured."""
+        self.graphs.clear()
+
+    def _body(self, seg, idx: torch.Tensor) -> torch.Tensor:
+        pack = self.pack
+        # Autocast's weight cache would hold casts across replays; the pack's views are no leaves anyway.
+        with autocast(self.device, self.precision, cache=False):
+            losses = pack.losses(seg.inputs[idx], seg.query_pos[idx], seg.query_labels[idx])
+        pack.flat.grad = None
+        losses.sum().backward()
+        pack.adamw_step(self.lr_factor, self.t)
+        return losses.detach()
+
+    def step(self, seg, idx: torch.Tensor, lr_factor: float, t: int) -> torch.Tensor:
+        """One training step of every member on `seg`'s examples `idx`; returns their losses [N]."""
+        self.lr_factor.fill_(lr_factor)
+        self.t.fill_(t)
+        key = (id(seg), idx.numel())
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(seg, idx)
+        graph, static_idx, losses = self.graphs[key]
+        static_idx.copy_(idx)
+        if graph is None:
+            return self._body(seg, static_idx)
+        graph.replay()
+        return losses
+
+    def _capture(self, seg, idx: torch.Tensor):
+        static_idx = idx.clone()
+        if not self.capture:
+            return None, static_idx, None
+        pack, device = self.pack, self.device
+        saved = [x.detach().clone() for x in (pack.flat, pack.exp_avg, pack.exp_avg_sq)]
+        rng = torch.cuda.get_rng_state(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                self._body(seg, static_idx)
+        torch.cuda.current_stream(device).wait_stream(side)
+        with torch.no_grad():
+            for x, old in zip((pack.flat, pack.exp_avg, pack.exp_avg_sq), saved):
+                x.copy_(old)
+        torch.cuda.set_rng_state(rng, device)
+        pack.flat.grad = None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            losses = self._body(seg, static_idx)
+        log.info("captured the training step for batch %d of a %d-token segment", idx.numel(), seg.inputs.shape[1])
+        return graph, static_idx, losses
 
 
 def train_packed(members: list[Config], resolved: list[str | None] | None = None) -> list[dict[str, Any]]:
@@ -363,16 +436,24 @@ def train_packed(members: list[Config], resolved: list[str | None] | None = None
             live = [live[row] for row in rows]
             if rows:
                 pack.keep(rows)
+    graphs = None
+    if cfg.train.cuda_graph:
+        if device.type != "cuda":
+            log.warning("train.cuda_graph=true needs CUDA: on %s the same step runs without a graph", device)
+        graphs = _CapturedSteps(pack, device, cfg.train.precision, capture=device.type == "cuda")
     bar = tqdm(total=total_steps, initial=step, desc=f"pack of {n}", disable=not cfg.train.progress, dynamic_ncols=True)
     while epoch < cfg.train.epochs and live:
         loss_sum = torch.zeros(len(live), device=device)
         loss_n = 0
         for seg, idx in epoch_batches(data["train"], cfg.train.seed, epoch, device):
-            with amp:
-                losses = pack.losses(seg.inputs[idx], seg.query_pos[idx], seg.query_labels[idx])  # [N]
-            pack.flat.grad = None
-            losses.sum().backward()
-            pack.adamw_step(f(step), step + 1)
+            if graphs is not None:
+                losses = graphs.step(seg, idx, f(step), step + 1)
+            else:
+                with amp:
+                    losses = pack.losses(seg.inputs[idx], seg.query_pos[idx], seg.query_labels[idx])  # [N]
+                pack.flat.grad = None
+                losses.sum().backward()
+                pack.adamw_step(f(step), step + 1)
             step += 1
             tokens += idx.numel() * seg.inputs.shape[1]
             loss_sum += losses.detach()
@@ -406,6 +487,8 @@ def train_packed(members: list[Config], resolved: list[str | None] | None = None
                 live = [live[row] for row in rows]
                 if rows:
                     pack.keep(rows)
+                    if graphs is not None:
+                        graphs.reset()
     bar.close()
     for row, j in enumerate(live):
         finish(row, j, False)

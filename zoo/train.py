@@ -33,7 +33,10 @@ log = logging.getLogger("zoo.train")
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 # Fields that change how a run is executed, not what it computes: left out of the run's identity.
-EXECUTION_KEYS = {"train": ("resume", "overwrite", "progress", "device", "compile", "pack_lrs"), "logger": None}
+EXECUTION_KEYS = {
+    "train": ("resume", "overwrite", "progress", "device", "compile", "cuda_graph", "pack_lrs"),
+    "logger": None,
+}
 
 
 def config_dir() -> Path:
@@ -210,6 +213,10 @@ def train(cfg: Config, resolved_yaml: str | None = None) -> dict[str, Any]:
     """Train one run; return its summary (also written to summary.json)."""
     if cfg.train.pack_lrs:
         raise ConfigError("train.pack_lrs is set: train the pack with zoo.packed.train_packed (or zoo-train)")
+    if cfg.train.cuda_graph and resolve_device(cfg.train.device).type == "cuda":
+        from zoo.packed import train_packed  # the captured step lives there; this run trains as a pack of one
+
+        return train_packed([cfg], [resolved_yaml])[0]
     name = run_name(cfg)
     run = RunDir(Path(cfg.runs_root) / cfg.experiment_name / name)
     if run.exists() and not (cfg.train.resume or cfg.train.overwrite):

@@ -3,6 +3,7 @@
     python experiments/bench/sweep_speed.py               # L=256, n=16, d_model=128, 100k examples/epoch
     python experiments/bench/sweep_speed.py --tiny        # CPU-sized: L=64, n=4, d_model=32, 2k examples
     python experiments/bench/sweep_speed.py --no-pack     # skip the packed-vs-separate measurement
+    python experiments/bench/sweep_speed.py --cuda-graph  # also train.cuda_graph=true, single and packed (GPU)
 
 For Based (BaseConv + Based, f=8) and attention it measures, in this process: MQAR generation of one
 epoch's examples (no cache), and `zoo.train.train` for `--epochs` epochs (early stop off) — the epoch time
@@ -44,7 +45,7 @@ GRID_LRS = [1e-4, 4.642e-4, 2.154e-3, 1e-2]  # logspace(-4, -2, 4), as in experi
 
 def bench_overrides(
     mixer: str, L: int, n: int, d: int, examples: int, batch: int, epochs: int, root: str, compile: bool = False,
-    based_impl: str = "naive",
+    based_impl: str = "naive", cuda_graph: bool = False,
 ) -> list[str]:
     def seg(count: int) -> str:
         return f"{{seq_len:{L},num_kv_pairs:{n},num_examples:{count},batch_size:{batch}}}"
@@ -62,8 +63,9 @@ def bench_overrides(
         "train.progress=false",
         "optim.warmup_frac=0.0",
         f"runs_root={root}",
-        f"experiment_name=bench_{mixer}{'_compiled' if compile else ''}",
+        f"experiment_name=bench_{mixer}{'_compiled' if compile else ''}{'_graphed' if cuda_graph else ''}",
         f"train.compile={str(compile).lower()}",
+        f"train.cuda_graph={str(cuda_graph).lower()}",
     ]
     if mixer == "based":
         overrides.append("model.mixers.based.feature_dim=8")
@@ -74,9 +76,11 @@ def bench_overrides(
 
 def measure(
     mixer: str, L: int, n: int, d: int, examples: int, batch: int, epochs: int, root: str, compile: bool = False,
-    based_impl: str = "naive",
+    based_impl: str = "naive", cuda_graph: bool = False,
 ) -> dict:
-    cfg, resolved = load_config(bench_overrides(mixer, L, n, d, examples, batch, epochs, root, compile, based_impl))
+    cfg, resolved = load_config(
+        bench_overrides(mixer, L, n, d, examples, batch, epochs, root, compile, based_impl, cuda_graph)
+    )
     t0 = time.perf_counter()
     generate_mqar(MQARConfig(vocab_size=8192, seq_len=L, num_kv_pairs=n, num_examples=examples), seed=0)
     gen_s = time.perf_counter() - t0
@@ -85,7 +89,7 @@ def measure(
     total_s = time.perf_counter() - t0
     epoch_s = summary["wall_time_s"] / epochs
     return {
-        "mixer": mixer + (" (compiled)" if compile else ""),
+        "mixer": mixer + (" (compiled)" if compile else "") + (" (graphed)" if cuda_graph else ""),
         "gen_s": gen_s,
         "epoch_s": epoch_s,
         "run_total_s": total_s,
@@ -95,8 +99,11 @@ def measure(
     }
 
 
-def measure_pack(mixer: str, L: int, n: int, d: int, examples: int, batch: int, epochs: int, root: str) -> dict:
-    """The 4 learning rates of one grid point: 4 `train` calls one after another vs one `train_packed` call."""
+def measure_pack(
+    mixer: str, L: int, n: int, d: int, examples: int, batch: int, epochs: int, root: str, cuda_graph: bool = False
+) -> dict:
+    """The 4 learning rates of one grid point: 4 `train` calls one after another vs one `train_packed` call
+    (with `cuda_graph`, also the pack with its step captured as a CUDA graph)."""
     base = bench_overrides(mixer, L, n, d, examples, batch, epochs, root)
     separate_train_s, t0 = 0.0, time.perf_counter()
     for lr in GRID_LRS:
@@ -108,6 +115,19 @@ def measure_pack(mixer: str, L: int, n: int, d: int, examples: int, batch: int, 
     summaries = train_packed(pack_members(cfg, GRID_LRS))
     packed_s = time.perf_counter() - t0
     packed_train_s = max(s["wall_time_s"] for s in summaries)
+    graphed = {}
+    if cuda_graph:
+        cfg, _ = load_config(base + [f"experiment_name=bench_{mixer}_packed_graphed", "train.cuda_graph=true"])
+        t0 = time.perf_counter()
+        summaries = train_packed(pack_members(cfg, GRID_LRS))
+        graphed_s = time.perf_counter() - t0
+        graphed_train_s = max(s["wall_time_s"] for s in summaries)
+        graphed = {
+            "graphed_train_s": graphed_train_s,
+            "graphed_total_s": graphed_s,
+            "graphed_train_speedup": separate_train_s / graphed_train_s,
+            "graphed_epoch_s": graphed_train_s / epochs,
+        }
     return {
         "mixer": mixer,
         "lrs": GRID_LRS,
@@ -118,6 +138,7 @@ def measure_pack(mixer: str, L: int, n: int, d: int, examples: int, batch: int, 
         "packed_total_s": packed_s,
         "total_speedup": separate_s / packed_s,
         "packed_epoch_s": packed_train_s / epochs,
+        **graphed,
     }
 
 
@@ -175,6 +196,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="CPU-sized config")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--compile", action="store_true", help="also measure each mixer with train.compile=true")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="also measure train.cuda_graph=true (the step as a CUDA graph), single and packed")
     parser.add_argument("--no-pack", action="store_true", help="skip packed (4 lrs) vs 4 separate runs")
     parser.add_argument("--mixers", default="based,attention", help="comma-separated: based, attention")
     parser.add_argument("--based-impl", default="naive", choices=["naive", "triton"],
@@ -187,14 +210,15 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as root:
         mixers = args.mixers.split(",")
-        for compile in (False, True) if args.compile else (False,):
+        variants = [(False, False)] + [(True, False)] * args.compile + [(False, True)] * args.cuda_graph
+        for compile, graph in variants:
             for mixer in mixers:
                 rows.append(measure(mixer, **shape, epochs=args.epochs, root=root, compile=compile,
-                                    based_impl=args.based_impl))
+                                    based_impl=args.based_impl, cuda_graph=graph))
                 print(f"measured: {json.dumps(rows[-1])}", flush=True)  # kept if a time limit cuts the run
         packs = []
         for m in [] if args.no_pack else mixers:
-            packs.append(measure_pack(m, **shape, epochs=args.epochs, root=root))
+            packs.append(measure_pack(m, **shape, epochs=args.epochs, root=root, cuda_graph=args.cuda_graph))
             print(f"measured: {json.dumps(packs[-1])}", flush=True)
     print(f"config: {shape}, epochs measured: {args.epochs}, device: {rows[0]['device']}")
     print(f"{'mixer':21s} {'gen s':>8s} {'epoch s':>9s} {'tok/s':>12s} {'worst run s':>12s} {'vs Zoology epoch':>17s}")
@@ -206,9 +230,9 @@ def main() -> None:
             f"{r['mixer']:21s} {r['gen_s']:8.2f} {r['epoch_s']:9.2f} {r['tokens_per_s']:12.0f} "
             f"{r['worst_run_s']:12.1f} {speedup:16.2f}x"
         )
-    eager = [r for r in rows if "compiled" not in r["mixer"]]
+    eager = [r for r in rows if "(" not in r["mixer"]]
     fastest = min(
-        (eager, [r for r in rows if "compiled" in r["mixer"]]),
+        (eager, [r for r in rows if "compiled" in r["mixer"]], [r for r in rows if "graphed" in r["mixer"]]),
         key=lambda rs: sum(r["worst_run_s"] for r in rs) if rs else float("inf"),
     )
     mean_worst = sum(r["worst_run_s"] for r in fastest) / len(fastest)
@@ -238,7 +262,16 @@ def main() -> None:
                 f"{p['separate_total_s']:8.2f} {p['packed_total_s']:9.2f} {p['total_speedup']:7.2f}x"
             )
         gen = {r["mixer"]: r["gen_s"] for r in eager}
-        packed_worst = [gen[p["mixer"]] + MAX_EPOCHS * p["packed_epoch_s"] for p in packs]
+        packed_worst = [
+            gen[p["mixer"]] + MAX_EPOCHS * min(p["packed_epoch_s"], p.get("graphed_epoch_s", float("inf")))
+            for p in packs
+        ]
+        for p in packs:
+            if "graphed_train_s" in p:
+                print(
+                    f"{p['mixer']:10s} pack as a CUDA graph: train {p['graphed_train_s']:.2f} s "
+                    f"({p['graphed_train_speedup']:.2f}x the 4 separate runs)"
+                )
         overhead = [step_overhead(m) for m in ("based", "attention")]
         print("launch-bound proxy (d=16, L=16, batch 2): 4 steps of one run vs one step of a pack of 4")
         for o in overhead:
