@@ -19,6 +19,7 @@ The run dir `<output>/` holds `metrics.jsonl`, `ckpt/` (cartridge + optimizer, w
 `checkpoint_every` steps; `resume=true` continues exactly), `cartridge.safetensors` and `summary.json`.
 """
 
+import functools
 import json
 import logging
 import os
@@ -46,6 +47,39 @@ class Example:
     positions: list[int]  # indices into ids
     top_ids: list[list[int]]  # [len(positions), k]
     top_logprobs: list[list[float]]
+
+    @functools.cached_property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids [n], positions [m], top_ids [m, k], top_logprobs [m, k]) as CPU tensors, built once: an example
+        recurs in every epoch, and per-token Python in the step loop would starve the GPU. Rows shorter than
+        the longest are padded with probability-0 entries (log p = -inf contributes 0 to the loss)."""
+        k = max((len(t) for t in self.top_ids), default=1)
+        top_ids = [t + [0] * (k - len(t)) for t in self.top_ids]
+        top_lp = [t + [float("-inf")] * (k - len(t)) for t in self.top_logprobs]
+        return (
+            torch.tensor(self.ids, dtype=torch.long),
+            torch.tensor(self.positions, dtype=torch.long),
+            torch.tensor(top_ids, dtype=torch.long).reshape(len(self.positions), k),
+            torch.tensor(top_lp, dtype=torch.float32).reshape(len(self.positions), k),
+        )
+
+
+def _targets(pieces: list[tuple[int, int, Example]], device) -> dict[str, torch.Tensor]:
+    """rows, cols, top_ids [N, k], top_logprobs [N, k] of the examples placed at (row, column offset)."""
+    k = max(ex.tensors[2].shape[1] for _, _, ex in pieces)
+    rows, cols, top_ids, top_lp = [], [], [], []
+    for b, offset, ex in pieces:
+        _, positions, ti, tl = ex.tensors
+        rows.append(torch.full_like(positions, b))
+        cols.append(positions + offset)
+        top_ids.append(torch.nn.functional.pad(ti, (0, k - ti.shape[1])))
+        top_lp.append(torch.nn.functional.pad(tl, (0, k - tl.shape[1]), value=float("-inf")))
+    return {
+        "rows": torch.cat(rows).to(device),
+        "cols": torch.cat(cols).to(device),
+        "top_ids": torch.cat(top_ids).to(device),  # [N, k]
+        "top_logprobs": torch.cat(top_lp).to(device),
+    }
 
 
 def conversation_examples(rows, method: str) -> list[Example]:
@@ -105,39 +139,35 @@ def schedule(examples: list[Example], cfg: DistillConfig) -> list[list[list[Exam
 
 
 def collate(batch: list[list[Example]], num_prefix: int, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
-    """Tensors of packed rows. mask `[B, 1, T, p + T]` additive: 0 where a token may attend, dtype-min elsewhere."""
+    """Tensors of packed rows. mask `[B, 1, T, p + T]` additive: 0 where a token may attend, dtype-min elsewhere.
+
+    The mask is built on `device` from the per-token example index: a [B, T] copy instead of [B, T, p + T]."""
     width = max(sum(len(ex.ids) for ex in row) for row in batch)
-    k = max(len(t) for row in batch for ex in row for t in ex.top_ids)
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     pos = torch.full((len(batch), width), num_prefix, dtype=torch.long)
     seg = torch.full((len(batch), width), -1, dtype=torch.long)  # example index within the row; -1 padding
-    rows, cols, top_ids, top_lp = [], [], [], []
+    arange = torch.arange(width)
+    pieces = []
     for b, row in enumerate(batch):
         offset = 0
         for e, ex in enumerate(row):
             n = len(ex.ids)
-            ids[b, offset : offset + n] = torch.tensor(ex.ids)
-            pos[b, offset : offset + n] = num_prefix + torch.arange(n)
+            ids[b, offset : offset + n] = ex.tensors[0]
+            pos[b, offset : offset + n] = num_prefix + arange[:n]
             seg[b, offset : offset + n] = e
-            for p, ti, tl in zip(ex.positions, ex.top_ids, ex.top_logprobs):
-                rows.append(b)
-                cols.append(offset + p)
-                # pad k with probability-0 entries (log p = -inf contributes 0 to the loss)
-                top_ids.append(ti + [0] * (k - len(ti)))
-                top_lp.append(tl + [float("-inf")] * (k - len(tl)))
+            pieces.append((b, offset, ex))
             offset += n
-    causal = torch.arange(width)[:, None] >= torch.arange(width)[None, :]  # [T, T]
+    seg = seg.to(device)
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()  # [T, T]
     same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] >= 0)  # [B, T, T]
-    allowed = torch.cat([torch.ones(len(batch), width, num_prefix, dtype=torch.bool), same & causal], dim=-1)
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    prefix = torch.ones(len(batch), width, num_prefix, dtype=torch.bool, device=device)
+    allowed = torch.cat([prefix, same & causal], dim=-1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
     return {
         "input_ids": ids.to(device),
         "position_ids": pos.to(device),
-        "attention_mask": mask[:, None].to(device),  # [B, 1, T, p + T]
-        "rows": torch.tensor(rows, device=device),
-        "cols": torch.tensor(cols, device=device),
-        "top_ids": torch.tensor(top_ids, dtype=torch.long, device=device),  # [N, k]
-        "top_logprobs": torch.tensor(top_lp, dtype=torch.float32, device=device),
+        "attention_mask": mask[:, None],  # [B, 1, T, p + T]
+        **_targets(pieces, device),
     }
 
 
@@ -148,23 +178,10 @@ def collate_rows(batch: list[list[Example]], device) -> dict[str, torch.Tensor]:
     """
     examples = [ex for row in batch for ex in row]
     width = max(len(ex.ids) for ex in examples)
-    k = max(len(t) for ex in examples for t in ex.top_ids)
     ids = torch.zeros(len(examples), width, dtype=torch.long)
-    rows, cols, top_ids, top_lp = [], [], [], []
     for b, ex in enumerate(examples):
-        ids[b, : len(ex.ids)] = torch.tensor(ex.ids)
-        for p, ti, tl in zip(ex.positions, ex.top_ids, ex.top_logprobs):
-            rows.append(b)
-            cols.append(p)
-            top_ids.append(ti + [0] * (k - len(ti)))
-            top_lp.append(tl + [float("-inf")] * (k - len(tl)))
-    return {
-        "input_ids": ids.to(device),
-        "rows": torch.tensor(rows, device=device),
-        "cols": torch.tensor(cols, device=device),
-        "top_ids": torch.tensor(top_ids, dtype=torch.long, device=device),  # [N, k]
-        "top_logprobs": torch.tensor(top_lp, dtype=torch.float32, device=device),
-    }
+        ids[b, : len(ex.ids)] = ex.tensors[0]
+    return {"input_ids": ids.to(device), **_targets([(b, 0, ex) for b, ex in enumerate(examples)], device)}
 
 
 def make_batch(cartridge, batch: list[list[Example]], model, device) -> dict[str, torch.Tensor]:
@@ -333,10 +350,11 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None) -> dict:
         loss.backward()
         optimizer.step()
         tokens += int(batch["input_ids"].numel())
-        loss_sum, loss_n = loss_sum + loss.item(), loss_n + 1
+        # the loss is read back only at log lines, so the host collates the next batch while the GPU works
+        loss_sum, loss_n = loss_sum + loss.detach(), loss_n + 1
         bar.update(1)
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-            row = {"step": step + 1, "loss": loss_sum / loss_n, "tokens": tokens, "time_s": time.time() - t0}
+            row = {"step": step + 1, "loss": float(loss_sum) / loss_n, "tokens": tokens, "time_s": time.time() - t0}
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
             bar.set_postfix(loss=f"{row['loss']:.4f}")

@@ -66,3 +66,37 @@ def test_hard_labels_loss_is_cross_entropy(setup):
     targets = ids[0, start:]
     expected = -logits[start - 1 : -1].gather(1, targets[:, None]).mean()
     torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_collate_targets_equal_a_per_token_reference():
+    """The vectorised targets (one tensor per example, built once) equal a per-token walk over the packed rows,
+    with ragged top-k rows padded by probability-0 entries."""
+    from cartridges.distill import Example
+
+    examples = [
+        Example([5, 6, 7, 8], [1, 2], [[7, 9], [8]], [[-0.1, -2.0], [0.0]]),
+        Example([1, 2, 3], [0, 1, 2], [[2], [3, 4, 5], [0]], [[0.0], [-0.5, -1.0, -3.0], [0.0]]),
+        Example([4, 4], [0], [[4]], [[0.0]]),
+    ]
+    batch = [[examples[0], examples[1]], [examples[2]]]
+    got = collate(batch, num_prefix=3, dtype=torch.float32, device="cpu")
+    k = 3
+    rows, cols, top_ids, top_lp = [], [], [], []
+    for b, row in enumerate(batch):
+        offset = 0
+        for ex in row:
+            for p, ti, tl in zip(ex.positions, ex.top_ids, ex.top_logprobs):
+                rows.append(b)
+                cols.append(offset + p)
+                top_ids.append(ti + [0] * (k - len(ti)))
+                top_lp.append(tl + [float("-inf")] * (k - len(tl)))
+            offset += len(ex.ids)
+    assert got["rows"].tolist() == rows and got["cols"].tolist() == cols
+    assert got["top_ids"].tolist() == top_ids
+    assert torch.equal(got["top_logprobs"], torch.tensor(top_lp, dtype=torch.float32))
+    assert got["input_ids"].tolist() == [[5, 6, 7, 8, 1, 2, 3], [4, 4, 0, 0, 0, 0, 0]]
+    assert got["position_ids"].tolist() == [[3, 4, 5, 6, 3, 4, 5], [3, 4, 3, 3, 3, 3, 3]]
+    allowed = got["attention_mask"][:, 0] == 0  # [B, T, p + T]
+    assert allowed[:, :, :3].all()  # every token sees the cartridge
+    assert allowed[0, 5, 3 + 4] and not allowed[0, 5, 3 + 3]  # own example only, across the packed boundary
+    assert not allowed[0, 4, 3 + 5]  # causal
