@@ -214,9 +214,14 @@ def train(cfg: Config, resolved_yaml: str | None = None) -> dict[str, Any]:
     if cfg.train.pack_lrs:
         raise ConfigError("train.pack_lrs is set: train the pack with zoo.packed.train_packed (or zoo-train)")
     if cfg.train.cuda_graph and resolve_device(cfg.train.device).type == "cuda":
-        from zoo.packed import train_packed  # the captured step lives there; this run trains as a pack of one
+        from zoo.packed import PackError, check_pack, train_packed  # the captured step lives there
 
-        return train_packed([cfg], [resolved_yaml])[0]
+        try:
+            check_pack([cfg])
+        except PackError as e:
+            log.warning("train.cuda_graph=true: %s; this run trains without a graph", e)
+        else:
+            return train_packed([cfg], [resolved_yaml])[0]  # a pack of one
     name = run_name(cfg)
     run = RunDir(Path(cfg.runs_root) / cfg.experiment_name / name)
     if run.exists() and not (cfg.train.resume or cfg.train.overwrite):

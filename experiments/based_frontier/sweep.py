@@ -12,6 +12,7 @@ mixture (n = 16, 32, 64; 20k each), 32 epochs, early stop at 0.99.
 
     zoo-sweep experiments/based_frontier/sweep.py --runs-root runs
     python experiments/based_frontier/plot.py runs/based_frontier
+    ZOO_FRONTIER=reduced zoo-sweep experiments/based_frontier/sweep.py --pack-lrs train.cuda_graph=true  # H200
     ZOO_FRONTIER=tiny zoo-sweep experiments/based_frontier/sweep.py --device cpu --runs-root runs   # CPU smoke
 """
 
@@ -19,7 +20,10 @@ import os
 
 
 def sweep():
-    tiny = os.environ.get("ZOO_FRONTIER") == "tiny"
+    grid = os.environ.get("ZOO_FRONTIER", "full")
+    if grid not in ("full", "reduced", "tiny"):
+        raise ValueError(f"ZOO_FRONTIER must be full, reduced or tiny, got {grid!r}")
+    tiny = grid == "tiny"
     if tiny:
         L, pairs, n_train, n_eval, epochs, lrs, dims = 64, [4, 8], 1000, 200, 6, [3e-3], [16, 32]
         features, windows, states, experiment = [2, 4, 8], [8, 16], [4, 8], "based_frontier_tiny"
@@ -34,6 +38,9 @@ def sweep():
             [64, 128, 256],
         )
         features, windows, states, experiment = [4, 8, 16, 24], [16, 32, 64, 128], [8, 16, 32], "based_frontier"
+        if grid == "reduced":  # one H200 call of a few minutes: d_model 128 only, fewer dials, 2 lrs, 12 epochs
+            dims, features, windows, states = [128], [4, 8, 16], [16, 32, 64], [8, 16]
+            lrs, epochs, experiment = [1e-3, 3e-3], 12, "based_frontier_reduced"
     batch = 256 if L >= 256 else 64
 
     def segs(k: int) -> list[dict]:
@@ -58,7 +65,7 @@ def sweep():
         models += [{"model": "mamba", "model.d_model": d, "model.mixers.mamba.d_state": n} for n in states]
         models += [{"model": "gla", "model.d_model": d, "+model.mixers.gla.impl": impl}]
         models += [{"model": "gated_deltanet", "model.d_model": d, "+model.mixers.gated_deltanet.impl": impl}]
-        if d <= dims[1]:
+        if d <= dims[min(1, len(dims) - 1)]:
             models += [
                 {
                     "model": "sliding_window",

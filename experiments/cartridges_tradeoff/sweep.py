@@ -11,11 +11,17 @@ Every stage writes into `--out` and is skipped when its output exists, so an int
 
 The H200 run (default sizes 64..1024, all methods) is the README command. `--quick` is a CPU smoke run of the
 same pipeline: a few conversations, one size, a few steps, a few questions.
+
+Several GPUs: run one process per GPU on the same `--out`, each with its share of `--methods` and `--no-eval`,
+then once more without `--no-eval` (every stage is found done; it evaluates). Cartridges that need no
+synthetic data (NTP) train first; a process that needs a self-study dataset another process is writing waits
+for it (`--wait-synth`). `--eval-existing` evaluates the cartridges found so far and lists the missing ones.
 """
 
 import argparse
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -36,6 +42,17 @@ def split_document(out: Path) -> tuple[Path, Path]:
     return a, b
 
 
+def _alive(lock: Path) -> bool:
+    """Whether the process whose pid `lock` holds is running (a killed writer leaves a stale lock)."""
+    try:
+        os.kill(int(lock.read_text()), 0)
+    except (FileNotFoundError, ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/cartridges_tradeoff")
@@ -48,6 +65,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-size", type=int, default=4, help="packed rows per distillation step")
     p.add_argument("--synth-batch", type=int, default=64)
     p.add_argument("--compose-size", type=int, default=256, help="0 skips the composition arm")
+    p.add_argument("--compose-conversations", type=int, default=0,
+                   help="self-study conversations per half for composition (0: half of --conversations)")
+    p.add_argument("--no-eval", action="store_true", help="train only (another process evaluates)")
+    p.add_argument("--eval-existing", action="store_true",
+                   help="evaluate the cartridges trained so far instead of training the missing ones")
+    p.add_argument("--wait-synth", type=float, default=900.0,
+                   help="seconds to wait for a self-study dataset another process is writing")
     p.add_argument("--questions", type=int, default=0, help="first N questions only (0: all)")
     p.add_argument("--device", default="auto")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: overrides sizes, counts and steps")
@@ -83,18 +107,33 @@ def main(argv: list[str] | None = None) -> None:
 
     def synth(name: str, corpus: Path, n: int) -> Path:
         target = out / name
+        lock = out / f".{name}.synthesizing"  # holds the writer's pid
+        deadline = time.time() + args.wait_synth
+        while not (target / "dataset").is_dir() and _alive(lock) and time.time() < deadline:
+            time.sleep(5)  # another process of this sweep is writing it
         if not (target / "dataset").is_dir():
-            cfg, _ = load_config(
-                "synthesize", [*synth_common, f"corpus.path={corpus}", f"output={target}", f"num_conversations={n}"]
-            )
-            t0 = time.time()
-            self_study.synthesize(cfg, model, tokenizer)
-            timings[f"synthesize/{name}"] = time.time() - t0
+            lock.write_text(str(os.getpid()))
+            try:
+                _synthesize(name, corpus, n, target)
+            finally:
+                lock.unlink(missing_ok=True)
         return target
 
-    def train(name: str, corpus: Path, data: Path, size: int, method: str) -> Path:
+    def _synthesize(name: str, corpus: Path, n: int, target: Path) -> None:
+        cfg, _ = load_config(
+            "synthesize", [*synth_common, f"corpus.path={corpus}", f"output={target}", f"num_conversations={n}"]
+        )
+        t0 = time.time()
+        self_study.synthesize(cfg, model, tokenizer)
+        timings[f"synthesize/{name}"] = time.time() - t0
+
+    def train(name: str, corpus: Path, data, size: int, method: str) -> Path:
+        """The cartridge `name`; `data` is the self-study dir or a callable giving it (synthesized when first
+        needed)."""
         target = out / name
-        if not (target / "cartridge.safetensors").is_file():
+        if not (target / "cartridge.safetensors").is_file() and not args.eval_existing:
+            # NTP trains on the document itself; the other methods on a self-study set
+            data = out / "ss" if method == "ntp" else data() if callable(data) else data
             cfg, _ = load_config(
                 "distill",
                 [
@@ -119,24 +158,39 @@ def main(argv: list[str] | None = None) -> None:
             timings[f"distill/{name}"] = time.time() - t0
         return target / "cartridge.safetensors"
 
-    ss = synth("ss", doc, args.conversations)
+    def ss() -> Path:
+        return synth("ss", doc, args.conversations)
+
     cartridges = {}
-    for size in args.sizes:
-        for method in args.methods:
+    # NTP needs no synthetic data: it trains first, while another process may be writing the self-study set.
+    for method in sorted(args.methods, key=lambda m: m != "ntp"):
+        for size in args.sizes:
             cartridges[f"{method}_{size}"] = train(f"c{size}_{method}", doc, ss, size, method)
     if args.compose_size:
         part1, part2 = split_document(out)
         halves = []
+        n_half = args.compose_conversations or args.conversations // 2
         for i, part in enumerate((part1, part2), start=1):
-            data = synth(f"ss_part{i}", part, args.conversations // 2)
-            halves.append(train(f"compose/part{i}", part, data, args.compose_size, "self_study"))
+            halves.append(
+                train(
+                    f"compose/part{i}", part, lambda i=i, part=part: synth(f"ss_part{i}", part, n_half),
+                    args.compose_size, "self_study",
+                )
+            )
         from cartridges.cache import Cartridge
 
         composed = out / "compose" / "composed.safetensors"
-        if not composed.is_file():
+        if not composed.is_file() and all(h.is_file() for h in halves):
             Cartridge.concat([Cartridge.load(h, model) for h in halves]).save(composed)
         cartridges[f"compose_2x{args.compose_size}"] = composed
         cartridges[f"part1_only_{args.compose_size}"] = halves[0]
+    if args.no_eval:
+        print(json.dumps({"trained": sorted(cartridges), "timings_s": timings}))
+        return
+    missing = sorted(name for name, path in cartridges.items() if not Path(path).is_file())
+    if missing:
+        print(f"not trained yet, left out of the evaluation: {', '.join(missing)}")
+        cartridges = {name: path for name, path in cartridges.items() if name not in missing}
 
     eval_args = [
         *common,

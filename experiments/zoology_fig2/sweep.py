@@ -9,6 +9,8 @@ Each length is its own run (one panel of the figure). Learning rates are selecte
     zoo-sweep experiments/zoology_fig2/sweep.py --runs-root runs          # the full grid (GPU)
     ZOO_FIG2=tiny zoo-sweep experiments/zoology_fig2/sweep.py --device cpu --runs-root runs   # CPU smoke grid
 
+`ZOO_FIG2=reduced` keeps the grid's settings but runs the L=64 panel only, d_model ∈ {64, 128}, at most 16 epochs
+(56 runs, experiment zoology_fig2_reduced): the part one H200 call of a few minutes holds.
 `ZOO_FIG2=tiny` shrinks everything (L ∈ {32, 64}, d ∈ {16, 32}, one lr, 2k examples, 8 epochs, naive impls)
 so the whole pipeline runs on a laptop CPU; it lands in its own experiment, zoology_fig2_tiny.
 """
@@ -32,7 +34,10 @@ def model_overrides(mixer: str, L: int, gpu: bool) -> dict:
 
 
 def sweep():
-    tiny = os.environ.get("ZOO_FIG2") == "tiny"
+    grid = os.environ.get("ZOO_FIG2", "full")
+    if grid not in ("full", "reduced", "tiny"):
+        raise ValueError(f"ZOO_FIG2 must be full, reduced or tiny, got {grid!r}")
+    tiny = grid == "tiny"
     if tiny:
         lengths, d_models, lrs = [(32, 2, 64), (64, 4, 64)], [16, 32], [3e-3]
         n_train, n_valid, n_test, epochs, experiment = 2000, 200, 300, 8, "zoology_fig2_tiny"
@@ -40,6 +45,8 @@ def sweep():
         lengths, d_models = [(64, 4, 512), (128, 8, 512), (256, 16, 256)], [64, 128, 256, 512]
         lrs = [1e-4, 10 ** (-4 + 2 / 3), 10 ** (-4 + 4 / 3), 1e-2]
         n_train, n_valid, n_test, epochs, experiment = 100_000, 1000, 3000, 64, "zoology_fig2"
+        if grid == "reduced":  # what one H200 call of a few minutes holds: the L=64 panel, d <= 128, 16 epochs
+            lengths, d_models, epochs, experiment = lengths[:1], d_models[:2], 16, "zoology_fig2_reduced"
     runs = []
     for L, n, batch in lengths:
         seg = {"seq_len": L, "num_kv_pairs": n, "batch_size": batch}
