@@ -10,7 +10,7 @@ of s = scale·q·kᵀ; across chunks it carries the three Taylor orders of the s
     order 1: S1 = Σ k vᵀ [K, BV],   z1 = Σ k [K]
     order 2: S2 = Σ (k⊗k) vᵀ [K², BV], Z2 = Σ k kᵀ [K, K]
 
-(order 2 in the default mode 3 as a diagonal block plus one row per unordered pair: see FWD_EXPAND below),
+(order 2 in the default mode 5 as a diagonal block plus one row per unordered pair, in two halves: see FWD_EXPAND),
 so the E = 153 Taylor features never touch HBM: q, k, v are read once and o is written once. The E-feature
 state (kv [B,H,E,V], k_sum [B,H,E], FLA's TaylorFeatureMap order) is converted to and from these orders only at
 the boundaries (`naive.state_to_orders`, `naive.orders_to_state`), in fp32.
@@ -40,11 +40,12 @@ DOT_IEEE, DOT_TF32, DOT_BF16 = 0, 1, 2
 # updates transposed straight from memory (no register transposes). Mode 5 is mode 3 with the pair rows in two
 # halves (d = 1..4 and 5..8), each its own state tensor and dots, so the [BC, 64] pair features of one half are
 # live at a time: compiled for sm_90a (kernels/based/sm90_report.py) the BC=64 forward spills 132 B instead of
-# 534; not yet timed, so opt-in. FWD_EXPAND / BWD_EXPAND pick the mode for the forward / backward. Measured on
-# the H200 (bf16, T=4096, experiments/LOG.md): mode 3 forward 0.462 ms and forward+backward 2.31 ms, against
-# 0.684 / 3.01 for mode 1 and 0.981 / 3.09 for mode 2; mode 3 is the default.
-FWD_EXPAND = 3
-BWD_EXPAND = 3
+# 534. FWD_EXPAND / BWD_EXPAND pick the mode for the forward / backward. Measured on the H200 (bf16, T=4096,
+# BV=32, 4 warps, experiments/LOG.md session 4): mode 5 forward 0.386 ms (BC=64) and forward+backward 2.256 ms
+# (backward BC=32), against 0.465 / 2.302 for mode 3, 0.684 / 3.01 for mode 1 and 0.981 / 3.09 for mode 2;
+# mode 5 is the default.
+FWD_EXPAND = 5
+BWD_EXPAND = 5
 
 
 def _expand_mode(BK: int, forward: bool) -> int:
