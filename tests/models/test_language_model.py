@@ -146,3 +146,22 @@ def test_bad_inputs_raise_value_error():
         lm.step(tokens(2, 1), lm.init_state(2))
     with pytest.raises(ValueError, match="one entry per layer"):
         lm(tokens(2, 3), lm.init_state(2)[:2])
+
+
+def test_layernorm_equals_torch_layernorm():
+    """zoo's LayerNorm (affine part as a multiply-add) computes nn.LayerNorm's values and gradients, fp64."""
+    from zoo.models.block import LayerNorm
+
+    torch.manual_seed(0)
+    ref, ours = torch.nn.LayerNorm(24).double(), LayerNorm(24).double()
+    with torch.no_grad():
+        ref.weight.normal_()
+        ref.bias.normal_()
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(3, 7, 24, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(3, 7, 24, dtype=torch.float64)
+    y_ref, y = ref(x), ours(x)
+    torch.testing.assert_close(y, y_ref)
+    for a, b in zip(torch.autograd.grad(y, (x, ours.weight, ours.bias), g),
+                    torch.autograd.grad(y_ref, (x, ref.weight, ref.bias), g)):
+        torch.testing.assert_close(a, b)
