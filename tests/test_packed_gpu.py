@@ -33,14 +33,16 @@ def params(run_dir):
 def test_graphed_pack_equals_eager_pack(tmp_path, model):
     runs = {}
     for graph in (False, True):
-        cfg, _ = load_config([*SMALL, f"model={model}", f"runs_root={tmp_path / str(graph)}"])
+        # one runs_root for both (it is part of a run's name), each training moved aside after it
+        cfg, _ = load_config([*SMALL, f"model={model}", f"runs_root={tmp_path / 'runs'}"])
         cfg.train.cuda_graph = graph
         runs[graph] = train_packed(pack_members(cfg, [1e-3, 1e-2]))
+        (tmp_path / "runs" / "default").rename(tmp_path / str(graph))
     for eager, graphed in zip(runs[False], runs[True]):
         assert eager["run"] == graphed["run"] and eager["steps"] == graphed["steps"] == 30
         assert graphed["test/accuracy"] == pytest.approx(eager["test/accuracy"], abs=1 / 128)
-        ref = params(tmp_path / "False" / "default" / eager["run"])
-        got = params(tmp_path / "True" / "default" / graphed["run"])
+        ref = params(tmp_path / "False" / eager["run"])
+        got = params(tmp_path / "True" / graphed["run"])
         for name, value in ref.items():
             torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-5)
 

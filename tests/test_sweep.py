@@ -199,3 +199,15 @@ def test_record_is_rewritten_after_every_job(tmp_path, monkeypatch):
     record = json.loads((tmp_path / "_sweeps" / "t.json").read_text())
     assert [r["status"] for r in record["runs"]] == ["finished", "pending", "pending"]
     assert (record["finished"], record["pending"]) == (1, 2)
+
+
+def test_worker_gpu_is_taken_from_the_visible_devices():
+    """A worker of a sweep started under CUDA_VISIBLE_DEVICES=1 (cuda:0 in the sweep) must stay on GPU 1."""
+    from zoo.sweep import visible_device
+
+    assert visible_device(0, {"CUDA_VISIBLE_DEVICES": "1"}) == "1"
+    assert visible_device(1, {"CUDA_VISIBLE_DEVICES": "2, 3"}) == "3"
+    assert visible_device(1, {}) == "1"
+    assert visible_device(0, {"CUDA_VISIBLE_DEVICES": ""}) == "0"
+    with pytest.raises(ValueError, match="not among"):
+        visible_device(2, {"CUDA_VISIBLE_DEVICES": "0,1"})

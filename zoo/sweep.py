@@ -125,7 +125,7 @@ def _worker_init(devices, threads: int) -> None:
     os.environ["ZOO_SWEEP_DEVICE"] = device
     if device.startswith("cuda:"):
         # Before torch initialises CUDA in this process: the worker sees its one GPU as cuda:0.
-        os.environ["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_device(int(device.split(":", 1)[1]))
     import torch
 
     torch.set_num_threads(threads)
@@ -241,6 +241,19 @@ def run_pack(runs: list[list[str]], extra: list[str]) -> list[dict[str, Any]]:
 def run_job(runs: list[list[str]], extra: list[str]) -> list[dict[str, Any]]:
     """One job of the pool: a single run, or a group of runs differing only in optim.lr (a pack)."""
     return [run_one(runs[0], extra)] if len(runs) == 1 else run_pack(runs, extra)
+
+
+def visible_device(index: int, environ=os.environ) -> str:
+    """The CUDA_VISIBLE_DEVICES entry of the sweep's GPU `index` (cuda:index in the sweep's process).
+
+    Indices count the GPUs the sweep sees, so under CUDA_VISIBLE_DEVICES=2,3 GPU 1 is device "3"; writing the
+    bare index would move a worker onto another GPU (it once put a sweep meant for GPU 1 onto GPU 0)."""
+    visible = [d.strip() for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if not visible:
+        return str(index)
+    if index >= len(visible):
+        raise ValueError(f"GPU {index} is not among CUDA_VISIBLE_DEVICES={environ['CUDA_VISIBLE_DEVICES']}")
+    return visible[index]
 
 
 def devices_for(device: str, workers: int) -> list[str]:
