@@ -269,3 +269,20 @@ def test_captured_step_path_equals_standalone_runs(tmp_path, model):
     assert [s["run"] for s in got] == [s["run"] for s in refs]
     for s in refs:
         assert_same_run(ref_root / s["run"], tmp_path / "default" / s["run"], config=False)
+
+
+def test_a_pack_that_disagrees_with_its_plain_model_fails_before_training(tmp_path, monkeypatch):
+    """The runtime agreement check: a vmap rule that computes something else (here: a scaled loss) stops the
+    pack with a one-line PackError before any run dir is written, and zoo-sweep then trains the runs unpacked."""
+    from zoo.sweep import run_pack
+
+    original = _Pack._member_loss
+    monkeypatch.setattr(_Pack, "_member_loss", lambda self, *args: 1.5 * original(self, *args))
+    cfg, _ = cfg_of(tmp_path, "model=attention", "train.epochs=1")
+    with pytest.raises(PackError, match="disagrees with the plain one"):
+        train_packed(pack_members(cfg, LRS[:2]))
+    assert not (tmp_path / "default").exists()
+    runs = [[*TINY, "model=attention", "train.epochs=1", f"optim.lr={lr}", f"runs_root={tmp_path}"] for lr in LRS[:2]]
+    records = run_pack(runs, [])
+    assert [r["status"] for r in records] == ["finished", "finished"]
+    assert all("disagrees" in r["unpacked"] for r in records)

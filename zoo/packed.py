@@ -25,6 +25,10 @@ Limits, each a one-line PackError before any work:
   batches and cannot share a forward pass. Pack learning rates; run seeds as separate packs.
 - Every mixer runs at impl=naive: the FLA and Triton kernels have no vmap rule.
 - No train.compile (train.cuda_graph captures the whole step instead) and no wandb mirror yet.
+- Before training, row 0's loss and gradient on 8 examples must equal the plain model's (`check_agreement`):
+  on the H200, vmapped attention trained to NaN within 50 steps (session 4), so a device whose vmap rules
+  compute something else gets a PackError, and zoo-sweep trains those runs unpacked. Inside the pack,
+  scaled_dot_product_attention uses its math backend.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 from torch.func import functional_call, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm.auto import tqdm
 
 from zoo.config import SPLITS, Config, ConfigError, OptimConfig
@@ -180,8 +185,33 @@ class _Pack:
         return functional_call(self.loss_module, (params, self.buffers), (inputs, query_pos, query_labels))
 
     def losses(self, inputs: torch.Tensor, query_pos: torch.Tensor, query_labels: torch.Tensor) -> torch.Tensor:
-        """The loss of every member on one batch: [N]."""
-        return self._batched_loss(self.views(self.flat), inputs, query_pos, query_labels)
+        """The loss of every member on one batch: [N].
+
+        scaled_dot_product_attention runs its math backend here: under vmap on the H200 the fused kernels gave
+        NaN losses within the first 50 steps at every lr (session 4), where the unpacked model trains."""
+        with sdpa_kernel(SDPBackend.MATH):
+            return self._batched_loss(self.views(self.flat), inputs, query_pos, query_labels)
+
+    def check_agreement(self, model: LanguageModel, batch: tuple[torch.Tensor, ...], amp, rtol: float) -> None:
+        """PackError unless row 0's loss and gradient on `batch` equal those of the plain `model` holding row 0's
+        parameters, within `rtol` (relative to the gradient's norm): a vmap rule that computes something else on
+        this device must not train the pack silently."""
+        with amp:
+            losses = self.losses(*batch)
+        (grad,) = torch.autograd.grad(losses[0], self.flat)
+        self.to_model(0, model)
+        with amp:
+            loss = query_loss(model, *batch)
+        ref = torch.autograd.grad(loss, [p for _, p in model.named_parameters()])
+        ref = torch.cat([g.reshape(-1) for g in ref]).float()
+        got = grad[0].float()
+        err = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+        loss_err = abs(float(losses[0]) - float(loss)) / max(abs(float(loss)), 1e-30)
+        if not (torch.isfinite(got).all() and err <= rtol and loss_err <= rtol):
+            raise PackError(
+                f"the vmapped model disagrees with the plain one on {self.flat.device} (loss {float(losses[0]):.4g} vs "
+                f"{float(loss):.4g}, gradient relative error {err:.3g} > {rtol:g}); train these runs unpacked"
+            )
 
     @torch.no_grad()
     def adamw_step(self, lr_factor: float | torch.Tensor, t: int | torch.Tensor) -> None:
@@ -366,6 +396,10 @@ def train_packed(members: list[Config], resolved: list[str | None] | None = None
     total_steps = steps_per_epoch * cfg.train.epochs
     pack = _Pack(model, [members[i].optim.lr for i in todo], cfg.optim, total_steps)
     f = lr_lambda(total_steps, cfg.optim.warmup_frac, cfg.optim.min_lr_ratio)
+    first = data["train"][0]
+    check = first.inputs[:8], first.query_pos[:8], first.query_labels[:8]
+    # bf16 autocast rounds the two computations differently; fp32 agrees to rounding
+    pack.check_agreement(scratch, check, amp, rtol=5e-2 if device.type == "cuda" else 1e-3)
 
     n = len(todo)
     start_epoch, step, wall_before, tokens = 0, 0, 0.0, 0

@@ -221,7 +221,10 @@ def train(cfg: Config, resolved_yaml: str | None = None) -> dict[str, Any]:
         except PackError as e:
             log.warning("train.cuda_graph=true: %s; this run trains without a graph", e)
         else:
-            return train_packed([cfg], [resolved_yaml])[0]  # a pack of one
+            try:
+                return train_packed([cfg], [resolved_yaml])[0]  # a pack of one
+            except PackError as e:  # raised before the run dir is touched
+                log.warning("train.cuda_graph=true: %s; this run trains without a graph", e)
     name = run_name(cfg)
     run = RunDir(Path(cfg.runs_root) / cfg.experiment_name / name)
     if run.exists() and not (cfg.train.resume or cfg.train.overwrite):
