@@ -88,6 +88,9 @@ class Scale:
     curriculum: bool = True  # sheets of 1..entities entities, their questions repeated to fill the window
     precision: str = "auto"  # pretraining train.precision: auto (bf16 autocast on CUDA), fp32 or bf16
     answer_loss: bool = False  # pretrain on the answers' tokens only (a tokenized dataset with labels)
+    # kv1: one-token keys per entity (3: as many facts as kv). 1 gives sheets of `entities` facts (1..entities
+    # with the curriculum), the size at which the attention LM learns recall on the CPU (README, "Recipe search")
+    names_per_entity: int = 3
 
 
 # Recipe (README, "Recipe search"): one-token names and values, "name attribute value" lines, a query region of
@@ -110,12 +113,14 @@ def name_pool(n: int) -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
-def make_sheet(rng: random.Random, entities: int, names: int = 128, layout: str = "kv") -> tuple[str, list[dict]]:
+def make_sheet(
+    rng: random.Random, entities: int, names: int = 128, layout: str = "kv", names_per_entity: int = 3
+) -> tuple[str, list[dict]]:
     """(sheet text, QA items) of one fact sheet: `entities` names from the pool, fresh values."""
     lines, qa = [], []
-    if layout == "kv1":  # one-token keys: 3·entities names, one value each (the same number of facts)
+    if layout == "kv1":  # one-token keys: names_per_entity·entities names, one value each (3: kv's number of facts)
         values = [v for vals in ATTRIBUTES.values() for v in vals]
-        for name in rng.sample(name_pool(names), 3 * entities):
+        for name in rng.sample(name_pool(names), names_per_entity * entities):
             value = rng.choice(values)
             lines.append(f"{name} {value}")
             qa.append({"question": name, "answer": value})
@@ -140,7 +145,7 @@ def pretraining_text(rng: random.Random, scale: Scale, entities: int | None = No
     format of the cartridges code."""
     from cartridges.corpus import CONTEXT_INSTRUCTION
 
-    sheet, qa = make_sheet(rng, entities or scale.entities, scale.names, scale.layout)
+    sheet, qa = make_sheet(rng, entities or scale.entities, scale.names, scale.layout, scale.names_per_entity)
     turn = "{} {}\n" if scale.layout in ("kv", "kv1") else "Q: {}\nA: {}\n"
     turns = [turn.format(it["question"], it["answer"]) for _ in range(scale.passes) for it in rng.sample(qa, len(qa))]
     return f"{CONTEXT_INSTRUCTION}{sheet}\n", turns
@@ -419,7 +424,7 @@ def recall_accuracy(model, tok, scale: Scale, seed: int, sheets: int = 8) -> flo
     rng = random.Random(f"recall:{seed}")
     correct = total = 0
     for _ in range(sheets):
-        sheet, qa = make_sheet(rng, scale.entities, scale.names, scale.layout)
+        sheet, qa = make_sheet(rng, scale.entities, scale.names, scale.layout, scale.names_per_entity)
         outs = answer(model, tok, qa, context=context_ids(tok, sheet))
         correct += sum(o == it["answer"] for o, it in zip(outs, qa))
         total += len(qa)
@@ -440,11 +445,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--conversations", type=int, default=0, help="self-study conversations (0: the scale's)")
     p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default=None, help="pretraining precision")
     p.add_argument("--answer-loss", action="store_true", help="pretrain on the answers' tokens only")
+    p.add_argument("--batch-size", type=int, default=0, help="pretraining windows per step (0: the scale's)")
+    p.add_argument("--names-per-entity", type=int, default=0, help="kv1: names (facts) per entity (0: the scale's, 3)")
     args = p.parse_args(argv)
     scale = dataclasses.replace(QUICK if args.quick else FULL)
     for field, value in (("steps", args.steps), ("layout", args.layout), ("entities", args.entities),
                          ("lr", args.lr), ("conversations", args.conversations), ("precision", args.precision),
-                         ("answer_loss", args.answer_loss)):
+                         ("answer_loss", args.answer_loss), ("batch_size", args.batch_size),
+                         ("names_per_entity", args.names_per_entity)):
         if value:
             setattr(scale, field, value)
 
@@ -473,7 +481,9 @@ def main(argv: list[str] | None = None) -> None:
         timings[f"pretrain/{name}"] = time.time() - t
 
     # The corpus: a fresh sheet (a seed no pretraining sheet used), and its QA set.
-    sheet, qa = make_sheet(random.Random(f"eval:{args.seed}"), scale.entities, scale.names, scale.layout)
+    sheet, qa = make_sheet(
+        random.Random(f"eval:{args.seed}"), scale.entities, scale.names, scale.layout, scale.names_per_entity
+    )
     corpus_path = out / "corpus.md"
     corpus_path.write_text(sheet)
     (out / "qa.json").write_text(json.dumps(qa, indent=1))
