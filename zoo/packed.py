@@ -218,7 +218,7 @@ class _Pack:
         """torch.optim.AdamW's update at step t (1-based) with lr = lrs·lr_factor, after clipping per member.
 
         `lr_factor` and `t` may be 0-dim device tensors: then the update reads no host value, so a CUDA graph
-        can capture it and replay it at every step (zoo.graphs)."""
+        can capture it and replay it at every step (`_CapturedSteps`)."""
         o = self.optim
         g = self.flat.grad  # [N, P]
         if o.grad_clip > 0:
