@@ -91,6 +91,15 @@ class Scale:
     # kv1: one-token keys per entity (3: as many facts as kv). 1 gives sheets of `entities` facts (1..entities
     # with the curriculum), the size at which the attention LM learns recall on the CPU (README, "Recipe search")
     names_per_entity: int = 3
+    # the query region: "iid" draws each question uniformly from the sheet's (with replacement); "passes" asks
+    # every question once per pass, each pass a permutation. Passes leak answers: with the values written in
+    # the query lines, a pass's later answers follow by elimination (the values not yet given in this pass),
+    # a shortcut that lowers the answer loss below guessing without any recall (README, "Recipe search").
+    queries: str = "iid"
+    # --answer-loss: also take the loss on the newline after each answer (the runs before). Off: the labels are
+    # the answer's words alone, as MQAR's; with the newline labelled the attention LM learnt no recall on the CPU
+    # (README, "Recipe search"). Answers are then read as the first word after the key (`read_answer`).
+    label_newline: bool = False
 
 
 # Recipe (README, "Recipe search"): one-token names and values, "name attribute value" lines, a query region of
@@ -139,16 +148,30 @@ def make_sheet(
     return "\n".join(lines), qa
 
 
-def pretraining_text(rng: random.Random, scale: Scale, entities: int | None = None) -> tuple[str, list[str]]:
-    """(prefix, turns) of one pretraining document: the sheet as the model reads it in context, then every
-    (entity, attribute) question `passes` times, each pass in random order (MQAR's query region), in the chat
-    format of the cartridges code."""
+def sheet_questions(rng: random.Random, scale: Scale, entities: int | None = None) -> tuple[str, list[str]]:
+    """(prefix, questions) of one pretraining document: the sheet as the model reads it in context, and every
+    (entity, attribute) question with its answer as a turn of the chat format of the cartridges code."""
     from cartridges.corpus import CONTEXT_INSTRUCTION
 
     sheet, qa = make_sheet(rng, entities or scale.entities, scale.names, scale.layout, scale.names_per_entity)
     turn = "{} {}\n" if scale.layout in ("kv", "kv1") else "Q: {}\nA: {}\n"
-    turns = [turn.format(it["question"], it["answer"]) for _ in range(scale.passes) for it in rng.sample(qa, len(qa))]
-    return f"{CONTEXT_INSTRUCTION}{sheet}\n", turns
+    return f"{CONTEXT_INSTRUCTION}{sheet}\n", [turn.format(it["question"], it["answer"]) for it in qa]
+
+
+def draw_queries(rng: random.Random, questions: list[str], passes: int, mode: str) -> list[str]:
+    """passes·len(questions) query turns (MQAR's query region): "iid", each drawn uniformly with replacement, or
+    "passes", every question once per pass in random order (answerable by elimination: Scale.queries)."""
+    if mode == "passes":
+        return [q for _ in range(passes) for q in rng.sample(questions, len(questions))]
+    if mode != "iid":
+        raise ValueError(f"queries must be iid or passes, got {mode!r}")
+    return [rng.choice(questions) for _ in range(passes * len(questions))]
+
+
+def pretraining_text(rng: random.Random, scale: Scale, entities: int | None = None) -> tuple[str, list[str]]:
+    """(prefix, turns) of one pretraining document: the sheet, then `passes`·(its questions) query turns."""
+    prefix, questions = sheet_questions(rng, scale, entities)
+    return prefix, draw_queries(rng, questions, scale.passes, scale.queries)
 
 
 def write_pretraining_data(out: Path, scale: Scale, seed: int) -> tuple[Path, Path]:
@@ -191,7 +214,8 @@ def write_pretraining_data(out: Path, scale: Scale, seed: int) -> tuple[Path, Pa
         docs, pads, rows = [], 0, {"input_ids": [], "labels": []}
         for _ in range(scale.sheets):
             entities = rng.randint(1, scale.entities) if scale.curriculum else scale.entities
-            prefix, turns = pretraining_text(rng, scale, entities)
+            prefix, questions = sheet_questions(rng, scale, entities)
+            turns = draw_queries(rng, questions, scale.passes, scale.queries)
             n, text, used = prefix_length(prefix), prefix, []
             while True:
                 for t in turns:
@@ -200,14 +224,17 @@ def write_pretraining_data(out: Path, scale: Scale, seed: int) -> tuple[Path, Pa
                     n, text = n + length(t), text + t
                     used.append(t)
                 else:
-                    if scale.curriculum:
-                        turns = rng.sample(turns, len(turns))
+                    if scale.curriculum:  # more queries until the window is full
+                        if scale.queries == "passes":
+                            turns = rng.sample(turns, len(turns))
+                        else:
+                            turns = draw_queries(rng, questions, 1, scale.queries)
                         continue
                 break
             docs.append(text + PAD * (scale.seq_len - 1 - n))
             pads += scale.seq_len - 1 - n
             if scale.answer_loss:
-                ids, labels = answer_labels(tok, prefix, used, scale.seq_len - 1)
+                ids, labels = answer_labels(tok, prefix, used, scale.seq_len - 1, scale.label_newline)
                 rows["input_ids"].append(ids)
                 rows["labels"].append(labels)
         check = {length(d) + 1 for d in docs[:200]}
@@ -222,10 +249,13 @@ def write_pretraining_data(out: Path, scale: Scale, seed: int) -> tuple[Path, Pa
     return target, tok_dir
 
 
-def answer_labels(tok, prefix: str, turns: list[str], n_tokens: int) -> tuple[list[int], list[int]]:
+def answer_labels(
+    tok, prefix: str, turns: list[str], n_tokens: int, newline: bool = False
+) -> tuple[list[int], list[int]]:
     """(input_ids, labels) of one document, padded to n_tokens: the labels keep each turn's answer (the words
-    after its key, and the newline) and are -100 on the sheet, the keys and the padding. Pieces tokenize apart
-    (a name, and a word after a space, start a pre-token), so the ids equal the document's own tokenization."""
+    after its key, and with `newline` the newline) and are -100 on the sheet, the keys and the padding. Pieces
+    tokenize apart (a name, and a word after a space, start a pre-token), so the ids equal the document's own
+    tokenization."""
     ids = tok.encode(prefix, add_special_tokens=False)
     labels = [-100] * len(ids)
     for turn in turns:
@@ -233,7 +263,7 @@ def answer_labels(tok, prefix: str, turns: list[str], n_tokens: int) -> tuple[li
         k = tok.encode(key, add_special_tokens=False)
         a = tok.encode(" " + answer if key else answer, add_special_tokens=False)
         ids += k + a
-        labels += [-100] * len(k) + a
+        labels += [-100] * len(k) + [t if newline or "\n" not in tok.decode([t]) else -100 for t in a]
     pad = n_tokens - len(ids)
     return ids + [tok.pad_token_id] * pad, labels + [-100] * pad
 
@@ -296,6 +326,26 @@ def first_line(text: str) -> str:
     return text.strip().split("\n")[0].strip()
 
 
+def read_answer(text: str, kv: bool) -> str:
+    """The answer in a generated continuation: its first line, and for the kv layouts (one-word values: the
+    answer is the word after the key) that line's first word, so a model pretrained on the answer words alone
+    (no newline label, Scale.label_newline) is read as it was trained."""
+    line = first_line(text)
+    return line.split()[0] if kv and line else line
+
+
+def stop_at_answer(tok, ids: list[int], kv: bool) -> int:
+    """Length of `ids` up to and including the first newline token; for the kv layouts, also ending before the
+    second word (a token that starts with a space after the first token)."""
+    for i, t in enumerate(ids):
+        text = tok.decode([t])
+        if "\n" in text:
+            return i + 1
+        if kv and i > 0 and text[:1].isspace():
+            return i
+    return len(ids)
+
+
 def stop_at_newline(tok, ids: list[int]) -> int:
     """Length of `ids` up to and including the first token whose text holds a newline (all of it if none)."""
     for i, t in enumerate(ids):
@@ -333,7 +383,7 @@ def self_study(
         b = client.complete([ctx + t for t in turns], 8, 0.0, 20, seed=seed)
         rows = []
         for i, (q, turn, ans) in enumerate(zip(questions, turns, b)):
-            keep = stop_at_newline(tok, ans.token_ids)
+            keep = stop_at_answer(tok, ans.token_ids, kv)
             if not q or keep == 0:
                 continue
             rows.append(
@@ -399,6 +449,7 @@ def answer(model, tok, qa: list[dict], cartridge=None, context: list[int] | None
     from cartridges.corpus import left_pad, turn_ids
 
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    kv = tok.chat_template == KV_TEMPLATE
     outs = []
     for start in range(0, len(qa), batch):
         prompts = [
@@ -413,7 +464,7 @@ def answer(model, tok, qa: list[dict], cartridge=None, context: list[int] | None
             seqs = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
         else:
             seqs = generate(model, cartridge, ids, attention_mask=mask, **kwargs)
-        outs += [first_line(tok.decode(row[width:], skip_special_tokens=True)) for row in seqs.cpu()]
+        outs += [read_answer(tok.decode(row[width:], skip_special_tokens=True), kv) for row in seqs.cpu()]
     return outs
 
 
@@ -447,12 +498,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--answer-loss", action="store_true", help="pretrain on the answers' tokens only")
     p.add_argument("--batch-size", type=int, default=0, help="pretraining windows per step (0: the scale's)")
     p.add_argument("--names-per-entity", type=int, default=0, help="kv1: names (facts) per entity (0: the scale's, 3)")
+    p.add_argument("--queries", choices=["iid", "passes"], default=None,
+                   help="pretraining query region: iid questions (default) or permutation passes (the runs before)")
     args = p.parse_args(argv)
     scale = dataclasses.replace(QUICK if args.quick else FULL)
     for field, value in (("steps", args.steps), ("layout", args.layout), ("entities", args.entities),
                          ("lr", args.lr), ("conversations", args.conversations), ("precision", args.precision),
                          ("answer_loss", args.answer_loss), ("batch_size", args.batch_size),
-                         ("names_per_entity", args.names_per_entity)):
+                         ("names_per_entity", args.names_per_entity), ("queries", args.queries)):
         if value:
             setattr(scale, field, value)
 

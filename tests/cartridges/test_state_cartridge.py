@@ -263,7 +263,8 @@ def test_distillation_runs_end_to_end(tmp_path):
 
 def test_answer_only_pretraining_data_of_the_experiment(tmp_path):
     """experiments/state_cartridges with --answer-loss: each row is the document's own tokenization, padded to
-    the window, and its labels keep exactly the answers (value and newline of every question line)."""
+    the window, and its labels keep exactly the answers (the value of every question line, and its newline
+    with label_newline)."""
     import dataclasses
 
     import datasets
@@ -271,15 +272,38 @@ def test_answer_only_pretraining_data_of_the_experiment(tmp_path):
 
     from experiments.state_cartridges import run
 
-    scale = dataclasses.replace(run.QUICK, layout="kv1", entities=3, sheets=20, answer_loss=True)
-    data, tok_dir = run.write_pretraining_data(tmp_path, scale, seed=0)
-    tok = PreTrainedTokenizerFast.from_pretrained(str(tok_dir))
-    rows = datasets.load_from_disk(str(data))
     values = {v for vals in run.ATTRIBUTES.values() for v in vals}
-    for row in rows:
-        ids, labels = row["input_ids"], row["labels"]
-        assert len(ids) == len(labels) == scale.seq_len - 1
-        assert tok.encode(tok.decode(ids), add_special_tokens=False) == ids
-        kept = [tok.decode([t]) for t, label in zip(ids, labels) if label != -100]
-        assert kept and all(label in (-100, t) for t, label in zip(ids, labels))
-        assert kept[1::2] == ["\n"] * (len(kept) // 2) and all(w.strip() in values for w in kept[0::2])
+    for newline in (False, True):
+        scale = dataclasses.replace(run.QUICK, layout="kv1", entities=3, sheets=20, answer_loss=True,
+                                    label_newline=newline)
+        data, tok_dir = run.write_pretraining_data(tmp_path / str(newline), scale, seed=0)
+        tok = PreTrainedTokenizerFast.from_pretrained(str(tok_dir))
+        for row in datasets.load_from_disk(str(data)):
+            ids, labels = row["input_ids"], row["labels"]
+            assert len(ids) == len(labels) == scale.seq_len - 1
+            assert tok.encode(tok.decode(ids), add_special_tokens=False) == ids
+            kept = [tok.decode([t]) for t, label in zip(ids, labels) if label != -100]
+            assert kept and all(label in (-100, t) for t, label in zip(ids, labels))
+            words = kept[0::2] if newline else kept
+            assert all(w.strip() in values for w in words)
+            if newline:
+                assert kept[1::2] == ["\n"] * (len(kept) // 2)
+
+
+def test_query_regions_of_the_experiment():
+    """draw_queries: "passes" asks each question once per pass; "iid" draws with replacement (repeats within
+    the first len(questions) queries, which a permutation never has); a typo fails with one line."""
+    import random
+
+    import pytest
+
+    from experiments.state_cartridges import run
+
+    questions = [f"q{i}" for i in range(8)]
+    passes = run.draw_queries(random.Random(0), questions, 3, "passes")
+    assert len(passes) == 24 and all(sorted(passes[i:i + 8]) == questions for i in range(0, 24, 8))
+    iid = [run.draw_queries(random.Random(s), questions, 1, "iid") for s in range(20)]
+    assert all(len(q) == 8 and set(q) <= set(questions) for q in iid)
+    assert any(len(set(q)) < 8 for q in iid)
+    with pytest.raises(ValueError, match="iid or passes"):
+        run.draw_queries(random.Random(0), questions, 1, "pases")
