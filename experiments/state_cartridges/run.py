@@ -100,6 +100,9 @@ class Scale:
     # the answer's words alone, as MQAR's; with the newline labelled the attention LM learnt no recall on the CPU
     # (README, "Recipe search"). Answers are then read as the first word after the key (`read_answer`).
     label_newline: bool = False
+    # the attention LM: "hybrid" (Based's block with global attention as its memory mixer) or "plain"
+    # (attention in every layer); `attention_model_args`
+    attention: str = "hybrid"
 
 
 # Recipe (README, "Recipe search"): one-token names and values, "name attribute value" lines, a query region of
@@ -266,6 +269,25 @@ def answer_labels(
         labels += [-100] * len(k) + [t if newline or "\n" not in tok.decode([t]) else -100 for t in a]
     pad = n_tokens - len(ids)
     return ids + [tok.pad_token_id] * pad, labels + [-100] * pad
+
+
+def attention_model_args(scale: Scale) -> list[str]:
+    """zoo.pretrain overrides of the attention LM. "hybrid": the Based LM's block (configs/model/based_tiny.yaml)
+    with its two memory mixers, Based and the sliding window, replaced by global attention, so that the two
+    models differ only in the mixer that holds the sheet; "plain": attention in every layer (the runs before
+    session 5, which learnt no recall: README, "Recipe search"). Head dim 16."""
+    heads = [f"+model.mixers.attention.num_heads={max(1, scale.d_model // 16)}"]
+    if scale.attention == "plain":
+        return ["model=attention", heads[0][1:]]
+    if scale.attention != "hybrid":
+        raise ValueError(f"attention must be hybrid or plain, got {scale.attention!r}")
+    return [
+        "model=based_tiny",
+        "model.pattern=[base_conv,attention,attention,base_conv,base_conv]",
+        "~model.mixers.based",
+        "~model.mixers.sliding_window",
+        *heads,
+    ]
 
 
 def pretrain_model(
@@ -489,8 +511,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=0, help="pretraining steps (0: the scale's)")
-    p.add_argument("--layout", choices=["kv", "kv1", "facts", "sheet"], default=None,
-                   help="sheet layout (the scale's: kv); kv1 = one-token keys, 3·entities names with one value each")
+    p.add_argument(
+        "--layout",
+        choices=["kv", "kv1", "facts", "sheet"],
+        default=None,
+        help="sheet layout (the scale's: kv); kv1 = one-token keys, 3·entities names with one value each",
+    )
     p.add_argument("--entities", type=int, default=0, help="entities per sheet (0: the scale's)")
     p.add_argument("--lr", type=float, default=0.0, help="pretraining peak lr (0: the scale's)")
     p.add_argument("--conversations", type=int, default=0, help="self-study conversations (0: the scale's)")
@@ -498,16 +524,51 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--answer-loss", action="store_true", help="pretrain on the answers' tokens only")
     p.add_argument("--batch-size", type=int, default=0, help="pretraining windows per step (0: the scale's)")
     p.add_argument("--names-per-entity", type=int, default=0, help="kv1: names (facts) per entity (0: the scale's, 3)")
-    p.add_argument("--queries", choices=["iid", "passes"], default=None,
-                   help="pretraining query region: iid questions (default) or permutation passes (the runs before)")
+    p.add_argument(
+        "--queries",
+        choices=["iid", "passes"],
+        default=None,
+        help="pretraining query region: iid questions (default) or permutation passes (the runs before)",
+    )
+    p.add_argument(
+        "--no-curriculum",
+        action="store_true",
+        help="every pretraining sheet has `entities` entities (default: 1..entities, filled with queries)",
+    )
+    p.add_argument(
+        "--attention",
+        choices=["hybrid", "plain"],
+        default=None,
+        help="the attention LM: Based's block with global attention (hybrid, default) or attention only",
+    )
+    p.add_argument("--warmup-frac", type=float, default=0.0, help="pretraining warmup fraction (0: the scale's)")
+    p.add_argument(
+        "--pretrain-only",
+        choices=["based", "attention"],
+        default=None,
+        help="write the data and pretrain this model only, then stop (one GPU per model: run one "
+        "process per model on the same --out, then the full command, which skips finished stages)",
+    )
     args = p.parse_args(argv)
     scale = dataclasses.replace(QUICK if args.quick else FULL)
-    for field, value in (("steps", args.steps), ("layout", args.layout), ("entities", args.entities),
-                         ("lr", args.lr), ("conversations", args.conversations), ("precision", args.precision),
-                         ("answer_loss", args.answer_loss), ("batch_size", args.batch_size),
-                         ("names_per_entity", args.names_per_entity), ("queries", args.queries)):
+    for field, value in (
+        ("steps", args.steps),
+        ("layout", args.layout),
+        ("entities", args.entities),
+        ("lr", args.lr),
+        ("conversations", args.conversations),
+        ("precision", args.precision),
+        ("answer_loss", args.answer_loss),
+        ("batch_size", args.batch_size),
+        ("names_per_entity", args.names_per_entity),
+        ("queries", args.queries),
+        ("warmup_frac", args.warmup_frac),
+        ("attention", args.attention),
+    ):
         if value:
             setattr(scale, field, value)
+    if args.no_curriculum:
+        scale.curriculum = False
 
     from cartridges.corpus import context_ids
     from cartridges.state import StateCartridge
@@ -522,16 +583,16 @@ def main(argv: list[str] | None = None) -> None:
     timings = {}
 
     data, tok_dir = write_pretraining_data(out, scale, args.seed)
-    heads = max(1, scale.d_model // 16)  # head dim 16: more heads learn recall sooner
-    models = {
-        "based": ["model=based_tiny"],
-        "attention": ["model=attention", f"model.mixers.attention.num_heads={heads}"],
-    }
+    models = {"based": ["model=based_tiny"], "attention": attention_model_args(scale)}
     hf_dirs = {}
+    if args.pretrain_only:
+        models = {args.pretrain_only: models[args.pretrain_only]}
     for name, model_args in models.items():
         t = time.time()
         hf_dirs[name] = pretrain_model(name, model_args, data, tok_dir, out, scale, str(device))
         timings[f"pretrain/{name}"] = time.time() - t
+    if args.pretrain_only:
+        return
 
     # The corpus: a fresh sheet (a seed no pretraining sheet used), and its QA set.
     sheet, qa = make_sheet(
@@ -580,8 +641,12 @@ def main(argv: list[str] | None = None) -> None:
         if name == "based":
             sizes = {"": len(ctx)}  # the whole sheet: a state has the same size whatever it read
         else:
-            per_token = 2 * scale.d_model * scale.n_layers * 4  # attention KV bytes per token at fp32
-            p_eq = max(2, round(based_bytes / per_token))
+            # KV bytes per token at fp32 (the attention layers'; the convs' state is the same for any p)
+            one, two = (
+                StateCartridge.from_prefix(model, torch.tensor(ctx[:n])).memory_bytes(torch.float32) for n in (1, 2)
+            )
+            per_token, fixed = two - one, 2 * one - two
+            p_eq = max(2, round((based_bytes - fixed) / per_token))
             # equal bytes, and 4x (capped at the sheet: the label names the tokens it really holds)
             sizes = {f"_p{p}": p for p in dict.fromkeys((min(p_eq, len(ctx)), min(4 * p_eq, len(ctx))))}
         for suffix, num_tokens in sizes.items():

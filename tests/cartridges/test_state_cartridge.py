@@ -307,3 +307,25 @@ def test_query_regions_of_the_experiment():
     assert any(len(set(q)) < 8 for q in iid)
     with pytest.raises(ValueError, match="iid or passes"):
         run.draw_queries(random.Random(0), questions, 1, "pases")
+
+
+def test_attention_lm_of_the_experiment():
+    """The hybrid attention LM is Based's block with global attention in place of Based and the window (same
+    convs, same layer count); a typo fails with one line."""
+    import dataclasses
+
+    import pytest
+
+    from experiments.state_cartridges import run
+    from zoo.config import register_pretrain_configs
+    from zoo.train import load_config
+
+    register_pretrain_configs()
+    scale = dataclasses.replace(run.QUICK)
+    based, _ = load_config(["model=based_tiny"], config_name="pretrain")
+    hybrid, _ = load_config(run.attention_model_args(scale), config_name="pretrain")
+    swap = {"based": "attention", "sliding_window": "attention"}
+    assert list(hybrid.model.pattern) == [swap.get(m, m) for m in based.model.pattern]
+    assert hybrid.model.n_layers == based.model.n_layers and set(hybrid.model.mixers) == {"attention"}
+    with pytest.raises(ValueError, match="hybrid or plain"):
+        run.attention_model_args(dataclasses.replace(scale, attention="hybird"))
