@@ -170,14 +170,19 @@ def evaluate(cfg: EvalConfig, model=None, tokenizer=None) -> dict:
             {"arm": name, "question": it["question"], "reference": it["answer"], "output": o, "correct": c}
             for it, o, c in zip(items, outs, correct)
         ]
-    if cfg.output:
-        from cartridges.self_study import _atomic_write_text
-
-        out = Path(cfg.output)
-        out.mkdir(parents=True, exist_ok=True)
-        _atomic_write_text(out / "results.json", json.dumps(results, indent=2))
-        _atomic_write_text(out / "answers.jsonl", "".join(json.dumps(a) + "\n" for a in answers))
+        r = results[name]
+        log.info("%s: accuracy %.3f (%d questions), %d kv tokens", name, r["accuracy"], r["n"], r["kv_tokens"])
+        if cfg.output:  # after every arm: an eval stopped part-way keeps the arms it finished
+            _write_results(Path(cfg.output), results, answers)
     return results
+
+
+def _write_results(out: Path, results: dict, answers: list[dict]) -> None:
+    from cartridges.self_study import _atomic_write_text
+
+    out.mkdir(parents=True, exist_ok=True)
+    _atomic_write_text(out / "results.json", json.dumps(results, indent=2))
+    _atomic_write_text(out / "answers.jsonl", "".join(json.dumps(a) + "\n" for a in answers))
 
 
 def format_table(results: dict) -> str:

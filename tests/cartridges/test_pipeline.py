@@ -137,6 +137,27 @@ def test_eval_reports_every_arm(synthesized, capsys):
     assert all(r["n"] == 2 for r in results.values())
 
 
+def test_eval_interrupted_keeps_finished_arms(synthesized, monkeypatch):
+    """results.json is written after every arm: an eval killed part-way (a time limit) keeps what it finished."""
+    root, _ = synthesized
+    (root / "qa1.json").write_text(json.dumps([{"question": "How many arches?", "answer": "nine"}]))
+    real, calls = ceval.answer, []
+
+    def answer_then_stop(*args, **kwargs):
+        calls.append(kwargs["desc"])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ceval, "answer", answer_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        ceval.main([*COMMON[:3], f"corpus.path={root / 'doc.md'}", f"qa={root / 'qa1.json'}", "max_new_tokens=2",
+                    f"output={root / 'eval_cut'}"])  # fmt: skip
+    kept = json.loads((root / "eval_cut" / "results.json").read_text())
+    assert list(kept) == calls[:1] and kept[calls[0]]["n"] == 1
+    assert len((root / "eval_cut" / "answers.jsonl").read_text().splitlines()) == 1
+
+
 def test_eval_scoring():
     item = {"question": "q", "answer": "Beatrix Hollund", "aliases": ["Hollund"]}
     assert ceval.is_correct("It was beatrix  Hollund.", item)
