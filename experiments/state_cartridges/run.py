@@ -98,7 +98,7 @@ class Scale:
     queries: str = "iid"
     # --answer-loss: also take the loss on the newline after each answer (the runs before). Off: the labels are
     # the answer's words alone, as MQAR's; with the newline labelled the attention LM learnt no recall on the CPU
-    # (README, "Recipe search"). Answers are then read as the first word after the key (`read_answer`).
+    # (README, "Recipe search"). Answers are then read as the first token after the key (`read_answer`).
     label_newline: bool = False
     # the attention LM: "hybrid" (Based's block with global attention as its memory mixer) or "plain"
     # (attention in every layer); `attention_model_args`
@@ -351,24 +351,26 @@ def first_line(text: str) -> str:
     return text.strip().split("\n")[0].strip()
 
 
-def read_answer(text: str, kv: bool) -> str:
-    """The answer in a generated continuation: its first line, and for the kv layouts (one-word values: the
-    answer is the word after the key) that line's first word, so a model pretrained on the answer words alone
-    (no newline label, Scale.label_newline) is read as it was trained."""
-    line = first_line(text)
-    return line.split()[0] if kv and line else line
+def read_answer(tok, ids: list[int], kv: bool) -> str:
+    """The answer in generated token ids. kv layouts: the first token (a value is one token, `check_values`),
+    the only one the answer-only loss trains; what follows it was never a target (Scale.label_newline) and can be
+    any token. Other layouts: the first line."""
+    if kv:
+        return tok.decode(ids[:1], skip_special_tokens=True).strip()
+    return first_line(tok.decode(ids, skip_special_tokens=True))
 
 
 def stop_at_answer(tok, ids: list[int], kv: bool) -> int:
-    """Length of `ids` up to and including the first newline token; for the kv layouts, also ending before the
-    second word (a token that starts with a space after the first token)."""
-    for i, t in enumerate(ids):
-        text = tok.decode([t])
-        if "\n" in text:
-            return i + 1
-        if kv and i > 0 and text[:1].isspace():
-            return i
-    return len(ids)
+    """Length of the answer in generated `ids`: kv layouts, the first token (`read_answer`); else up to and
+    including the first newline token."""
+    return min(1, len(ids)) if kv else stop_at_newline(tok, ids)
+
+
+def check_values(tok) -> None:
+    """Every value is one token after a space (what `read_answer` assumes for the kv layouts)."""
+    long = [v for vals in ATTRIBUTES.values() for v in vals if len(tok.encode(" " + v, add_special_tokens=False)) != 1]
+    if long:
+        raise ValueError(f"values of more than one token in this tokenizer: {long[:5]}")
 
 
 def stop_at_newline(tok, ids: list[int]) -> int:
@@ -475,6 +477,8 @@ def answer(model, tok, qa: list[dict], cartridge=None, context: list[int] | None
 
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     kv = tok.chat_template == KV_TEMPLATE
+    if kv:
+        check_values(tok)
     outs = []
     for start in range(0, len(qa), batch):
         prompts = [
@@ -489,7 +493,7 @@ def answer(model, tok, qa: list[dict], cartridge=None, context: list[int] | None
             seqs = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
         else:
             seqs = generate(model, cartridge, ids, attention_mask=mask, **kwargs)
-        outs += [read_answer(tok.decode(row[width:], skip_special_tokens=True), kv) for row in seqs.cpu()]
+        outs += [read_answer(tok, row[width:].tolist(), kv) for row in seqs.cpu()]
     return outs
 
 

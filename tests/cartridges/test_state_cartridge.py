@@ -288,6 +288,13 @@ def test_answer_only_pretraining_data_of_the_experiment(tmp_path):
             assert all(w.strip() in values for w in words)
             if newline:
                 assert kept[1::2] == ["\n"] * (len(kept) // 2)
+    # generated answers are read as trained: the value's one token, whatever untrained tokens follow it
+    run.check_values(tok)
+    value = tok.encode(" miller", add_special_tokens=False)
+    tail = tok.encode("Tolmi\nxq", add_special_tokens=False)
+    assert run.read_answer(tok, value + tail, kv=True) == "miller"
+    assert run.read_answer(tok, value + tail, kv=False) == "millerTolmi"
+    assert run.stop_at_answer(tok, value + tail, kv=True) == 1
 
 
 def test_query_regions_of_the_experiment():
