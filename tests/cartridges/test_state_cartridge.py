@@ -274,8 +274,9 @@ def test_answer_only_pretraining_data_of_the_experiment(tmp_path):
 
     values = {v for vals in run.ATTRIBUTES.values() for v in vals}
     for newline in (False, True):
-        scale = dataclasses.replace(run.QUICK, layout="kv1", entities=3, sheets=20, answer_loss=True,
-                                    label_newline=newline)
+        scale = dataclasses.replace(
+            run.QUICK, layout="kv1", entities=3, sheets=20, answer_loss=True, label_newline=newline
+        )
         data, tok_dir = run.write_pretraining_data(tmp_path / str(newline), scale, seed=0)
         tok = PreTrainedTokenizerFast.from_pretrained(str(tok_dir))
         for row in datasets.load_from_disk(str(data)):
@@ -308,7 +309,7 @@ def test_query_regions_of_the_experiment():
 
     questions = [f"q{i}" for i in range(8)]
     passes = run.draw_queries(random.Random(0), questions, 3, "passes")
-    assert len(passes) == 24 and all(sorted(passes[i:i + 8]) == questions for i in range(0, 24, 8))
+    assert len(passes) == 24 and all(sorted(passes[i : i + 8]) == questions for i in range(0, 24, 8))
     iid = [run.draw_queries(random.Random(s), questions, 1, "iid") for s in range(20)]
     assert all(len(q) == 8 and set(q) <= set(questions) for q in iid)
     assert any(len(set(q)) < 8 for q in iid)
