@@ -548,6 +548,7 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="the attention LM: Based's block with global attention (hybrid, default) or attention only",
     )
+    p.add_argument("--sheets", type=int, default=0, help="pretraining sheets (0: the scale's)")
     p.add_argument("--warmup-frac", type=float, default=0.0, help="pretraining warmup fraction (0: the scale's)")
     p.add_argument(
         "--pretrain-only",
@@ -569,7 +570,7 @@ def main(argv: list[str] | None = None) -> None:
         ("batch_size", args.batch_size),
         ("names_per_entity", args.names_per_entity),
         ("queries", args.queries),
-        ("warmup_frac", args.warmup_frac),
+        ("warmup_frac", args.warmup_frac), ("sheets", args.sheets),
         ("attention", args.attention),
     ):
         if value:
