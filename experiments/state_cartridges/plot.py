@@ -45,7 +45,7 @@ def plot(summary_path: str | Path) -> Path:
                     textcoords="offset points")  # fmt: skip
     ax.set_xscale("log")
     ax.set_xlabel("state / KV per sequence (KiB at fp32)")
-    ax.set_ylabel("QA accuracy on the unseen fact sheet")
+    ax.set_ylabel("QA accuracy on unseen fact sheets")
     ax.set_ylim(-0.05, 1.05)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)

@@ -91,6 +91,7 @@ class Scale:
     # kv1: one-token keys per entity (3: as many facts as kv). 1 gives sheets of `entities` facts (1..entities
     # with the curriculum), the size at which the attention LM learns recall on the CPU (README, "Recipe search")
     names_per_entity: int = 3
+    corpora: int = 1  # fresh sheets every arm is evaluated on (each with its own self-study and cartridges)
     # the query region: "iid" draws each question uniformly from the sheet's (with replacement); "passes" asks
     # every question once per pass, each pass a permutation. Passes leak answers: with the values written in
     # the query lines, a pass's later answers follow by elimination (the values not yet given in this pass),
@@ -112,9 +113,9 @@ class Scale:
 RECIPE = dict(layout="kv1", names_per_entity=1, curriculum=False, answer_loss=True, queries="iid", lr=3e-3,
               warmup_frac=0.02)  # fmt: skip
 FULL = Scale(entities=16, sheets=40_000, d_model=128, n_layers=10, steps=2000, batch_size=128,
-             conversations=1024, distill_steps=300, **RECIPE)  # fmt: skip
+             conversations=1024, distill_steps=300, corpora=4, **RECIPE)  # fmt: skip
 QUICK = Scale(entities=4, sheets=10_000, d_model=64, n_layers=5, steps=2000, batch_size=64,
-              conversations=48, distill_steps=20, **RECIPE)  # fmt: skip
+              conversations=48, distill_steps=20, corpora=4, **RECIPE)  # fmt: skip
 
 
 @functools.cache
@@ -548,6 +549,7 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="the attention LM: Based's block with global attention (hybrid, default) or attention only",
     )
+    p.add_argument("--corpora", type=int, default=0, help="fresh sheets the arms run on (0: the scale's)")
     p.add_argument("--sheets", type=int, default=0, help="pretraining sheets (0: the scale's)")
     p.add_argument("--warmup-frac", type=float, default=0.0, help="pretraining warmup fraction (0: the scale's)")
     p.add_argument(
@@ -570,7 +572,9 @@ def main(argv: list[str] | None = None) -> None:
         ("batch_size", args.batch_size),
         ("names_per_entity", args.names_per_entity),
         ("queries", args.queries),
-        ("warmup_frac", args.warmup_frac), ("sheets", args.sheets),
+        ("warmup_frac", args.warmup_frac),
+        ("sheets", args.sheets),
+        ("corpora", args.corpora),
         ("attention", args.attention),
     ):
         if value:
@@ -602,77 +606,83 @@ def main(argv: list[str] | None = None) -> None:
     if args.pretrain_only:
         return
 
-    # The corpus: a fresh sheet (a seed no pretraining sheet used), and its QA set.
-    sheet, qa = make_sheet(
-        random.Random(f"eval:{args.seed}"), scale.entities, scale.names, scale.layout, scale.names_per_entity
-    )
-    corpus_path = out / "corpus.md"
-    corpus_path.write_text(sheet)
-    (out / "qa.json").write_text(json.dumps(qa, indent=1))
+    # The corpora: fresh sheets (seeds no pretraining sheet used), each with its QA set; every arm runs on each
+    # (its own self-study and cartridges per sheet) and reports the accuracy over all their questions.
+    corpora = []
+    for c in range(scale.corpora):
+        rng = random.Random(f"eval:{args.seed}" if c == 0 else f"eval:{args.seed}:{c}")
+        sheet, qa = make_sheet(rng, scale.entities, scale.names, scale.layout, scale.names_per_entity)
+        path = out / ("corpus.md" if c == 0 else f"corpus{c}.md")
+        path.write_text(sheet)
+        (path.with_suffix(".qa.json") if c else out / "qa.json").write_text(json.dumps(qa, indent=1))
+        corpora.append((c, sheet, qa, path))
+
+    from cartridges.cache import load_cartridge
 
     results, answers, recall = {}, [], {}
     based_bytes = None
     for name in ("based", "attention"):
         model, tok = load(hf_dirs[name], device, scale.layout)
-        ctx = context_ids(tok, sheet)
         params = sum(p_.numel() for p_ in model.parameters())
         recall[name] = recall_accuracy(model, tok, scale, args.seed)
         log.info("%s: ICL recall over 8 fresh sheets %.3f", name, recall[name])
+        for c, sheet, qa, corpus_path in corpora:
+            ctx = context_ids(tok, sheet)
 
-        def record(arm: str, outs: list[str], nbytes: int, tokens: int, _name=name, _params=params) -> None:
-            correct = [o == it["answer"] for o, it in zip(outs, qa)]
-            results[f"{_name}/{arm}"] = {
-                "model": _name,
-                "arm": arm,
-                "accuracy": sum(correct) / len(correct),
-                "bytes_fp32": nbytes,
-                "tokens": tokens,
-                "parameters": _params,
-                "n": len(qa),
-            }
-            answers.extend(
-                {"model": _name, "arm": arm, "question": it["question"], "reference": it["answer"], "output": o}
-                for it, o in zip(qa, outs)
-            )
-            log.info("%s/%s: accuracy %.3f at %d bytes", _name, arm, sum(correct) / len(correct), nbytes)
+            def record(arm: str, outs: list[str], nbytes: int, tokens: int, _name=name, _qa=qa, _c=c, _p=params):
+                r = results.setdefault(f"{_name}/{arm}", {
+                    "model": _name, "arm": arm, "correct": 0, "n": 0, "bytes_fp32": nbytes, "tokens": tokens,
+                    "parameters": _p,
+                })  # fmt: skip
+                r["correct"] += sum(o == it["answer"] for o, it in zip(outs, _qa))
+                r["n"] += len(_qa)
+                r["accuracy"] = r["correct"] / r["n"]
+                answers.extend(
+                    {"model": _name, "arm": arm, "corpus": _c, "question": it["question"], "reference": it["answer"],
+                     "output": o}
+                    for it, o in zip(_qa, outs)
+                )  # fmt: skip
 
-        t = time.time()
-        full = StateCartridge.from_prefix(model, torch.tensor(ctx))
-        record("icl", answer(model, tok, qa, context=ctx), full.memory_bytes(torch.float32), len(ctx))
-        empty = StateCartridge.from_prefix(model, torch.tensor(context_ids(tok, "")))
-        record("none", answer(model, tok, qa, cartridge=empty), empty.memory_bytes(torch.float32), empty.num_tokens)
-        ss = self_study(
-            model, tok, corpus_path, out / "self_study" / name, scale.conversations, args.seed,
-            key_words=1 if scale.layout == "kv1" else 2,
-        )  # fmt: skip
-        timings[f"self_study/{name}"] = time.time() - t
-        if name == "based":
-            sizes = {"": len(ctx)}  # the whole sheet: a state has the same size whatever it read
-        else:
-            # KV bytes per token at fp32 (the attention layers'; the convs' state is the same for any p)
-            one, two = (
-                StateCartridge.from_prefix(model, torch.tensor(ctx[:n])).memory_bytes(torch.float32) for n in (1, 2)
-            )
-            per_token, fixed = two - one, 2 * one - two
-            p_eq = max(2, round((based_bytes - fixed) / per_token))
-            # equal bytes, and 4x (capped at the sheet: the label names the tokens it really holds)
-            sizes = {f"_p{p}": p for p in dict.fromkeys((min(p_eq, len(ctx)), min(4 * p_eq, len(ctx))))}
-        for suffix, num_tokens in sizes.items():
             t = time.time()
-            prefill = StateCartridge.from_prefix(model, torch.tensor(ctx[:num_tokens]))
-            nbytes = prefill.memory_bytes(torch.float32)
-            if name == "based":
-                based_bytes = nbytes
-            record(f"prefill{suffix}", answer(model, tok, qa, cartridge=prefill), nbytes, num_tokens)
-            path = train_cartridge(
-                model, tok, corpus_path, ss, out / "cartridges" / f"{name}{suffix}", num_tokens,
-                scale.distill_steps, str(device),
+            full = StateCartridge.from_prefix(model, torch.tensor(ctx))
+            record("icl", answer(model, tok, qa, context=ctx), full.memory_bytes(torch.float32), len(ctx))
+            empty = StateCartridge.from_prefix(model, torch.tensor(context_ids(tok, "")))
+            record("none", answer(model, tok, qa, cartridge=empty), empty.memory_bytes(torch.float32), empty.num_tokens)
+            sub = name if c == 0 else f"{name}/c{c}"
+            ss = self_study(
+                model, tok, corpus_path, out / "self_study" / sub, scale.conversations, args.seed + c,
+                key_words=1 if scale.layout == "kv1" else 2,
             )  # fmt: skip
-            from cartridges.cache import load_cartridge
-
-            trained = load_cartridge(path, model)
-            record(f"self_study{suffix}", answer(model, tok, qa, cartridge=trained), nbytes, num_tokens)
-            timings[f"distill/{name}{suffix}"] = time.time() - t
+            timings[f"self_study/{name}"] = timings.get(f"self_study/{name}", 0.0) + time.time() - t
+            if name == "based":
+                sizes = {"": len(ctx)}  # the whole sheet: a state has the same size whatever it read
+            else:
+                # KV bytes per token at fp32 (the attention layers'; the convs' state is the same for any p)
+                one, two = (
+                    StateCartridge.from_prefix(model, torch.tensor(ctx[:n])).memory_bytes(torch.float32) for n in (1, 2)
+                )
+                per_token, fixed = two - one, 2 * one - two
+                p_eq = max(2, round((based_bytes - fixed) / per_token))
+                # equal bytes, and 4x (capped at the sheet: the label names the tokens it really holds)
+                sizes = {f"_p{p}": p for p in dict.fromkeys((min(p_eq, len(ctx)), min(4 * p_eq, len(ctx))))}
+            for suffix, num_tokens in sizes.items():
+                t = time.time()
+                prefill = StateCartridge.from_prefix(model, torch.tensor(ctx[:num_tokens]))
+                nbytes = prefill.memory_bytes(torch.float32)
+                if name == "based":
+                    based_bytes = nbytes
+                record(f"prefill{suffix}", answer(model, tok, qa, cartridge=prefill), nbytes, num_tokens)
+                target = out / "cartridges" / (f"{name}{suffix}" if c == 0 else f"{name}{suffix}/c{c}")
+                path = train_cartridge(
+                    model, tok, corpus_path, ss, target, num_tokens, scale.distill_steps, str(device)
+                )  # fmt: skip
+                trained = load_cartridge(path, model)
+                record(f"self_study{suffix}", answer(model, tok, qa, cartridge=trained), nbytes, num_tokens)
+                key = f"distill/{name}{suffix}"
+                timings[key] = timings.get(key, 0.0) + time.time() - t
+        for key, r in results.items():
+            if r["model"] == name:
+                log.info("%s: accuracy %.3f (%d questions) at %d bytes", key, r["accuracy"], r["n"], r["bytes_fp32"])
 
     summary = {
         "scale": scale.__dict__,
