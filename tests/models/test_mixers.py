@@ -30,6 +30,8 @@ CASES = [
     ("h3-n3-shift2", "h3", {"d_state": 3, "shift_size": 2}),
     ("mamba-n4", "mamba", {"d_state": 4}),
     ("mamba-e1-k2", "mamba", {"d_state": 3, "expand": 1, "conv_size": 2, "dt_rank": 2}),
+    ("mamba-c5", "mamba", {"d_state": 4, "chunk_size": 5}),
+    ("mamba-loop", "mamba", {"d_state": 4, "chunk_size": 0}),
     ("mamba2-p8-c5", "mamba2", {"d_state": 4, "head_dim": 8, "chunk_size": 5}),
     ("mamba2-e1", "mamba2", {"d_state": 6, "expand": 1, "head_dim": 4, "conv_size": 3, "chunk_size": 8}),
     ("linear_attention-performer", "linear_attention", dict(feature_map="performer", feature_dim=4, num_features=6)),
@@ -282,3 +284,24 @@ def test_sliding_window_matches_banded_reference():
         for i in range(11):
             start = max(0, i - window + 1)
             torch.testing.assert_close(y[:, i], mixer(x[:, start : i + 1])[:, -1], rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 7, 64])
+def test_mamba_chunked_scan_equals_the_loop(chunk):
+    """Mamba's chunked prefix scan against the plain loop over time (fp64, T=29, so chunks of 4 and 7 leave a
+    partial last chunk): outputs and final state from a random initial state, and every gradient."""
+    loop = build(("", "mamba", {"d_state": 5, "chunk_size": 0}))
+    chunked = build(("", "mamba", {"d_state": 5, "chunk_size": chunk}))
+    chunked.load_state_dict(loop.state_dict())
+    x = inputs(2, 29)
+    outs, grads = [], []
+    for mixer in (loop, chunked):
+        state = mixer.init_state(2)
+        state["ssm"].normal_(generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            outs.append((mixer(x, state), state["ssm"]))
+        xi = x.clone().requires_grad_()
+        mixer(xi).square().sum().backward()
+        grads.append([xi.grad, *(p.grad for p in mixer.parameters())])
+    for a, b in [*zip(outs[0], outs[1]), *zip(grads[0], grads[1])]:
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)

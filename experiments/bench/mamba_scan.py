@@ -1,0 +1,88 @@
+"""Mamba's selective scan: the plain loop over time against the chunked prefix scan (zoo/models/mixers/mamba.py),
+forward+backward of one Mamba mixer at the Zoology Fig. 2 shapes, all variants in the same run.
+
+    python experiments/bench/mamba_scan.py                       # GPU: Fig. 2 shapes (batch 256/512, L 64..256)
+    python experiments/bench/mamba_scan.py --device cpu --small  # CPU: batch 16, d_model 64 (report ratios)
+
+Prints a table (ms per forward+backward, median of --repeats after a warm-up; speed-up against the loop) and a
+last line of JSON. Every variant's output and input gradient are checked against the loop's first.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from zoo.models.mixers.mamba import Mamba
+
+
+def timed(fn, device: torch.device, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--small", action="store_true", help="CPU-sized shapes")
+    p.add_argument("--chunks", type=int, nargs="+", default=[16, 32, 64])
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    device = torch.device(args.device)
+    if args.small:
+        shapes = [(16, 64, 64), (16, 128, 64)]  # (batch, L, d_model)
+    else:  # Fig. 2: batch 512 at L=64/128, 256 at L=256; d_model 128 and 256
+        shapes = [(512, 64, 128), (512, 128, 128), (256, 256, 128), (256, 256, 256)]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = []
+    for B, L, d in shapes:
+        torch.manual_seed(0)
+        mixer = Mamba(d, chunk_size=0).to(device)
+        x = torch.randn(B, L, d, device=device)
+
+        def step(m=mixer, x=x):
+            xi = x.clone().requires_grad_()
+            with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
+                y = m(xi)
+            y.float().square().mean().backward()
+            return y.detach().float(), xi.grad
+
+        ref_y, ref_g = step()
+        row = {"batch": B, "L": L, "d_model": d, "loop_ms": timed(step, device, args.repeats)}
+        for c in args.chunks:
+            mixer.config.chunk_size = c
+            y, g = step()
+            err = max(
+                ((y - ref_y).abs().max() / ref_y.abs().max()).item(),
+                ((g - ref_g).abs().max() / ref_g.abs().max()).item(),
+            )
+            row[f"chunk{c}_ms"] = timed(step, device, args.repeats)
+            row[f"chunk{c}_rel_err"] = err
+        mixer.config.chunk_size = 0
+        rows.append(row)
+    head = f"{'batch':>6}{'L':>6}{'d':>6}{'loop ms':>10}" + "".join(
+        f"{f'chunk {c} ms':>14}{'x':>7}" for c in args.chunks
+    )
+    print(f"Mamba forward+backward on {device} ({dtype})")
+    print(head)
+    for r in rows:
+        print(
+            f"{r['batch']:>6}{r['L']:>6}{r['d_model']:>6}{r['loop_ms']:>10.1f}"
+            + "".join(f"{r[f'chunk{c}_ms']:>14.1f}{r['loop_ms'] / r[f'chunk{c}_ms']:>7.2f}" for c in args.chunks)
+        )
+    print(json.dumps({"device": str(device), "dtype": str(dtype), "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
