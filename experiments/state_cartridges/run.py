@@ -105,6 +105,19 @@ class Scale:
     # (attention in every layer); `attention_model_args`
     attention: str = "hybrid"
 
+    def validate(self) -> None:
+        """One-line errors for settings that cannot make an experiment."""
+        for field in ("entities", "sheets", "steps", "batch_size", "corpora", "names_per_entity", "passes"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
+        keys = self.entities * (self.names_per_entity if self.layout == "kv1" else 1)
+        if keys > self.names:
+            raise ValueError(f"a sheet needs {keys} distinct names but the pool has {self.names}")
+        for field, allowed in (("layout", ("kv", "kv1", "facts", "sheet")), ("queries", ("iid", "passes")),
+                               ("attention", ("hybrid", "plain")), ("precision", ("auto", "fp32", "bf16"))):
+            if getattr(self, field) not in allowed:
+                raise ValueError(f"{field} must be one of {', '.join(allowed)}, got {getattr(self, field)!r}")
+
 
 # Recipe (README, "Recipe search", session 5): sheets of one-token names, each with one one-token value
 # ("Mirelo Tolmi" lines: MQAR in text), every pretraining sheet of `entities` facts followed by i.i.d. questions
@@ -584,6 +597,10 @@ def main(argv: list[str] | None = None) -> None:
             setattr(scale, field, value)
     if args.no_curriculum:
         scale.curriculum = False
+    try:
+        scale.validate()
+    except ValueError as e:
+        p.error(str(e))
 
     from cartridges.corpus import context_ids
     from cartridges.state import StateCartridge

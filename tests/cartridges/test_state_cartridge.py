@@ -337,3 +337,23 @@ def test_attention_lm_of_the_experiment():
     assert hybrid.model.n_layers == based.model.n_layers and set(hybrid.model.mixers) == {"attention"}
     with pytest.raises(ValueError, match="hybrid or plain"):
         run.attention_model_args(dataclasses.replace(scale, attention="hybird"))
+
+
+def test_experiment_rejects_impossible_settings(capsys):
+    """run.py: a sheet larger than the name pool, a non-positive count or a typo fails before any work, with
+    one line."""
+    import pytest
+
+    from experiments.state_cartridges import run
+
+    for argv, message in (
+        (["--entities", "200", "--layout", "kv1", "--names-per-entity", "1"], "needs 200 distinct names"),
+        (["--corpora", "-1"], "corpora must be >= 1"),
+        (["--steps", "-5"], "steps must be >= 1"),
+    ):
+        with pytest.raises(SystemExit):
+            run.main([*argv, "--out", "/nonexistent/never-written"])
+        assert message in capsys.readouterr().err
+    with pytest.raises(ValueError, match="queries must be one of"):
+        run.Scale(entities=4, sheets=1, d_model=8, n_layers=1, steps=1, batch_size=1, conversations=1,
+                  distill_steps=1, queries="idd").validate()  # fmt: skip
