@@ -1,5 +1,6 @@
-"""Mamba's selective scan: the plain loop over time against the chunked prefix scan (zoo/models/mixers/mamba.py),
-forward+backward of one Mamba mixer at the Zoology Fig. 2 shapes, all variants in the same run.
+"""Mamba's selective scan: the plain loop over time against the chunked prefix scan (zoo/models/mixers/mamba.py)
+and, on CUDA, the Triton kernel (kernels/selective_scan, impl="triton"): forward+backward of one Mamba mixer at
+the Zoology Fig. 2 shapes, all variants in the same run.
 
     python experiments/bench/mamba_scan.py                       # GPU: Fig. 2 shapes (batch 256/512, L 64..256)
     python experiments/bench/mamba_scan.py --device cpu --small  # CPU: batch 16, d_model 64 (report ratios)
@@ -60,26 +61,28 @@ def main() -> None:
 
         ref_y, ref_g = step()
         row = {"batch": B, "L": L, "d_model": d, "loop_ms": timed(step, device, args.repeats)}
-        for c in args.chunks:
-            mixer.config.chunk_size = c
+        variants = [(f"chunk{c}", "naive", c) for c in args.chunks]
+        if device.type == "cuda":
+            variants.append(("triton", "triton", 0))
+        for label, impl, c in variants:
+            mixer.config.chunk_size, mixer.config.impl = c, impl
             y, g = step()
             err = max(
                 ((y - ref_y).abs().max() / ref_y.abs().max()).item(),
                 ((g - ref_g).abs().max() / ref_g.abs().max()).item(),
             )
-            row[f"chunk{c}_ms"] = timed(step, device, args.repeats)
-            row[f"chunk{c}_rel_err"] = err
-        mixer.config.chunk_size = 0
+            row[f"{label}_ms"] = timed(step, device, args.repeats)
+            row[f"{label}_rel_err"] = err
+        mixer.config.chunk_size, mixer.config.impl = 0, "naive"
         rows.append(row)
-    head = f"{'batch':>6}{'L':>6}{'d':>6}{'loop ms':>10}" + "".join(
-        f"{f'chunk {c} ms':>14}{'x':>7}" for c in args.chunks
-    )
+    labels = [label for label, _, _ in variants]
+    head = f"{'batch':>6}{'L':>6}{'d':>6}{'loop ms':>10}" + "".join(f"{f'{lb} ms':>14}{'x':>7}" for lb in labels)
     print(f"Mamba forward+backward on {device} ({dtype})")
     print(head)
     for r in rows:
         print(
             f"{r['batch']:>6}{r['L']:>6}{r['d_model']:>6}{r['loop_ms']:>10.1f}"
-            + "".join(f"{r[f'chunk{c}_ms']:>14.1f}{r['loop_ms'] / r[f'chunk{c}_ms']:>7.2f}" for c in args.chunks)
+            + "".join(f"{r[f'{lb}_ms']:>14.1f}{r['loop_ms'] / r[f'{lb}_ms']:>7.2f}" for lb in labels)
         )
     print(json.dumps({"device": str(device), "dtype": str(dtype), "rows": rows}))
 

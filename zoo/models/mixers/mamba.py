@@ -14,6 +14,9 @@ What is unusual here:
   carried one chunk at a time: T/chunk + log2(chunk) sequential steps instead of T, at log2(chunk)× the memory
   traffic. The tests hold it to the loop. Not the default: on the CPU it is 2-4× slower than the loop
   (`experiments/bench/mamba_scan.py --small`), and on the GPU it has not been timed yet.
+- `impl="triton"` runs the scan as one Triton kernel per direction (kernels/selective_scan: one program per
+  sequence and block of channels, the [BD, N] state in registers; the forward stores every h_t for the
+  backward). CUDA tensors, or CPU under TRITON_INTERPRET=1; fp32 inside (the scan runs outside autocast).
 - The state is the real tensors decoding needs: {"conv": [B, k-1, d_inner], "ssm": [B, d_inner, N]} with the
   SSM part in fp32. state_size = d_inner·N + d_inner·(k-1), i.e. 2·d·N (REFERENCE's "Mamba: 2·d·d_state",
   expand 2) plus the conv inputs. Zoology reported None here.
@@ -29,12 +32,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo.models.mixers._common import (
+    check_choice,
     check_input,
     check_int,
     check_step_input,
     compute_dtype,
+    log_impl,
     make_config,
     module_device_dtype,
+    require_triton_device,
 )
 from zoo.models.mixers._long_conv import depthwise_causal_conv
 
@@ -50,10 +56,12 @@ class MambaConfig:
     dt_min: float = 1e-3
     dt_max: float = 1e-1
     chunk_size: int = 0  # tokens scanned at once by the prefix scan (0: the plain loop over time)
+    impl: str = "naive"  # naive (PyTorch: the loop, or the chunked scan) | triton (kernels/selective_scan)
 
     def validate(self, d_model: int) -> None:
         check_int("mamba: d_state", self.d_state, minimum=1)
         check_int("mamba: chunk_size", self.chunk_size, minimum=0)
+        check_choice("mamba: impl", self.impl, ("naive", "triton"))
         check_int("mamba: expand", self.expand, minimum=1)
         check_int("mamba: conv_size", self.conv_size, minimum=1)
         if self.dt_rank is not None:
@@ -91,6 +99,7 @@ class Mamba(nn.Module):
         self.A_log = nn.Parameter(torch.log(torch.arange(1, N + 1, dtype=torch.float32)).repeat(di, 1))  # [di, N]
         self.D = nn.Parameter(torch.ones(di))
         self.out_proj = nn.Linear(di, d_model, bias=False)
+        log_impl(self.name, c.impl)
 
     def _prepare(self, x: torch.Tensor, history: torch.Tensor):
         """x: [B, T, d] -> (u, z: [B, T, di]; dt: [B, T, di]; Bm, Cm: [B, T, N]; new conv history)."""
@@ -106,6 +115,12 @@ class Mamba(nn.Module):
         """The selective scan. h: [B, di, N] -> y: [B, T, di] and the final h."""
         A = -torch.exp(self.A_log.to(h.dtype))  # [di, N]
         u, dt, Bm, Cm = (t.to(h.dtype) for t in (u, dt, Bm, Cm))
+        if self.config.impl == "triton":
+            from kernels.selective_scan import selective_scan
+
+            require_triton_device(u, self.name, "triton")
+            y, h = selective_scan(u, dt, A, Bm, Cm, h)
+            return y + self.D.to(h.dtype) * u, h.to(u.dtype)
         C = self.config.chunk_size
         if C == 0 or u.shape[1] == 1:
             ys = []

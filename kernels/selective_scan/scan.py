@@ -1,0 +1,144 @@
+"""Mamba's selective scan in Triton: one program per (sequence, block of BD channels) walks the T tokens with
+its [BD, N] state in registers, in one launch (the PyTorch loop launches ~6 kernels per token forward and twice
+that backward). The forward stores every h_t (fp32, [B, T, D, N]) for the backward, which walks the tokens in
+reverse carrying dL/dh. dB and dC are reduced over channel blocks and dA over sequences from per-program
+partial sums (no atomics: deterministic). Specification: `naive.selective_scan_naive`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _fwd_kernel(u, dt, A, Bm, Cm, h0, y, hs, hT, T, D: tl.constexpr, N: tl.constexpr, BD: tl.constexpr,
+                BN: tl.constexpr, USE_H0: tl.constexpr):
+    i_b, i_d = tl.program_id(0), tl.program_id(1)
+    offs_d = i_d * BD + tl.arange(0, BD)
+    offs_n = tl.arange(0, BN)
+    m_d, m_n = offs_d < D, offs_n < N
+    m_dn = m_d[:, None] & m_n[None, :]
+    dn = offs_d[:, None] * N + offs_n[None, :]
+    a = tl.load(A + dn, mask=m_dn, other=0.0).to(tl.float32)
+    if USE_H0:
+        h = tl.load(h0 + i_b.to(tl.int64) * D * N + dn, mask=m_dn, other=0.0).to(tl.float32)
+    else:
+        h = tl.zeros([BD, BN], dtype=tl.float32)
+    for t in range(T):
+        row = i_b.to(tl.int64) * T + t
+        ut = tl.load(u + row * D + offs_d, mask=m_d, other=0.0).to(tl.float32)
+        dtt = tl.load(dt + row * D + offs_d, mask=m_d, other=0.0).to(tl.float32)
+        bt = tl.load(Bm + row * N + offs_n, mask=m_n, other=0.0).to(tl.float32)
+        ct = tl.load(Cm + row * N + offs_n, mask=m_n, other=0.0).to(tl.float32)
+        h = tl.exp(dtt[:, None] * a) * h + (dtt * ut)[:, None] * bt[None, :]
+        tl.store(y + row * D + offs_d, tl.sum(h * ct[None, :], 1), mask=m_d)
+        tl.store(hs + row * D * N + dn, h, mask=m_dn)
+    tl.store(hT + i_b.to(tl.int64) * D * N + dn, h, mask=m_dn)
+
+
+@triton.jit
+def _bwd_kernel(u, dt, A, Bm, Cm, h0, hs, dy, dhT, du, ddt, dA, dB, dC, dh0, T, B,
+                D: tl.constexpr, N: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
+                USE_H0: tl.constexpr, USE_DHT: tl.constexpr):
+    """Reverse walk. dh holds dL/dh_t; per token: dC_t = Σ_d dy_t h_t, dB_t = Σ_d dh (Δu), du, dΔ, and
+    dA += dh ⊙ h_{t-1} ⊙ decay ⊙ Δ; then dh ← dh ⊙ decay flows to h_{t-1}. dB, dC: partial over channel blocks
+    [NDB, B, T, N]; dA: partial over sequences [B, D, N]."""
+    i_b, i_d = tl.program_id(0), tl.program_id(1)
+    offs_d = i_d * BD + tl.arange(0, BD)
+    offs_n = tl.arange(0, BN)
+    m_d, m_n = offs_d < D, offs_n < N
+    m_dn = m_d[:, None] & m_n[None, :]
+    dn = offs_d[:, None] * N + offs_n[None, :]
+    state = i_b.to(tl.int64) * D * N + dn
+    a = tl.load(A + dn, mask=m_dn, other=0.0).to(tl.float32)
+    if USE_H0:
+        first = tl.load(h0 + state, mask=m_dn, other=0.0).to(tl.float32)
+    else:
+        first = tl.zeros([BD, BN], dtype=tl.float32)
+    if USE_DHT:
+        dh = tl.load(dhT + state, mask=m_dn, other=0.0).to(tl.float32)
+    else:
+        dh = tl.zeros([BD, BN], dtype=tl.float32)
+    da = tl.zeros([BD, BN], dtype=tl.float32)
+    part = (i_d.to(tl.int64) * B + i_b) * T  # row offset of this program's partial dB, dC
+    for i in range(T):
+        t = T - 1 - i
+        row = i_b.to(tl.int64) * T + t
+        ut = tl.load(u + row * D + offs_d, mask=m_d, other=0.0).to(tl.float32)
+        dtt = tl.load(dt + row * D + offs_d, mask=m_d, other=0.0).to(tl.float32)
+        bt = tl.load(Bm + row * N + offs_n, mask=m_n, other=0.0).to(tl.float32)
+        ct = tl.load(Cm + row * N + offs_n, mask=m_n, other=0.0).to(tl.float32)
+        dyt = tl.load(dy + row * D + offs_d, mask=m_d, other=0.0).to(tl.float32)
+        ht = tl.load(hs + row * D * N + dn, mask=m_dn, other=0.0)
+        later = (tl.zeros([BD], dtype=tl.int32) + t) > 0  # h_{t-1} is stored (t > 0), else it is h0
+        prev = tl.load(hs + (row - 1) * D * N + dn, mask=m_dn & later[:, None], other=0.0)
+        prev = tl.where(later[:, None], prev, first)
+        tl.store(dC + (part + t) * N + offs_n, tl.sum(dyt[:, None] * ht, 0), mask=m_n)
+        dh += dyt[:, None] * ct[None, :]
+        decay = tl.exp(dtt[:, None] * a)
+        g = dh * prev * decay  # dL/d(Δ·A) elementwise
+        dbu = tl.sum(dh * bt[None, :], 1)  # dL/d(Δ·u)
+        tl.store(du + row * D + offs_d, dbu * dtt, mask=m_d)
+        tl.store(ddt + row * D + offs_d, tl.sum(g * a, 1) + dbu * ut, mask=m_d)
+        tl.store(dB + (part + t) * N + offs_n, tl.sum(dh * (dtt * ut)[:, None], 0), mask=m_n)
+        da += g * dtt[:, None]
+        dh = dh * decay
+    tl.store(dA + state, da, mask=m_dn)
+    tl.store(dh0 + state, dh, mask=m_dn)
+
+
+def _blocks(D: int, N: int) -> tuple[int, int]:
+    BN = triton.next_power_of_2(N)
+    BD = max(1, min(triton.next_power_of_2(D), 4096 // BN, 64))  # [BD, BN] fp32 tiles: ≤ 4K elements each
+    return BD, BN
+
+
+class SelectiveScanFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, u, dt, A, Bm, Cm, h0):
+        Bsz, T, D = u.shape
+        N = A.shape[1]
+        BD, BN = _blocks(D, N)
+        grid = (Bsz, triton.cdiv(D, BD))
+        y = torch.empty(Bsz, T, D, device=u.device, dtype=torch.float32)
+        hs = torch.empty(Bsz, T, D, N, device=u.device, dtype=torch.float32)
+        hT = torch.empty(Bsz, D, N, device=u.device, dtype=torch.float32)
+        _fwd_kernel[grid](u, dt, A, Bm, Cm, h0, y, hs, hT, T, D=D, N=N, BD=BD, BN=BN, USE_H0=h0 is not None)
+        ctx.save_for_backward(u, dt, A, Bm, Cm, h0, hs)
+        return y.to(u.dtype), hT
+
+    @staticmethod
+    def backward(ctx, dy, dhT):
+        u, dt, A, Bm, Cm, h0, hs = ctx.saved_tensors
+        Bsz, T, D = u.shape
+        N = A.shape[1]
+        BD, BN = _blocks(D, N)
+        NDB = triton.cdiv(D, BD)
+        f32 = dict(device=u.device, dtype=torch.float32)
+        du, ddt = torch.empty(Bsz, T, D, **f32), torch.empty(Bsz, T, D, **f32)
+        dA = torch.empty(Bsz, D, N, **f32)
+        dB, dC = torch.empty(NDB, Bsz, T, N, **f32), torch.empty(NDB, Bsz, T, N, **f32)
+        dh0 = torch.empty(Bsz, D, N, **f32)
+        dy = torch.zeros(Bsz, T, D, **f32) if dy is None else dy.contiguous()
+        _bwd_kernel[(Bsz, NDB)](u, dt, A, Bm, Cm, h0, hs, dy, dhT, du, ddt, dA, dB, dC, dh0, T, Bsz,
+                                D=D, N=N, BD=BD, BN=BN, USE_H0=h0 is not None, USE_DHT=dhT is not None)
+        return (du.to(u.dtype), ddt.to(dt.dtype), dA.sum(0).to(A.dtype), dB.sum(0).to(Bm.dtype),
+                dC.sum(0).to(Cm.dtype), dh0.to(h0.dtype) if h0 is not None else None)
+
+
+def selective_scan(u, dt, A, Bm, Cm, h0=None):
+    """Mamba's selective scan (naive.py has the math). u, dt: [B, T, D]; A: [D, N]; Bm, Cm: [B, T, N]; h0:
+    [B, D, N] or None. Returns (y [B, T, D] in u's dtype, h_T [B, D, N] fp32); gradients reach every input.
+    Computes in fp32 (fp32 or lower-precision inputs)."""
+    if u.dim() != 3 or dt.shape != u.shape or Bm.shape != Cm.shape or Bm.shape[:2] != u.shape[:2]:
+        raise ValueError(f"selective_scan: u, dt [B, T, D], Bm, Cm [B, T, N]; got {u.shape}, {dt.shape}, "
+                         f"{Bm.shape}, {Cm.shape}")
+    if A.shape != (u.shape[2], Bm.shape[2]):
+        raise ValueError(f"selective_scan: A must be [D, N] = {[u.shape[2], Bm.shape[2]]}, got {list(A.shape)}")
+    if u.dtype == torch.float64:
+        raise TypeError("selective_scan computes in fp32; use naive.selective_scan_naive for float64")
+    h0 = None if h0 is None else h0.float().contiguous()
+    return SelectiveScanFunction.apply(u.contiguous(), dt.contiguous(), A.contiguous(), Bm.contiguous(),
+                                       Cm.contiguous(), h0)
