@@ -125,11 +125,13 @@ class Scale:
 # recalls 4-fact sheets on the CPU with it (0.98), the plain attention LM of the runs before did not (0.27).
 RECIPE = dict(layout="kv1", names_per_entity=1, curriculum=False, answer_loss=True, queries="iid", lr=3e-3,
               warmup_frac=0.02)  # fmt: skip
-# fp32 on the GPU too: bf16 autocast delays the jump to recall about 2x (8-fact sheets on the CPU, the hybrid:
-# ~950 steps against ~500, recall 0.83 against 0.95 at 1,500 steps; README, "Recipe search" rows 19-20), and
-# these models are too small for bf16 to matter for speed.
+# Full scale: 16-fact sheets need the curriculum (pretraining sheets of 1..16 facts, their questions repeated to
+# fill the window): without it the hybrid recalls 0.10 of fresh 16-fact sheets after 3,000 CPU steps, with it
+# 0.96 (README, "Recipe search" rows 21-22). fp32 on the GPU too: bf16 autocast delays the jump to recall about
+# 2x (rows 19-20), and these models are too small for bf16 to matter for speed.
 FULL = Scale(entities=16, sheets=40_000, d_model=128, n_layers=10, steps=3000, batch_size=128,
-             conversations=1024, distill_steps=300, corpora=4, precision="fp32", **RECIPE)  # fmt: skip
+             conversations=1024, distill_steps=300, corpora=4, precision="fp32",
+             **(RECIPE | {"curriculum": True}))  # fmt: skip
 QUICK = Scale(entities=4, sheets=10_000, d_model=64, n_layers=5, steps=2000, batch_size=64,
               conversations=48, distill_steps=20, corpora=4, **RECIPE)  # fmt: skip
 
