@@ -557,6 +557,11 @@ def main(argv: list[str] | None = None) -> None:
         help="pretraining query region: iid questions (default) or permutation passes (the runs before)",
     )
     p.add_argument(
+        "--curriculum",
+        action="store_true",
+        help="pretraining sheets of 1..entities entities, filled with queries (the full scale's default)",
+    )
+    p.add_argument(
         "--no-curriculum",
         action="store_true",
         help="every pretraining sheet has `entities` entities (default: 1..entities, filled with queries)",
@@ -597,8 +602,10 @@ def main(argv: list[str] | None = None) -> None:
     ):
         if value:
             setattr(scale, field, value)
-    if args.no_curriculum:
-        scale.curriculum = False
+    if args.curriculum and args.no_curriculum:
+        p.error("--curriculum and --no-curriculum exclude each other")
+    if args.curriculum or args.no_curriculum:
+        scale.curriculum = args.curriculum
     try:
         scale.validate()
     except ValueError as e:
