@@ -350,6 +350,7 @@ def test_experiment_rejects_impossible_settings(capsys):
         (["--entities", "200", "--layout", "kv1", "--names-per-entity", "1"], "needs 200 distinct names"),
         (["--corpora", "-1"], "corpora must be >= 1"),
         (["--steps", "-5"], "steps must be >= 1"),
+        (["--curriculum", "--no-curriculum"], "exclude each other"),
     ):
         with pytest.raises(SystemExit):
             run.main([*argv, "--out", "/nonexistent/never-written"])
