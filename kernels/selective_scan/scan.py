@@ -13,14 +13,29 @@ import triton.language as tl
 
 
 @triton.jit
-def _fwd_kernel(u, dt, A, Bm, Cm, h0, y, hs, hT, T, D: tl.constexpr, N: tl.constexpr, BD: tl.constexpr,
-                BN: tl.constexpr, USE_H0: tl.constexpr):
-    i_b, i_d = tl.program_id(0), tl.program_id(1)
+def _tile(i_d, D: tl.constexpr, N: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
+    """A program's channel and state offsets, their masks, and the [BD, BN] offsets into a [D, N] tensor."""
     offs_d = i_d * BD + tl.arange(0, BD)
     offs_n = tl.arange(0, BN)
     m_d, m_n = offs_d < D, offs_n < N
-    m_dn = m_d[:, None] & m_n[None, :]
-    dn = offs_d[:, None] * N + offs_n[None, :]
+    return offs_d, offs_n, m_d, m_n, m_d[:, None] & m_n[None, :], offs_d[:, None] * N + offs_n[None, :]
+
+
+@triton.jit
+def _token(u, dt, Bm, Cm, row, offs_d, offs_n, m_d, m_n, D: tl.constexpr, N: tl.constexpr):
+    """One token's u, Δ (this program's channels) and B, C, in fp32."""
+    ut = tl.load(u + row * D + offs_d, mask=m_d, other=0.0).to(tl.float32)
+    dtt = tl.load(dt + row * D + offs_d, mask=m_d, other=0.0).to(tl.float32)
+    bt = tl.load(Bm + row * N + offs_n, mask=m_n, other=0.0).to(tl.float32)
+    ct = tl.load(Cm + row * N + offs_n, mask=m_n, other=0.0).to(tl.float32)
+    return ut, dtt, bt, ct
+
+
+@triton.jit
+def _fwd_kernel(u, dt, A, Bm, Cm, h0, y, hs, hT, T, D: tl.constexpr, N: tl.constexpr, BD: tl.constexpr,
+                BN: tl.constexpr, USE_H0: tl.constexpr):
+    i_b, i_d = tl.program_id(0), tl.program_id(1)
+    offs_d, offs_n, m_d, m_n, m_dn, dn = _tile(i_d, D, N, BD, BN)
     a = tl.load(A + dn, mask=m_dn, other=0.0).to(tl.float32)
     if USE_H0:
         h = tl.load(h0 + i_b.to(tl.int64) * D * N + dn, mask=m_dn, other=0.0).to(tl.float32)
@@ -28,10 +43,7 @@ def _fwd_kernel(u, dt, A, Bm, Cm, h0, y, hs, hT, T, D: tl.constexpr, N: tl.const
         h = tl.zeros([BD, BN], dtype=tl.float32)
     for t in range(T):
         row = i_b.to(tl.int64) * T + t
-        ut = tl.load(u + row * D + offs_d, mask=m_d, other=0.0).to(tl.float32)
-        dtt = tl.load(dt + row * D + offs_d, mask=m_d, other=0.0).to(tl.float32)
-        bt = tl.load(Bm + row * N + offs_n, mask=m_n, other=0.0).to(tl.float32)
-        ct = tl.load(Cm + row * N + offs_n, mask=m_n, other=0.0).to(tl.float32)
+        ut, dtt, bt, ct = _token(u, dt, Bm, Cm, row, offs_d, offs_n, m_d, m_n, D, N)
         h = tl.exp(dtt[:, None] * a) * h + (dtt * ut)[:, None] * bt[None, :]
         tl.store(y + row * D + offs_d, tl.sum(h * ct[None, :], 1), mask=m_d)
         tl.store(hs + row * D * N + dn, h, mask=m_dn)
@@ -46,11 +58,7 @@ def _bwd_kernel(u, dt, A, Bm, Cm, h0, hs, dy, dhT, du, ddt, dA, dB, dC, dh0, T, 
     dA += dh ⊙ h_{t-1} ⊙ decay ⊙ Δ; then dh ← dh ⊙ decay flows to h_{t-1}. dB, dC: partial over channel blocks
     [NDB, B, T, N]; dA: partial over sequences [B, D, N]."""
     i_b, i_d = tl.program_id(0), tl.program_id(1)
-    offs_d = i_d * BD + tl.arange(0, BD)
-    offs_n = tl.arange(0, BN)
-    m_d, m_n = offs_d < D, offs_n < N
-    m_dn = m_d[:, None] & m_n[None, :]
-    dn = offs_d[:, None] * N + offs_n[None, :]
+    offs_d, offs_n, m_d, m_n, m_dn, dn = _tile(i_d, D, N, BD, BN)
     state = i_b.to(tl.int64) * D * N + dn
     a = tl.load(A + dn, mask=m_dn, other=0.0).to(tl.float32)
     if USE_H0:
@@ -66,10 +74,7 @@ def _bwd_kernel(u, dt, A, Bm, Cm, h0, hs, dy, dhT, du, ddt, dA, dB, dC, dh0, T, 
     for i in range(T):
         t = T - 1 - i
         row = i_b.to(tl.int64) * T + t
-        ut = tl.load(u + row * D + offs_d, mask=m_d, other=0.0).to(tl.float32)
-        dtt = tl.load(dt + row * D + offs_d, mask=m_d, other=0.0).to(tl.float32)
-        bt = tl.load(Bm + row * N + offs_n, mask=m_n, other=0.0).to(tl.float32)
-        ct = tl.load(Cm + row * N + offs_n, mask=m_n, other=0.0).to(tl.float32)
+        ut, dtt, bt, ct = _token(u, dt, Bm, Cm, row, offs_d, offs_n, m_d, m_n, D, N)
         dyt = tl.load(dy + row * D + offs_d, mask=m_d, other=0.0).to(tl.float32)
         ht = tl.load(hs + row * D * N + dn, mask=m_dn, other=0.0)
         later = (tl.zeros([BD], dtype=tl.int32) + t) > 0  # h_{t-1} is stored (t > 0), else it is h0
