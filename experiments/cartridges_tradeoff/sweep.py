@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="runs/cartridges_tradeoff")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--sizes", type=int, nargs="+", default=SIZES)
-    p.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    p.add_argument("--methods", nargs="*", default=METHODS, choices=METHODS, help="none: composition only")
     p.add_argument("--conversations", type=int, default=2048)
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--pack-len", type=int, default=2048)

@@ -33,6 +33,7 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -113,8 +114,12 @@ class Scale:
         keys = self.entities * (self.names_per_entity if self.layout == "kv1" else 1)
         if keys > self.names:
             raise ValueError(f"a sheet needs {keys} distinct names but the pool has {self.names}")
-        for field, allowed in (("layout", ("kv", "kv1", "facts", "sheet")), ("queries", ("iid", "passes")),
-                               ("attention", ("hybrid", "plain")), ("precision", ("auto", "fp32", "bf16"))):
+        for field, allowed in (
+            ("layout", ("kv", "kv1", "facts", "sheet")),
+            ("queries", ("iid", "passes")),
+            ("attention", ("hybrid", "plain")),
+            ("precision", ("auto", "fp32", "bf16")),
+        ):
             if getattr(self, field) not in allowed:
                 raise ValueError(f"{field} must be one of {', '.join(allowed)}, got {getattr(self, field)!r}")
 
@@ -530,6 +535,27 @@ def recall_accuracy(model, tok, scale: Scale, seed: int, sheets: int = 8) -> flo
     return correct / total
 
 
+def write_summary(
+    out: Path, scale: Scale, device, results, recall, answers, timings, t0: float, complete: bool
+) -> dict:
+    """summary.json and answers.jsonl, each written whole to a temporary file and then renamed into place."""
+    summary = {
+        "scale": scale.__dict__,
+        "device": str(device),
+        "complete": complete,
+        "results": results,
+        "icl_recall_8_sheets": recall,
+        "timings_s": timings,
+        "wall_time_s": time.time() - t0,
+    }
+    for name, text in (("summary.json", json.dumps(summary, indent=2)),
+                       ("answers.jsonl", "".join(json.dumps(a) + "\n" for a in answers))):  # fmt: skip
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, out / name)
+    return summary
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/state_cartridges")
@@ -709,20 +735,13 @@ def main(argv: list[str] | None = None) -> None:
                 record(f"self_study{suffix}", answer(model, tok, qa, cartridge=trained), nbytes, num_tokens)
                 key = f"distill/{name}{suffix}"
                 timings[key] = timings.get(key, 0.0) + time.time() - t
+            # after every corpus: a run cut short keeps the arms it finished (summary["complete"] is False)
+            summary = write_summary(out, scale, device, results, recall, answers, timings, t0, complete=False)
         for key, r in results.items():
             if r["model"] == name:
                 log.info("%s: accuracy %.3f (%d questions) at %d bytes", key, r["accuracy"], r["n"], r["bytes_fp32"])
 
-    summary = {
-        "scale": scale.__dict__,
-        "device": str(device),
-        "results": results,
-        "icl_recall_8_sheets": recall,
-        "timings_s": timings,
-        "wall_time_s": time.time() - t0,
-    }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    (out / "answers.jsonl").write_text("".join(json.dumps(a) + "\n" for a in answers))
+    summary = write_summary(out, scale, device, results, recall, answers, timings, t0, complete=True)
     from experiments.state_cartridges.plot import plot, table
 
     figure = plot(out / "summary.json")
