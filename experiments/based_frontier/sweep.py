@@ -58,11 +58,14 @@ def sweep():
         "experiment_name": experiment,
     }
     impl = "naive" if tiny else "fla"
+    # Mamba's scan on the GPU: the Triton selective scan (13-20x the PyTorch loop's forward+backward on the H200,
+    # bench/mamba_scan.py, session 6); its runs then train one at a time instead of as a vmapped lr pack.
+    scan = {} if tiny else {"+model.mixers.mamba.impl": "triton"}
     models = []
     for d in dims:
         models += [{"model": "based", "model.d_model": d, "model.mixers.based.feature_dim": f} for f in features]
         models += [{"model": "attention", "model.d_model": d}]
-        models += [{"model": "mamba", "model.d_model": d, "model.mixers.mamba.d_state": n} for n in states]
+        models += [{"model": "mamba", "model.d_model": d, "model.mixers.mamba.d_state": n, **scan} for n in states]
         models += [{"model": "gla", "model.d_model": d, "+model.mixers.gla.impl": impl}]
         models += [{"model": "gated_deltanet", "model.d_model": d, "+model.mixers.gated_deltanet.impl": impl}]
         if d <= dims[min(1, len(dims) - 1)]:

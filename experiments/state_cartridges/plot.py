@@ -28,6 +28,12 @@ def plot(summary_path: str | Path) -> Path:
     results = json.loads(summary_path.read_text())["results"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     seen = set()
+    labels: dict[tuple[str, float, float], list[str]] = {}  # arms at the same point share one label
+    for r in results.values():
+        labels.setdefault((r["model"], r["bytes_fp32"], round(r["accuracy"], 4)), []).append(r["arm"])
+    for (model, nbytes, acc), arms in labels.items():
+        ax.annotate(", ".join(arms), (nbytes / 1024, acc), fontsize=7, xytext=(4, 4), textcoords="offset points",
+                    color=COLORS[model])  # fmt: skip
     for r in results.values():
         kind = next(k for k in STYLE if r["arm"].startswith(k))
         marker, label = STYLE[kind]
@@ -41,8 +47,6 @@ def plot(summary_path: str | Path) -> Path:
             label=None if legend in seen else legend,
         )
         seen.add(legend)
-        ax.annotate(r["arm"], (r["bytes_fp32"] / 1024, r["accuracy"]), fontsize=7, xytext=(4, 4),
-                    textcoords="offset points")  # fmt: skip
     ax.set_xscale("log")
     ax.set_xlabel("state / KV per sequence (KiB at fp32)")
     ax.set_ylabel("QA accuracy on unseen fact sheets")

@@ -32,6 +32,10 @@ def model_overrides(mixer: str, L: int, gpu: bool) -> dict:
         return {"model": "hyena", "model.mixers.hyena.max_seq_len": L}
     if mixer == "rwkv":
         return {"model": "rwkv", "model.mixers.rwkv.num_heads": 1, "+model.mixers.rwkv.impl": "fla" if gpu else "naive"}
+    if mixer == "mamba":
+        # the Triton selective scan on the GPU: 13-20x the PyTorch loop's forward+backward on the H200
+        # (bench/mamba_scan.py, session 6); these runs then train one at a time instead of as a vmapped lr pack
+        return {"model": "mamba", **({"+model.mixers.mamba.impl": "triton"} if gpu else {})}
     return {"model": mixer}
 
 
