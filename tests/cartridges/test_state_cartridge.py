@@ -358,3 +358,23 @@ def test_experiment_rejects_impossible_settings(capsys):
     with pytest.raises(ValueError, match="queries must be one of"):
         run.Scale(entities=4, sheets=1, d_model=8, n_layers=1, steps=1, batch_size=1, conversations=1,
                   distill_steps=1, queries="idd").validate()  # fmt: skip
+
+
+def test_experiment_summary_is_written_whole_after_every_corpus(tmp_path):
+    """run.write_summary: what a cut run leaves is a readable summary of the arms done so far, marked incomplete,
+    with its answers, and no temporary file."""
+    import dataclasses
+
+    from experiments.state_cartridges import run
+
+    scale = dataclasses.replace(run.QUICK)
+    results = {"based/icl": {"model": "based", "arm": "icl", "correct": 3, "n": 4, "accuracy": 0.75}}
+    answers = [{"model": "based", "arm": "icl", "corpus": 0, "output": "Tolmi"}] * 4
+    for complete in (False, True):
+        run.write_summary(tmp_path, scale, "cpu", results, {"based": 1.0}, answers, {}, 0.0, complete=complete)
+        summary = json.loads((tmp_path / "summary.json").read_text())
+        assert summary["complete"] is complete and summary["results"] == results
+        assert summary["scale"]["entities"] == scale.entities
+        lines = (tmp_path / "answers.jsonl").read_text().splitlines()
+        assert [json.loads(line) for line in lines] == answers
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["answers.jsonl", "summary.json"]
