@@ -33,7 +33,6 @@ import dataclasses
 import functools
 import json
 import logging
-import os
 import random
 import time
 from dataclasses import dataclass
@@ -538,7 +537,9 @@ def recall_accuracy(model, tok, scale: Scale, seed: int, sheets: int = 8) -> flo
 def write_summary(
     out: Path, scale: Scale, device, results, recall, answers, timings, t0: float, complete: bool
 ) -> dict:
-    """summary.json and answers.jsonl, each written whole to a temporary file and then renamed into place."""
+    """summary.json and answers.jsonl, each written whole (zoo.runs.atomic_write_text)."""
+    from zoo.runs import atomic_write_text
+
     summary = {
         "scale": scale.__dict__,
         "device": str(device),
@@ -550,9 +551,7 @@ def write_summary(
     }
     for name, text in (("summary.json", json.dumps(summary, indent=2)),
                        ("answers.jsonl", "".join(json.dumps(a) + "\n" for a in answers))):  # fmt: skip
-        tmp = out / f".{name}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, out / name)
+        atomic_write_text(out / name, text)
     return summary
 
 
