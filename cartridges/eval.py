@@ -178,11 +178,11 @@ def evaluate(cfg: EvalConfig, model=None, tokenizer=None) -> dict:
 
 
 def _write_results(out: Path, results: dict, answers: list[dict]) -> None:
-    from cartridges.self_study import _atomic_write_text
+    from zoo.runs import atomic_write_text
 
     out.mkdir(parents=True, exist_ok=True)
-    _atomic_write_text(out / "results.json", json.dumps(results, indent=2))
-    _atomic_write_text(out / "answers.jsonl", "".join(json.dumps(a) + "\n" for a in answers))
+    atomic_write_text(out / "results.json", json.dumps(results, indent=2))
+    atomic_write_text(out / "answers.jsonl", "".join(json.dumps(a) + "\n" for a in answers))
 
 
 def format_table(results: dict) -> str:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from cartridges.config import ConfigError, SynthesizeConfig, run_command
 from cartridges.corpus import Corpus, context_ids, turn_ids
+from zoo.runs import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -100,17 +101,6 @@ def synthesize_batch(cfg: SynthesizeConfig, corpus: Corpus, client, tokenizer, i
     return records
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 # Settings that may change between an interrupted run and its continuation without changing the data.
 RESUMABLE_KEYS = ("num_conversations", "progress", "backend", "base_url", "server_model", "device")
 
@@ -151,7 +141,7 @@ def synthesize(cfg: SynthesizeConfig, model=None, tokenizer=None) -> Path:
         if a != b or old["corpus_hash"] != corpus.hash:
             diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
             raise ConfigError(f"{out} holds self-study with other settings ({diff or 'corpus'}); use another output")
-    _atomic_write_text(meta_path, json.dumps(meta, indent=2))
+    atomic_write_text(meta_path, json.dumps(meta, indent=2))
 
     client = make_client(cfg, model, tokenizer)
     starts = range(0, cfg.num_conversations, cfg.batch_size)
@@ -163,7 +153,7 @@ def synthesize(cfg: SynthesizeConfig, model=None, tokenizer=None) -> Path:
     for start in todo:
         indices = list(range(start, min(start + cfg.batch_size, cfg.num_conversations)))
         records = synthesize_batch(cfg, corpus, client, tokenizer, indices)
-        _atomic_write_text(shards / f"{start:08d}.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+        atomic_write_text(shards / f"{start:08d}.jsonl", "".join(json.dumps(r) + "\n" for r in records))
         bar.update(len(indices))
     bar.close()
     return write_dataset(out, [shards / f"{s:08d}.jsonl" for s in starts])

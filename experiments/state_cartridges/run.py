@@ -412,7 +412,8 @@ def self_study(
     kept. Written in `cartridges-synthesize`'s dataset format, so `cartridges.distill` reads it."""
     from cartridges.clients import TransformersClient
     from cartridges.corpus import Corpus, context_ids, turn_ids
-    from cartridges.self_study import _atomic_write_text, write_dataset
+    from cartridges.self_study import write_dataset
+    from zoo.runs import atomic_write_text
 
     if (out / "dataset").is_dir():
         return out
@@ -452,10 +453,10 @@ def self_study(
             )
         shard = out / "shards" / f"{start:08d}.jsonl"
         shard.parent.mkdir(exist_ok=True)
-        _atomic_write_text(shard, "".join(json.dumps(r) + "\n" for r in rows))
+        atomic_write_text(shard, "".join(json.dumps(r) + "\n" for r in rows))
         shards.append(shard)
     meta = {"config": {"self_study": "experiments.state_cartridges", "n": n, "seed": seed}, "corpus_hash": corpus.hash}
-    _atomic_write_text(out / "meta.json", json.dumps(meta, indent=2))
+    atomic_write_text(out / "meta.json", json.dumps(meta, indent=2))
     write_dataset(out, shards)
     return out
 
@@ -589,7 +590,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--no-curriculum",
         action="store_true",
-        help="every pretraining sheet has `entities` entities (default: 1..entities, filled with queries)",
+        help="every pretraining sheet has `entities` entities (the quick scale's default)",
     )
     p.add_argument(
         "--attention",
