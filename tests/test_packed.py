@@ -286,3 +286,33 @@ def test_a_pack_that_disagrees_with_its_plain_model_fails_before_training(tmp_pa
     records = run_pack(runs, [])
     assert [r["status"] for r in records] == ["finished", "finished"]
     assert all("disagrees" in r["unpacked"] for r in records)
+
+
+class _FailingBackward(torch.autograd.Function):
+    """Identity forward; a backward that raises, as a vmapped backward with no rule for a dtype does on the GPU."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("expected input and grad types to match\nsecond line")
+
+
+def test_a_pack_whose_vmapped_backward_raises_trains_unpacked(tmp_path, monkeypatch):
+    """The H200's sliding-window pack raised in its vmapped backward (bf16 autocast): that is a one-line PackError
+    before any run dir is written, and zoo-sweep then trains the runs unpacked instead of failing them."""
+    from zoo.sweep import run_pack
+
+    original = _Pack.losses
+    monkeypatch.setattr(_Pack, "losses", lambda self, *args: _FailingBackward.apply(original(self, *args)))
+    cfg, _ = cfg_of(tmp_path, "model=attention", "train.epochs=1")
+    with pytest.raises(PackError) as e:
+        train_packed(pack_members(cfg, LRS[:2]))
+    assert "the vmapped model fails" in one_line(e) and "expected input and grad types to match" in one_line(e)
+    assert not (tmp_path / "default").exists()
+    runs = [[*TINY, "model=attention", "train.epochs=1", f"optim.lr={lr}", f"runs_root={tmp_path}"] for lr in LRS[:2]]
+    records = run_pack(runs, [])
+    assert [r["status"] for r in records] == ["finished", "finished"]
+    assert all("fails" in r["unpacked"] for r in records)

@@ -195,10 +195,18 @@ class _Pack:
     def check_agreement(self, model: LanguageModel, batch: tuple[torch.Tensor, ...], amp, rtol: float) -> None:
         """PackError unless row 0's loss and gradient on `batch` equal those of the plain `model` holding row 0's
         parameters, within `rtol` (relative to the gradient's norm): a vmap rule that computes something else on
-        this device must not train the pack silently."""
-        with amp:
-            losses = self.losses(*batch)
-        (grad,) = torch.autograd.grad(losses[0], self.flat)
+        this device must not train the pack silently. A vmapped forward or backward that raises is a PackError too
+        (on the H200, sliding-window attention's masked math SDPA under vmap and bf16 autocast raised "expected
+        input and grad types to match" in its backward), so that zoo-sweep trains those runs unpacked."""
+        try:
+            with amp:
+                losses = self.losses(*batch)
+            (grad,) = torch.autograd.grad(losses[0], self.flat)
+        except RuntimeError as e:  # e.g. a vmapped backward with no rule for this dtype on this device
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise PackError(
+                f"the vmapped model fails on {self.flat.device} ({first}); train these runs unpacked"
+            ) from e
         self.to_model(0, model)
         with amp:
             loss = query_loss(model, *batch)

@@ -6,7 +6,8 @@ size at L = 256, with each architecture's own state dial.
 - Sliding-window attention: window ∈ {16, 32, 64, 128} × d_model ∈ {64, 128}; state 2·w·d.
 - Attention: d_model ∈ {64, 128, 256}; state 2·L·d (the ceiling).
 - Mamba: d_state ∈ {8, 16, 32} × d_model ∈ {64, 128, 256}; state d_inner·(N + k - 1).
-- GLA and Gated DeltaNet through FLA (impl=fla on the GPU): d_model ∈ {64, 128, 256}; state H·d_k·d_v.
+- GLA and Gated DeltaNet through FLA (impl=fla on the GPU): d_model ∈ {64, 128, 256}; state H·d_k·d_v. Gated
+  DeltaNet falls back to its token loop (impl=naive) where FLA refuses its backward (Hopper, Triton < 3.7.1).
 Every model gets lr ∈ {3e-4, 1e-3, 3e-3} (chosen on validation) and trains on the L = 256 part of Zoology's
 mixture (n = 16, 32, 64; 20k each), 32 epochs, early stop at 0.99.
 
@@ -17,6 +18,17 @@ mixture (n = 16, 32, 64; 20k each), 32 epochs, early stop at 0.99.
 """
 
 import os
+
+
+def _fla_gated_backward_refused() -> bool:
+    """True where FLA's gated chunk backward raises: an NVIDIA Hopper GPU (sm_90) with Triton < 3.7.1."""
+    import torch
+    import triton
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return False
+    major, minor, patch = (int(x) for x in triton.__version__.split("+")[0].split(".")[:3])
+    return (major, minor, patch) < (3, 7, 1)
 
 
 def sweep():
@@ -58,6 +70,9 @@ def sweep():
         "experiment_name": experiment,
     }
     impl = "naive" if tiny else "fla"
+    # FLA 0.6 refuses the gated chunk backward on Hopper with Triton < 3.7.1 (wrong results, FLA #640); the H200
+    # machine has Triton 3.6, so there Gated DeltaNet trains on its PyTorch token loop (impl=naive) instead.
+    gdn_impl = "naive" if tiny or _fla_gated_backward_refused() else "fla"
     # Mamba's scan on the GPU: the Triton selective scan (13-20x the PyTorch loop's forward+backward on the H200,
     # bench/mamba_scan.py, session 6); its runs then train one at a time instead of as a vmapped lr pack.
     scan = {} if tiny else {"+model.mixers.mamba.impl": "triton"}
@@ -67,7 +82,7 @@ def sweep():
         models += [{"model": "attention", "model.d_model": d}]
         models += [{"model": "mamba", "model.d_model": d, "model.mixers.mamba.d_state": n, **scan} for n in states]
         models += [{"model": "gla", "model.d_model": d, "+model.mixers.gla.impl": impl}]
-        models += [{"model": "gated_deltanet", "model.d_model": d, "+model.mixers.gated_deltanet.impl": impl}]
+        models += [{"model": "gated_deltanet", "model.d_model": d, "+model.mixers.gated_deltanet.impl": gdn_impl}]
         if d <= dims[min(1, len(dims) - 1)]:
             models += [
                 {
