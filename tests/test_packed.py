@@ -182,9 +182,19 @@ def tiny_pack(mixer: str):
     return model, pack, *batch
 
 
-@pytest.mark.parametrize("mixer", sorted(MIXERS))
-def test_every_naive_mixer_packs(mixer):
-    """Under vmap, each member's loss and gradient equal the plain model's."""
+CHUNKED = {
+    "deltanet-chunk": ("deltanet", {"impl": "chunk", "chunk_size": 4}),
+    "gated_deltanet-chunk": ("gated_deltanet", {"impl": "chunk", "chunk_size": 4}),
+}
+
+
+@pytest.mark.parametrize("mixer", sorted(MIXERS) + sorted(CHUNKED))
+def test_every_naive_mixer_packs(mixer, monkeypatch):
+    """Under vmap, each member's loss and gradient equal the plain model's (every mixer at impl=naive, and the
+    chunked delta rules, which packs also accept)."""
+    if mixer in CHUNKED:
+        mixer, options = CHUNKED[mixer]
+        monkeypatch.setitem(MIXER_OPTIONS, mixer, options)
     model, pack, inputs, query_pos, query_labels = tiny_pack(mixer)
     losses = pack.losses(inputs, query_pos, query_labels)  # [2]
     losses.sum().backward()

@@ -23,7 +23,8 @@ How:
 Limits, each a one-line PackError before any work:
 - Members share train.seed: zoo.train draws the batch order from it, so runs of other seeds see other
   batches and cannot share a forward pass. Pack learning rates; run seeds as separate packs.
-- Every mixer runs at impl=naive: the FLA and Triton kernels have no vmap rule.
+- Every mixer runs in PyTorch, at impl=naive (or impl=chunk for DeltaNet and Gated DeltaNet): the FLA and
+  Triton kernels have no vmap rule.
 - No train.compile (train.cuda_graph captures the whole step instead) and no wandb mirror yet.
 - Before training, row 0's loss and gradient on 8 examples must equal the plain model's (`check_agreement`):
   on the H200, vmapped attention trained to NaN within 50 steps (session 4), so a device whose vmap rules
@@ -124,9 +125,10 @@ def check_pack(members: list[Config]) -> None:
     for name in dict.fromkeys(first.model.layers()):
         options = dict(first.model.mixers.get(name, {}))
         impl = getattr(make_config(name, MIXERS[name].Config, first.model.d_model, options), "impl", "naive")
-        if impl != "naive":
+        if impl not in ("naive", "chunk"):
             raise PackError(
-                f"mixer {name} has impl={impl}, which has no torch.func.vmap rule; packed runs need impl=naive"
+                f"mixer {name} has impl={impl}, which has no torch.func.vmap rule; packed runs need impl=naive "
+                "(or DeltaNet's impl=chunk)"
             )
 
 

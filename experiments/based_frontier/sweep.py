@@ -7,7 +7,8 @@ size at L = 256, with each architecture's own state dial.
 - Attention: d_model ∈ {64, 128, 256}; state 2·L·d (the ceiling).
 - Mamba: d_state ∈ {8, 16, 32} × d_model ∈ {64, 128, 256}; state d_inner·(N + k - 1).
 - GLA and Gated DeltaNet through FLA (impl=fla on the GPU): d_model ∈ {64, 128, 256}; state H·d_k·d_v. Gated
-  DeltaNet falls back to its token loop (impl=naive) where FLA refuses its backward (Hopper, Triton < 3.7.1).
+  DeltaNet falls back to its chunked PyTorch form (impl=chunk) where FLA refuses its backward (Hopper,
+  Triton < 3.7.1).
 Every model gets lr ∈ {3e-4, 1e-3, 3e-3} (chosen on validation) and trains on the L = 256 part of Zoology's
 mixture (n = 16, 32, 64; 20k each), 32 epochs, early stop at 0.99.
 
@@ -71,8 +72,8 @@ def sweep():
     }
     impl = "naive" if tiny else "fla"
     # FLA 0.6 refuses the gated chunk backward on Hopper with Triton < 3.7.1 (wrong results, FLA #640); the H200
-    # machine has Triton 3.6, so there Gated DeltaNet trains on its PyTorch token loop (impl=naive) instead.
-    gdn_impl = "naive" if tiny or _fla_gated_backward_refused() else "fla"
+    # machine has Triton 3.6, so there Gated DeltaNet trains on its chunked PyTorch form (impl=chunk) instead.
+    gdn_impl = "naive" if tiny else "chunk" if _fla_gated_backward_refused() else "fla"
     # Mamba's scan on the GPU: the Triton selective scan (13-20x the PyTorch loop's forward+backward on the H200,
     # bench/mamba_scan.py, session 6); its runs then train one at a time instead of as a vmapped lr pack.
     scan = {} if tiny else {"+model.mixers.mamba.impl": "triton"}

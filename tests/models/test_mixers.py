@@ -44,6 +44,9 @@ CASES = [
     ("gla-dk3", "gla", {"head_dim_k": 3, "head_dim_v": 5}),
     ("deltanet-h2", "deltanet", {"num_heads": 2}),
     ("gated_deltanet-h2", "gated_deltanet", {"num_heads": 2}),
+    ("deltanet-chunk5", "deltanet", {"num_heads": 2, "impl": "chunk", "chunk_size": 5}),
+    ("gated_deltanet-chunk4", "gated_deltanet", {"impl": "chunk", "chunk_size": 4}),
+    ("gated_deltanet-chunk64", "gated_deltanet", {"num_heads": 2, "impl": "chunk"}),
     ("rwkv-h2", "rwkv", {"num_heads": 2}),
     ("rwkv-h1", "rwkv", {"decay_rank": 3}),
 ]
@@ -231,6 +234,8 @@ BAD_OPTIONS = [
     ("feature_map", "linear_attention", {"feature_map": "softmax"}, "performer|cosformer|pos_elu|relu|hedgehog|taylor"),
     ("gla-impl", "gla", {"impl": "triton"}, "naive|fla"),
     ("deltanet-heads", "deltanet", {"num_heads": 3}, "divisible by num_heads=3"),
+    ("deltanet-impl", "deltanet", {"impl": "cuda"}, "must be one of"),
+    ("gated_deltanet-chunk", "gated_deltanet", {"impl": "chunk", "chunk_size": 0}, "chunk_size"),
     ("rwkv-rank", "rwkv", {"decay_rank": 0}, "decay_rank must be >= 1"),
 ]
 
@@ -305,3 +310,40 @@ def test_mamba_chunked_scan_equals_the_loop(chunk):
         grads.append([xi.grad, *(p.grad for p in mixer.parameters())])
     for a, b in [*zip(outs[0], outs[1]), *zip(grads[0], grads[1])]:
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet"])
+@pytest.mark.parametrize(("T", "chunk"), [(1, 4), (15, 4), (64, 16), (100, 64), (37, 37)])
+def test_chunked_delta_rule_equals_the_token_loop(name, T, chunk):
+    """impl=chunk's recurrence (`_chunk`) against the token loop (`_naive_token`, the specification) on the same
+    inputs: outputs, the final state and the gradients reaching x, the initial state and every parameter, with
+    T not a multiple of the chunk. The decays are made strong (Gated DeltaNet's A_log raised) so that the
+    within-chunk ratios e^{γ_t-γ_j} span several orders of magnitude."""
+    torch.manual_seed(0)
+    mixer = MIXERS[name](D_MODEL, num_heads=2, impl="chunk", chunk_size=chunk).double()
+    if name == "gated_deltanet":
+        with torch.no_grad():
+            mixer.A_log.add_(2.0)
+    x = torch.randn(2, T, D_MODEL, dtype=torch.float64)
+    S0 = torch.randn(2, 2, D_MODEL // 2, D_MODEL // 2, dtype=torch.float64)
+    weights = torch.linspace(-1, 1, D_MODEL // 2, dtype=torch.float64)
+    results = []
+    for chunked in (False, True):
+        xi, S = x.clone().requires_grad_(True), S0.clone().requires_grad_(True)
+        inp, _ = mixer._inputs(xi, None)
+        if chunked:
+            o, S_end = mixer._chunk(inp, S)
+        else:
+            outs, S_end = [], S
+            for i in range(T):
+                o_t, S_end = mixer._naive_token(S_end, {key: t[:, i] for key, t in inp.items()})
+                outs.append(o_t)
+            o = torch.stack(outs, dim=1)
+        loss = (o * weights).square().sum() + (S_end * S_end.detach().sign()).sum()
+        grads = torch.autograd.grad(loss, [xi, S, *mixer.parameters()], materialize_grads=True)
+        results.append((o, S_end, grads))
+    (o0, s0, g0), (o1, s1, g1) = results
+    torch.testing.assert_close(o1, o0, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(s1, s0, rtol=1e-10, atol=1e-12)
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)

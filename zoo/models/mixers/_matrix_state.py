@@ -6,6 +6,9 @@ A subclass provides the projections (`_inputs`), the recurrence for one token wr
 the output projection (`_output`). This frame runs `impl`:
 
 - `naive` (default): the token loop of `_naive_token` in fp32 (fp64 for fp64 models), for forward and step.
+- `chunk` (DeltaNet, Gated DeltaNet): `_chunk`, the same recurrence in chunks of 64 tokens in PyTorch (a loop
+  over T/64 chunks, dense matrix products inside), same dtype as naive; `step` is the token update. It runs on
+  any device and under torch.func.vmap, e.g. where FLA refuses a backward (Hopper with Triton < 3.7.1).
 - `fla`: FLA's chunk op for `forward`, its fused recurrent op for `step`; initial and final states go in
   and out of the same [B, H, d_k, d_v] tensor. Needs CUDA tensors, or CPU ones under TRITON_INTERPRET=1.
 """
@@ -29,6 +32,7 @@ from zoo.models.mixers._common import (
 )
 
 IMPLS = ("naive", "fla")
+CHUNK_IMPLS = ("naive", "chunk", "fla")  # DeltaNet and Gated DeltaNet also have the chunked PyTorch form
 
 
 def fla_ops(mixer: str, module: str, names: tuple[str, ...]) -> tuple[Any, ...]:
@@ -63,6 +67,11 @@ class MatrixStateMixer(nn.Module):
 
     def _naive_token(self, S: torch.Tensor, inp: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """One token: inp holds [B, H, ...] tensors, S: [B, H, d_k, d_v] -> (o: [B, H, d_v], next S)."""
+        raise NotImplementedError
+
+    def _chunk(self, inp: dict[str, torch.Tensor], S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """impl=chunk (mixers listing it in their impls): the token loop's outputs [B, T, H, d_v] and final state,
+        computed chunk by chunk in PyTorch."""
         raise NotImplementedError
 
     def _fla(self, inp: dict[str, torch.Tensor], S: torch.Tensor | None, recurrent: bool):
@@ -105,11 +114,14 @@ class MatrixStateMixer(nn.Module):
             else:
                 S = state["S"].to(dtype)
             inp = {key: t.to(dtype) for key, t in inp.items()}
-            outs = []
-            for i in range(T):
-                o_t, S = self._naive_token(S, {key: t[:, i] for key, t in inp.items()})
-                outs.append(o_t)
-            o = torch.stack(outs, dim=1)  # [B, T, H, d_v]
+            if self.impl == "chunk" and not recurrent:
+                o, S = self._chunk(inp, S)  # [B, T, H, d_v]
+            else:
+                outs = []
+                for i in range(T):
+                    o_t, S = self._naive_token(S, {key: t[:, i] for key, t in inp.items()})
+                    outs.append(o_t)
+                o = torch.stack(outs, dim=1)  # [B, T, H, d_v]
         if state is not None:
             state["S"].copy_(S)
         return self._output(o.to(x.dtype), aux)

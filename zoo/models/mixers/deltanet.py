@@ -8,7 +8,8 @@ Per head, q and k are SiLU-activated and L2-normalised, β_t = sigmoid(Linear(x)
 
 What is unusual here: `impl="naive"` is the token loop above (the specification); `impl="fla"` calls
 `fla.ops.delta_rule.chunk_delta_rule` (forward) and `fused_recurrent_delta_rule` (step), with q, k already
-normalised (use_qk_l2norm_in_kernel=False). State {"S": [B, H, d_k, d_v]} in fp32; state_size = H·d_k·d_v.
+normalised (use_qk_l2norm_in_kernel=False); `impl="chunk"` is `chunk_delta_rule` below, the same recurrence in
+chunks in PyTorch. State {"S": [B, H, d_k, d_v]} in fp32; state_size = H·d_k·d_v.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from einops import rearrange
 from torch import nn
 
 from zoo.models.mixers._common import check_choice, check_int, default_num_heads, make_config
-from zoo.models.mixers._matrix_state import IMPLS, MatrixStateMixer, fla_ops
+from zoo.models.mixers._matrix_state import CHUNK_IMPLS, MatrixStateMixer, fla_ops
 
 
 @dataclass
@@ -29,14 +30,16 @@ class DeltaNetConfig:
     """Options of `deltanet` (d_model comes from the model)."""
 
     num_heads: int | None = None  # None: default_num_heads(d_model); d_k = d_v = d_model // num_heads
-    impl: str = "naive"  # naive | fla
+    impl: str = "naive"  # naive | chunk | fla
+    chunk_size: int = 64  # tokens per chunk of impl=chunk
 
     def validate(self, d_model: int) -> None:
         heads = self.heads(d_model)
         check_int("deltanet: num_heads", heads, minimum=1)
         if d_model % heads:
             raise ValueError(f"deltanet: d_model={d_model} must be divisible by num_heads={heads}")
-        check_choice("deltanet: impl", self.impl, IMPLS)
+        check_choice("deltanet: impl", self.impl, CHUNK_IMPLS)
+        check_int("deltanet: chunk_size", self.chunk_size, minimum=1)
 
     def heads(self, d_model: int) -> int:
         return self.num_heads if self.num_heads is not None else default_num_heads(d_model)
@@ -45,6 +48,63 @@ class DeltaNetConfig:
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(Σx² + eps) over the last dim."""
     return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
+
+
+def chunk_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor | None,
+    scale: float,
+    S: torch.Tensor,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (gated) delta rule in chunks, in PyTorch: the same outputs and final state as the token loop
+    S_t = α_t (I - β_t k_tᵀk_t) S_{t-1} + β_t k_tᵀv_t, o_t = scale·q_t S_t, with a loop over T/C chunks
+    instead of T tokens (Yang et al., 2024, the WY/UT form).
+
+    Within a chunk, with γ_t = Σ_{i≤t} log α_i (cumulative from the chunk's start) and S₀ the state entering it,
+    S_t = e^{γ_t} S₀ + Σ_{j≤t} e^{γ_t-γ_j} k_jᵀ u_j, where the pseudo-values u solve the unit lower-triangular
+    system (I + A) U = diag(β) V - diag(β e^γ) K S₀, A_tj = β_t e^{γ_t-γ_j} k_t·k_j for j < t. So per chunk
+    U = U' - W S₀ with U' = (I + A)⁻¹ diag(β) V and W = (I + A)⁻¹ diag(β e^γ) K, both computed for every
+    chunk at once; only S₀ → U → (O, next S₀) runs in the loop.
+
+    q, k: [B, T, H, d_k], v: [B, T, H, d_v], beta, g (log α ≤ 0; None for plain DeltaNet): [B, T, H],
+    S: [B, H, d_k, d_v]. Returns o [B, T, H, d_v] and the final S. Padded tokens (β = 0, g = 0) leave S as it is.
+    """
+    B, T, H, _ = k.shape
+    C = chunk_size
+    pad = -T % C
+    if g is None:
+        g = torch.zeros_like(beta)
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
+        beta, g = (F.pad(t, (0, 0, 0, pad)) for t in (beta, g))
+    N = (T + pad) // C
+    q, k, v = (rearrange(t, "b (n c) h d -> b h n c d", c=C) for t in (q, k, v))  # [B, H, N, C, D]
+    beta, g = (rearrange(t, "b (n c) h -> b h n c", c=C) for t in (beta, g))  # [B, H, N, C]
+    gamma = g.cumsum(-1)  # [B, H, N, C]
+    lower = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()  # j ≤ t
+    # e^{γ_t - γ_j} for j ≤ t, 0 above the diagonal (masked before exp: above it γ_t - γ_j ≥ 0 may overflow)
+    decay = torch.exp((gamma[..., :, None] - gamma[..., None, :]).masked_fill(~lower, float("-inf")))  # [.., C, C]
+    kk = k @ k.transpose(-1, -2)  # [B, H, N, C, C]
+    A = (beta[..., None] * decay * kk).tril(-1)
+    eye = torch.eye(C, dtype=k.dtype, device=k.device)
+    rhs = torch.cat([beta[..., None] * v, (beta * gamma.exp())[..., None] * k], dim=-1)  # [.., C, d_v + d_k]
+    sol = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+    u_free, w = sol.split([v.shape[-1], k.shape[-1]], dim=-1)  # U' [.., C, d_v], W [.., C, d_k]
+    qk = decay * (q @ k.transpose(-1, -2))  # [.., C, C]
+    q_in = gamma.exp()[..., None] * q  # e^{γ_t} q_t
+    k_out = (gamma[..., -1:] - gamma).exp()[..., None] * k  # e^{γ_C - γ_j} k_j
+    alpha_chunk = gamma[..., -1].exp()  # [B, H, N]
+    outs = []
+    for n in range(N):
+        u = u_free[:, :, n] - w[:, :, n] @ S  # [B, H, C, d_v]
+        outs.append(scale * (q_in[:, :, n] @ S + qk[:, :, n] @ u))
+        S = alpha_chunk[:, :, n, None, None] * S + k_out[:, :, n].transpose(-1, -2) @ u
+    o = rearrange(torch.stack(outs, dim=2), "b h n c d -> b (n c) h d")[:, :T]
+    return o, S
 
 
 class DeltaNet(MatrixStateMixer):
@@ -77,6 +137,10 @@ class DeltaNet(MatrixStateMixer):
         old = torch.einsum("bhk,bhkv->bhv", k, S)  # [B, H, d_v]: what S returns for k now
         S = S + beta[..., None, None] * k[..., None] * (inp["v"] - old)[..., None, :]
         return self.scale * torch.einsum("bhk,bhkv->bhv", inp["q"], S), S
+
+    def _chunk(self, inp, S):
+        beta, chunk = inp["beta"], self.config.chunk_size
+        return chunk_delta_rule(inp["q"], inp["k"], inp["v"], beta, None, self.scale, S, chunk)
 
     def _fla(self, inp, S, recurrent):
         chunk, fused_recurrent = fla_ops(self.name, self.FLA_MODULE, self.FLA_NAMES)

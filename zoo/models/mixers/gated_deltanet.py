@@ -7,7 +7,9 @@ Per head: q, k SiLU-activated and L2-normalised, β_t = sigmoid(Linear(x)), and 
     o_t = scale · q_t S_t;   out = Linear(H·d_v → d)(o ⊙ SiLU(Linear(d → d)(x)))
 
 What is unusual here: `impl="naive"` is the token loop above (the specification); `impl="fla"` calls
-`fla.ops.gated_delta_rule.chunk_gated_delta_rule` (forward) and `fused_recurrent_gated_delta_rule` (step).
+`fla.ops.gated_delta_rule.chunk_gated_delta_rule` (forward) and `fused_recurrent_gated_delta_rule` (step);
+`impl="chunk"` is `deltanet.chunk_delta_rule` with the decays, in PyTorch. FLA 0.6 refuses the gated chunk
+backward on Hopper GPUs with Triton < 3.7.1 (wrong results, its issue #640); impl="chunk" trains there.
 State {"S": [B, H, d_k, d_v]} in fp32; state_size = H·d_k·d_v.
 """
 
@@ -22,8 +24,8 @@ from einops import rearrange
 from torch import nn
 
 from zoo.models.mixers._common import check_choice, check_int, default_num_heads, make_config
-from zoo.models.mixers._matrix_state import IMPLS, MatrixStateMixer, fla_ops
-from zoo.models.mixers.deltanet import l2_normalize
+from zoo.models.mixers._matrix_state import CHUNK_IMPLS, MatrixStateMixer, fla_ops
+from zoo.models.mixers.deltanet import chunk_delta_rule, l2_normalize
 
 
 @dataclass
@@ -31,14 +33,16 @@ class GatedDeltaNetConfig:
     """Options of `gated_deltanet` (d_model comes from the model)."""
 
     num_heads: int | None = None  # None: default_num_heads(d_model); d_k = d_v = d_model // num_heads
-    impl: str = "naive"  # naive | fla
+    impl: str = "naive"  # naive | chunk | fla
+    chunk_size: int = 64  # tokens per chunk of impl=chunk
 
     def validate(self, d_model: int) -> None:
         heads = self.heads(d_model)
         check_int("gated_deltanet: num_heads", heads, minimum=1)
         if d_model % heads:
             raise ValueError(f"gated_deltanet: d_model={d_model} must be divisible by num_heads={heads}")
-        check_choice("gated_deltanet: impl", self.impl, IMPLS)
+        check_choice("gated_deltanet: impl", self.impl, CHUNK_IMPLS)
+        check_int("gated_deltanet: chunk_size", self.chunk_size, minimum=1)
 
     def heads(self, d_model: int) -> int:
         return self.num_heads if self.num_heads is not None else default_num_heads(d_model)
@@ -82,6 +86,10 @@ class GatedDeltaNet(MatrixStateMixer):
         old = torch.einsum("bhk,bhkv->bhv", k, S)  # [B, H, d_v]
         S = S + beta[..., None, None] * k[..., None] * (inp["v"] - old)[..., None, :]
         return self.scale * torch.einsum("bhk,bhkv->bhv", inp["q"], S), S
+
+    def _chunk(self, inp, S):
+        beta, chunk = inp["beta"], self.config.chunk_size
+        return chunk_delta_rule(inp["q"], inp["k"], inp["v"], beta, inp["g"], self.scale, S, chunk)
 
     def _fla(self, inp, S, recurrent):
         chunk, fused_recurrent = fla_ops(self.name, self.FLA_MODULE, self.FLA_NAMES)
