@@ -11,6 +11,8 @@ once) and the FLOPs of kernels/based/README.md. The last line is JSON.
 
 --sweep first times order-2 modes (3, 5) x block configurations of our kernel at T=4096 (each checked against
 the default) and uses the fastest mode and configuration per pass.
+--split-sweep times the split forward (kernels/based/split.py) over its launch settings at T=4096, its two
+kernels apart too, and adds the fastest as the row `ours_split_fwd`.
 --tuned FILE sets our kernel's order-2 modes and block configurations from a JSON file
 {"fwd": {"mode": m, "cfg": [BK, BV, BC, warps, stages]}, "fb": {...}} (the forward from "fwd", the backward from
 "fb"), as a tuning run writes it; the table then times `ours` with them.
@@ -90,6 +92,18 @@ def order2_mode(name):
         chunk_mod.FWD_EXPAND, chunk_mod.BWD_EXPAND = saved
 
 
+@contextlib.contextmanager
+def split_forward(name):
+    """`ours_split_fwd` runs our kernels with chunk.FORWARD = "split" (the backward is the same)."""
+    saved = chunk_mod.FORWARD
+    try:
+        if name == "ours_split_fwd":
+            chunk_mod.FORWARD = "split"
+        yield
+    finally:
+        chunk_mod.FORWARD = saved
+
+
 def impls():
     from fla.ops.based import fused_chunk_based, parallel_based
 
@@ -158,6 +172,55 @@ def sweep(modes=(3, 5)):
     return best, {kind: [(ms, m, list(c)) for ms, m, c in r] for kind, r in results.items()}
 
 
+# 32 settings; sm90_report (no GPU needed) shows the output pass spill-free at BC=64 with OP=4 (216 registers),
+# spilling 24 B at OP=2 and 40-144 B at BC=128 with 8 warps; the state pass 121 registers at NP=4, 192 at NP=2.
+SPLIT_GRID = [
+    {"BC": BC, "BV": BV, "NP": NP, "OP": OP, "state_warps": 4, "output_warps": w}
+    for BC, w in ((32, 4), (64, 4), (128, 8))
+    for BV in (32, 64)
+    for NP in (2, 4, 8)
+    for OP in (2, 4)
+    if not (BC == 32 and OP == 4)
+]
+
+
+def split_sweep(T=4096, grid=SPLIT_GRID):
+    """The split forward (kernels/based/split.py, chunk.FORWARD = "split") over its launch settings at T, each
+    checked against the fused forward: the whole forward and its two kernels timed apart. Returns the fastest
+    settings and the table."""
+    import kernels.based.split as split_mod
+
+    q, k, v, _ = inputs(T)
+    with torch.no_grad():
+        ref = chunk_based(q, k, v)[0].float()
+    saved_cfg, saved_fwd = dict(split_mod.CONFIG), chunk_mod.FORWARD
+    dot = chunk_mod._dot_mode(DT)
+    table = []
+    for cfg in grid:
+        split_mod.CONFIG = dict(cfg)
+        chunk_mod.FORWARD = "split"
+        label = "split " + " ".join(f"{a}={b}" for a, b in cfg.items())
+        try:
+            with torch.no_grad():
+                err = ((chunk_based(q, k, v)[0].float() - ref).norm() / ref.norm()).item()
+                ms = bench(lambda: chunk_based(q, k, v))
+                hs, zs, _, _ = split_mod.state_pass(k, v, None, None, False, dot)
+                ms_state = bench(lambda: split_mod.state_pass(k, v, None, None, False, dot))
+                ms_out = bench(lambda hs=hs, zs=zs: split_mod.output_pass(q, k, v, hs, zs, K**-0.5, True, dot))
+        except Exception as e:  # a config that fails to compile (registers, shared memory) is skipped
+            print(f"{label}: failed: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        finally:
+            split_mod.CONFIG, chunk_mod.FORWARD = dict(saved_cfg), saved_fwd
+        print(f"{label}: {ms:.4f} ms (state {ms_state:.4f}, output {ms_out:.4f}; rel diff vs fused {err:.1e})",
+              flush=True)
+        if err < 2e-2:
+            table.append({"cfg": cfg, "ms": ms, "state_ms": ms_state, "output_ms": ms_out})
+    best = min(table, key=lambda r: r["ms"]) if table else None
+    print(f"split best: {best}")
+    return best, table
+
+
 def decode_step_ms(batch):
     g = torch.Generator(device="cuda").manual_seed(batch)
     kv = torch.randn(batch, H, E, V, device="cuda", generator=g)
@@ -183,6 +246,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--T", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--split-sweep", action="store_true", help="time the split forward's settings; use the best")
     p.add_argument("--skip-baselines", action="store_true")
     p.add_argument("--tuned", default=None, help="JSON with the forward/backward modes and block configs to use")
     args = p.parse_args()
@@ -211,7 +275,16 @@ def main():
         chunk_mod._config = lambda K_, V_, dtype, kind: best[kind][1] if (K_, V_, dtype) == (K, V, DT) else \
             default(K_, V_, dtype, kind)
         result["sweep"] = {"best": best, "table": table}
+    if args.split_sweep:
+        best, table = split_sweep()
+        result["split_sweep"] = {"best": best, "table": table}
+        if best is not None:
+            import kernels.based.split as split_mod
+
+            split_mod.CONFIG = best["cfg"]
     names = impls() if not args.skip_baselines else {"ours": impls()["ours"]}
+    if args.split_sweep and result["split_sweep"]["best"] is not None:
+        names["ours_split_fwd"] = names["ours"]
     if args.tuned:
         names.pop("ours_batched_o2")
     print(f"{'impl':24s} {'T':>6s} {'fwd ms':>8s} {'fwd+bwd ms':>10s} {'fwd %bw':>8s} {'fwd %gemm':>9s} "
@@ -230,7 +303,7 @@ def main():
                               for a, b in zip((out, *grads), (ref, *ref_grads)))
                     if not err < 2e-2:
                         raise ValueError(f"output or gradients differ from ours: relative error {err:.2e}")
-                with order2_mode(name):
+                with order2_mode(name), split_forward(name):
                     fwd, both = time_impl(fn, T, layout, d_qk)
             except Exception as e:  # keep the table going if a baseline breaks on this stack; say so
                 print(f"{name:24s} {T:6d} failed: {type(e).__name__}: {str(e)[:200]}")

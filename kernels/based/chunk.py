@@ -656,6 +656,9 @@ def _config(K: int, V: int, dtype: torch.dtype, kind: str):
 # program per SM (132 SMs), e.g. prefill of one sequence. SEGMENT_TOKENS, when set, forces the segment length
 # (tests; a multiple of the chunk).
 TARGET_PROGRAMS = 132
+# "fused": `_fwd_kernel` above (the default, measured). "split": kernels/based/split.py, a state pass that stores
+# the state entering every chunk, then every chunk's output at once (K ≤ 16; not yet timed on a GPU).
+FORWARD = "fused"
 MIN_SEGMENT_CHUNKS = 8
 SEGMENT_TOKENS: int | None = None
 
@@ -696,7 +699,12 @@ class ChunkBasedFunction(torch.autograd.Function):
                     EXPAND=_expand_mode(BK, forward=True), num_warps=num_warps, num_stages=num_stages)
         SEG = _segment_tokens(T, NV * B * H, BC)
         NS = triton.cdiv(T, SEG)
-        if NS == 1:
+        if FORWARD == "split" and K <= 16:
+            from kernels.based.split import split_forward
+
+            o, den, hvT, hzT = split_forward(q, k, v, hv0, hz0, scale, output_final_state, normalize,
+                                             _dot_mode(q.dtype))
+        elif NS == 1:
             hvT = torch.empty(B, H, F, V, device=q.device, dtype=torch.float32) if output_final_state else None
             hzT = torch.empty(B, H, F, device=q.device, dtype=torch.float32) if output_final_state else None
             _fwd_kernel[(NV, 1, B * H)](q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG, USE_H0=hv0 is not None,

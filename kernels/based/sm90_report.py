@@ -3,7 +3,8 @@ the compiler made of it: dot instructions (wgmma vs mma.sync), layout conversion
 allocations per program (Triton's TTGIR), and registers and spills (ptxas). The GPU-free half of kernel work:
 a variant that spills or lowers its dots to mma.sync where it meant wgmma shows here before it is timed.
 
-    python -m kernels.based.sm90_report [--kernel fwd|dq|dkv] [--mode 3] [--bv 32] [--bc 64] [--warps 4] [--states]
+    python -m kernels.based.sm90_report [--kernel fwd|dq|dkv|split_state|split_output] [--mode 3] [--bv 32]
+        [--bc 64] [--warps 4] [--states] [--np 4] [--op 2]
 
 Uses the ptxas that ships with Triton (ptxas-blackwell where the bundled ptxas is older than the PTX Triton
 emits). The counts are per kernel (the chunk loop body dominates), at the benchmark's constexprs H=16, K=16,
@@ -22,28 +23,33 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import kernels.based.chunk as chunk
+import kernels.based.split as split
 
 KERNELS = {
-    # name: (the kernel, its bf16 pointers; every other pointer is fp32, the scalars are scale, T and SEG)
+    # name: (the kernel, its bf16 pointers; every other pointer is fp32, the scalars are scale, T, SEG and NC)
     "fwd": (chunk._fwd_kernel, ("q", "k", "v", "o")),
     "dq": (chunk._bwd_dq_kernel, ("q", "k", "v", "do")),
     "dkv": (chunk._bwd_dkv_kernel, ("q", "k", "v", "do", "dv")),
+    # the split forward (kernels/based/split.py): its state pass and its output pass
+    "split_state": (split._state_kernel, ("k", "v", "hs")),
+    "split_output": (split._output_kernel, ("q", "k", "v", "o", "hs")),
 }
 
 
-def compile_kernel(kind: str, mode: int, BV: int, BC: int, warps: int, stages: int = 2, states: bool = False):
+def compile_kernel(kind: str, mode: int, BV: int, BC: int, warps: int, stages: int = 2, states: bool = False,
+                   NP: int = 4, OP: int = 2):
     """Compile one of KERNELS for sm_90a at H=16, K=16, V=64, bf16 operands, normalised; `states` turns on the
-    state inputs and outputs (their loads and stores compiled too)."""
+    state inputs and outputs (their loads and stores compiled too); NP / OP: the split passes' row parts."""
     fn, bf16 = KERNELS[kind]
     const = dict(H=16, K=16, V=64, BK=16, BV=BV, BC=BC, NORMALIZE=True, DOT=2, EXPAND=mode, STATE_ONLY=False,
-                 USE_H0=states, STORE_HT=states, USE_DHT=states, STORE_DH0=states)
+                 USE_H0=states, STORE_HT=states, USE_DHT=states, STORE_DH0=states, NP=NP, OP=OP)
     sig = {}
     for name in fn.arg_names:
         if name in const:
             sig[name] = "constexpr"
         elif name == "scale":
             sig[name] = "fp32"
-        elif name in ("T", "SEG"):
+        elif name in ("T", "SEG", "NC"):
             sig[name] = "i32"
         else:
             sig[name] = "*bf16" if name in bf16 else "*fp32"
@@ -76,8 +82,11 @@ def main() -> None:
     p.add_argument("--bc", type=int, default=64)
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--states", action="store_true", help="with the state inputs and outputs")
+    p.add_argument("--np", type=int, default=4, help="split_state: row parts of the order-2 pairs")
+    p.add_argument("--op", type=int, default=2, help="split_output: parts of the order-2 pair read")
     args = p.parse_args()
-    k = compile_kernel(args.kernel, args.mode, args.bv, args.bc, args.warps, states=args.states)
+    k = compile_kernel(args.kernel, args.mode, args.bv, args.bc, args.warps, states=args.states, NP=args.np,
+                       OP=args.op)
     ttgir = k.asm["ttgir"]
     print(f"{args.kernel} mode {args.mode} BV={args.bv} BC={args.bc} warps={args.warps}: "
           f"wgmma {ttgir.count('ttng.warp_group_dot ')}, "

@@ -89,6 +89,37 @@ def test_order2_modes_match_naive(case, mode, monkeypatch):
         check_against_naive(chunk_based, case, torch.float32, "cpu")
 
 
+SPLIT = [Case(B=1, T=T, H=2, K=16, V=64) for T in CPU_T] + [
+    Case(B=2, T=100, H=2, K=8, V=40),  # MQAR's feature dim, V not a power of two
+    Case(B=1, T=15, H=2, K=16, V=112, scale=0.3),  # based-1b's V (two V blocks of 64), a non-default scale
+    Case(B=1, T=37, H=1, K=5, V=16, normalize=False),  # numerator only, with the final state's gradient
+    Case(B=1, T=64, H=2, K=16, V=64, initial_state=False, final_state=False),
+]
+
+
+@pytest.mark.parametrize("case", SPLIT, ids=[c.id for c in SPLIT])
+@pytest.mark.parametrize("config", [{"BC": 32, "NP": 4, "OP": 2}, {"BC": 16, "NP": 2, "BV": 16, "OP": 4}],
+                         ids=["bc32", "bc16"])
+def test_split_forward_matches_naive(case, config, monkeypatch):
+    """chunk.FORWARD = "split" (kernels/based/split.py: the entering state of every chunk first, then all chunks'
+    outputs at once): outputs, final state and every gradient (the backward is the fused one's) against naive."""
+    from kernels.based import chunk, split
+
+    monkeypatch.setattr(chunk, "FORWARD", "split")
+    monkeypatch.setattr(split, "CONFIG", {**split.CONFIG, **config})
+    with nan_empty():
+        check_against_naive(chunk_based, case, torch.float32, "cpu")
+
+
+def test_split_forward_chained_calls_equal_one(monkeypatch):
+    """The split forward with a state carried between two calls (split point not a multiple of the chunk)."""
+    from kernels.based import chunk, split
+
+    monkeypatch.setattr(chunk, "FORWARD", "split")
+    monkeypatch.setattr(split, "CONFIG", {**split.CONFIG, "BC": 16})
+    test_two_chained_calls_equal_one()
+
+
 def test_forward_in_chunks_of_64(monkeypatch):
     """The bf16 default on the GPU runs the forward in chunks of 64 (the backward in 32): that split, here in
     fp32, against naive, with a partial last chunk and both states."""

@@ -35,6 +35,23 @@ def test_chunk_matches_naive_gpu(case, dtype):
         check_against_naive(chunk_based, case, dtype, "cuda", reference=_reference(case))
 
 
+SPLIT_CASES = [Case(B=1, T=T, H=2, K=16, V=64) for T in GPU_T] + [
+    Case(B=2, T=1000, H=2, K=16, V=112, scale=0.3),
+    Case(B=1, T=4096, H=2, K=8, V=64, normalize=False),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=[c.id for c in SPLIT_CASES])
+def test_split_forward_matches_naive_gpu(case, dtype, monkeypatch):
+    """chunk.FORWARD = "split" (kernels/based/split.py) at its default settings, compiled for this GPU."""
+    from kernels.based import chunk
+
+    monkeypatch.setattr(chunk, "FORWARD", "split")
+    with nan_empty():
+        check_against_naive(chunk_based, case, dtype, "cuda", reference=_reference(case))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 def test_two_chained_calls_equal_one_gpu(dtype):
     case = Case(B=1, T=3000, H=2, K=16, V=64)

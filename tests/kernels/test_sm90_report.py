@@ -24,3 +24,19 @@ def test_default_kernels_compile_for_sm90(kind):
     report = ptxas_report(kernel.asm["ptx"])
     used = int(report.split("Used ")[1].split(" registers")[0])
     assert 0 < used <= 255, report
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(BIN, "ptxas")), reason="Triton ships no ptxas here")
+@pytest.mark.parametrize("kind", ["split_state", "split_output"])
+def test_split_forward_kernels_compile_for_sm90_without_spills(kind):
+    """The split forward's two kernels at their default settings (kernels/based/split.py CONFIG), states on:
+    they compile for sm_90a, and the output pass keeps its [BC, BC] tile and the state read in registers."""
+    from kernels.based.split import CONFIG
+
+    warps = CONFIG["state_warps"] if kind == "split_state" else CONFIG["output_warps"]
+    kernel = compile_kernel(kind, 5, CONFIG["BV"], CONFIG["BC"], warps, states=True, NP=CONFIG["NP"],
+                            OP=CONFIG["OP"])
+    report = ptxas_report(kernel.asm["ptx"])
+    used = int(report.split("Used ")[1].split(" registers")[0])
+    assert 0 < used <= 255, report
+    assert "0 bytes spill stores" in report, report

@@ -1,0 +1,292 @@
+"""The forward of `chunk_based` as two kernels with no serial output chain: states first, then outputs.
+
+The fused forward (`chunk._fwd_kernel`) walks each sequence in chunks and carries the Taylor-order state in
+registers, so one program per (sequence, V block) runs a chain of T/BC dependent steps, each with the state
+update, the state read and the intra-chunk tile (experiments/LOG.md: register-bound at 255 registers, ≈ 6 µs
+per step on the H200). This split forward separates them:
+
+1. `_state_kernel`, grid (NP + 1 row parts, V blocks, B·H): each program owns a slice of the state's rows and
+   walks the chunks, storing the state that enters every chunk, hs[b·h, c] (the exclusive prefix), and adding
+   the chunk's keys. Part p < NP holds 1/NP of the order-2 pair rows; part NP holds order 0, order 1 and the
+   order-2 diagonal. The chain is still serial, but each step is one small dot and the programs are
+   (NP + 1)× more numerous with a fraction of the registers.
+2. `_output_kernel`, grid (chunks, V blocks, B·H): every chunk at once, from its entering state:
+   o = w·v (the causal tile, w = 1 + s + s²/2) + φ(q)·hs[c], and the same for the denominator.
+
+The state rows use the pair layout of `chunk.py`'s mode 3 (R = 1 + 2·BK + BK²/2 rows: order 0, order 1 [BK],
+the order-2 diagonal [BK], then one row per unordered pair, cyclic, with weights 2 or 1), stored in the dot's
+operand dtype (bf16 for bf16 inputs, where the fused kernel rounds the state to bf16 at every read too; fp32
+otherwise). The denominator's state (n, z1, Z2 [BK, BK]) is kept in fp32, in the Taylor-order layout. States
+cross the boundary in the Taylor-order layout of `chunk.py` ([1 + K + K², V]), converted here in PyTorch. The
+backward is `chunk.py`'s, unchanged.
+
+Traffic: the entering states are B·H·(T/BC)·R·V elements, written once and read once: at B=8, H=16, T=4096,
+K=16, V=64, BC=64 in bf16, 169 MB each way (≈ 40 µs at the H200's 4.2 TB/s), against ≈ 30 MB for q, k, v, o.
+Larger BC trades that for a bigger causal tile.
+
+Selected by `chunk.FORWARD = "split"` (K ≤ 16). Not yet timed on a GPU.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.based.chunk import _mm, _pairs
+
+# Launch settings of the split forward; the GPU sweep of experiments/bench/based_kernels.py varies them.
+CONFIG = {"BC": 64, "BV": 64, "NP": 4, "OP": 4, "state_warps": 4, "output_warps": 4}
+
+
+def _pair_index(BK: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pair rows j = (d-1)·BK + a, d = 1..BK/2: a_j, b_j = (a_j + d) mod BK, weight w_j and validity (a, b < K)."""
+    j = torch.arange(BK * BK // 2, device=device)
+    d = 1 + j // BK
+    a = j % BK
+    b = (a + d) % BK
+    w = torch.where(d < BK // 2, 2.0, 1.0)
+    return a, b, w, (a < K) & (b < K)
+
+
+def orders_to_pairs(h: torch.Tensor, K: int, BK: int) -> torch.Tensor:
+    """A Taylor-order state [N, 1 + K + K², C] (order-2 rows (a, b) at 1 + K + a·K + b) -> the pair layout
+    [N, 1 + 2·BK + BK²/2, C]: order 0, order 1, the diagonal, then pair row j = h_(a,b) + h_(b,a) where w_j = 2
+    and h_(a,b) where w_j = 1 (the mirror has its own row); rows past K are zero."""
+    N, _, C = h.shape
+    a, b, w, ok = _pair_index(BK, K, h.device)
+    o2 = h[:, 1 + K :].reshape(N, K, K, C)
+    out = h.new_zeros(N, 1 + 2 * BK + BK * BK // 2, C)
+    out[:, : 1 + K] = h[:, : 1 + K]
+    idx = torch.arange(K, device=h.device)
+    out[:, 1 + BK + idx] = o2[:, idx, idx]
+    a, b, w = a[ok], b[ok], w[ok].to(h.dtype)
+    out[:, 1 + 2 * BK + ok.nonzero()[:, 0]] = o2[:, a, b] + (w > 1.5).to(h.dtype)[:, None] * o2[:, b, a]
+    return out
+
+
+def pairs_to_orders(p: torch.Tensor, K: int, BK: int) -> torch.Tensor:
+    """Inverse of `orders_to_pairs` for symmetric order-2 states: [N, 1 + 2·BK + BK²/2, C] -> [N, 1 + K + K², C]."""
+    N, _, C = p.shape
+    a, b, w, ok = _pair_index(BK, K, p.device)
+    o2 = p.new_zeros(N, K, K, C)
+    idx = torch.arange(K, device=p.device)
+    o2[:, idx, idx] = p[:, 1 + BK + idx]
+    x = p[:, 1 + 2 * BK + ok.nonzero()[:, 0]] / w[ok].to(p.dtype)[:, None]
+    a, b, two = a[ok], b[ok], w[ok] > 1.5
+    o2[:, a, b] = x
+    o2[:, b[two], a[two]] = x[:, two]
+    return torch.cat([p[:, : 1 + K], o2.reshape(N, K * K, C)], dim=1)
+
+
+def _pad_orders(z: torch.Tensor, K: int, BK: int) -> torch.Tensor:
+    """A Taylor-order vector [N, 1 + K + K²] -> [N, 1 + BK + BK²], zeros in the rows past K."""
+    N = z.shape[0]
+    out = z.new_zeros(N, 1 + BK + BK * BK)
+    out[:, : 1 + K] = z[:, : 1 + K]
+    out[:, 1 + BK :].view(N, BK, BK)[:, :K, :K] = z[:, 1 + K :].reshape(N, K, K)
+    return out
+
+
+def _unpad_orders(z: torch.Tensor, K: int, BK: int) -> torch.Tensor:
+    """Inverse of `_pad_orders`."""
+    N = z.shape[0]
+    return torch.cat([z[:, : 1 + K], z[:, 1 + BK :].reshape(N, BK, BK)[:, :K, :K].reshape(N, K * K)], dim=1)
+
+
+@triton.jit
+def _state_kernel(k, v, hs, zs, h0, z0, hT, zT, T, NC,
+                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                  BC: tl.constexpr, NP: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
+                  DOT: tl.constexpr):
+    """Row part i_p of the state of sequence i_bh, value block i_v: hs[i_bh, c] = Σ over the chunks before c.
+
+    hs: [B·H, NC, R, V] (operand dtype), h0/hT: [B·H, R, V] fp32 (pair layout); zs: [B·H, NC, ZR], z0/zT:
+    [B·H, ZR] fp32, the denominator's state in the Taylor-order layout at BK (n, z1 [BK], Z2 [BK, BK])."""
+    i_p, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    R: tl.constexpr = 1 + 2 * BK + BK * (BK // 2)
+    ZR: tl.constexpr = 1 + BK + BK * BK
+    JP: tl.constexpr = BK * (BK // 2) // NP
+    offs_c = tl.arange(0, BC)
+    offs_k = tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = offs_k < K, offs_v < V
+    first = i_v == 0
+    k += i_b.to(tl.int64) * T * H * K + i_h * K
+    v += i_b.to(tl.int64) * T * H * V + i_h * V
+    hs += i_bh.to(tl.int64) * NC * R * V
+    zs += i_bh.to(tl.int64) * NC * ZR
+    if i_p < NP:
+        rows = 1 + 2 * BK + i_p * JP + tl.arange(0, JP)
+        S = tl.zeros([JP, BV], dtype=tl.float32)
+        if USE_H0:
+            S += tl.load(h0 + i_bh.to(tl.int64) * R * V + rows[:, None] * V + offs_v[None, :], mask=m_v[None, :],
+                         other=0.0)
+        for c in range(NC):
+            tl.store(hs + c * R * V + rows[:, None] * V + offs_v[None, :], S.to(hs.dtype.element_ty),
+                     mask=m_v[None, :])
+            t = c * BC + offs_c
+            m_t = t < T
+            bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+            bv = tl.load(v + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+            kft = bkt.to(tl.float32)
+            S += _mm(_pairs(kft, BK, DOT, i_p, NP, True), bv, DOT)  # [JP, BC] weighted pair features · v
+        if STORE_HT:
+            tl.store(hT + i_bh.to(tl.int64) * R * V + rows[:, None] * V + offs_v[None, :], S, mask=m_v[None, :])
+    else:
+        S0 = tl.zeros([BV], dtype=tl.float32)
+        S1 = tl.zeros([BK, BV], dtype=tl.float32)
+        Sd = tl.zeros([BK, BV], dtype=tl.float32)
+        n = 0.0
+        z1 = tl.zeros([BK], dtype=tl.float32)
+        Z2 = tl.zeros([BK, BK], dtype=tl.float32)
+        r1 = 1 + offs_k
+        rd = 1 + BK + offs_k
+        r2 = 1 + BK + offs_k[:, None] * BK + offs_k[None, :]  # the denominator's order 2, full [BK, BK]
+        if USE_H0:
+            hb = h0 + i_bh.to(tl.int64) * R * V
+            S0 += tl.load(hb + offs_v, mask=m_v, other=0.0)
+            S1 += tl.load(hb + r1[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
+            Sd += tl.load(hb + rd[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
+            zb = z0 + i_bh.to(tl.int64) * ZR
+            n += tl.load(zb)
+            z1 += tl.load(zb + r1)
+            Z2 += tl.load(zb + r2)
+        for c in range(NC):
+            hc = hs + c * R * V
+            tl.store(hc + offs_v, S0.to(hs.dtype.element_ty), mask=m_v)
+            tl.store(hc + r1[:, None] * V + offs_v[None, :], S1.to(hs.dtype.element_ty), mask=m_v[None, :])
+            tl.store(hc + rd[:, None] * V + offs_v[None, :], Sd.to(hs.dtype.element_ty), mask=m_v[None, :])
+            if first:
+                tl.store(zs + c * ZR, n)
+                tl.store(zs + c * ZR + r1, z1)
+                tl.store(zs + c * ZR + r2, Z2)
+            t = c * BC + offs_c
+            m_t = t < T
+            bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+            bv = tl.load(v + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+            kft = bkt.to(tl.float32)
+            S0 += tl.sum(bv.to(tl.float32), 0)
+            S1 += _mm(kft, bv, DOT)
+            Sd += _mm(kft * kft, bv, DOT)
+            n += tl.sum(m_t.to(tl.float32), 0)
+            if first:
+                z1 += tl.sum(kft, 1)
+                Z2 += _mm(kft, tl.trans(kft), 0)  # exact fp32, as the fused kernel's denominator
+        if STORE_HT:
+            hb = hT + i_bh.to(tl.int64) * R * V
+            tl.store(hb + offs_v, S0, mask=m_v)
+            tl.store(hb + r1[:, None] * V + offs_v[None, :], S1, mask=m_v[None, :])
+            tl.store(hb + rd[:, None] * V + offs_v[None, :], Sd, mask=m_v[None, :])
+            if first:
+                zb = zT + i_bh.to(tl.int64) * ZR
+                tl.store(zb, n)
+                tl.store(zb + r1, z1)
+                tl.store(zb + r2, Z2)
+
+
+@triton.jit
+def _output_kernel(q, k, v, o, den, hs, zs, scale, T, NC,
+                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   BC: tl.constexpr, OP: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr):
+    """Chunk i_c of sequence i_bh, value block i_v: the causal tile plus the read of the entering state (the
+    order-2 pair rows in OP parts, so that one part's [BC, J/OP] pair features are live at a time)."""
+    i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    R: tl.constexpr = 1 + 2 * BK + BK * (BK // 2)
+    ZR: tl.constexpr = 1 + BK + BK * BK
+    JP: tl.constexpr = BK * (BK // 2) // OP
+    offs_c = tl.arange(0, BC)
+    offs_k = tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    offs_j = tl.arange(0, JP)
+    m_k, m_v = offs_k < K, offs_v < V
+    t = i_c * BC + offs_c
+    m_t = t < T
+    causal = offs_c[:, None] >= offs_c[None, :]
+    q += i_b.to(tl.int64) * T * H * K + i_h * K
+    k += i_b.to(tl.int64) * T * H * K + i_h * K
+    v += i_b.to(tl.int64) * T * H * V + i_h * V
+    o += i_b.to(tl.int64) * T * H * V + i_h * V
+    h = hs + (i_bh.to(tl.int64) * NC + i_c) * R * V
+    z = zs + (i_bh.to(tl.int64) * NC + i_c) * ZR
+
+    bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+    bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+    bv = tl.load(v + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+    qs = bq.to(tl.float32) * scale  # [BC, BK]
+    s = _mm(bq, bkt, DOT) * scale  # [BC, BC]
+    w = tl.where(causal, 1.0 + s + 0.5 * s * s, 0.0)
+
+    S0 = tl.load(h + offs_v, mask=m_v, other=0.0).to(tl.float32)
+    S1 = tl.load(h + (1 + offs_k)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
+    Sd = tl.load(h + (1 + BK + offs_k)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
+    o2 = _mm(qs * qs, Sd, DOT)
+    for p in tl.static_range(OP):
+        S2 = tl.load(h + (1 + 2 * BK + p * JP + offs_j)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
+        o2 += _mm(_pairs(qs, BK, DOT, p, OP, False), S2.to(tl.float32), DOT)
+    num = _mm(w, bv, DOT) + S0[None, :] + _mm(qs, S1, DOT) + 0.5 * o2
+    if NORMALIZE:
+        Z2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
+        d2 = tl.sum(_mm(qs, Z2, 0) * qs, 1)
+        d = tl.sum(w, 1) + tl.load(z) + tl.sum(qs * tl.load(z + 1 + offs_k)[None, :], 1) + 0.5 * d2
+        num = num / d[:, None]
+        if i_v == 0:
+            tl.store(den + i_b.to(tl.int64) * T * H + i_h + t * H, d, mask=m_t)
+    tl.store(o + t[:, None] * H * V + offs_v[None, :], num.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+
+
+def state_pass(k, v, hv0, hz0, output_final_state: bool, dot: int):
+    """The first kernel: (hs [B·H, NC, R, V], zs [B·H, NC, R], hT, zT) in the pair layout (hT, zT None unless
+    output_final_state); hv0/hz0 in the Taylor-order layout, or None."""
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    BK = 16
+    if K > BK:
+        raise ValueError(f"the split forward supports K ≤ {BK}, got K={K}")
+    BC, NP = CONFIG["BC"], CONFIG["NP"]
+    BV = min(CONFIG["BV"], max(16, triton.next_power_of_2(V)))
+    NV, NC = triton.cdiv(V, BV), triton.cdiv(T, BC)
+    R = 1 + 2 * BK + BK * BK // 2
+    dev = k.device
+    hs = torch.empty(B * H, NC, R, V, device=dev, dtype=torch.bfloat16 if dot == 2 else torch.float32)
+    ZR = 1 + BK + BK * BK
+    zs = torch.empty(B * H, NC, ZR, device=dev, dtype=torch.float32)
+    h0 = z0 = hT = zT = None
+    if hv0 is not None:
+        h0 = orders_to_pairs(hv0.reshape(B * H, 1 + K + K * K, V), K, BK).contiguous()
+        z0 = _pad_orders(hz0.reshape(B * H, 1 + K + K * K), K, BK).contiguous()
+    if output_final_state:
+        hT = torch.empty(B * H, R, V, device=dev, dtype=torch.float32)
+        zT = torch.empty(B * H, ZR, device=dev, dtype=torch.float32)
+    _state_kernel[(NP + 1, NV, B * H)](k, v, hs, zs, h0, z0, hT, zT, T, NC, H=H, K=K, V=V, BK=BK, BV=BV, BC=BC,
+                                        NP=NP, USE_H0=hv0 is not None, STORE_HT=output_final_state, DOT=dot,
+                                        num_warps=CONFIG["state_warps"])
+    return hs, zs, hT, zT
+
+
+def output_pass(q, k, v, hs, zs, scale: float, normalize: bool, dot: int):
+    """The second kernel: o [B, T, H, V] in v's dtype and den [B, T, H] fp32 (None unless normalize)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    BC = CONFIG["BC"]
+    BV = min(CONFIG["BV"], max(16, triton.next_power_of_2(V)))
+    NV, NC = triton.cdiv(V, BV), triton.cdiv(T, BC)
+    o = torch.empty_like(v)
+    den = torch.empty(B, T, H, device=q.device, dtype=torch.float32) if normalize else None
+    _output_kernel[(NC, NV, B * H)](q, k, v, o, den, hs, zs, scale, T, NC, H=H, K=K, V=V, BK=16, BV=BV, BC=BC,
+                                    OP=CONFIG["OP"], NORMALIZE=normalize, DOT=dot, num_warps=CONFIG["output_warps"])
+    return o, den
+
+
+def split_forward(q, k, v, hv0, hz0, scale: float, output_final_state: bool, normalize: bool, dot: int):
+    """o [B, T, H, V], den [B, T, H] fp32 (or None), and the final state (hvT, hzT) in the Taylor-order layout
+    of `chunk.py` (or None, None). hv0/hz0: the initial state in that layout, or None. K ≤ 16."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    hs, zs, hT, zT = state_pass(k, v, hv0, hz0, output_final_state, dot)
+    o, den = output_pass(q, k, v, hs, zs, scale, normalize, dot)
+    hvT = hzT = None
+    if output_final_state:
+        hvT = pairs_to_orders(hT, K, 16).reshape(B, H, 1 + K + K * K, V).contiguous()
+        hzT = _unpad_orders(zT, K, 16).reshape(B, H, 1 + K + K * K).contiguous()
+    return o, den, hvT, hzT
