@@ -11,8 +11,9 @@ once) and the FLOPs of kernels/based/README.md. The last line is JSON.
 
 --sweep first times order-2 modes (3, 5) x block configurations of our kernel at T=4096 (each checked against
 the default) and uses the fastest mode and configuration per pass.
---split-sweep times the split forward (kernels/based/split.py) over its launch settings at T=4096, its two
-kernels apart too, and adds the fastest as the row `ours_split_fwd`.
+--split-sweep times the split forward and backward (kernels/based/split.py) over their launch settings at T=4096
+(the forward's two kernels apart too), each checked against the fused kernels, and adds the settings of the
+fastest forward as the row `ours_split`.
 --tuned FILE sets our kernel's order-2 modes and block configurations from a JSON file
 {"fwd": {"mode": m, "cfg": [BK, BV, BC, warps, stages]}, "fb": {...}} (the forward from "fwd", the backward from
 "fb"), as a tuning run writes it; the table then times `ours` with them.
@@ -94,14 +95,14 @@ def order2_mode(name):
 
 @contextlib.contextmanager
 def split_forward(name):
-    """`ours_split_fwd` runs our kernels with chunk.FORWARD = "split" (the backward is the same)."""
-    saved = chunk_mod.FORWARD
+    """`ours_split` runs our kernels with chunk.FORWARD = chunk.BACKWARD = "split"."""
+    saved = chunk_mod.FORWARD, chunk_mod.BACKWARD
     try:
-        if name == "ours_split_fwd":
-            chunk_mod.FORWARD = "split"
+        if name == "ours_split":
+            chunk_mod.FORWARD = chunk_mod.BACKWARD = "split"
         yield
     finally:
-        chunk_mod.FORWARD = saved
+        chunk_mod.FORWARD, chunk_mod.BACKWARD = saved
 
 
 def impls():
@@ -190,15 +191,16 @@ def split_sweep(T=4096, grid=SPLIT_GRID):
     settings and the table."""
     import kernels.based.split as split_mod
 
-    q, k, v, _ = inputs(T)
+    q, k, v, do = inputs(T)
     with torch.no_grad():
         ref = chunk_based(q, k, v)[0].float()
-    saved_cfg, saved_fwd = dict(split_mod.CONFIG), chunk_mod.FORWARD
+    ref_grads = torch.autograd.grad(chunk_based(q, k, v)[0], (q, k, v), do)
+    saved_cfg, saved_fwd, saved_bwd = dict(split_mod.CONFIG), chunk_mod.FORWARD, chunk_mod.BACKWARD
     dot = chunk_mod._dot_mode(DT)
     table = []
     for cfg in grid:
-        split_mod.CONFIG = dict(cfg)
-        chunk_mod.FORWARD = "split"
+        split_mod.CONFIG = {**saved_cfg, **cfg}
+        chunk_mod.FORWARD = chunk_mod.BACKWARD = "split"
         label = "split " + " ".join(f"{a}={b}" for a, b in cfg.items())
         try:
             with torch.no_grad():
@@ -207,17 +209,23 @@ def split_sweep(T=4096, grid=SPLIT_GRID):
                 hs, zs, _, _ = split_mod.state_pass(k, v, None, None, False, dot)
                 ms_state = bench(lambda: split_mod.state_pass(k, v, None, None, False, dot))
                 ms_out = bench(lambda hs=hs, zs=zs: split_mod.output_pass(q, k, v, hs, zs, K**-0.5, True, dot))
+            grads = torch.autograd.grad(chunk_based(q, k, v)[0], (q, k, v), do)
+            err_b = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(grads, ref_grads))
+            ms_fb = bench(lambda: chunk_based(q, k, v)[0].backward(do), grad_to_none=[q, k, v])
         except Exception as e:  # a config that fails to compile (registers, shared memory) is skipped
             print(f"{label}: failed: {type(e).__name__}: {str(e)[:200]}")
             continue
         finally:
-            split_mod.CONFIG, chunk_mod.FORWARD = dict(saved_cfg), saved_fwd
-        print(f"{label}: {ms:.4f} ms (state {ms_state:.4f}, output {ms_out:.4f}; rel diff vs fused {err:.1e})",
-              flush=True)
-        if err < 2e-2:
-            table.append({"cfg": cfg, "ms": ms, "state_ms": ms_state, "output_ms": ms_out})
+            split_mod.CONFIG = dict(saved_cfg)
+            chunk_mod.FORWARD, chunk_mod.BACKWARD = saved_fwd, saved_bwd
+        print(f"{label}: fwd {ms:.4f} ms (state {ms_state:.4f}, output {ms_out:.4f}), fwd+bwd {ms_fb:.4f} ms; "
+              f"rel diff vs fused {err:.1e} / gradients {err_b:.1e}", flush=True)
+        if err < 2e-2 and err_b < 2e-2:
+            table.append({"cfg": cfg, "ms": ms, "state_ms": ms_state, "output_ms": ms_out, "fwdbwd_ms": ms_fb})
     best = min(table, key=lambda r: r["ms"]) if table else None
-    print(f"split best: {best}")
+    best_fb = min(table, key=lambda r: r["fwdbwd_ms"]) if table else None
+    print(f"split best forward: {best}")
+    print(f"split best forward+backward: {best_fb}")
     return best, table
 
 
@@ -284,7 +292,7 @@ def main():
             split_mod.CONFIG = best["cfg"]
     names = impls() if not args.skip_baselines else {"ours": impls()["ours"]}
     if args.split_sweep and result["split_sweep"]["best"] is not None:
-        names["ours_split_fwd"] = names["ours"]
+        names["ours_split"] = names["ours"]
     if args.tuned:
         names.pop("ours_batched_o2")
     print(f"{'impl':24s} {'T':>6s} {'fwd ms':>8s} {'fwd+bwd ms':>10s} {'fwd %bw':>8s} {'fwd %gemm':>9s} "
@@ -323,13 +331,15 @@ def main():
     rows = {(r["impl"], r["T"]): r for r in result["rows"]}
     ratios = {}
     for T in args.T:
-        ours = rows.get(("ours", T))
-        for base in ("fla_parallel_based", "fla_fused_chunk_based", "sdpa_causal_d64"):
-            if ours and (base, T) in rows:
-                ratios[f"{base}/ours_fwd_T{T}"] = rows[(base, T)]["fwd_ms"] / ours["fwd_ms"]
-                ratios[f"{base}/ours_fwdbwd_T{T}"] = rows[(base, T)]["fwdbwd_ms"] / ours["fwdbwd_ms"]
-    if ("ours", 4096) in rows and ("ours", 16384) in rows:
-        ratios["ours_fwdbwd_T16384/T4096"] = rows[("ours", 16384)]["fwdbwd_ms"] / rows[("ours", 4096)]["fwdbwd_ms"]
+        for mine in ("ours", "ours_split"):
+            ours = rows.get((mine, T))
+            for base in ("fla_parallel_based", "fla_fused_chunk_based", "sdpa_causal_d64"):
+                if ours and (base, T) in rows:
+                    ratios[f"{base}/{mine}_fwd_T{T}"] = rows[(base, T)]["fwd_ms"] / ours["fwd_ms"]
+                    ratios[f"{base}/{mine}_fwdbwd_T{T}"] = rows[(base, T)]["fwdbwd_ms"] / ours["fwdbwd_ms"]
+    for mine in ("ours", "ours_split"):
+        if (mine, 4096) in rows and (mine, 16384) in rows:
+            ratios[f"{mine}_fwdbwd_T16384/T4096"] = rows[(mine, 16384)]["fwdbwd_ms"] / rows[(mine, 4096)]["fwdbwd_ms"]
     result["ratios"] = ratios
     print("decode (one step, CUDA graph):")
     result["decode"] = []

@@ -659,6 +659,9 @@ TARGET_PROGRAMS = 132
 # "fused": `_fwd_kernel` above (the default, measured). "split": kernels/based/split.py, a state pass that stores
 # the state entering every chunk, then every chunk's output at once (K ≤ 16; not yet timed on a GPU).
 FORWARD = "fused"
+# The same choice for the backward: "split" recomputes the split forward's states, runs a reverse state pass and
+# then every chunk's dq and dk, dv at once (kernels/based/split.py; K ≤ 16; not yet timed on a GPU).
+BACKWARD = "fused"
 MIN_SEGMENT_CHUNKS = 8
 SEGMENT_TOKENS: int | None = None
 
@@ -753,6 +756,13 @@ class ChunkBasedFunction(torch.autograd.Function):
             dhzT = torch.zeros(B, H, F, device=q.device, dtype=torch.float32) if dhzT is None else dhzT
             dhvT = _symmetrise_order2(dhvT.float(), K).contiguous()
             dhzT = _symmetrise_order2(dhzT.float(), K).contiguous()
+        if BACKWARD == "split" and K <= 16:
+            from kernels.based.split import split_backward
+
+            dq, dk, dv, dhv0, dhz0 = split_backward(q, k, v, do, den, dden, hv0, hz0, dhvT if use_dht else None,
+                                                    dhzT if use_dht else None, ctx.scale, ctx.normalize,
+                                                    _dot_mode(q.dtype))
+            return dq.to(q.dtype), dk.to(k.dtype), dv, dhv0, dhz0, None, None, None
         store_dh0 = hv0 is not None
         dhv0 = torch.empty_like(hv0) if store_dh0 else None
         dhz0 = torch.empty_like(hz0) if store_dh0 else None

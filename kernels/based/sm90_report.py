@@ -3,7 +3,8 @@ the compiler made of it: dot instructions (wgmma vs mma.sync), layout conversion
 allocations per program (Triton's TTGIR), and registers and spills (ptxas). The GPU-free half of kernel work:
 a variant that spills or lowers its dots to mma.sync where it meant wgmma shows here before it is timed.
 
-    python -m kernels.based.sm90_report [--kernel fwd|dq|dkv|split_state|split_output] [--mode 3] [--bv 32]
+    python -m kernels.based.sm90_report [--kernel fwd|dq|dkv|split_state|split_output|split_reverse|split_dq|
+        split_dkv|split_dv|split_dk] [--mode 3] [--bv 32]
         [--bc 64] [--warps 4] [--states] [--np 4] [--op 2]
 
 Uses the ptxas that ships with Triton (ptxas-blackwell where the bundled ptxas is older than the PTX Triton
@@ -33,6 +34,12 @@ KERNELS = {
     # the split forward (kernels/based/split.py): its state pass and its output pass
     "split_state": (split._state_kernel, ("k", "v", "hs")),
     "split_output": (split._output_kernel, ("q", "k", "v", "o", "hs")),
+    # the split backward: its reverse state pass and its per-chunk dq and dk, dv kernels
+    "split_reverse": (split._reverse_state_kernel, ("q", "do", "ds")),
+    "split_dq": (split._dq_kernel, ("q", "k", "v", "do", "hs")),
+    "split_dkv": (split._dkv_kernel, ("q", "k", "v", "do", "dv", "ds")),
+    "split_dv": (split._dkv_kernel, ("q", "k", "v", "do", "dv", "ds")),  # split_dkv with DK=False
+    "split_dk": (split._dkv_kernel, ("q", "k", "v", "do", "dv", "ds")),  # split_dkv with DV=False
 }
 
 
@@ -42,7 +49,8 @@ def compile_kernel(kind: str, mode: int, BV: int, BC: int, warps: int, stages: i
     state inputs and outputs (their loads and stores compiled too); NP / OP: the split passes' row parts."""
     fn, bf16 = KERNELS[kind]
     const = dict(H=16, K=16, V=64, BK=16, BV=BV, BC=BC, NORMALIZE=True, DOT=2, EXPAND=mode, STATE_ONLY=False,
-                 USE_H0=states, STORE_HT=states, USE_DHT=states, STORE_DH0=states, NP=NP, OP=OP)
+                 USE_H0=states, STORE_HT=states, USE_DHT=states, STORE_DH0=states, NP=NP, OP=OP,
+                 DV=kind != "split_dk", DK=kind != "split_dv")
     sig = {}
     for name in fn.arg_names:
         if name in const:

@@ -24,17 +24,19 @@ Traffic: the entering states are B·H·(T/BC)·R·V elements, written once and r
 K=16, V=64, BC=64 in bf16, 169 MB each way (≈ 40 µs at the H200's 4.2 TB/s), against ≈ 30 MB for q, k, v, o.
 Larger BC trades that for a bigger causal tile.
 
-Selected by `chunk.FORWARD = "split"` (K ≤ 16). Not yet timed on a GPU.
+Selected by `chunk.FORWARD = "split"` (K ≤ 16). The backward has the same shape (`split_backward`, selected by
+`chunk.BACKWARD = "split"`): the state pass again, a reverse state pass over (q, dO/den), then every chunk's
+dq and dk, dv at once. Neither is timed on a GPU yet: `experiments/bench/based_kernels.py --split-sweep`.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.based.chunk import _mm, _pairs
+from kernels.based.chunk import _load_dout, _mm, _pair_contract, _pairs
 
 # Launch settings of the split forward; the GPU sweep of experiments/bench/based_kernels.py varies them.
-CONFIG = {"BC": 64, "BV": 64, "NP": 4, "OP": 4, "state_warps": 4, "output_warps": 4}
+CONFIG = {"BC": 64, "BV": 64, "NP": 4, "OP": 4, "state_warps": 4, "output_warps": 4, "dkv_apart": True}
 
 
 def _pair_index(BK: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -290,3 +292,292 @@ def split_forward(q, k, v, hv0, hz0, scale: float, output_final_state: bool, nor
         hvT = pairs_to_orders(hT, K, 16).reshape(B, H, 1 + K + K * K, V).contiguous()
         hzT = _unpad_orders(zT, K, 16).reshape(B, H, 1 + K + K * K).contiguous()
     return o, den, hvT, hzT
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The split backward: the same two-step shape. `state_pass` again (the forward's entering states), a reverse state
+# pass over (q, dO/den) storing the state that enters every chunk from the right, then every chunk's dq and dk, dv
+# at once from those states. It computes what chunk.py's `_bwd_dq_kernel` / `_bwd_dkv_kernel` compute, chunk by
+# chunk, without their serial walk.
+
+
+@triton.jit
+def _reverse_state_kernel(q, do, den, dden, ds, dzs, dhT, dzT, dh0, dz0, scale, T, NC,
+                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                          BC: tl.constexpr, NP: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+                          NORMALIZE: tl.constexpr, DOT: tl.constexpr):
+    """Row part i_p of the reverse state of sequence i_bh, value block i_v: ds[i_bh, c] = Σ over the chunks after c
+    of (1, q_s, q_s⊗q_s as pairs) (dO/den)ᵀ (the fused dkv kernel's D0, D1, Dd, D2), dzs[i_bh, c] likewise with
+    the denominator's gradient (d0, d1, d2 [BK, BK]; first V block only). dhT/dzT: the final state's gradient
+    (order 2 symmetrised, pair / padded Taylor-order layouts); dh0/dz0 receive what is left at t = 0."""
+    i_p, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    R: tl.constexpr = 1 + 2 * BK + BK * (BK // 2)
+    ZR: tl.constexpr = 1 + BK + BK * BK
+    JP: tl.constexpr = BK * (BK // 2) // NP
+    offs_c = tl.arange(0, BC)
+    offs_k = tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = offs_k < K, offs_v < V
+    first = i_v == 0
+    q += i_b.to(tl.int64) * T * H * K + i_h * K
+    do += i_b.to(tl.int64) * T * H * V + i_h * V
+    if NORMALIZE:
+        den += i_b.to(tl.int64) * T * H + i_h
+        dden += i_b.to(tl.int64) * T * H + i_h
+    ds += i_bh.to(tl.int64) * NC * R * V
+    dzs += i_bh.to(tl.int64) * NC * ZR
+    if i_p < NP:
+        rows = 1 + 2 * BK + i_p * JP + tl.arange(0, JP)
+        D = tl.zeros([JP, BV], dtype=tl.float32)
+        if USE_DHT:
+            D += tl.load(dhT + i_bh.to(tl.int64) * R * V + rows[:, None] * V + offs_v[None, :], mask=m_v[None, :],
+                         other=0.0)
+        for i in range(NC):
+            c = NC - 1 - i
+            tl.store(ds + c * R * V + rows[:, None] * V + offs_v[None, :], D.to(ds.dtype.element_ty),
+                     mask=m_v[None, :])
+            t = c * BC + offs_c
+            m_t = t < T
+            bqt = tl.load(q + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+            dnum, dd = _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H, V, BC, NORMALIZE)
+            D += _mm(_pairs(bqt.to(tl.float32) * scale, BK, DOT, i_p, NP, True), dnum, DOT)
+        if STORE_DH0:
+            tl.store(dh0 + i_bh.to(tl.int64) * R * V + rows[:, None] * V + offs_v[None, :], D, mask=m_v[None, :])
+    else:
+        D0 = tl.zeros([BV], dtype=tl.float32)
+        D1 = tl.zeros([BK, BV], dtype=tl.float32)
+        Dd = tl.zeros([BK, BV], dtype=tl.float32)
+        d0 = 0.0
+        d1 = tl.zeros([BK], dtype=tl.float32)
+        d2 = tl.zeros([BK, BK], dtype=tl.float32)
+        r1 = 1 + offs_k
+        rd = 1 + BK + offs_k
+        r2 = 1 + BK + offs_k[:, None] * BK + offs_k[None, :]
+        if USE_DHT:
+            hb = dhT + i_bh.to(tl.int64) * R * V
+            D0 += tl.load(hb + offs_v, mask=m_v, other=0.0)
+            D1 += tl.load(hb + r1[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
+            Dd += tl.load(hb + rd[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
+            if first:  # the denominator's state enters dk once, through the first V block
+                zb = dzT + i_bh.to(tl.int64) * ZR
+                d0 += tl.load(zb)
+                d1 += tl.load(zb + r1)
+                d2 += tl.load(zb + r2)
+        for i in range(NC):
+            c = NC - 1 - i
+            hc = ds + c * R * V
+            tl.store(hc + offs_v, D0.to(ds.dtype.element_ty), mask=m_v)
+            tl.store(hc + r1[:, None] * V + offs_v[None, :], D1.to(ds.dtype.element_ty), mask=m_v[None, :])
+            tl.store(hc + rd[:, None] * V + offs_v[None, :], Dd.to(ds.dtype.element_ty), mask=m_v[None, :])
+            if first:
+                tl.store(dzs + c * ZR, d0)
+                tl.store(dzs + c * ZR + r1, d1)
+                tl.store(dzs + c * ZR + r2, d2)
+            t = c * BC + offs_c
+            m_t = t < T
+            bqt = tl.load(q + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+            qst = bqt.to(tl.float32) * scale  # [BK, BC]
+            dnum, dd = _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H, V, BC, NORMALIZE)
+            D0 += tl.sum(dnum, 0)
+            D1 += _mm(qst, dnum, DOT)
+            Dd += _mm(qst * qst, dnum, DOT)
+            if first:
+                d0 += tl.sum(dd, 0)
+                d1 += tl.sum(qst * dd[None, :], 1)
+                d2 += _mm(qst, tl.trans(qst * dd[None, :]), 0)
+        if STORE_DH0:
+            hb = dh0 + i_bh.to(tl.int64) * R * V
+            tl.store(hb + offs_v, D0, mask=m_v)
+            tl.store(hb + r1[:, None] * V + offs_v[None, :], D1, mask=m_v[None, :])
+            tl.store(hb + rd[:, None] * V + offs_v[None, :], Dd, mask=m_v[None, :])
+            if first:
+                zb = dz0 + i_bh.to(tl.int64) * ZR
+                tl.store(zb, d0)
+                tl.store(zb + r1, d1)
+                tl.store(zb + r2, d2)
+
+
+@triton.jit
+def _pair_grad(y, x, h, offs_v, m_v, V: tl.constexpr, BK: tl.constexpr, OP: tl.constexpr, DOT: tl.constexpr):
+    """Σ_b (y·S[a, b])·x_b for the symmetric order-2 state S held in the pair layout at h (the diagonal and the
+    pair rows, read transposed): y [BC, BV], x [BC, BK] -> [BC, BK] (chunk.py's `_order2_contract`)."""
+    JP: tl.constexpr = BK * (BK // 2) // OP
+    offs_k = tl.arange(0, BK)
+    offs_j = tl.arange(0, JP)
+    Sdt = tl.load(h + (1 + BK + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
+    g = x * _mm(y, Sdt.to(tl.float32), DOT)
+    for p in tl.static_range(OP):
+        S2t = tl.load(h + (1 + 2 * BK + p * JP + offs_j)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
+        g += _pair_contract(_mm(y, S2t.to(tl.float32), DOT), x, BK, DOT, p, OP)
+    return g
+
+
+@triton.jit
+def _order2_of(x, h, offs_v, m_v, V: tl.constexpr, BK: tl.constexpr, OP: tl.constexpr, DOT: tl.constexpr):
+    """(x⊗x)·S for the order-2 state S in the pair layout at h: x [BC, BK] -> [BC, BV]."""
+    JP: tl.constexpr = BK * (BK // 2) // OP
+    offs_k = tl.arange(0, BK)
+    offs_j = tl.arange(0, JP)
+    Sd = tl.load(h + (1 + BK + offs_k)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
+    o2 = _mm(x * x, Sd.to(tl.float32), DOT)
+    for p in tl.static_range(OP):
+        S2 = tl.load(h + (1 + 2 * BK + p * JP + offs_j)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
+        o2 += _mm(_pairs(x, BK, DOT, p, OP, False), S2.to(tl.float32), DOT)
+    return o2
+
+
+@triton.jit
+def _dq_kernel(q, k, v, do, den, dden, dq, hs, zs, scale, T, NC,
+               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+               BC: tl.constexpr, OP: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr):
+    """dq of chunk i_c (partial over V blocks: dq [NV, B, T, H, K]) from the forward state entering it."""
+    i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    R: tl.constexpr = 1 + 2 * BK + BK * (BK // 2)
+    ZR: tl.constexpr = 1 + BK + BK * BK
+    offs_c = tl.arange(0, BC)
+    offs_k = tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = offs_k < K, offs_v < V
+    t = i_c * BC + offs_c
+    m_t = t < T
+    first = i_v == 0
+    causal = offs_c[:, None] >= offs_c[None, :]
+    q += i_b.to(tl.int64) * T * H * K + i_h * K
+    k += i_b.to(tl.int64) * T * H * K + i_h * K
+    dq += (i_v * (tl.num_programs(2) // H) + i_b).to(tl.int64) * T * H * K + i_h * K
+    v += i_b.to(tl.int64) * T * H * V + i_h * V
+    do += i_b.to(tl.int64) * T * H * V + i_h * V
+    if NORMALIZE:
+        den += i_b.to(tl.int64) * T * H + i_h
+        dden += i_b.to(tl.int64) * T * H + i_h
+    h = hs + (i_bh.to(tl.int64) * NC + i_c) * R * V
+    z = zs + (i_bh.to(tl.int64) * NC + i_c) * ZR
+
+    bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+    bk = tl.load(k + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+    bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+    bvt = tl.load(v + t[None, :] * H * V + offs_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0)
+    dnum, dd = _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H, V, BC, NORMALIZE)
+    qs = bq.to(tl.float32) * scale
+
+    s = _mm(bq, bkt, DOT) * scale  # [BC, BC]
+    dp = _mm(dnum, bvt, DOT) + dd[:, None]
+    ds = tl.where(causal, dp * (1.0 + s), 0.0)
+    S1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
+    dqs = _mm(ds, bk, DOT) + _mm(dnum, S1t.to(tl.float32), DOT) + _pair_grad(dnum, qs, h, offs_v, m_v, V, BK, OP, DOT)
+    if NORMALIZE:
+        if first:
+            Z2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
+            dqs += dd[:, None] * (tl.load(z + 1 + offs_k)[None, :] + _mm(qs, Z2, 0))
+    tl.store(dq + t[:, None] * H * K + offs_k[None, :], dqs * scale, mask=m_t[:, None] & m_k[None, :])
+
+
+@triton.jit
+def _dkv_kernel(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC,
+                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                BC: tl.constexpr, OP: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr,
+                DV: tl.constexpr = True, DK: tl.constexpr = True):
+    """dv (DV) and dk (DK; partial over V blocks: dk [NV, B, T, H, K]) of chunk i_c from the reverse state entering
+    it; CONFIG["dkv_apart"] launches it twice, once for each, to halve what is live at a time."""
+    i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    R: tl.constexpr = 1 + 2 * BK + BK * (BK // 2)
+    ZR: tl.constexpr = 1 + BK + BK * BK
+    offs_c = tl.arange(0, BC)
+    offs_k = tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = offs_k < K, offs_v < V
+    t = i_c * BC + offs_c
+    m_t = t < T
+    first = i_v == 0
+    causal_t = offs_c[:, None] <= offs_c[None, :]  # [key j, query i]: j ≤ i
+    q += i_b.to(tl.int64) * T * H * K + i_h * K
+    k += i_b.to(tl.int64) * T * H * K + i_h * K
+    dk += (i_v * (tl.num_programs(2) // H) + i_b).to(tl.int64) * T * H * K + i_h * K
+    v += i_b.to(tl.int64) * T * H * V + i_h * V
+    do += i_b.to(tl.int64) * T * H * V + i_h * V
+    dv += i_b.to(tl.int64) * T * H * V + i_h * V
+    if NORMALIZE:
+        den += i_b.to(tl.int64) * T * H + i_h
+        dden += i_b.to(tl.int64) * T * H + i_h
+    h = ds + (i_bh.to(tl.int64) * NC + i_c) * R * V
+    z = dzs + (i_bh.to(tl.int64) * NC + i_c) * ZR
+
+    bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+    bqt = tl.load(q + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+    bk = tl.load(k + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+    bv = tl.load(v + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+    dnum, dd = _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H, V, BC, NORMALIZE)
+    qs = bq.to(tl.float32) * scale
+    kf = bk.to(tl.float32)
+
+    st = _mm(bk, bqt, DOT) * scale  # [BC keys, BC queries]
+    if DV:
+        wt = tl.where(causal_t, 1.0 + st + 0.5 * st * st, 0.0)
+        D0 = tl.load(h + offs_v, mask=m_v, other=0.0).to(tl.float32)
+        D1 = tl.load(h + (1 + offs_k)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
+        bdv = _mm(wt, dnum, DOT) + D0[None, :] + _mm(kf, D1, DOT)
+        bdv += 0.5 * _order2_of(kf, h, offs_v, m_v, V, BK, OP, DOT)
+        tl.store(dv + t[:, None] * H * V + offs_v[None, :], bdv.to(dv.dtype.element_ty),
+                 mask=m_t[:, None] & m_v[None, :])
+    if DK:
+        dpt = _mm(bv, tl.trans(dnum), DOT) + dd[None, :]
+        dst = tl.where(causal_t, dpt * (1.0 + st), 0.0)
+        D1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
+        bdk = _mm(dst, qs, DOT) + _mm(bv, D1t.to(tl.float32), DOT)
+        bdk += _pair_grad(bv, kf, h, offs_v, m_v, V, BK, OP, DOT)
+        if first:  # the denominator's reverse state, counted once
+            d2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
+            bdk += tl.load(z + 1 + offs_k)[None, :] + _mm(kf, d2, 0)
+        tl.store(dk + t[:, None] * H * K + offs_k[None, :], bdk, mask=m_t[:, None] & m_k[None, :])
+
+
+def split_backward(q, k, v, do, den, dden, hv0, hz0, dhvT, dhzT, scale: float, normalize: bool, dot: int):
+    """dq, dk (fp32, summed over V blocks), dv, and the initial state's gradient (dhv0, dhz0) in the Taylor-order
+    layout (None without an initial state). dhvT/dhzT: the final state's gradient with order 2 symmetrised, or
+    None. The arguments are those of chunk.py's backward."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    BK = 16
+    BC, NP, OP = CONFIG["BC"], CONFIG["NP"], CONFIG["OP"]
+    BV = min(CONFIG["BV"], max(16, triton.next_power_of_2(V)))
+    NV, NC = triton.cdiv(V, BV), triton.cdiv(T, BC)
+    R, ZR = 1 + 2 * BK + BK * BK // 2, 1 + BK + BK * BK
+    dev = q.device
+    hs, zs, _, _ = state_pass(k, v, hv0, hz0, False, dot)
+    ds = torch.empty(B * H, NC, R, V, device=dev, dtype=hs.dtype)
+    dzs = torch.empty(B * H, NC, ZR, device=dev, dtype=torch.float32)
+    dhT = dzT = dh0 = dz0 = None
+    if dhvT is not None:
+        dhT = orders_to_pairs(dhvT.reshape(B * H, 1 + K + K * K, V), K, BK).contiguous()
+        dzT = _pad_orders(dhzT.reshape(B * H, 1 + K + K * K), K, BK).contiguous()
+    if hv0 is not None:
+        dh0 = torch.empty(B * H, R, V, device=dev, dtype=torch.float32)
+        dz0 = torch.empty(B * H, ZR, device=dev, dtype=torch.float32)
+    _reverse_state_kernel[(NP + 1, NV, B * H)](q, do, den, dden, ds, dzs, dhT, dzT, dh0, dz0, scale, T, NC, H=H, K=K,
+                                                V=V, BK=BK, BV=BV, BC=BC, NP=NP, USE_DHT=dhvT is not None,
+                                                STORE_DH0=hv0 is not None, NORMALIZE=normalize, DOT=dot,
+                                                num_warps=CONFIG["state_warps"])
+    dq = torch.empty(NV, B, T, H, K, device=dev, dtype=torch.float32)
+    dk = torch.empty(NV, B, T, H, K, device=dev, dtype=torch.float32)
+    dv = torch.empty_like(v)
+    meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, OP=OP, NORMALIZE=normalize, DOT=dot,
+                num_warps=CONFIG["output_warps"])
+    _dq_kernel[(NC, NV, B * H)](q, k, v, do, den, dden, dq, hs, zs, scale, T, NC, **meta)
+    if CONFIG["dkv_apart"]:
+        for which in ({"DV": True, "DK": False}, {"DV": False, "DK": True}):
+            _dkv_kernel[(NC, NV, B * H)](q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, **meta, **which)
+    else:
+        _dkv_kernel[(NC, NV, B * H)](q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, **meta)
+    dhv0 = dhz0 = None
+    if hv0 is not None:
+        # what is left at t = 0 is the initial state's gradient, order 2 halved (the fused kernel's convention)
+        dhv0 = pairs_to_orders(dh0, K, BK)
+        dhv0[:, 1 + K :] *= 0.5
+        dhz0 = _unpad_orders(dz0, K, BK)
+        dhz0[:, 1 + K :] *= 0.5
+        dhv0 = dhv0.reshape(B, H, 1 + K + K * K, V).contiguous()
+        dhz0 = dhz0.reshape(B, H, 1 + K + K * K).contiguous()
+    return dq.sum(0), dk.sum(0), dv, dhv0, dhz0

@@ -111,11 +111,28 @@ def test_split_forward_matches_naive(case, config, monkeypatch):
         check_against_naive(chunk_based, case, torch.float32, "cpu")
 
 
+@pytest.mark.parametrize("case", SPLIT, ids=[c.id for c in SPLIT])
+@pytest.mark.parametrize("config", [{"BC": 32, "NP": 4, "OP": 2, "dkv_apart": True},
+                                    {"BC": 16, "NP": 2, "BV": 16, "OP": 4, "dkv_apart": False}],
+                         ids=["bc32", "bc16-dkv-together"])
+def test_split_backward_matches_naive(case, config, monkeypatch):
+    """chunk.BACKWARD = "split" (the forward's states again, a reverse state pass, then every chunk's dq and dk,
+    dv at once) under the fused forward: every gradient, the initial state's included, against naive."""
+    from kernels.based import chunk, split
+
+    monkeypatch.setattr(chunk, "BACKWARD", "split")
+    monkeypatch.setattr(split, "CONFIG", {**split.CONFIG, **config})
+    with nan_empty():
+        check_against_naive(chunk_based, case, torch.float32, "cpu")
+
+
 def test_split_forward_chained_calls_equal_one(monkeypatch):
-    """The split forward with a state carried between two calls (split point not a multiple of the chunk)."""
+    """The split forward and backward with a state carried between two calls (split point not a multiple of the
+    chunk): gradients flow back through the carried state."""
     from kernels.based import chunk, split
 
     monkeypatch.setattr(chunk, "FORWARD", "split")
+    monkeypatch.setattr(chunk, "BACKWARD", "split")
     monkeypatch.setattr(split, "CONFIG", {**split.CONFIG, "BC": 16})
     test_two_chained_calls_equal_one()
 

@@ -43,11 +43,13 @@ SPLIT_CASES = [Case(B=1, T=T, H=2, K=16, V=64) for T in GPU_T] + [
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=[c.id for c in SPLIT_CASES])
-def test_split_forward_matches_naive_gpu(case, dtype, monkeypatch):
-    """chunk.FORWARD = "split" (kernels/based/split.py) at its default settings, compiled for this GPU."""
+def test_split_matches_naive_gpu(case, dtype, monkeypatch):
+    """chunk.FORWARD = chunk.BACKWARD = "split" (kernels/based/split.py) at its default settings, compiled for
+    this GPU: outputs, final state and every gradient."""
     from kernels.based import chunk
 
     monkeypatch.setattr(chunk, "FORWARD", "split")
+    monkeypatch.setattr(chunk, "BACKWARD", "split")
     with nan_empty():
         check_against_naive(chunk_based, case, dtype, "cuda", reference=_reference(case))
 
