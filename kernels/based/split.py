@@ -95,6 +95,19 @@ def _unpad_orders(z: torch.Tensor, K: int, BK: int) -> torch.Tensor:
 
 
 @triton.jit
+def _store_head(h, z, S0, S1, Sd, n, z1, Z2, offs_k, offs_v, m_v, first, V: tl.constexpr, BK: tl.constexpr):
+    """Store order 0, order 1 and the order-2 diagonal rows of a pair-layout state at h (cast to its dtype), and,
+    in the first V block, the denominator's (n, z1, Z2) at z: the state passes' row part NP."""
+    tl.store(h + offs_v, S0.to(h.dtype.element_ty), mask=m_v)
+    tl.store(h + (1 + offs_k)[:, None] * V + offs_v[None, :], S1.to(h.dtype.element_ty), mask=m_v[None, :])
+    tl.store(h + (1 + BK + offs_k)[:, None] * V + offs_v[None, :], Sd.to(h.dtype.element_ty), mask=m_v[None, :])
+    if first:
+        tl.store(z, n)
+        tl.store(z + 1 + offs_k, z1)
+        tl.store(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :], Z2)
+
+
+@triton.jit
 def _state_kernel(k, v, hs, zs, h0, z0, hT, zT, T, NC,
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                   BC: tl.constexpr, NP: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
@@ -154,14 +167,7 @@ def _state_kernel(k, v, hs, zs, h0, z0, hT, zT, T, NC,
             z1 += tl.load(zb + r1)
             Z2 += tl.load(zb + r2)
         for c in range(NC):
-            hc = hs + c * R * V
-            tl.store(hc + offs_v, S0.to(hs.dtype.element_ty), mask=m_v)
-            tl.store(hc + r1[:, None] * V + offs_v[None, :], S1.to(hs.dtype.element_ty), mask=m_v[None, :])
-            tl.store(hc + rd[:, None] * V + offs_v[None, :], Sd.to(hs.dtype.element_ty), mask=m_v[None, :])
-            if first:
-                tl.store(zs + c * ZR, n)
-                tl.store(zs + c * ZR + r1, z1)
-                tl.store(zs + c * ZR + r2, Z2)
+            _store_head(hs + c * R * V, zs + c * ZR, S0, S1, Sd, n, z1, Z2, offs_k, offs_v, m_v, first, V, BK)
             t = c * BC + offs_c
             m_t = t < T
             bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
@@ -175,15 +181,8 @@ def _state_kernel(k, v, hs, zs, h0, z0, hT, zT, T, NC,
                 z1 += tl.sum(kft, 1)
                 Z2 += _mm(kft, tl.trans(kft), 0)  # exact fp32, as the fused kernel's denominator
         if STORE_HT:
-            hb = hT + i_bh.to(tl.int64) * R * V
-            tl.store(hb + offs_v, S0, mask=m_v)
-            tl.store(hb + r1[:, None] * V + offs_v[None, :], S1, mask=m_v[None, :])
-            tl.store(hb + rd[:, None] * V + offs_v[None, :], Sd, mask=m_v[None, :])
-            if first:
-                zb = zT + i_bh.to(tl.int64) * ZR
-                tl.store(zb, n)
-                tl.store(zb + r1, z1)
-                tl.store(zb + r2, Z2)
+            _store_head(hT + i_bh.to(tl.int64) * R * V, zT + i_bh.to(tl.int64) * ZR, S0, S1, Sd, n, z1, Z2, offs_k,
+                        offs_v, m_v, first, V, BK)
 
 
 @triton.jit
@@ -366,14 +365,7 @@ def _reverse_state_kernel(q, do, den, dden, ds, dzs, dhT, dzT, dh0, dz0, scale, 
                 d2 += tl.load(zb + r2)
         for i in range(NC):
             c = NC - 1 - i
-            hc = ds + c * R * V
-            tl.store(hc + offs_v, D0.to(ds.dtype.element_ty), mask=m_v)
-            tl.store(hc + r1[:, None] * V + offs_v[None, :], D1.to(ds.dtype.element_ty), mask=m_v[None, :])
-            tl.store(hc + rd[:, None] * V + offs_v[None, :], Dd.to(ds.dtype.element_ty), mask=m_v[None, :])
-            if first:
-                tl.store(dzs + c * ZR, d0)
-                tl.store(dzs + c * ZR + r1, d1)
-                tl.store(dzs + c * ZR + r2, d2)
+            _store_head(ds + c * R * V, dzs + c * ZR, D0, D1, Dd, d0, d1, d2, offs_k, offs_v, m_v, first, V, BK)
             t = c * BC + offs_c
             m_t = t < T
             bqt = tl.load(q + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
@@ -387,15 +379,8 @@ def _reverse_state_kernel(q, do, den, dden, ds, dzs, dhT, dzT, dh0, dz0, scale, 
                 d1 += tl.sum(qst * dd[None, :], 1)
                 d2 += _mm(qst, tl.trans(qst * dd[None, :]), 0)
         if STORE_DH0:
-            hb = dh0 + i_bh.to(tl.int64) * R * V
-            tl.store(hb + offs_v, D0, mask=m_v)
-            tl.store(hb + r1[:, None] * V + offs_v[None, :], D1, mask=m_v[None, :])
-            tl.store(hb + rd[:, None] * V + offs_v[None, :], Dd, mask=m_v[None, :])
-            if first:
-                zb = dz0 + i_bh.to(tl.int64) * ZR
-                tl.store(zb, d0)
-                tl.store(zb + r1, d1)
-                tl.store(zb + r2, d2)
+            _store_head(dh0 + i_bh.to(tl.int64) * R * V, dz0 + i_bh.to(tl.int64) * ZR, D0, D1, Dd, d0, d1, d2,
+                        offs_k, offs_v, m_v, first, V, BK)
 
 
 @triton.jit
