@@ -97,10 +97,16 @@ SPLIT = [Case(B=1, T=T, H=2, K=16, V=64) for T in CPU_T] + [
 ]
 
 
-@pytest.mark.parametrize("case", SPLIT, ids=[c.id for c in SPLIT])
-@pytest.mark.parametrize("config", [{"BC": 32, "NP": 4, "OP": 2}, {"BC": 16, "NP": 2, "BV": 16, "OP": 4}],
-                         ids=["bc32", "bc16"])
-def test_split_forward_matches_naive(case, config, monkeypatch):
+# Every case at the default-like settings; three of them also at small chunks (several chunks, four V blocks,
+# the other row splits), with dv and dk in one launch.
+SPLIT_RUNS = [(c, {"BC": 32, "NP": 4, "OP": 2, "dkv_apart": True}, "bc32") for c in SPLIT] + [
+    (c, {"BC": 16, "NP": 2, "BV": 16, "OP": 4, "dkv_apart": False}, "bc16") for c in (SPLIT[3], SPLIT[4], SPLIT[6])
+]
+SPLIT_IDS = [f"{c.id}-{name}" for c, _, name in SPLIT_RUNS]
+
+
+@pytest.mark.parametrize(("case", "config", "name"), SPLIT_RUNS, ids=SPLIT_IDS)
+def test_split_forward_matches_naive(case, config, name, monkeypatch):
     """chunk.FORWARD = "split" (kernels/based/split.py: the entering state of every chunk first, then all chunks'
     outputs at once): outputs, final state and every gradient (the backward is the fused one's) against naive."""
     from kernels.based import chunk, split
@@ -111,11 +117,8 @@ def test_split_forward_matches_naive(case, config, monkeypatch):
         check_against_naive(chunk_based, case, torch.float32, "cpu")
 
 
-@pytest.mark.parametrize("case", SPLIT, ids=[c.id for c in SPLIT])
-@pytest.mark.parametrize("config", [{"BC": 32, "NP": 4, "OP": 2, "dkv_apart": True},
-                                    {"BC": 16, "NP": 2, "BV": 16, "OP": 4, "dkv_apart": False}],
-                         ids=["bc32", "bc16-dkv-together"])
-def test_split_backward_matches_naive(case, config, monkeypatch):
+@pytest.mark.parametrize(("case", "config", "name"), SPLIT_RUNS, ids=SPLIT_IDS)
+def test_split_backward_matches_naive(case, config, name, monkeypatch):
     """chunk.BACKWARD = "split" (the forward's states again, a reverse state pass, then every chunk's dq and dk,
     dv at once) under the fused forward: every gradient, the initial state's included, against naive."""
     from kernels.based import chunk, split
