@@ -211,3 +211,31 @@ def test_worker_gpu_is_taken_from_the_visible_devices():
     assert visible_device(0, {"CUDA_VISIBLE_DEVICES": ""}) == "0"
     with pytest.raises(ValueError, match="not among"):
         visible_device(2, {"CUDA_VISIBLE_DEVICES": "0,1"})
+
+
+def test_frontier_sweep_picks_gated_deltanet_impl_by_machine(monkeypatch):
+    """experiments/based_frontier/sweep.py: FLA's Gated DeltaNet on machines where FLA runs its backward, the
+    chunked PyTorch form on a Hopper GPU with Triton < 3.7.1 (where FLA refuses it), the token loop in the tiny
+    CPU grid."""
+    import runpy
+
+    import torch
+    import triton
+
+    repo = Path(__file__).resolve().parents[1]
+    module = runpy.run_path(str(repo / "experiments/based_frontier/sweep.py"))
+
+    def gdn_impls(grid):
+        monkeypatch.setenv("ZOO_FRONTIER", grid)
+        return {r["+model.mixers.gated_deltanet.impl"] for r in module["sweep"]() if r["model"] == "gated_deltanet"}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for capability, version, expected in [((9, 0), "3.6.0", "chunk"), ((9, 0), "3.7.1", "fla"),
+                                          ((8, 0), "3.6.0", "fla"), ((9, 0), "3.10.0+git1", "fla"),
+                                          ((9, 0), "3.7.0rc1", "chunk")]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, c=capability: c)
+        monkeypatch.setattr(triton, "__version__", version)
+        assert gdn_impls("reduced") == {expected}, (capability, version)
+    assert gdn_impls("tiny") == {"naive"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gdn_impls("full") == {"fla"}

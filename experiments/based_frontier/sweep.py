@@ -19,6 +19,7 @@ mixture (n = 16, 32, 64; 20k each), 32 epochs, early stop at 0.99.
 """
 
 import os
+import re
 
 
 def _fla_gated_backward_refused() -> bool:
@@ -28,8 +29,8 @@ def _fla_gated_backward_refused() -> bool:
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         return False
-    major, minor, patch = (int(x) for x in triton.__version__.split("+")[0].split(".")[:3])
-    return (major, minor, patch) < (3, 7, 1)
+    major, minor, patch = re.match(r"(\d+)\.(\d+)\.?(\d*)", triton.__version__).groups()
+    return (int(major), int(minor), int(patch or 0)) < (3, 7, 1)
 
 
 def sweep():
