@@ -53,7 +53,7 @@ from zoo.device import autocast, resolve_device
 from zoo.eval import evaluate, query_loss
 from zoo.models import LanguageModel
 from zoo.models.mixers import MIXERS
-from zoo.models.mixers._common import make_config
+from zoo.models.mixers._common import PYTORCH_IMPLS, make_config
 from zoo.runs import RunDir
 from zoo.train import (
     Tracker,
@@ -125,7 +125,7 @@ def check_pack(members: list[Config]) -> None:
     for name in dict.fromkeys(first.model.layers()):
         options = dict(first.model.mixers.get(name, {}))
         impl = getattr(make_config(name, MIXERS[name].Config, first.model.d_model, options), "impl", "naive")
-        if impl not in ("naive", "chunk"):
+        if impl not in PYTORCH_IMPLS:
             raise PackError(
                 f"mixer {name} has impl={impl}, which has no torch.func.vmap rule; packed runs need impl=naive "
                 "(or DeltaNet's impl=chunk)"

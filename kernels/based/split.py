@@ -95,6 +95,33 @@ def _unpad_orders(z: torch.Tensor, K: int, BK: int) -> torch.Tensor:
 
 
 @triton.jit
+def _init_head(h, z, i_bh, LOAD: tl.constexpr, offs_k, offs_v, m_v, first, V: tl.constexpr, BK: tl.constexpr,
+               BV: tl.constexpr):
+    """Order 0, order 1 and the order-2 diagonal of a pair-layout state, and the denominator's (n, z1, Z2): zero,
+    plus with LOAD what sequence i_bh's rows of h [B·H, R, V] and, in the first V block, of z [B·H, ZR] hold (h and
+    z may be None without LOAD). The state passes' row part NP."""
+    R: tl.constexpr = 1 + 2 * BK + BK * (BK // 2)
+    ZR: tl.constexpr = 1 + BK + BK * BK
+    S0 = tl.zeros([BV], dtype=tl.float32)
+    S1 = tl.zeros([BK, BV], dtype=tl.float32)
+    Sd = tl.zeros([BK, BV], dtype=tl.float32)
+    n = 0.0
+    z1 = tl.zeros([BK], dtype=tl.float32)
+    Z2 = tl.zeros([BK, BK], dtype=tl.float32)
+    if LOAD:
+        h += i_bh.to(tl.int64) * R * V
+        z += i_bh.to(tl.int64) * ZR
+        S0 += tl.load(h + offs_v, mask=m_v, other=0.0)
+        S1 += tl.load(h + (1 + offs_k)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
+        Sd += tl.load(h + (1 + BK + offs_k)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
+        if first:  # the denominator's state is kept (and stored) by the first V block only
+            n += tl.load(z)
+            z1 += tl.load(z + 1 + offs_k)
+            Z2 += tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
+    return S0, S1, Sd, n, z1, Z2
+
+
+@triton.jit
 def _store_head(h, z, S0, S1, Sd, n, z1, Z2, offs_k, offs_v, m_v, first, V: tl.constexpr, BK: tl.constexpr):
     """Store order 0, order 1 and the order-2 diagonal rows of a pair-layout state at h (cast to its dtype), and,
     in the first V block, the denominator's (n, z1, Z2) at z: the state passes' row part NP."""
@@ -148,24 +175,7 @@ def _state_kernel(k, v, hs, zs, h0, z0, hT, zT, T, NC,
         if STORE_HT:
             tl.store(hT + i_bh.to(tl.int64) * R * V + rows[:, None] * V + offs_v[None, :], S, mask=m_v[None, :])
     else:
-        S0 = tl.zeros([BV], dtype=tl.float32)
-        S1 = tl.zeros([BK, BV], dtype=tl.float32)
-        Sd = tl.zeros([BK, BV], dtype=tl.float32)
-        n = 0.0
-        z1 = tl.zeros([BK], dtype=tl.float32)
-        Z2 = tl.zeros([BK, BK], dtype=tl.float32)
-        r1 = 1 + offs_k
-        rd = 1 + BK + offs_k
-        r2 = 1 + BK + offs_k[:, None] * BK + offs_k[None, :]  # the denominator's order 2, full [BK, BK]
-        if USE_H0:
-            hb = h0 + i_bh.to(tl.int64) * R * V
-            S0 += tl.load(hb + offs_v, mask=m_v, other=0.0)
-            S1 += tl.load(hb + r1[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
-            Sd += tl.load(hb + rd[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
-            zb = z0 + i_bh.to(tl.int64) * ZR
-            n += tl.load(zb)
-            z1 += tl.load(zb + r1)
-            Z2 += tl.load(zb + r2)
+        S0, S1, Sd, n, z1, Z2 = _init_head(h0, z0, i_bh, USE_H0, offs_k, offs_v, m_v, first, V, BK, BV)
         for c in range(NC):
             _store_head(hs + c * R * V, zs + c * ZR, S0, S1, Sd, n, z1, Z2, offs_k, offs_v, m_v, first, V, BK)
             t = c * BC + offs_c
@@ -236,6 +246,13 @@ def _output_kernel(q, k, v, o, den, hs, zs, scale, T, NC,
     tl.store(o + t[:, None] * H * V + offs_v[None, :], num.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
 
+def _blocks(T: int, V: int) -> tuple[int, int, int, int]:
+    """(BC, BV, NV, NC) of CONFIG at length T and value width V: chunk, value block, their counts."""
+    BC = CONFIG["BC"]
+    BV = min(CONFIG["BV"], max(16, triton.next_power_of_2(V)))
+    return BC, BV, triton.cdiv(V, BV), triton.cdiv(T, BC)
+
+
 def state_pass(k, v, hv0, hz0, output_final_state: bool, dot: int):
     """The first kernel: (hs [B·H, NC, R, V], zs [B·H, NC, R], hT, zT) in the pair layout (hT, zT None unless
     output_final_state); hv0/hz0 in the Taylor-order layout, or None."""
@@ -244,9 +261,8 @@ def state_pass(k, v, hv0, hz0, output_final_state: bool, dot: int):
     BK = 16
     if K > BK:
         raise ValueError(f"the split forward supports K ≤ {BK}, got K={K}")
-    BC, NP = CONFIG["BC"], CONFIG["NP"]
-    BV = min(CONFIG["BV"], max(16, triton.next_power_of_2(V)))
-    NV, NC = triton.cdiv(V, BV), triton.cdiv(T, BC)
+    BC, BV, NV, NC = _blocks(T, V)
+    NP = CONFIG["NP"]
     R = 1 + 2 * BK + BK * BK // 2
     dev = k.device
     hs = torch.empty(B * H, NC, R, V, device=dev, dtype=torch.bfloat16 if dot == 2 else torch.float32)
@@ -269,9 +285,7 @@ def output_pass(q, k, v, hs, zs, scale: float, normalize: bool, dot: int):
     """The second kernel: o [B, T, H, V] in v's dtype and den [B, T, H] fp32 (None unless normalize)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    BC = CONFIG["BC"]
-    BV = min(CONFIG["BV"], max(16, triton.next_power_of_2(V)))
-    NV, NC = triton.cdiv(V, BV), triton.cdiv(T, BC)
+    BC, BV, NV, NC = _blocks(T, V)
     o = torch.empty_like(v)
     den = torch.empty(B, T, H, device=q.device, dtype=torch.float32) if normalize else None
     _output_kernel[(NC, NV, B * H)](q, k, v, o, den, hs, zs, scale, T, NC, H=H, K=K, V=V, BK=16, BV=BV, BC=BC,
@@ -344,25 +358,8 @@ def _reverse_state_kernel(q, do, den, dden, ds, dzs, dhT, dzT, dh0, dz0, scale, 
         if STORE_DH0:
             tl.store(dh0 + i_bh.to(tl.int64) * R * V + rows[:, None] * V + offs_v[None, :], D, mask=m_v[None, :])
     else:
-        D0 = tl.zeros([BV], dtype=tl.float32)
-        D1 = tl.zeros([BK, BV], dtype=tl.float32)
-        Dd = tl.zeros([BK, BV], dtype=tl.float32)
-        d0 = 0.0
-        d1 = tl.zeros([BK], dtype=tl.float32)
-        d2 = tl.zeros([BK, BK], dtype=tl.float32)
-        r1 = 1 + offs_k
-        rd = 1 + BK + offs_k
-        r2 = 1 + BK + offs_k[:, None] * BK + offs_k[None, :]
-        if USE_DHT:
-            hb = dhT + i_bh.to(tl.int64) * R * V
-            D0 += tl.load(hb + offs_v, mask=m_v, other=0.0)
-            D1 += tl.load(hb + r1[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
-            Dd += tl.load(hb + rd[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
-            if first:  # the denominator's state enters dk once, through the first V block
-                zb = dzT + i_bh.to(tl.int64) * ZR
-                d0 += tl.load(zb)
-                d1 += tl.load(zb + r1)
-                d2 += tl.load(zb + r2)
+        # the denominator's gradient state enters dk once, through the first V block
+        D0, D1, Dd, d0, d1, d2 = _init_head(dhT, dzT, i_bh, USE_DHT, offs_k, offs_v, m_v, first, V, BK, BV)
         for i in range(NC):
             c = NC - 1 - i
             _store_head(ds + c * R * V, dzs + c * ZR, D0, D1, Dd, d0, d1, d2, offs_k, offs_v, m_v, first, V, BK)
@@ -526,9 +523,8 @@ def split_backward(q, k, v, do, den, dden, hv0, hz0, dhvT, dhzT, scale: float, n
     B, T, H, K = q.shape
     V = v.shape[-1]
     BK = 16
-    BC, NP, OP = CONFIG["BC"], CONFIG["NP"], CONFIG["OP"]
-    BV = min(CONFIG["BV"], max(16, triton.next_power_of_2(V)))
-    NV, NC = triton.cdiv(V, BV), triton.cdiv(T, BC)
+    BC, BV, NV, NC = _blocks(T, V)
+    NP, OP = CONFIG["NP"], CONFIG["OP"]
     R, ZR = 1 + 2 * BK + BK * BK // 2, 1 + BK + BK * BK
     dev = q.device
     hs, zs, _, _ = state_pass(k, v, hv0, hz0, False, dot)
