@@ -189,7 +189,10 @@ def _state_kernel(k, v, hs, zs, h0, z0, hT, zT, T, NC,
             n += tl.sum(m_t.to(tl.float32), 0)
             if first:
                 z1 += tl.sum(kft, 1)
-                Z2 += _mm(kft, tl.trans(kft), 0)  # exact fp32, as the fused kernel's denominator
+                # exact fp32, as the fused kernel's denominator; k is loaded again untransposed because Triton 3.6
+                # computes dot(x, trans(x)) of an fp32 tile wrongly in ieee mode on the H200 (session 8)
+                bk = tl.load(k + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+                Z2 += _mm(kft, bk.to(tl.float32), 0)
         if STORE_HT:
             _store_head(hT + i_bh.to(tl.int64) * R * V, zT + i_bh.to(tl.int64) * ZR, S0, S1, Sd, n, z1, Z2, offs_k,
                         offs_v, m_v, first, V, BK)
@@ -374,7 +377,8 @@ def _reverse_state_kernel(q, do, den, dden, ds, dzs, dhT, dzT, dh0, dz0, scale, 
             if first:
                 d0 += tl.sum(dd, 0)
                 d1 += tl.sum(qst * dd[None, :], 1)
-                d2 += _mm(qst, tl.trans(qst * dd[None, :]), 0)
+                bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+                d2 += _mm(qst, bq.to(tl.float32) * scale * dd[:, None], 0)  # untransposed load, as Z2 above
         if STORE_DH0:
             _store_head(dh0 + i_bh.to(tl.int64) * R * V, dz0 + i_bh.to(tl.int64) * ZR, D0, D1, Dd, d0, d1, d2,
                         offs_k, offs_v, m_v, first, V, BK)
