@@ -44,12 +44,14 @@ KERNELS = {
 
 
 def compile_kernel(kind: str, mode: int, BV: int, BC: int, warps: int, stages: int = 2, states: bool = False,
-                   NP: int = 4, OP: int = 2):
+                   NP: int = 4, OP: int = 2, NS: int = 1, prefetch: bool = False):
     """Compile one of KERNELS for sm_90a at H=16, K=16, V=64, bf16 operands, normalised; `states` turns on the
-    state inputs and outputs (their loads and stores compiled too); NP / OP: the split passes' row parts."""
+    state inputs and outputs (their loads and stores compiled too); NP / OP: the split passes' row parts; NS: the
+    state passes' segments per sequence; prefetch: theirs (split.CONFIG["prefetch"])."""
     fn, bf16 = KERNELS[kind]
     const = dict(H=16, K=16, V=64, BK=16, BV=BV, BC=BC, NORMALIZE=True, DOT=2, EXPAND=mode, STATE_ONLY=False,
-                 USE_H0=states, STORE_HT=states, USE_DHT=states, STORE_DH0=states, NP=NP, OP=OP,
+                 USE_H0=states, STORE_HT=states, USE_DHT=states, STORE_DH0=states, NP=NP, OP=OP, NS=NS,
+                 STORE_HS=True, STORE_DS=True, PREFETCH=prefetch,
                  DV=kind != "split_dk", DK=kind != "split_dv")
     sig = {}
     for name in fn.arg_names:
@@ -57,7 +59,7 @@ def compile_kernel(kind: str, mode: int, BV: int, BC: int, warps: int, stages: i
             sig[name] = "constexpr"
         elif name == "scale":
             sig[name] = "fp32"
-        elif name in ("T", "SEG", "NC"):
+        elif name in ("T", "SEG", "NC", "CPS"):
             sig[name] = "i32"
         else:
             sig[name] = "*bf16" if name in bf16 else "*fp32"
@@ -92,9 +94,11 @@ def main() -> None:
     p.add_argument("--states", action="store_true", help="with the state inputs and outputs")
     p.add_argument("--np", type=int, default=4, help="split_state: row parts of the order-2 pairs")
     p.add_argument("--op", type=int, default=2, help="split_output: parts of the order-2 pair read")
+    p.add_argument("--ns", type=int, default=1, help="split_state, split_reverse: segments per sequence")
+    p.add_argument("--prefetch", action="store_true", help="split_state, split_reverse: loads a chunk ahead")
     args = p.parse_args()
     k = compile_kernel(args.kernel, args.mode, args.bv, args.bc, args.warps, states=args.states, NP=args.np,
-                       OP=args.op)
+                       OP=args.op, NS=args.ns, prefetch=args.prefetch)
     ttgir = k.asm["ttgir"]
     print(f"{args.kernel} mode {args.mode} BV={args.bv} BC={args.bc} warps={args.warps}: "
           f"wgmma {ttgir.count('ttng.warp_group_dot ')}, "

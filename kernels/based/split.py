@@ -36,7 +36,8 @@ import triton.language as tl
 from kernels.based.chunk import _load_dout, _mm, _pair_contract, _pairs
 
 # Launch settings of the split forward; the GPU sweep of experiments/bench/based_kernels.py varies them.
-CONFIG = {"BC": 64, "BV": 64, "NP": 4, "OP": 4, "state_warps": 4, "output_warps": 4, "dkv_apart": True}
+CONFIG = {"BC": 64, "BV": 64, "NP": 4, "OP": 4, "NS": 1, "prefetch": False, "state_warps": 4, "output_warps": 4,
+          "dkv_apart": True}
 
 
 def _pair_index(BK: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -135,15 +136,38 @@ def _store_head(h, z, S0, S1, Sd, n, z1, Z2, offs_k, offs_v, m_v, first, V: tl.c
 
 
 @triton.jit
-def _state_kernel(k, v, hs, zs, h0, z0, hT, zT, T, NC,
-                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                  BC: tl.constexpr, NP: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
-                  DOT: tl.constexpr):
-    """Row part i_p of the state of sequence i_bh, value block i_v: hs[i_bh, c] = Σ over the chunks before c.
+def _load_kt_v(k, v, c, T, offs_c, offs_k, offs_v, m_k, m_v, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+               BC: tl.constexpr):
+    """Chunk c's keys, transposed [BK, BC], and values [BC, BV] (zero past T, and for c past the last chunk)."""
+    t = c * BC + offs_c
+    m_t = t < T
+    bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+    bv = tl.load(v + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+    return bkt, bv
 
-    hs: [B·H, NC, R, V] (operand dtype), h0/hT: [B·H, R, V] fp32 (pair layout); zs: [B·H, NC, ZR], z0/zT:
-    [B·H, ZR] fp32, the denominator's state in the Taylor-order layout at BK (n, z1 [BK], Z2 [BK, BK])."""
-    i_p, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+
+@triton.jit
+def _load_k(k, c, T, offs_c, offs_k, m_k, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr):
+    """Chunk c's keys [BC, BK] (zero past T)."""
+    t = c * BC + offs_c
+    return tl.load(k + t[:, None] * H * K + offs_k[None, :], mask=(t < T)[:, None] & m_k[None, :], other=0.0)
+
+
+@triton.jit
+def _state_kernel(k, v, hs, zs, h0, z0, hT, zT, T, NC, CPS,
+                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                  BC: tl.constexpr, NP: tl.constexpr, NS: tl.constexpr, USE_H0: tl.constexpr,
+                  STORE_HS: tl.constexpr, STORE_HT: tl.constexpr, DOT: tl.constexpr, PREFETCH: tl.constexpr):
+    """Row part i_p of the state of sequence i_bh, value block i_v, over segment i_s of NS (chunks i_s·CPS up to
+    (i_s + 1)·CPS): with STORE_HS, hs[i_bh, c] = h0 + Σ over the segment's chunks before c; with STORE_HT, what the
+    segment adds on top of h0, in hT. With PREFETCH the next chunk's loads are issued before this one is summed
+    (more registers), otherwise after.
+
+    hs: [B·H, NC, R, V] (operand dtype), h0/hT: [B·H·NS, R, V] fp32 (pair layout, one per segment); zs: [B·H,
+    NC, ZR], z0/zT: [B·H·NS, ZR] fp32, the denominator's state in the Taylor-order layout at BK (n, z1 [BK],
+    Z2 [BK, BK])."""
+    i_p, i_v, i_bs = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_bh, i_s = i_bs // NS, i_bs % NS
     i_b, i_h = i_bh // H, i_bh % H
     R: tl.constexpr = 1 + 2 * BK + BK * (BK // 2)
     ZR: tl.constexpr = 1 + BK + BK * BK
@@ -153,50 +177,59 @@ def _state_kernel(k, v, hs, zs, h0, z0, hT, zT, T, NC,
     offs_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = offs_k < K, offs_v < V
     first = i_v == 0
+    c0 = i_s * CPS
+    c1 = tl.minimum(c0 + CPS, NC)
     k += i_b.to(tl.int64) * T * H * K + i_h * K
     v += i_b.to(tl.int64) * T * H * V + i_h * V
     hs += i_bh.to(tl.int64) * NC * R * V
     zs += i_bh.to(tl.int64) * NC * ZR
+    if PREFETCH:
+        bkt, bv = _load_kt_v(k, v, c0, T, offs_c, offs_k, offs_v, m_k, m_v, H, K, V, BC)
     if i_p < NP:
         rows = 1 + 2 * BK + i_p * JP + tl.arange(0, JP)
         S = tl.zeros([JP, BV], dtype=tl.float32)
         if USE_H0:
-            S += tl.load(h0 + i_bh.to(tl.int64) * R * V + rows[:, None] * V + offs_v[None, :], mask=m_v[None, :],
+            S += tl.load(h0 + i_bs.to(tl.int64) * R * V + rows[:, None] * V + offs_v[None, :], mask=m_v[None, :],
                          other=0.0)
-        for c in range(NC):
-            tl.store(hs + c * R * V + rows[:, None] * V + offs_v[None, :], S.to(hs.dtype.element_ty),
-                     mask=m_v[None, :])
-            t = c * BC + offs_c
-            m_t = t < T
-            bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
-            bv = tl.load(v + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-            kft = bkt.to(tl.float32)
-            S += _mm(_pairs(kft, BK, DOT, i_p, NP, True), bv, DOT)  # [JP, BC] weighted pair features · v
+        for c in range(c0, c1):
+            if STORE_HS:
+                tl.store(hs + c * R * V + rows[:, None] * V + offs_v[None, :], S.to(hs.dtype.element_ty),
+                         mask=m_v[None, :])
+            if PREFETCH:
+                nkt, nv = _load_kt_v(k, v, c + 1, T, offs_c, offs_k, offs_v, m_k, m_v, H, K, V, BC)
+            else:
+                bkt, bv = _load_kt_v(k, v, c, T, offs_c, offs_k, offs_v, m_k, m_v, H, K, V, BC)
+            S += _mm(_pairs(bkt.to(tl.float32), BK, DOT, i_p, NP, True), bv, DOT)  # [JP, BC] pair features · v
+            if PREFETCH:
+                bkt, bv = nkt, nv
         if STORE_HT:
-            tl.store(hT + i_bh.to(tl.int64) * R * V + rows[:, None] * V + offs_v[None, :], S, mask=m_v[None, :])
+            tl.store(hT + i_bs.to(tl.int64) * R * V + rows[:, None] * V + offs_v[None, :], S, mask=m_v[None, :])
     else:
-        S0, S1, Sd, n, z1, Z2 = _init_head(h0, z0, i_bh, USE_H0, offs_k, offs_v, m_v, first, V, BK, BV)
-        for c in range(NC):
-            _store_head(hs + c * R * V, zs + c * ZR, S0, S1, Sd, n, z1, Z2, offs_k, offs_v, m_v, first, V, BK)
-            t = c * BC + offs_c
-            m_t = t < T
-            bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
-            bv = tl.load(v + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        S0, S1, Sd, n, z1, Z2 = _init_head(h0, z0, i_bs, USE_H0, offs_k, offs_v, m_v, first, V, BK, BV)
+        for c in range(c0, c1):
+            if STORE_HS:
+                _store_head(hs + c * R * V, zs + c * ZR, S0, S1, Sd, n, z1, Z2, offs_k, offs_v, m_v, first, V, BK)
+            if PREFETCH:
+                nkt, nv = _load_kt_v(k, v, c + 1, T, offs_c, offs_k, offs_v, m_k, m_v, H, K, V, BC)
+            else:
+                bkt, bv = _load_kt_v(k, v, c, T, offs_c, offs_k, offs_v, m_k, m_v, H, K, V, BC)
             kft = bkt.to(tl.float32)
             S0 += tl.sum(bv.to(tl.float32), 0)
             S1 += _mm(kft, bv, DOT)
             Sd += _mm(kft * kft, bv, DOT)
-            n += tl.sum(m_t.to(tl.float32), 0)
+            n += tl.sum(((c * BC + offs_c) < T).to(tl.float32), 0)
             if first:
                 z1 += tl.sum(kft, 1)
-                # exact fp32, as the fused kernel's denominator; k is loaded again untransposed because Triton 3.6
-                # computes dot(x, trans(x)) of an fp32 tile wrongly in ieee mode on the H200 (session 8)
-                bk = tl.load(k + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-                Z2 += _mm(kft, bk.to(tl.float32), 0)
+                if DOT == 0:  # exact fp32, as the fused kernel's denominator; k loaded again untransposed, because
+                    # Triton 3.6 computed dot(x, trans(x)) of an fp32 tile wrongly on the H200 (session 8)
+                    Z2 += _mm(kft, _load_k(k, c, T, offs_c, offs_k, m_k, H, K, BC).to(tl.float32), 0)
+                else:
+                    Z2 += _mm(kft, tl.trans(kft), 0)
+            if PREFETCH:
+                bkt, bv = nkt, nv
         if STORE_HT:
-            _store_head(hT + i_bh.to(tl.int64) * R * V, zT + i_bh.to(tl.int64) * ZR, S0, S1, Sd, n, z1, Z2, offs_k,
+            _store_head(hT + i_bs.to(tl.int64) * R * V, zT + i_bs.to(tl.int64) * ZR, S0, S1, Sd, n, z1, Z2, offs_k,
                         offs_v, m_v, first, V, BK)
-
 
 @triton.jit
 def _output_kernel(q, k, v, o, den, hs, zs, scale, T, NC,
@@ -256,31 +289,68 @@ def _blocks(T: int, V: int) -> tuple[int, int, int, int]:
     return BC, BV, triton.cdiv(V, BV), triton.cdiv(T, BC)
 
 
+def _segments(NC: int) -> tuple[int, int]:
+    """(NS, CPS): CONFIG["NS"] segments per sequence, at most one per chunk, of CPS chunks each (the last shorter)."""
+    CPS = triton.cdiv(NC, max(1, min(CONFIG["NS"], NC)))
+    return triton.cdiv(NC, CPS), CPS
+
+
+def _exclusive_carry(tot: torch.Tensor, start, reverse: bool) -> torch.Tensor:
+    """tot [N, NS, ...] (each segment's sum) -> the state entering each segment: start (None: zero) plus the sum of
+    the segments before it (after it, with reverse), in fp32."""
+    carry = torch.zeros_like(tot)
+    if reverse:
+        carry[:, :-1] = tot[:, 1:].flip(1).cumsum(1).flip(1)
+    else:
+        carry[:, 1:] = tot[:, :-1].cumsum(1)
+    if start is not None:
+        carry += start[:, None]
+    return carry
+
+
 def state_pass(k, v, hv0, hz0, output_final_state: bool, dot: int):
     """The first kernel: (hs [B·H, NC, R, V], zs [B·H, NC, R], hT, zT) in the pair layout (hT, zT None unless
-    output_final_state); hv0/hz0 in the Taylor-order layout, or None."""
+    output_final_state); hv0/hz0 in the Taylor-order layout, or None.
+
+    With CONFIG["NS"] > 1 each sequence is walked in NS segments at once, twice: the first launch sums each
+    segment, the states entering the segments follow in PyTorch (an exclusive cumsum over NS), and the second
+    launch walks each segment from its entering state, storing hs. Chains NS× shorter for 2× the work."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     BK = 16
     if K > BK:
         raise ValueError(f"the split forward supports K ≤ {BK}, got K={K}")
     BC, BV, NV, NC = _blocks(T, V)
+    NS, CPS = _segments(NC)
     NP = CONFIG["NP"]
     R = 1 + 2 * BK + BK * BK // 2
+    ZR = 1 + BK + BK * BK
     dev = k.device
     hs = torch.empty(B * H, NC, R, V, device=dev, dtype=torch.bfloat16 if dot == 2 else torch.float32)
-    ZR = 1 + BK + BK * BK
     zs = torch.empty(B * H, NC, ZR, device=dev, dtype=torch.float32)
     h0 = z0 = hT = zT = None
     if hv0 is not None:
         h0 = orders_to_pairs(hv0.reshape(B * H, 1 + K + K * K, V), K, BK).contiguous()
         z0 = _pad_orders(hz0.reshape(B * H, 1 + K + K * K), K, BK).contiguous()
+    meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NP=NP, NS=NS, DOT=dot, PREFETCH=CONFIG["prefetch"],
+                num_warps=CONFIG["state_warps"])
+    grid = (NP + 1, NV, B * H * NS)
+    if NS == 1:
+        if output_final_state:
+            hT = torch.empty(B * H, R, V, device=dev, dtype=torch.float32)
+            zT = torch.empty(B * H, ZR, device=dev, dtype=torch.float32)
+        _state_kernel[grid](k, v, hs, zs, h0, z0, hT, zT, T, NC, CPS, USE_H0=h0 is not None, STORE_HS=True,
+                            STORE_HT=output_final_state, **meta)
+        return hs, zs, hT, zT
+    tot = torch.empty(B * H, NS, R, V, device=dev, dtype=torch.float32)
+    ztot = torch.empty(B * H, NS, ZR, device=dev, dtype=torch.float32)
+    _state_kernel[grid](k, v, hs, zs, None, None, tot, ztot, T, NC, CPS, USE_H0=False, STORE_HS=False,
+                        STORE_HT=True, **meta)
+    carry, zcarry = _exclusive_carry(tot, h0, False), _exclusive_carry(ztot, z0, False)
+    _state_kernel[grid](k, v, hs, zs, carry, zcarry, None, None, T, NC, CPS, USE_H0=True, STORE_HS=True,
+                        STORE_HT=False, **meta)
     if output_final_state:
-        hT = torch.empty(B * H, R, V, device=dev, dtype=torch.float32)
-        zT = torch.empty(B * H, ZR, device=dev, dtype=torch.float32)
-    _state_kernel[(NP + 1, NV, B * H)](k, v, hs, zs, h0, z0, hT, zT, T, NC, H=H, K=K, V=V, BK=BK, BV=BV, BC=BC,
-                                        NP=NP, USE_H0=hv0 is not None, STORE_HT=output_final_state, DOT=dot,
-                                        num_warps=CONFIG["state_warps"])
+        hT, zT = carry[:, -1] + tot[:, -1], zcarry[:, -1] + ztot[:, -1]
     return hs, zs, hT, zT
 
 
@@ -318,15 +388,37 @@ def split_forward(q, k, v, hv0, hz0, scale: float, output_final_state: bool, nor
 
 
 @triton.jit
-def _reverse_state_kernel(q, do, den, dden, ds, dzs, dhT, dzT, dh0, dz0, scale, T, NC,
+def _load_q_dout(q, do, den, dden, c, T, offs_c, offs_k, offs_v, m_k, m_v, H: tl.constexpr, K: tl.constexpr,
+                 V: tl.constexpr, BC: tl.constexpr, NORMALIZE: tl.constexpr):
+    """Chunk c's queries, transposed [BK, BC], dO [BC, BV], den and dden [BC] as stored (den 1 and dden 0 without
+    NORMALIZE, and outside [0, T)): the reverse pass's loads."""
+    t = c * BC + offs_c
+    m_t = (t >= 0) & (t < T)
+    bqt = tl.load(q + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+    bdo = tl.load(do + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+    if NORMALIZE:
+        d = tl.load(den + t * H, mask=m_t, other=1.0)
+        g = tl.load(dden + t * H, mask=m_t, other=0.0)
+    else:
+        d = tl.full([BC], 1.0, tl.float32)
+        g = tl.zeros([BC], dtype=tl.float32)
+    return bqt, bdo, d, g
+
+
+@triton.jit
+def _reverse_state_kernel(q, do, den, dden, ds, dzs, dhT, dzT, dh0, dz0, scale, T, NC, CPS,
                           H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                          BC: tl.constexpr, NP: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-                          NORMALIZE: tl.constexpr, DOT: tl.constexpr):
-    """Row part i_p of the reverse state of sequence i_bh, value block i_v: ds[i_bh, c] = Σ over the chunks after c
-    of (1, q_s, q_s⊗q_s as pairs) (dO/den)ᵀ (the fused dkv kernel's D0, D1, Dd, D2), dzs[i_bh, c] likewise with
-    the denominator's gradient (d0, d1, d2 [BK, BK]; first V block only). dhT/dzT: the final state's gradient
-    (order 2 symmetrised, pair / padded Taylor-order layouts); dh0/dz0 receive what is left at t = 0."""
-    i_p, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                          BC: tl.constexpr, NP: tl.constexpr, NS: tl.constexpr, USE_DHT: tl.constexpr,
+                          STORE_DS: tl.constexpr, STORE_DH0: tl.constexpr, NORMALIZE: tl.constexpr,
+                          DOT: tl.constexpr, PREFETCH: tl.constexpr):
+    """Row part i_p of the reverse state of sequence i_bh, value block i_v, over segment i_s of NS: with STORE_DS,
+    ds[i_bh, c] = dhT + Σ over the segment's chunks after c of (1, q_s, q_s⊗q_s as pairs) (dO/den)ᵀ (the fused dkv
+    kernel's D0, D1, Dd, D2), dzs[i_bh, c] likewise with the denominator's gradient (d0, d1, d2 [BK, BK]; first V
+    block only); with STORE_DH0, what the segment adds on top of dhT, in dh0. dhT/dzT, dh0/dz0: [B·H·NS, ...], one
+    per segment (order 2 symmetrised; pair / padded Taylor-order layouts). PREFETCH: as in `_state_kernel` (the
+    previous chunk's loads issued before this one is summed)."""
+    i_p, i_v, i_bs = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_bh, i_s = i_bs // NS, i_bs % NS
     i_b, i_h = i_bh // H, i_bh % H
     R: tl.constexpr = 1 + 2 * BK + BK * (BK // 2)
     ZR: tl.constexpr = 1 + BK + BK * BK
@@ -336,6 +428,8 @@ def _reverse_state_kernel(q, do, den, dden, ds, dzs, dhT, dzT, dh0, dz0, scale, 
     offs_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = offs_k < K, offs_v < V
     first = i_v == 0
+    c0 = i_s * CPS
+    c1 = tl.minimum(c0 + CPS, NC)
     q += i_b.to(tl.int64) * T * H * K + i_h * K
     do += i_b.to(tl.int64) * T * H * V + i_h * V
     if NORMALIZE:
@@ -343,44 +437,64 @@ def _reverse_state_kernel(q, do, den, dden, ds, dzs, dhT, dzT, dh0, dz0, scale, 
         dden += i_b.to(tl.int64) * T * H + i_h
     ds += i_bh.to(tl.int64) * NC * R * V
     dzs += i_bh.to(tl.int64) * NC * ZR
+    if PREFETCH:
+        bqt, bdo, d, g = _load_q_dout(q, do, den, dden, c1 - 1, T, offs_c, offs_k, offs_v, m_k, m_v, H, K, V,
+                                          BC, NORMALIZE)
     if i_p < NP:
         rows = 1 + 2 * BK + i_p * JP + tl.arange(0, JP)
         D = tl.zeros([JP, BV], dtype=tl.float32)
         if USE_DHT:
-            D += tl.load(dhT + i_bh.to(tl.int64) * R * V + rows[:, None] * V + offs_v[None, :], mask=m_v[None, :],
+            D += tl.load(dhT + i_bs.to(tl.int64) * R * V + rows[:, None] * V + offs_v[None, :], mask=m_v[None, :],
                          other=0.0)
-        for i in range(NC):
-            c = NC - 1 - i
-            tl.store(ds + c * R * V + rows[:, None] * V + offs_v[None, :], D.to(ds.dtype.element_ty),
-                     mask=m_v[None, :])
-            t = c * BC + offs_c
-            m_t = t < T
-            bqt = tl.load(q + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
-            dnum, dd = _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H, V, BC, NORMALIZE)
+        for i in range(c1 - c0):
+            c = c1 - 1 - i
+            if STORE_DS:
+                tl.store(ds + c * R * V + rows[:, None] * V + offs_v[None, :], D.to(ds.dtype.element_ty),
+                         mask=m_v[None, :])
+            if PREFETCH:
+                nqt, ndo, nd, ng = _load_q_dout(q, do, den, dden, c - 1, T, offs_c, offs_k, offs_v, m_k, m_v, H,
+                                                    K, V, BC, NORMALIZE)
+            else:
+                bqt, bdo, d, g = _load_q_dout(q, do, den, dden, c, T, offs_c, offs_k, offs_v, m_k, m_v, H, K, V,
+                                                  BC, NORMALIZE)
+            dnum = bdo.to(tl.float32) / d[:, None]
             D += _mm(_pairs(bqt.to(tl.float32) * scale, BK, DOT, i_p, NP, True), dnum, DOT)
+            if PREFETCH:
+                bqt, bdo, d, g = nqt, ndo, nd, ng
         if STORE_DH0:
-            tl.store(dh0 + i_bh.to(tl.int64) * R * V + rows[:, None] * V + offs_v[None, :], D, mask=m_v[None, :])
+            tl.store(dh0 + i_bs.to(tl.int64) * R * V + rows[:, None] * V + offs_v[None, :], D, mask=m_v[None, :])
     else:
         # the denominator's gradient state enters dk once, through the first V block
-        D0, D1, Dd, d0, d1, d2 = _init_head(dhT, dzT, i_bh, USE_DHT, offs_k, offs_v, m_v, first, V, BK, BV)
-        for i in range(NC):
-            c = NC - 1 - i
-            _store_head(ds + c * R * V, dzs + c * ZR, D0, D1, Dd, d0, d1, d2, offs_k, offs_v, m_v, first, V, BK)
-            t = c * BC + offs_c
-            m_t = t < T
-            bqt = tl.load(q + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+        D0, D1, Dd, d0, d1, d2 = _init_head(dhT, dzT, i_bs, USE_DHT, offs_k, offs_v, m_v, first, V, BK, BV)
+        for i in range(c1 - c0):
+            c = c1 - 1 - i
+            if STORE_DS:
+                _store_head(ds + c * R * V, dzs + c * ZR, D0, D1, Dd, d0, d1, d2, offs_k, offs_v, m_v, first, V, BK)
+            if PREFETCH:
+                nqt, ndo, nd, ng = _load_q_dout(q, do, den, dden, c - 1, T, offs_c, offs_k, offs_v, m_k, m_v, H,
+                                                    K, V, BC, NORMALIZE)
+            else:
+                bqt, bdo, d, g = _load_q_dout(q, do, den, dden, c, T, offs_c, offs_k, offs_v, m_k, m_v, H, K, V,
+                                                  BC, NORMALIZE)
             qst = bqt.to(tl.float32) * scale  # [BK, BC]
-            dnum, dd = _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H, V, BC, NORMALIZE)
+            dnum = bdo.to(tl.float32) / d[:, None]
             D0 += tl.sum(dnum, 0)
             D1 += _mm(qst, dnum, DOT)
             Dd += _mm(qst * qst, dnum, DOT)
             if first:
-                d0 += tl.sum(dd, 0)
-                d1 += tl.sum(qst * dd[None, :], 1)
-                bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-                d2 += _mm(qst, bq.to(tl.float32) * scale * dd[:, None], 0)  # untransposed load, as Z2 above
+                d0 += tl.sum(g, 0)
+                d1 += tl.sum(qst * g[None, :], 1)
+                if DOT == 0:  # q loaded again untransposed, as Z2 in `_state_kernel`
+                    t = c * BC + offs_c
+                    bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=(t < T)[:, None] & m_k[None, :],
+                                 other=0.0)
+                    d2 += _mm(qst, bq.to(tl.float32) * scale * g[:, None], 0)
+                else:
+                    d2 += _mm(qst, tl.trans(qst * g[None, :]), 0)
+            if PREFETCH:
+                bqt, bdo, d, g = nqt, ndo, nd, ng
         if STORE_DH0:
-            _store_head(dh0 + i_bh.to(tl.int64) * R * V, dz0 + i_bh.to(tl.int64) * ZR, D0, D1, Dd, d0, d1, d2,
+            _store_head(dh0 + i_bs.to(tl.int64) * R * V, dz0 + i_bs.to(tl.int64) * ZR, D0, D1, Dd, d0, d1, d2,
                         offs_k, offs_v, m_v, first, V, BK)
 
 
@@ -509,7 +623,13 @@ def _dkv_kernel(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC,
         tl.store(dv + t[:, None] * H * V + offs_v[None, :], bdv.to(dv.dtype.element_ty),
                  mask=m_t[:, None] & m_v[None, :])
     if DK:
-        dpt = _mm(bv, tl.trans(dnum), DOT) + dd[None, :]
+        # dO/den loaded again, transposed, rather than tl.trans(dnum): with BV=32, Triton 3.6 compiled the latter
+        # into an out-of-bounds shared-memory read on the H200 (compute-sanitizer, session 8)
+        dnumt = tl.load(do + t[None, :] * H * V + offs_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0)
+        dnumt = dnumt.to(tl.float32)
+        if NORMALIZE:
+            dnumt = dnumt / tl.load(den + t * H, mask=m_t, other=1.0)[None, :]
+        dpt = _mm(bv, dnumt, DOT) + dd[None, :]
         dst = tl.where(causal_t, dpt * (1.0 + st), 0.0)
         D1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
         bdk = _mm(dst, qs, DOT) + _mm(bv, D1t.to(tl.float32), DOT)
@@ -538,13 +658,26 @@ def split_backward(q, k, v, do, den, dden, hv0, hz0, dhvT, dhzT, scale: float, n
     if dhvT is not None:
         dhT = orders_to_pairs(dhvT.reshape(B * H, 1 + K + K * K, V), K, BK).contiguous()
         dzT = _pad_orders(dhzT.reshape(B * H, 1 + K + K * K), K, BK).contiguous()
-    if hv0 is not None:
-        dh0 = torch.empty(B * H, R, V, device=dev, dtype=torch.float32)
-        dz0 = torch.empty(B * H, ZR, device=dev, dtype=torch.float32)
-    _reverse_state_kernel[(NP + 1, NV, B * H)](q, do, den, dden, ds, dzs, dhT, dzT, dh0, dz0, scale, T, NC, H=H, K=K,
-                                                V=V, BK=BK, BV=BV, BC=BC, NP=NP, USE_DHT=dhvT is not None,
-                                                STORE_DH0=hv0 is not None, NORMALIZE=normalize, DOT=dot,
-                                                num_warps=CONFIG["state_warps"])
+    NS, CPS = _segments(NC)
+    meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NP=NP, NS=NS, NORMALIZE=normalize, DOT=dot,
+                PREFETCH=CONFIG["prefetch"], num_warps=CONFIG["state_warps"])
+    grid = (NP + 1, NV, B * H * NS)
+    if NS == 1:
+        if hv0 is not None:
+            dh0 = torch.empty(B * H, R, V, device=dev, dtype=torch.float32)
+            dz0 = torch.empty(B * H, ZR, device=dev, dtype=torch.float32)
+        _reverse_state_kernel[grid](q, do, den, dden, ds, dzs, dhT, dzT, dh0, dz0, scale, T, NC, CPS,
+                                    USE_DHT=dhT is not None, STORE_DS=True, STORE_DH0=hv0 is not None, **meta)
+    else:  # as in state_pass: each segment's sum, the states entering the segments from the right, then ds
+        tot = torch.empty(B * H, NS, R, V, device=dev, dtype=torch.float32)
+        ztot = torch.empty(B * H, NS, ZR, device=dev, dtype=torch.float32)
+        _reverse_state_kernel[grid](q, do, den, dden, ds, dzs, None, None, tot, ztot, scale, T, NC, CPS,
+                                    USE_DHT=False, STORE_DS=False, STORE_DH0=True, **meta)
+        carry, zcarry = _exclusive_carry(tot, dhT, True), _exclusive_carry(ztot, dzT, True)
+        _reverse_state_kernel[grid](q, do, den, dden, ds, dzs, carry, zcarry, None, None, scale, T, NC, CPS,
+                                    USE_DHT=True, STORE_DS=True, STORE_DH0=False, **meta)
+        if hv0 is not None:
+            dh0, dz0 = carry[:, 0] + tot[:, 0], zcarry[:, 0] + ztot[:, 0]
     dq = torch.empty(NV, B, T, H, K, device=dev, dtype=torch.float32)
     dk = torch.empty(NV, B, T, H, K, device=dev, dtype=torch.float32)
     dv = torch.empty_like(v)
