@@ -12,8 +12,9 @@ once) and the FLOPs of kernels/based/README.md. The last line is JSON.
 --sweep first times order-2 modes (3, 5) x block configurations of our kernel at T=4096 (each checked against
 the default) and uses the fastest mode and configuration per pass.
 --split-sweep times the split forward and backward (kernels/based/split.py) over their launch settings at T=4096
-(the forward's two kernels apart too), each checked against the fused kernels, and adds the settings of the
-fastest forward as the row `ours_split`.
+(the forward's two kernels apart too; each setting in its own process), each checked against the fused kernels, and
+adds the rows `ours_split` (split forward and backward at the fastest forward's settings) and `ours_split_bwd` (the
+fused forward with the split backward at the fastest forward+backward's settings).
 --tuned FILE sets our kernel's order-2 modes and block configurations from a JSON file
 {"fwd": {"mode": m, "cfg": [BK, BV, BC, warps, stages]}, "fb": {...}} (the forward from "fwd", the backward from
 "fb"), as a tuning run writes it; the table then times `ours` with them.
@@ -93,16 +94,27 @@ def order2_mode(name):
         chunk_mod.FWD_EXPAND, chunk_mod.BWD_EXPAND = saved
 
 
+SPLIT_BEST = {}  # "fwd" / "fb": the split settings of the fastest forward / forward+backward (--split-sweep)
+
+
 @contextlib.contextmanager
 def split_forward(name):
-    """`ours_split` runs our kernels with chunk.FORWARD = chunk.BACKWARD = "split"."""
-    saved = chunk_mod.FORWARD, chunk_mod.BACKWARD
+    """`ours_split` runs our kernels with chunk.FORWARD = chunk.BACKWARD = "split" at the sweep's fastest forward
+    settings; `ours_split_bwd` the fused forward and the split backward at its fastest forward+backward settings."""
+    import kernels.based.split as split_mod
+
+    saved = chunk_mod.FORWARD, chunk_mod.BACKWARD, dict(split_mod.CONFIG)
     try:
         if name == "ours_split":
             chunk_mod.FORWARD = chunk_mod.BACKWARD = "split"
+            split_mod.CONFIG.update(SPLIT_BEST["fwd"])
+        elif name == "ours_split_bwd":
+            chunk_mod.FORWARD, chunk_mod.BACKWARD = "fused", "split"
+            split_mod.CONFIG.update(SPLIT_BEST["fb"])
         yield
     finally:
-        chunk_mod.FORWARD, chunk_mod.BACKWARD = saved
+        chunk_mod.FORWARD, chunk_mod.BACKWARD = saved[:2]
+        split_mod.CONFIG = saved[2]
 
 
 def impls():
@@ -173,62 +185,79 @@ def sweep(modes=(3, 5)):
     return best, {kind: [(ms, m, list(c)) for ms, m, c in r] for kind, r in results.items()}
 
 
-# 10 settings, all at BV=64 (BV=32 raised an illegal memory access in the split backward on the H200, session 8);
-# sm90_report (no GPU needed) shows the output pass spill-free at BC=64 with OP=4 (216 registers), spilling 24 B at
-# OP=2 and 40-144 B at BC=128 with 8 warps; the state pass 127 registers at NP=4, 192 at NP=2.
-SPLIT_GRID = [
-    {"BC": BC, "BV": 64, "NP": NP, "OP": OP, "state_warps": 4, "output_warps": w}
-    for BC, w in ((64, 4), (128, 8))
-    for NP in (2, 4)
-    for OP in (2, 4)
-] + [
-    {"BC": 32, "BV": 64, "NP": 4, "OP": 2, "state_warps": 4, "output_warps": 4},
-    {"BC": 64, "BV": 64, "NP": 8, "OP": 4, "state_warps": 4, "output_warps": 4},
+# 12 settings around the fastest of session 8's first sweep (BC=64, BV=64, NP=2, OP=2: forward 0.49 ms, state pass
+# 0.31 ms): segments per sequence (NS) and the one-chunk-ahead load (prefetch) of the state passes, then NP, OP, BV
+# and the state passes' warps at NS=8. BC=128 faulted on the H200 in that sweep and is left out.
+_BASE = {"BC": 64, "BV": 64, "NP": 2, "OP": 2, "state_warps": 4, "output_warps": 4}
+SPLIT_GRID = [{**_BASE, "NS": ns, "prefetch": pf} for ns, pf in ((1, False), (1, True), (2, True), (4, False),
+                                                                  (4, True), (8, False), (8, True), (16, True))] + [
+    {**_BASE, "NS": 8, "prefetch": True, **extra}
+    for extra in ({"NP": 4}, {"OP": 4}, {"BV": 32}, {"state_warps": 8})
 ]
 
 
-def split_sweep(T=4096, grid=SPLIT_GRID):
-    """The split forward (kernels/based/split.py, chunk.FORWARD = "split") over its launch settings at T, each
-    checked against the fused forward: the whole forward and its two kernels timed apart. Returns the fastest
-    settings and the table."""
+def split_one(cfg, T=4096):
+    """One setting of the split kernels at T, checked against the fused kernels: the whole forward, its two kernels
+    apart, and forward+backward. Returns a dict of times (ms) and relative differences."""
     import kernels.based.split as split_mod
 
     q, k, v, do = inputs(T)
     with torch.no_grad():
         ref = chunk_based(q, k, v)[0].float()
     ref_grads = torch.autograd.grad(chunk_based(q, k, v)[0], (q, k, v), do)
-    saved_cfg, saved_fwd, saved_bwd = dict(split_mod.CONFIG), chunk_mod.FORWARD, chunk_mod.BACKWARD
+    split_mod.CONFIG = {**split_mod.CONFIG, **cfg}
+    chunk_mod.FORWARD = chunk_mod.BACKWARD = "split"
     dot = chunk_mod._dot_mode(DT)
+    with torch.no_grad():
+        err = ((chunk_based(q, k, v)[0].float() - ref).norm() / ref.norm()).item()
+        ms = bench(lambda: chunk_based(q, k, v))
+        hs, zs, _, _ = split_mod.state_pass(k, v, None, None, False, dot)
+        ms_state = bench(lambda: split_mod.state_pass(k, v, None, None, False, dot))
+        ms_out = bench(lambda: split_mod.output_pass(q, k, v, hs, zs, K**-0.5, True, dot))
+    grads = torch.autograd.grad(chunk_based(q, k, v)[0], (q, k, v), do)
+    err_b = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(grads, ref_grads))
+    ms_fb = bench(lambda: chunk_based(q, k, v)[0].backward(do), grad_to_none=[q, k, v])
+    chunk_mod.FORWARD = "fused"
+    ms_fused_split_bwd = bench(lambda: chunk_based(q, k, v)[0].backward(do), grad_to_none=[q, k, v])
+    return {"cfg": cfg, "ms": ms, "state_ms": ms_state, "output_ms": ms_out, "fwdbwd_ms": ms_fb,
+            "fused_fwd_split_bwd_ms": ms_fused_split_bwd, "err": err, "err_grads": err_b}
+
+
+def split_sweep(T=4096, grid=SPLIT_GRID, budget_s=None):
+    """The split kernels (kernels/based/split.py) over their launch settings at T, each in its own process (a
+    setting that faults on the GPU loses only itself), each checked against the fused kernels. Returns the fastest
+    settings, forward and forward+backward, and the table. budget_s: no new setting is started after that long."""
+    import subprocess
+    import sys
+    import time
+
     table = []
+    start = time.time()
     for cfg in grid:
-        split_mod.CONFIG = {**saved_cfg, **cfg}
-        chunk_mod.FORWARD = chunk_mod.BACKWARD = "split"
+        if budget_s is not None and time.time() - start > budget_s:
+            print(f"split sweep: time budget of {budget_s} s spent; {len(grid) - grid.index(cfg)} settings left")
+            break
         label = "split " + " ".join(f"{a}={b}" for a, b in cfg.items())
+        cmd = [sys.executable, __file__, "--split-one", json.dumps(cfg), "--T", str(T)]
         try:
-            with torch.no_grad():
-                err = ((chunk_based(q, k, v)[0].float() - ref).norm() / ref.norm()).item()
-                ms = bench(lambda: chunk_based(q, k, v))
-                hs, zs, _, _ = split_mod.state_pass(k, v, None, None, False, dot)
-                ms_state = bench(lambda: split_mod.state_pass(k, v, None, None, False, dot))
-                ms_out = bench(lambda hs=hs, zs=zs: split_mod.output_pass(q, k, v, hs, zs, K**-0.5, True, dot))
-            grads = torch.autograd.grad(chunk_based(q, k, v)[0], (q, k, v), do)
-            err_b = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(grads, ref_grads))
-            ms_fb = bench(lambda: chunk_based(q, k, v)[0].backward(do), grad_to_none=[q, k, v])
-        except Exception as e:  # a config that fails to compile (registers, shared memory) is skipped
-            print(f"{label}: failed: {type(e).__name__}: {str(e)[:200]}")
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+            line = [x for x in r.stdout.splitlines() if x.startswith("SPLIT_ONE ")]
+            if r.returncode != 0 or not line:
+                raise RuntimeError((r.stdout + r.stderr).strip().splitlines()[-1][:200])
+        except Exception as e:  # a setting that fails to compile or faults is skipped
+            print(f"{label}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             continue
-        finally:
-            split_mod.CONFIG = dict(saved_cfg)
-            chunk_mod.FORWARD, chunk_mod.BACKWARD = saved_fwd, saved_bwd
-        print(f"{label}: fwd {ms:.4f} ms (state {ms_state:.4f}, output {ms_out:.4f}), fwd+bwd {ms_fb:.4f} ms; "
-              f"rel diff vs fused {err:.1e} / gradients {err_b:.1e}", flush=True)
-        if err < 2e-2 and err_b < 2e-2:
-            table.append({"cfg": cfg, "ms": ms, "state_ms": ms_state, "output_ms": ms_out, "fwdbwd_ms": ms_fb})
+        row = json.loads(line[0][len("SPLIT_ONE "):])
+        print(f"{label}: fwd {row['ms']:.4f} ms (state {row['state_ms']:.4f}, output {row['output_ms']:.4f}), "
+              f"fwd+bwd {row['fwdbwd_ms']:.4f} ms, fused fwd + split bwd {row['fused_fwd_split_bwd_ms']:.4f} ms; "
+              f"rel diff vs fused {row['err']:.1e} / gradients {row['err_grads']:.1e}", flush=True)
+        if row["err"] < 2e-2 and row["err_grads"] < 2e-2:
+            table.append(row)
     best = min(table, key=lambda r: r["ms"]) if table else None
-    best_fb = min(table, key=lambda r: r["fwdbwd_ms"]) if table else None
+    best_fb = min(table, key=lambda r: min(r["fwdbwd_ms"], r["fused_fwd_split_bwd_ms"])) if table else None
     print(f"split best forward: {best}")
     print(f"split best forward+backward: {best_fb}")
-    return best, table
+    return best, best_fb, table
 
 
 def decode_step_ms(batch):
@@ -256,10 +285,15 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--T", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--sweep", action="store_true")
-    p.add_argument("--split-sweep", action="store_true", help="time the split forward's settings; use the best")
+    p.add_argument("--split-sweep", action="store_true", help="time the split kernels' settings; use the best")
+    p.add_argument("--split-budget", type=float, default=None, help="seconds after which the split sweep stops")
+    p.add_argument("--split-one", default=None, help="(internal) time one split setting, JSON; print SPLIT_ONE {...}")
     p.add_argument("--skip-baselines", action="store_true")
     p.add_argument("--tuned", default=None, help="JSON with the forward/backward modes and block configs to use")
     args = p.parse_args()
+    if args.split_one:
+        print("SPLIT_ONE " + json.dumps(split_one(json.loads(args.split_one), args.T[0])))
+        return
     if args.tuned:
         tuned = json.load(open(args.tuned))
         chunk_mod.FWD_EXPAND, chunk_mod.BWD_EXPAND = tuned["fwd"]["mode"], tuned["fb"]["mode"]
@@ -286,15 +320,13 @@ def main():
             default(K_, V_, dtype, kind)
         result["sweep"] = {"best": best, "table": table}
     if args.split_sweep:
-        best, table = split_sweep()
-        result["split_sweep"] = {"best": best, "table": table}
+        best, best_fb, table = split_sweep(budget_s=args.split_budget)
+        result["split_sweep"] = {"best": best, "best_fwdbwd": best_fb, "table": table}
         if best is not None:
-            import kernels.based.split as split_mod
-
-            split_mod.CONFIG = {**split_mod.CONFIG, **best["cfg"]}
+            SPLIT_BEST.update(fwd=best["cfg"], fb=best_fb["cfg"])
     names = impls() if not args.skip_baselines else {"ours": impls()["ours"]}
-    if args.split_sweep and result["split_sweep"]["best"] is not None:
-        names["ours_split"] = names["ours"]
+    if SPLIT_BEST:
+        names["ours_split"] = names["ours_split_bwd"] = names["ours"]
     if args.tuned:
         names.pop("ours_batched_o2")
     print(f"{'impl':24s} {'T':>6s} {'fwd ms':>8s} {'fwd+bwd ms':>10s} {'fwd %bw':>8s} {'fwd %gemm':>9s} "
@@ -333,13 +365,13 @@ def main():
     rows = {(r["impl"], r["T"]): r for r in result["rows"]}
     ratios = {}
     for T in args.T:
-        for mine in ("ours", "ours_split"):
+        for mine in ("ours", "ours_split", "ours_split_bwd"):
             ours = rows.get((mine, T))
             for base in ("fla_parallel_based", "fla_fused_chunk_based", "sdpa_causal_d64"):
                 if ours and (base, T) in rows:
                     ratios[f"{base}/{mine}_fwd_T{T}"] = rows[(base, T)]["fwd_ms"] / ours["fwd_ms"]
                     ratios[f"{base}/{mine}_fwdbwd_T{T}"] = rows[(base, T)]["fwdbwd_ms"] / ours["fwdbwd_ms"]
-    for mine in ("ours", "ours_split"):
+    for mine in ("ours", "ours_split", "ours_split_bwd"):
         if (mine, 4096) in rows and (mine, 16384) in rows:
             ratios[f"{mine}_fwdbwd_T16384/T4096"] = rows[(mine, 16384)]["fwdbwd_ms"] / rows[(mine, 4096)]["fwdbwd_ms"]
     result["ratios"] = ratios

@@ -41,15 +41,23 @@ SPLIT_CASES = [Case(B=1, T=T, H=2, K=16, V=64) for T in GPU_T] + [
 ]
 
 
+# the default settings at every case; segmented state passes loading a chunk ahead, and two V blocks, at two
+SPLIT_RUNS = [(c, {}, "default") for c in SPLIT_CASES] + [
+    (c, {"NS": 8, "prefetch": True, "NP": 2, "OP": 2, "BV": 32}, "ns8-prefetch-bv32")
+    for c in SPLIT_CASES if c.T in (1000, 4096) and c.normalize and c.V == 64
+]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-@pytest.mark.parametrize("case", SPLIT_CASES, ids=[c.id for c in SPLIT_CASES])
-def test_split_matches_naive_gpu(case, dtype, monkeypatch):
-    """chunk.FORWARD = chunk.BACKWARD = "split" (kernels/based/split.py) at its default settings, compiled for
-    this GPU: outputs, final state and every gradient."""
-    from kernels.based import chunk
+@pytest.mark.parametrize(("case", "config"), [r[:2] for r in SPLIT_RUNS], ids=[f"{c.id}-{n}" for c, _, n in SPLIT_RUNS])
+def test_split_matches_naive_gpu(case, config, dtype, monkeypatch):
+    """chunk.FORWARD = chunk.BACKWARD = "split" (kernels/based/split.py) compiled for this GPU, at its default
+    settings and at a second one: outputs, final state and every gradient."""
+    from kernels.based import chunk, split
 
     monkeypatch.setattr(chunk, "FORWARD", "split")
     monkeypatch.setattr(chunk, "BACKWARD", "split")
+    monkeypatch.setattr(split, "CONFIG", {**split.CONFIG, **config})
     with nan_empty():
         check_against_naive(chunk_based, case, dtype, "cuda", reference=_reference(case))
 
