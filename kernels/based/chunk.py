@@ -656,12 +656,24 @@ def _config(K: int, V: int, dtype: torch.dtype, kind: str):
 # program per SM (132 SMs), e.g. prefill of one sequence. SEGMENT_TOKENS, when set, forces the segment length
 # (tests; a multiple of the chunk).
 TARGET_PROGRAMS = 132
-# "fused": `_fwd_kernel` above (the default, measured). "split": kernels/based/split.py, a state pass that stores
-# the state entering every chunk, then every chunk's output at once (K ≤ 16; not yet timed on a GPU).
+# "fused": `_fwd_kernel` above (the default). "split": kernels/based/split.py, a state pass that stores the state
+# entering every chunk, then every chunk's output at once (K ≤ 16). On the H200 (session 8, B=8, H=16, T=4096,
+# bf16) the split forward took 0.50 ms against the fused 0.385, so it stays opt-in.
 FORWARD = "fused"
 # The same choice for the backward: "split" recomputes the split forward's states, runs a reverse state pass and
-# then every chunk's dq and dk, dv at once (kernels/based/split.py; K ≤ 16; not yet timed on a GPU).
-BACKWARD = "fused"
+# then every chunk's dq and dk, dv at once (K ≤ 16). "auto" (the default) takes it where it was measured faster
+# and checked on the H200: bf16 and fp16 inputs, K ≤ 16 and 32 < V ≤ 128 (value blocks of 64; `split_backward_
+# applies`); forward+backward 1.74 ms against 2.25 ms fused at the benchmark shape. fp32 stays fused.
+BACKWARD = "auto"
+
+
+def split_backward_applies(K: int, V: int, dtype: torch.dtype) -> bool:
+    """Whether the backward runs kernels/based/split.py's kernels under BACKWARD (see above)."""
+    if BACKWARD == "split":
+        return K <= 16
+    if BACKWARD == "auto":
+        return K <= 16 and 32 < V <= 128 and dtype in (torch.bfloat16, torch.float16)
+    return False
 MIN_SEGMENT_CHUNKS = 8
 SEGMENT_TOKENS: int | None = None
 
@@ -756,7 +768,7 @@ class ChunkBasedFunction(torch.autograd.Function):
             dhzT = torch.zeros(B, H, F, device=q.device, dtype=torch.float32) if dhzT is None else dhzT
             dhvT = _symmetrise_order2(dhvT.float(), K).contiguous()
             dhzT = _symmetrise_order2(dhzT.float(), K).contiguous()
-        if BACKWARD == "split" and K <= 16:
+        if split_backward_applies(K, V, q.dtype):
             from kernels.based.split import split_backward
 
             dq, dk, dv, dhv0, dhz0 = split_backward(q, k, v, do, den, dden, hv0, hz0, dhvT if use_dht else None,

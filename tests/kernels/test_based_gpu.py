@@ -41,18 +41,17 @@ SPLIT_CASES = [Case(B=1, T=T, H=2, K=16, V=64) for T in GPU_T] + [
 ]
 
 
-# the default settings at every case; segmented state passes loading a chunk ahead, and two V blocks, at two
-SPLIT_RUNS = [(c, {}, "default") for c in SPLIT_CASES] + [
-    (c, {"NS": 8, "prefetch": True, "NP": 2, "OP": 2, "BV": 32}, "ns8-prefetch-bv32")
-    for c in SPLIT_CASES if c.T in (1000, 4096) and c.normalize and c.V == 64
+# the default settings at every case and dtype; the state passes in four segments at two cases in bf16
+SPLIT_RUNS = [(c, {}, dt, f"{c.id}-default-{n}") for c in SPLIT_CASES for dt, n in zip(DTYPES, DT_IDS)] + [
+    (c, {"NS": 4}, torch.bfloat16, f"{c.id}-ns4-bf16") for c in SPLIT_CASES if c.T in (1000, 4096) and c.V == 64
+    and c.normalize
 ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-@pytest.mark.parametrize(("case", "config"), [r[:2] for r in SPLIT_RUNS], ids=[f"{c.id}-{n}" for c, _, n in SPLIT_RUNS])
+@pytest.mark.parametrize(("case", "config", "dtype"), [r[:3] for r in SPLIT_RUNS], ids=[r[3] for r in SPLIT_RUNS])
 def test_split_matches_naive_gpu(case, config, dtype, monkeypatch):
     """chunk.FORWARD = chunk.BACKWARD = "split" (kernels/based/split.py) compiled for this GPU, at its default
-    settings and at a second one: outputs, final state and every gradient."""
+    settings and with segments: outputs, final state and every gradient."""
     from kernels.based import chunk, split
 
     monkeypatch.setattr(chunk, "FORWARD", "split")
