@@ -17,16 +17,23 @@ The state rows use the pair layout of `chunk.py`'s mode 3 (R = 1 + 2·BK + BK²/
 the order-2 diagonal [BK], then one row per unordered pair, cyclic, with weights 2 or 1), stored in the dot's
 operand dtype (bf16 for bf16 inputs, where the fused kernel rounds the state to bf16 at every read too; fp32
 otherwise). The denominator's state (n, z1, Z2 [BK, BK]) is kept in fp32, in the Taylor-order layout. States
-cross the boundary in the Taylor-order layout of `chunk.py` ([1 + K + K², V]), converted here in PyTorch. The
-backward is `chunk.py`'s, unchanged.
+cross the boundary in the Taylor-order layout of `chunk.py` ([1 + K + K², V]), converted here in PyTorch.
 
 Traffic: the entering states are B·H·(T/BC)·R·V elements, written once and read once: at B=8, H=16, T=4096,
 K=16, V=64, BC=64 in bf16, 169 MB each way (≈ 40 µs at the H200's 4.2 TB/s), against ≈ 30 MB for q, k, v, o.
 Larger BC trades that for a bigger causal tile.
 
 Selected by `chunk.FORWARD = "split"` (K ≤ 16). The backward has the same shape (`split_backward`, selected by
-`chunk.BACKWARD = "split"`): the state pass again, a reverse state pass over (q, dO/den), then every chunk's
-dq and dk, dv at once. Neither is timed on a GPU yet: `experiments/bench/based_kernels.py --split-sweep`.
+`chunk.BACKWARD`, "auto" by default: bf16/fp16, K ≤ 16, 32 < V ≤ 128): the state pass again, a reverse state
+pass over (q, dO/den), then every chunk's dq and dk, dv at once.
+
+Measured on the H200 (session 8, B=8, H=16, T=4096, K=16, V=64, bf16; `experiments/bench/based_kernels.py
+--split-sweep`): the split forward 0.50 ms (state pass 0.31, output pass 0.19) against the fused 0.385, so the
+forward stays fused; the fused forward with the split backward 1.80 ms forward+backward against 2.25 fused.
+The state pass is not bound by its chain: walking each sequence in NS segments at once (CONFIG["NS"]; a first
+launch sums each segment, a cumsum over segments gives the entering states, a second launch walks the segments
+from them) made it slower at every NS (0.42-0.61 ms for NS = 2-16), as its 3 programs per SM already fill the
+GPU; loading the next chunk while summing this one (CONFIG["prefetch"]) saved 8%.
 """
 
 import torch
@@ -627,8 +634,9 @@ def _dkv_kernel(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC,
         tl.store(dv + t[:, None] * H * V + offs_v[None, :], bdv.to(dv.dtype.element_ty),
                  mask=m_t[:, None] & m_v[None, :])
     if DK:
-        # dO/den loaded again, transposed, rather than tl.trans(dnum): with BV=32, Triton 3.6 compiled the latter
-        # into an out-of-bounds shared-memory read on the H200 (compute-sanitizer, session 8)
+        # dO/den loaded again, transposed, rather than tl.trans(dnum) (with BV=32 Triton 3.6 compiled this kernel
+        # into an out-of-bounds shared-memory read on the H200, compute-sanitizer, session 8; the load alone did not
+        # remove it, so CONFIG keeps BV=64)
         dnumt = tl.load(do + t[None, :] * H * V + offs_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0)
         dnumt = dnumt.to(tl.float32)
         if NORMALIZE:
