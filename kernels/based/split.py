@@ -44,9 +44,10 @@ from kernels.based.chunk import _load_dout, _mm, _pair_contract, _pairs
 
 # Launch settings of the split kernels; the GPU sweep of experiments/bench/based_kernels.py varies them.
 # H200 (session 8): NP=2 and the one-chunk-ahead load were fastest (fused forward + split backward 1.74 ms at the
-# benchmark shape with OP=2, 1.80 ms at these settings); OP=2 spills 24 B under Triton 3.9; segments (NS > 1) were slower (the state
-# passes already fill the GPU, so NS× more programs only add the second walk); BV=32 faults in the backward on
-# Triton 3.6 (an out-of-bounds shared-memory read, compute-sanitizer), so the value block stays 64.
+# benchmark shape with OP=2, 1.80 ms at these settings); OP=2 spills 24 B under Triton 3.9; segments (NS > 1)
+# were slower (the state passes already fill the GPU, so NS× more programs only add the second walk); BV=32 faults
+# in the backward on Triton 3.6 (an out-of-bounds shared-memory read, compute-sanitizer), so the value block
+# stays 64.
 CONFIG = {"BC": 64, "BV": 64, "NP": 2, "OP": 4, "NS": 1, "prefetch": True, "state_warps": 4, "output_warps": 4,
           "dkv_apart": True}
 
