@@ -185,14 +185,14 @@ def sweep(modes=(3, 5)):
     return best, {kind: [(ms, m, list(c)) for ms, m, c in r] for kind, r in results.items()}
 
 
-# 12 settings around the fastest of session 8's first sweep (BC=64, BV=64, NP=2, OP=2: forward 0.49 ms, state pass
-# 0.31 ms): segments per sequence (NS) and the one-chunk-ahead load (prefetch) of the state passes, then NP, OP, BV
-# and the state passes' warps at NS=8. BC=128 faulted on the H200 in that sweep and is left out.
-_BASE = {"BC": 64, "BV": 64, "NP": 2, "OP": 2, "state_warps": 4, "output_warps": 4}
-SPLIT_GRID = [{**_BASE, "NS": ns, "prefetch": pf} for ns, pf in ((1, False), (1, True), (2, True), (4, False),
-                                                                  (4, True), (8, False), (8, True), (16, True))] + [
-    {**_BASE, "NS": 8, "prefetch": True, **extra}
-    for extra in ({"NP": 4}, {"OP": 4}, {"BV": 32}, {"state_warps": 8})
+# Session 8's sweep (12 settings around BC=64, BV=64, NP=2, OP=2) found segments (NS > 1), NP=4, OP=4, 8 state
+# warps all slower and BV=32 faulting (experiments/LOG.md). This grid: the default, OP=2, then the pair features by
+# tl.gather (not yet timed) at NP 2 and 4, with and without the chunk-ahead load. BC=128 faulted and is left out.
+_BASE = {"BC": 64, "BV": 64, "NP": 2, "OP": 4, "NS": 1, "prefetch": True, "gather": False, "state_warps": 4,
+         "output_warps": 4}
+SPLIT_GRID = [_BASE, {**_BASE, "OP": 2}] + [
+    {**_BASE, "gather": True, "NP": np_, "OP": op, "prefetch": pf}
+    for np_, op, pf in ((2, 4, True), (2, 2, True), (4, 4, True), (2, 4, False), (2, 8, True))
 ]
 
 

@@ -182,13 +182,29 @@ def _pair_reps(BK: tl.constexpr, TRANSPOSED: tl.constexpr, WEIGHTED: tl.constexp
 
 
 @triton.jit
-def _pairs(x, BK: tl.constexpr, DOT: tl.constexpr, P: tl.constexpr, NP: tl.constexpr, TRANSPOSED: tl.constexpr):
+def _pairs(x, BK: tl.constexpr, DOT: tl.constexpr, P: tl.constexpr, NP: tl.constexpr, TRANSPOSED: tl.constexpr,
+           GATHER: tl.constexpr = False):
     """The pair features of part P of NP: x [BC, BK] -> [BC, J] with x_{a_j}·x_{b_j} (the reads' form), or with
     TRANSPOSED x [BK, BC] -> [J, BC] with w_j·x_{a_j}·x_{b_j} (the updates' form, weights included). x is first
-    rounded to the dot's operand dtype, as in `_outer`."""
-    rep_a, rep_b = _pair_reps(BK, TRANSPOSED, TRANSPOSED, P, NP)
+    rounded to the dot's operand dtype, as in `_outer`. The two factors come from dots with 0/1 matrices, or with
+    GATHER from `tl.gather` along the K axis: the same values (one nonzero term per dot), without the dots."""
     if DOT == 2:
         x = x.to(tl.bfloat16)
+    if GATHER:
+        a, b, w = _pair_cols(BK, P, NP)
+        x = x.to(tl.float32)
+        J: tl.constexpr = a.shape[0]
+        if TRANSPOSED:
+            C: tl.constexpr = x.shape[1]
+            xa = tl.gather(x, tl.broadcast_to(a[:, None], (J, C)), 0)
+            xb = tl.gather(x, tl.broadcast_to(b[:, None], (J, C)), 0)
+            return xa * xb * w[:, None]
+        else:
+            C: tl.constexpr = x.shape[0]
+            xa = tl.gather(x, tl.broadcast_to(a[None, :], (C, J)), 1)
+            xb = tl.gather(x, tl.broadcast_to(b[None, :], (C, J)), 1)
+            return xa * xb
+    rep_a, rep_b = _pair_reps(BK, TRANSPOSED, TRANSPOSED, P, NP)
     if TRANSPOSED:
         return _mm(rep_a, x, DOT) * _mm(rep_b, x, DOT)
     else:

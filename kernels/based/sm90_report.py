@@ -44,14 +44,14 @@ KERNELS = {
 
 
 def compile_kernel(kind: str, mode: int, BV: int, BC: int, warps: int, stages: int = 2, states: bool = False,
-                   NP: int = 4, OP: int = 2, NS: int = 1, prefetch: bool = False):
+                   NP: int = 4, OP: int = 2, NS: int = 1, prefetch: bool = False, gather: bool = False):
     """Compile one of KERNELS for sm_90a at H=16, K=16, V=64, bf16 operands, normalised; `states` turns on the
     state inputs and outputs (their loads and stores compiled too); NP / OP: the split passes' row parts; NS: the
-    state passes' segments per sequence; prefetch: theirs (split.CONFIG["prefetch"])."""
+    state passes' segments per sequence; prefetch, gather: split.CONFIG's."""
     fn, bf16 = KERNELS[kind]
     const = dict(H=16, K=16, V=64, BK=16, BV=BV, BC=BC, NORMALIZE=True, DOT=2, EXPAND=mode, STATE_ONLY=False,
                  USE_H0=states, STORE_HT=states, USE_DHT=states, STORE_DH0=states, NP=NP, OP=OP, NS=NS,
-                 STORE_HS=True, STORE_DS=True, PREFETCH=prefetch,
+                 STORE_HS=True, STORE_DS=True, PREFETCH=prefetch, GATHER=gather,
                  DV=kind != "split_dk", DK=kind != "split_dv")
     sig = {}
     for name in fn.arg_names:
@@ -96,9 +96,10 @@ def main() -> None:
     p.add_argument("--op", type=int, default=2, help="split_output: parts of the order-2 pair read")
     p.add_argument("--ns", type=int, default=1, help="split_state, split_reverse: segments per sequence")
     p.add_argument("--prefetch", action="store_true", help="split_state, split_reverse: loads a chunk ahead")
+    p.add_argument("--gather", action="store_true", help="split kernels: pair features by tl.gather")
     args = p.parse_args()
     k = compile_kernel(args.kernel, args.mode, args.bv, args.bc, args.warps, states=args.states, NP=args.np,
-                       OP=args.op, NS=args.ns, prefetch=args.prefetch)
+                       OP=args.op, NS=args.ns, prefetch=args.prefetch, gather=args.gather)
     ttgir = k.asm["ttgir"]
     print(f"{args.kernel} mode {args.mode} BV={args.bv} BC={args.bc} warps={args.warps}: "
           f"wgmma {ttgir.count('ttng.warp_group_dot ')}, "

@@ -48,8 +48,9 @@ from kernels.based.chunk import _load_dout, _mm, _pair_contract, _pairs
 # were slower (the state passes already fill the GPU, so NS× more programs only add the second walk); BV=32 faults
 # in the backward on Triton 3.6 (an out-of-bounds shared-memory read, compute-sanitizer), so the value block
 # stays 64.
-CONFIG = {"BC": 64, "BV": 64, "NP": 2, "OP": 4, "NS": 1, "prefetch": True, "state_warps": 4, "output_warps": 4,
-          "dkv_apart": True}
+# gather: the pair features from `tl.gather` instead of dots with 0/1 matrices (`chunk._pairs`; not yet timed).
+CONFIG = {"BC": 64, "BV": 64, "NP": 2, "OP": 4, "NS": 1, "prefetch": True, "gather": False, "state_warps": 4,
+          "output_warps": 4, "dkv_apart": True}
 
 
 def _pair_index(BK: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -169,7 +170,8 @@ def _load_k(k, c, T, offs_c, offs_k, m_k, H: tl.constexpr, K: tl.constexpr, BC: 
 def _state_kernel(k, v, hs, zs, h0, z0, hT, zT, T, NC, CPS,
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                   BC: tl.constexpr, NP: tl.constexpr, NS: tl.constexpr, USE_H0: tl.constexpr,
-                  STORE_HS: tl.constexpr, STORE_HT: tl.constexpr, DOT: tl.constexpr, PREFETCH: tl.constexpr):
+                  STORE_HS: tl.constexpr, STORE_HT: tl.constexpr, DOT: tl.constexpr, PREFETCH: tl.constexpr,
+                  GATHER: tl.constexpr = False):
     """Row part i_p of the state of sequence i_bh, value block i_v, over segment i_s of NS (chunks i_s·CPS up to
     (i_s + 1)·CPS): with STORE_HS, hs[i_bh, c] = h0 + Σ over the segment's chunks before c; with STORE_HT, what the
     segment adds on top of h0, in hT. With PREFETCH the next chunk's loads are issued before this one is summed
@@ -211,7 +213,7 @@ def _state_kernel(k, v, hs, zs, h0, z0, hT, zT, T, NC, CPS,
                 nkt, nv = _load_kt_v(k, v, c + 1, T, offs_c, offs_k, offs_v, m_k, m_v, H, K, V, BC)
             else:
                 bkt, bv = _load_kt_v(k, v, c, T, offs_c, offs_k, offs_v, m_k, m_v, H, K, V, BC)
-            S += _mm(_pairs(bkt.to(tl.float32), BK, DOT, i_p, NP, True), bv, DOT)  # [JP, BC] pair features · v
+            S += _mm(_pairs(bkt.to(tl.float32), BK, DOT, i_p, NP, True, GATHER), bv, DOT)  # [JP, BC] pair features · v
             if PREFETCH:
                 bkt, bv = nkt, nv
         if STORE_HT:
@@ -246,7 +248,8 @@ def _state_kernel(k, v, hs, zs, h0, z0, hT, zT, T, NC, CPS,
 @triton.jit
 def _output_kernel(q, k, v, o, den, hs, zs, scale, T, NC,
                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                   BC: tl.constexpr, OP: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr):
+                   BC: tl.constexpr, OP: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr,
+                   GATHER: tl.constexpr = False):
     """Chunk i_c of sequence i_bh, value block i_v: the causal tile plus the read of the entering state (the
     order-2 pair rows in OP parts, so that one part's [BC, J/OP] pair features are live at a time)."""
     i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -282,7 +285,7 @@ def _output_kernel(q, k, v, o, den, hs, zs, scale, T, NC,
     o2 = _mm(qs * qs, Sd, DOT)
     for p in tl.static_range(OP):
         S2 = tl.load(h + (1 + 2 * BK + p * JP + offs_j)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
-        o2 += _mm(_pairs(qs, BK, DOT, p, OP, False), S2.to(tl.float32), DOT)
+        o2 += _mm(_pairs(qs, BK, DOT, p, OP, False, GATHER), S2.to(tl.float32), DOT)
     num = _mm(w, bv, DOT) + S0[None, :] + _mm(qs, S1, DOT) + 0.5 * o2
     if NORMALIZE:
         Z2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
@@ -345,7 +348,7 @@ def state_pass(k, v, hv0, hz0, output_final_state: bool, dot: int):
         h0 = orders_to_pairs(hv0.reshape(B * H, 1 + K + K * K, V), K, BK).contiguous()
         z0 = _pad_orders(hz0.reshape(B * H, 1 + K + K * K), K, BK).contiguous()
     meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NP=NP, NS=NS, DOT=dot, PREFETCH=CONFIG["prefetch"],
-                num_warps=CONFIG["state_warps"])
+                GATHER=CONFIG["gather"], num_warps=CONFIG["state_warps"])
     grid = (NP + 1, NV, B * H * NS)
     if NS == 1:
         if output_final_state:
@@ -374,7 +377,8 @@ def output_pass(q, k, v, hs, zs, scale: float, normalize: bool, dot: int):
     o = torch.empty_like(v)
     den = torch.empty(B, T, H, device=q.device, dtype=torch.float32) if normalize else None
     _output_kernel[(NC, NV, B * H)](q, k, v, o, den, hs, zs, scale, T, NC, H=H, K=K, V=V, BK=16, BV=BV, BC=BC,
-                                    OP=CONFIG["OP"], NORMALIZE=normalize, DOT=dot, num_warps=CONFIG["output_warps"])
+                                    OP=CONFIG["OP"], NORMALIZE=normalize, DOT=dot, GATHER=CONFIG["gather"],
+                                    num_warps=CONFIG["output_warps"])
     return o, den
 
 
@@ -422,7 +426,7 @@ def _reverse_state_kernel(q, do, den, dden, ds, dzs, dhT, dzT, dh0, dz0, scale, 
                           H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                           BC: tl.constexpr, NP: tl.constexpr, NS: tl.constexpr, USE_DHT: tl.constexpr,
                           STORE_DS: tl.constexpr, STORE_DH0: tl.constexpr, NORMALIZE: tl.constexpr,
-                          DOT: tl.constexpr, PREFETCH: tl.constexpr):
+                          DOT: tl.constexpr, PREFETCH: tl.constexpr, GATHER: tl.constexpr = False):
     """Row part i_p of the reverse state of sequence i_bh, value block i_v, over segment i_s of NS: with STORE_DS,
     ds[i_bh, c] = dhT + Σ over the segment's chunks after c of (1, q_s, q_s⊗q_s as pairs) (dO/den)ᵀ (the fused dkv
     kernel's D0, D1, Dd, D2), dzs[i_bh, c] likewise with the denominator's gradient (d0, d1, d2 [BK, BK]; first V
@@ -470,7 +474,7 @@ def _reverse_state_kernel(q, do, den, dden, ds, dzs, dhT, dzT, dh0, dz0, scale, 
                 bqt, bdo, d, g = _load_q_dout(q, do, den, dden, c, T, offs_c, offs_k, offs_v, m_k, m_v, H, K, V,
                                                   BC, NORMALIZE)
             dnum = bdo.to(tl.float32) / d[:, None]
-            D += _mm(_pairs(bqt.to(tl.float32) * scale, BK, DOT, i_p, NP, True), dnum, DOT)
+            D += _mm(_pairs(bqt.to(tl.float32) * scale, BK, DOT, i_p, NP, True, GATHER), dnum, DOT)
             if PREFETCH:
                 bqt, bdo, d, g = nqt, ndo, nd, ng
         if STORE_DH0:
@@ -526,7 +530,8 @@ def _pair_grad(y, x, h, offs_v, m_v, V: tl.constexpr, BK: tl.constexpr, OP: tl.c
 
 
 @triton.jit
-def _order2_of(x, h, offs_v, m_v, V: tl.constexpr, BK: tl.constexpr, OP: tl.constexpr, DOT: tl.constexpr):
+def _order2_of(x, h, offs_v, m_v, V: tl.constexpr, BK: tl.constexpr, OP: tl.constexpr, DOT: tl.constexpr,
+               GATHER: tl.constexpr = False):
     """(x⊗x)·S for the order-2 state S in the pair layout at h: x [BC, BK] -> [BC, BV]."""
     JP: tl.constexpr = BK * (BK // 2) // OP
     offs_k = tl.arange(0, BK)
@@ -535,7 +540,7 @@ def _order2_of(x, h, offs_v, m_v, V: tl.constexpr, BK: tl.constexpr, OP: tl.cons
     o2 = _mm(x * x, Sd.to(tl.float32), DOT)
     for p in tl.static_range(OP):
         S2 = tl.load(h + (1 + 2 * BK + p * JP + offs_j)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
-        o2 += _mm(_pairs(x, BK, DOT, p, OP, False), S2.to(tl.float32), DOT)
+        o2 += _mm(_pairs(x, BK, DOT, p, OP, False, GATHER), S2.to(tl.float32), DOT)
     return o2
 
 
@@ -590,7 +595,7 @@ def _dq_kernel(q, k, v, do, den, dden, dq, hs, zs, scale, T, NC,
 def _dkv_kernel(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                 BC: tl.constexpr, OP: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr,
-                DV: tl.constexpr = True, DK: tl.constexpr = True):
+                DV: tl.constexpr = True, DK: tl.constexpr = True, GATHER: tl.constexpr = False):
     """dv (DV) and dk (DK; partial over V blocks: dk [NV, B, T, H, K]) of chunk i_c from the reverse state entering
     it; CONFIG["dkv_apart"] launches it twice, once for each, to halve what is live at a time."""
     i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -631,7 +636,7 @@ def _dkv_kernel(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC,
         D0 = tl.load(h + offs_v, mask=m_v, other=0.0).to(tl.float32)
         D1 = tl.load(h + (1 + offs_k)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
         bdv = _mm(wt, dnum, DOT) + D0[None, :] + _mm(kf, D1, DOT)
-        bdv += 0.5 * _order2_of(kf, h, offs_v, m_v, V, BK, OP, DOT)
+        bdv += 0.5 * _order2_of(kf, h, offs_v, m_v, V, BK, OP, DOT, GATHER)
         tl.store(dv + t[:, None] * H * V + offs_v[None, :], bdv.to(dv.dtype.element_ty),
                  mask=m_t[:, None] & m_v[None, :])
     if DK:
@@ -673,7 +678,7 @@ def split_backward(q, k, v, do, den, dden, hv0, hz0, dhvT, dhzT, scale: float, n
         dzT = _pad_orders(dhzT.reshape(B * H, 1 + K + K * K), K, BK).contiguous()
     NS, CPS = _segments(NC)
     meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NP=NP, NS=NS, NORMALIZE=normalize, DOT=dot,
-                PREFETCH=CONFIG["prefetch"], num_warps=CONFIG["state_warps"])
+                PREFETCH=CONFIG["prefetch"], GATHER=CONFIG["gather"], num_warps=CONFIG["state_warps"])
     grid = (NP + 1, NV, B * H * NS)
     if NS == 1:
         if hv0 is not None:
@@ -697,11 +702,10 @@ def split_backward(q, k, v, do, den, dden, hv0, hz0, dhvT, dhzT, scale: float, n
     meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, OP=OP, NORMALIZE=normalize, DOT=dot,
                 num_warps=CONFIG["output_warps"])
     _dq_kernel[(NC, NV, B * H)](q, k, v, do, den, dden, dq, hs, zs, scale, T, NC, **meta)
-    if CONFIG["dkv_apart"]:
-        for which in ({"DV": True, "DK": False}, {"DV": False, "DK": True}):
-            _dkv_kernel[(NC, NV, B * H)](q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, **meta, **which)
-    else:
-        _dkv_kernel[(NC, NV, B * H)](q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, **meta)
+    parts = ({"DV": True, "DK": False}, {"DV": False, "DK": True}) if CONFIG["dkv_apart"] else ({},)
+    for which in parts:
+        _dkv_kernel[(NC, NV, B * H)](q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, GATHER=CONFIG["gather"],
+                                     **meta, **which)
     dhv0 = dhz0 = None
     if hv0 is not None:
         # what is left at t = 0 is the initial state's gradient, order 2 halved (the fused kernel's convention)

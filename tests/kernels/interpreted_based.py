@@ -97,12 +97,13 @@ SPLIT = [Case(B=1, T=T, H=2, K=16, V=64) for T in CPU_T] + [
 ]
 
 
-# Every case at the default-like settings; three of them also at small chunks (several chunks, four V blocks,
-# the other row splits), with dv and dk in one launch, and the state passes in three segments (the last shorter),
-# loading a chunk ahead.
-SPLIT_RUNS = [(c, {"BC": 32, "NP": 4, "OP": 2, "NS": 1, "dkv_apart": True}, "bc32") for c in SPLIT] + [
-    (c, {"BC": 16, "NP": 2, "BV": 16, "OP": 4, "NS": 3, "prefetch": True, "dkv_apart": False},
-     "bc16-ns3")
+# Every case at the default-like settings (loading a chunk ahead); three of them also at small chunks (several
+# chunks, four V blocks, the other row splits), with dv and dk in one launch, the state passes in three segments
+# (the last shorter) loading chunk by chunk, and the pair features by tl.gather.
+SPLIT_RUNS = [(c, {"BC": 32, "NP": 4, "OP": 2, "NS": 1, "prefetch": True, "gather": False, "dkv_apart": True}, "bc32")
+              for c in SPLIT] + [
+    (c, {"BC": 16, "NP": 2, "BV": 16, "OP": 4, "NS": 3, "prefetch": False, "gather": True, "dkv_apart": False},
+     "bc16-ns3-gather")
     for c in (SPLIT[3], SPLIT[4], SPLIT[6])
 ]
 SPLIT_IDS = [f"{c.id}-{name}" for c, _, name in SPLIT_RUNS]

@@ -37,7 +37,8 @@ def test_split_kernels_compile_for_sm90_without_spills(kind):
 
     warps = CONFIG["state_warps"] if kind in ("split_state", "split_reverse") else CONFIG["output_warps"]
     kernel = compile_kernel(kind, 5, CONFIG["BV"], CONFIG["BC"], warps, states=True, NP=CONFIG["NP"],
-                            OP=CONFIG["OP"], NS=CONFIG["NS"], prefetch=CONFIG["prefetch"])
+                            OP=CONFIG["OP"], NS=CONFIG["NS"], prefetch=CONFIG["prefetch"],
+                            gather=CONFIG["gather"])
     report = ptxas_report(kernel.asm["ptx"])
     used = int(report.split("Used ")[1].split(" registers")[0])
     assert 0 < used <= 255, report
