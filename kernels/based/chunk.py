@@ -43,7 +43,8 @@ DOT_IEEE, DOT_TF32, DOT_BF16 = 0, 1, 2
 # 534. FWD_EXPAND / BWD_EXPAND pick the mode for the forward / backward. Measured on the H200 (bf16, T=4096,
 # BV=32, 4 warps, experiments/LOG.md session 4): mode 5 forward 0.386 ms (BC=64) and forward+backward 2.256 ms
 # (backward BC=32), against 0.465 / 2.302 for mode 3, 0.684 / 3.01 for mode 1 and 0.981 / 3.09 for mode 2;
-# mode 5 is the default.
+# mode 5 is the default. Mode 6 is mode 5 with the pair features gathered (`_pairs` GATHER: tl.gather along K
+# instead of two dots with 0/1 matrices; not yet timed).
 FWD_EXPAND = 5
 BWD_EXPAND = 5
 
@@ -260,7 +261,7 @@ def _order2_init(h, LOAD: tl.constexpr, offs_k, offs_v, K: tl.constexpr, V: tl.c
     """The order-2 state in the mode's layout, (Sd, S2, S2b): zero, or with LOAD read from the order-2 rows of a
     Taylor-order state h [F, V] (h already at the sequence). S2 is [K², BV] (modes 0, 1), [BK, BK, BV] (mode 2)
     or the pair rows (mode 3; their first half in mode 5, S2b the second); Sd is the diagonal of modes 3 and 5."""
-    NP: tl.constexpr = 2 if EXPAND == 5 else 1
+    NP: tl.constexpr = 2 if EXPAND >= 5 else 1
     Sd = tl.zeros([BK, BV], dtype=tl.float32)
     S2b = tl.zeros([BK * (BK // 2) // 2, BV], dtype=tl.float32)
     if EXPAND == 2:
@@ -295,7 +296,7 @@ def _order2_store(h, Sd, S2, S2b, c, offs_k, offs_v, K: tl.constexpr, V: tl.cons
         off3, m3 = _o2_offsets(offs_k, offs_v, K, V)
         tl.store(h + off3, c * S2, mask=m3)
     elif EXPAND >= 3:
-        NP: tl.constexpr = 2 if EXPAND == 5 else 1
+        NP: tl.constexpr = 2 if EXPAND >= 5 else 1
         _pair_state_store(h, Sd, S2, c, offs_k, offs_v, K, V, BK, 0, NP)
         if NP == 2:
             _pair_state_store(h, Sd, S2b, c, offs_k, offs_v, K, V, BK, 1, 2)
@@ -310,13 +311,13 @@ def _order2_store(h, Sd, S2, S2b, c, offs_k, offs_v, K: tl.constexpr, V: tl.cons
 def _order2_read(x, Sd, S2, S2b, rep_a, rep_b, BC: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
                  EXPAND: tl.constexpr):
     """(x⊗x)·S for the order-2 state (Sd, S2, S2b) in `_order2_init`'s layout: x [BC, BK] -> [BC, BV]."""
-    NP: tl.constexpr = 2 if EXPAND == 5 else 1
+    NP: tl.constexpr = 2 if EXPAND >= 5 else 1
     if EXPAND == 2:
         return _o2_read(x, S2, BC, BK, DOT)
     elif EXPAND >= 3:
-        o2 = _mm(x * x, Sd, DOT) + _mm(_pairs(x, BK, DOT, 0, NP, False), S2, DOT)
-        if EXPAND == 5:
-            o2 += _mm(_pairs(x, BK, DOT, 1, 2, False), S2b, DOT)
+        o2 = _mm(x * x, Sd, DOT) + _mm(_pairs(x, BK, DOT, 0, NP, False, EXPAND == 6), S2, DOT)
+        if EXPAND >= 5:
+            o2 += _mm(_pairs(x, BK, DOT, 1, 2, False, EXPAND == 6), S2b, DOT)
         return o2
     else:
         return _mm(_outer(x, rep_a, rep_b, BC, BK, DOT, EXPAND), S2, DOT)  # (x⊗x) [BC, K²] · S2
@@ -326,14 +327,14 @@ def _order2_read(x, Sd, S2, S2b, rep_a, rep_b, BC: tl.constexpr, BK: tl.constexp
 def _order2_update(x, xt, y, Sd, S2, S2b, rep_a, rep_b, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    DOT: tl.constexpr, EXPAND: tl.constexpr):
     """(Sd, S2, S2b) + Σ_c (x_c⊗x_c) y_cᵀ in `_order2_init`'s layout: x [BC, BK], xt = xᵀ, y [BC, BV]."""
-    NP: tl.constexpr = 2 if EXPAND == 5 else 1
+    NP: tl.constexpr = 2 if EXPAND >= 5 else 1
     if EXPAND == 2:
         S2 += _o2_update(x, y, BC, BK, BV, DOT)
     elif EXPAND >= 3:
         Sd += _mm(xt * xt, y, DOT)
-        S2 += _mm(_pairs(xt, BK, DOT, 0, NP, True), y, DOT)
-        if EXPAND == 5:
-            S2b += _mm(_pairs(xt, BK, DOT, 1, 2, True), y, DOT)
+        S2 += _mm(_pairs(xt, BK, DOT, 0, NP, True, EXPAND == 6), y, DOT)
+        if EXPAND >= 5:
+            S2b += _mm(_pairs(xt, BK, DOT, 1, 2, True, EXPAND == 6), y, DOT)
     else:
         S2 += _mm(tl.trans(_outer(x, rep_a, rep_b, BC, BK, DOT, EXPAND)), y, DOT)
     return Sd, S2, S2b
@@ -344,12 +345,12 @@ def _order2_contract(y, x, Sd, S2, S2b, rep_a, rep_b, BC: tl.constexpr, BK: tl.c
                      DOT: tl.constexpr, EXPAND: tl.constexpr):
     """Σ_b (y·S[a, b])·x_b for the symmetric order-2 state S in `_order2_init`'s layout: y [BC, BV], x [BC, BK]
     -> [BC, BK]; the order-2 part of the gradient of (x⊗x)·S·y / 2 with respect to x."""
-    NP: tl.constexpr = 2 if EXPAND == 5 else 1
+    NP: tl.constexpr = 2 if EXPAND >= 5 else 1
     if EXPAND == 2:
         return _o2_contract(y, S2, x, BC, BK, BV, DOT)
     elif EXPAND >= 3:
         g = x * _mm(y, tl.trans(Sd), DOT) + _pair_contract(_mm(y, tl.trans(S2), DOT), x, BK, DOT, 0, NP)
-        if EXPAND == 5:
+        if EXPAND >= 5:
             g += _pair_contract(_mm(y, tl.trans(S2b), DOT), x, BK, DOT, 1, 2)
         return g
     else:

@@ -74,11 +74,12 @@ PAIRS = [Case(B=1, T=100, H=2, K=16, V=64), Case(B=2, T=37, H=1, K=5, V=40, norm
          Case(B=1, T=15, H=2, K=16, V=112, scale=0.3)]
 
 
-@pytest.mark.parametrize("mode", [1, 3, 5])
+@pytest.mark.parametrize("mode", [1, 3, 5, 6])
 @pytest.mark.parametrize("case", PAIRS, ids=[c.id for c in PAIRS])
 def test_order2_modes_match_naive(case, mode, monkeypatch):
     """Mode 1 (the K² order-2 state, 0/1 expansion dots), mode 3 (a diagonal block plus one row per unordered
-    pair, cyclic layout, weights 2 and 1) and mode 5 (the default: 3 in two halves), forward and backward;
+    pair, cyclic layout, weights 2 and 1), mode 5 (the default: 3 in two halves) and mode 6 (5 with the pair
+    features by tl.gather), forward and backward;
     with one-chunk segments, so the state loads and stores and both states' gradients are exercised."""
     from kernels.based import chunk
 
