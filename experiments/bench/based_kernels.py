@@ -214,12 +214,19 @@ def split_one(cfg, T=4096):
         hs, zs, _, _ = split_mod.state_pass(k, v, None, None, False, dot)
         ms_state = bench(lambda: split_mod.state_pass(k, v, None, None, False, dot))
         ms_out = bench(lambda: split_mod.output_pass(q, k, v, hs, zs, K**-0.5, True, dot))
+        # the backward's other two steps apart (dden's values do not matter for time)
+        den = split_mod.output_pass(q, k, v, hs, zs, K**-0.5, True, dot)[1]
+        dden = torch.randn_like(den)
+        ds, dzs, _, _ = split_mod.reverse_pass(q, do, den, dden, None, None, False, K**-0.5, True, dot)
+        ms_reverse = bench(lambda: split_mod.reverse_pass(q, do, den, dden, None, None, False, K**-0.5, True, dot))
+        ms_grads = bench(lambda: split_mod.chunk_grads(q, k, v, do, den, dden, hs, zs, ds, dzs, K**-0.5, True, dot))
     grads = torch.autograd.grad(chunk_based(q, k, v)[0], (q, k, v), do)
     err_b = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(grads, ref_grads))
     ms_fb = bench(lambda: chunk_based(q, k, v)[0].backward(do), grad_to_none=[q, k, v])
     chunk_mod.FORWARD = "fused"
     ms_fused_split_bwd = bench(lambda: chunk_based(q, k, v)[0].backward(do), grad_to_none=[q, k, v])
-    return {"cfg": cfg, "ms": ms, "state_ms": ms_state, "output_ms": ms_out, "fwdbwd_ms": ms_fb,
+    return {"cfg": cfg, "ms": ms, "state_ms": ms_state, "output_ms": ms_out, "reverse_ms": ms_reverse,
+            "chunk_grads_ms": ms_grads, "fwdbwd_ms": ms_fb,
             "fused_fwd_split_bwd_ms": ms_fused_split_bwd, "err": err, "err_grads": err_b}
 
 
@@ -249,7 +256,8 @@ def split_sweep(T=4096, grid=SPLIT_GRID, budget_s=None):
             continue
         row = json.loads(line[0][len("SPLIT_ONE "):])
         print(f"{label}: fwd {row['ms']:.4f} ms (state {row['state_ms']:.4f}, output {row['output_ms']:.4f}), "
-              f"fwd+bwd {row['fwdbwd_ms']:.4f} ms, fused fwd + split bwd {row['fused_fwd_split_bwd_ms']:.4f} ms; "
+              f"fwd+bwd {row['fwdbwd_ms']:.4f} ms (reverse {row['reverse_ms']:.4f}, chunk grads "
+              f"{row['chunk_grads_ms']:.4f}), fused fwd + split bwd {row['fused_fwd_split_bwd_ms']:.4f} ms; "
               f"rel diff vs fused {row['err']:.1e} / gradients {row['err_grads']:.1e}", flush=True)
         if row["err"] < 2e-2 and row["err_grads"] < 2e-2:
             table.append(row)

@@ -658,19 +658,18 @@ def _dkv_kernel(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC,
         tl.store(dk + t[:, None] * H * K + offs_k[None, :], bdk, mask=m_t[:, None] & m_k[None, :])
 
 
-def split_backward(q, k, v, do, den, dden, hv0, hz0, dhvT, dhzT, scale: float, normalize: bool, dot: int):
-    """dq, dk (fp32, summed over V blocks), dv, and the initial state's gradient (dhv0, dhz0) in the Taylor-order
-    layout (None without an initial state). dhvT/dhzT: the final state's gradient with order 2 symmetrised, or
-    None. The arguments are those of chunk.py's backward."""
+def reverse_pass(q, do, den, dden, dhvT, dhzT, store_dh0: bool, scale: float, normalize: bool, dot: int):
+    """The backward's reverse state pass: (ds [B·H, NC, R, V], dzs [B·H, NC, ZR], dh0, dz0), the reverse states
+    entering every chunk in the pair / padded Taylor-order layouts, and with store_dh0 what is left at t = 0 (else
+    None, None). dhvT/dhzT: the final state's gradient (Taylor-order layout, order 2 symmetrised) or None."""
     B, T, H, K = q.shape
-    V = v.shape[-1]
+    V = do.shape[-1]
     BK = 16
     BC, BV, NV, NC = _blocks(T, V)
-    NP, OP = CONFIG["NP"], CONFIG["OP"]
+    NP = CONFIG["NP"]
     R, ZR = 1 + 2 * BK + BK * BK // 2, 1 + BK + BK * BK
     dev = q.device
-    hs, zs, _, _ = state_pass(k, v, hv0, hz0, False, dot)
-    ds = torch.empty(B * H, NC, R, V, device=dev, dtype=hs.dtype)
+    ds = torch.empty(B * H, NC, R, V, device=dev, dtype=torch.bfloat16 if dot == 2 else torch.float32)
     dzs = torch.empty(B * H, NC, ZR, device=dev, dtype=torch.float32)
     dhT = dzT = dh0 = dz0 = None
     if dhvT is not None:
@@ -681,38 +680,61 @@ def split_backward(q, k, v, do, den, dden, hv0, hz0, dhvT, dhzT, scale: float, n
                 PREFETCH=CONFIG["prefetch"], GATHER=CONFIG["gather"], num_warps=CONFIG["state_warps"])
     grid = (NP + 1, NV, B * H * NS)
     if NS == 1:
-        if hv0 is not None:
+        if store_dh0:
             dh0 = torch.empty(B * H, R, V, device=dev, dtype=torch.float32)
             dz0 = torch.empty(B * H, ZR, device=dev, dtype=torch.float32)
         _reverse_state_kernel[grid](q, do, den, dden, ds, dzs, dhT, dzT, dh0, dz0, scale, T, NC, CPS,
-                                    USE_DHT=dhT is not None, STORE_DS=True, STORE_DH0=hv0 is not None, **meta)
-    else:  # as in state_pass: each segment's sum, the states entering the segments from the right, then ds
-        tot = torch.empty(B * H, NS, R, V, device=dev, dtype=torch.float32)
-        ztot = torch.empty(B * H, NS, ZR, device=dev, dtype=torch.float32)
-        _reverse_state_kernel[grid](q, do, den, dden, ds, dzs, None, None, tot, ztot, scale, T, NC, CPS,
-                                    USE_DHT=False, STORE_DS=False, STORE_DH0=True, **meta)
-        carry, zcarry = _exclusive_carry(tot, dhT, True), _exclusive_carry(ztot, dzT, True)
-        _reverse_state_kernel[grid](q, do, den, dden, ds, dzs, carry, zcarry, None, None, scale, T, NC, CPS,
-                                    USE_DHT=True, STORE_DS=True, STORE_DH0=False, **meta)
-        if hv0 is not None:
-            dh0, dz0 = carry[:, 0] + tot[:, 0], zcarry[:, 0] + ztot[:, 0]
+                                    USE_DHT=dhT is not None, STORE_DS=True, STORE_DH0=store_dh0, **meta)
+        return ds, dzs, dh0, dz0
+    # as in state_pass: each segment's sum, the states entering the segments from the right, then ds
+    tot = torch.empty(B * H, NS, R, V, device=dev, dtype=torch.float32)
+    ztot = torch.empty(B * H, NS, ZR, device=dev, dtype=torch.float32)
+    _reverse_state_kernel[grid](q, do, den, dden, ds, dzs, None, None, tot, ztot, scale, T, NC, CPS,
+                                USE_DHT=False, STORE_DS=False, STORE_DH0=True, **meta)
+    carry, zcarry = _exclusive_carry(tot, dhT, True), _exclusive_carry(ztot, dzT, True)
+    _reverse_state_kernel[grid](q, do, den, dden, ds, dzs, carry, zcarry, None, None, scale, T, NC, CPS,
+                                USE_DHT=True, STORE_DS=True, STORE_DH0=False, **meta)
+    if store_dh0:
+        dh0, dz0 = carry[:, 0] + tot[:, 0], zcarry[:, 0] + ztot[:, 0]
+    return ds, dzs, dh0, dz0
+
+
+def chunk_grads(q, k, v, do, den, dden, hs, zs, ds, dzs, scale: float, normalize: bool, dot: int):
+    """Every chunk's dq and dk (fp32, summed over V blocks) and dv, at once, from the entering states of
+    `state_pass` (hs, zs) and `reverse_pass` (ds, dzs)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    BC, BV, NV, NC = _blocks(T, V)
+    dev = q.device
     dq = torch.empty(NV, B, T, H, K, device=dev, dtype=torch.float32)
     dk = torch.empty(NV, B, T, H, K, device=dev, dtype=torch.float32)
     dv = torch.empty_like(v)
-    meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, OP=OP, NORMALIZE=normalize, DOT=dot,
+    meta = dict(H=H, K=K, V=V, BK=16, BV=BV, BC=BC, OP=CONFIG["OP"], NORMALIZE=normalize, DOT=dot,
                 num_warps=CONFIG["output_warps"])
     _dq_kernel[(NC, NV, B * H)](q, k, v, do, den, dden, dq, hs, zs, scale, T, NC, **meta)
     parts = ({"DV": True, "DK": False}, {"DV": False, "DK": True}) if CONFIG["dkv_apart"] else ({},)
     for which in parts:
         _dkv_kernel[(NC, NV, B * H)](q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, GATHER=CONFIG["gather"],
                                      **meta, **which)
+    return dq.sum(0), dk.sum(0), dv
+
+
+def split_backward(q, k, v, do, den, dden, hv0, hz0, dhvT, dhzT, scale: float, normalize: bool, dot: int):
+    """dq, dk (fp32, summed over V blocks), dv, and the initial state's gradient (dhv0, dhz0) in the Taylor-order
+    layout (None without an initial state). dhvT/dhzT: the final state's gradient with order 2 symmetrised, or
+    None. The arguments are those of chunk.py's backward."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    hs, zs, _, _ = state_pass(k, v, hv0, hz0, False, dot)
+    ds, dzs, dh0, dz0 = reverse_pass(q, do, den, dden, dhvT, dhzT, hv0 is not None, scale, normalize, dot)
+    dq, dk, dv = chunk_grads(q, k, v, do, den, dden, hs, zs, ds, dzs, scale, normalize, dot)
     dhv0 = dhz0 = None
     if hv0 is not None:
         # what is left at t = 0 is the initial state's gradient, order 2 halved (the fused kernel's convention)
-        dhv0 = pairs_to_orders(dh0, K, BK)
+        dhv0 = pairs_to_orders(dh0, K, 16)
         dhv0[:, 1 + K :] *= 0.5
-        dhz0 = _unpad_orders(dz0, K, BK)
+        dhz0 = _unpad_orders(dz0, K, 16)
         dhz0[:, 1 + K :] *= 0.5
         dhv0 = dhv0.reshape(B, H, 1 + K + K * K, V).contiguous()
         dhz0 = dhz0.reshape(B, H, 1 + K + K * K).contiguous()
-    return dq.sum(0), dk.sum(0), dv, dhv0, dhz0
+    return dq, dk, dv, dhv0, dhz0
