@@ -260,7 +260,8 @@ def _order2_init(h, LOAD: tl.constexpr, offs_k, offs_v, K: tl.constexpr, V: tl.c
                  BV: tl.constexpr, EXPAND: tl.constexpr):
     """The order-2 state in the mode's layout, (Sd, S2, S2b): zero, or with LOAD read from the order-2 rows of a
     Taylor-order state h [F, V] (h already at the sequence). S2 is [K², BV] (modes 0, 1), [BK, BK, BV] (mode 2)
-    or the pair rows (mode 3; their first half in mode 5, S2b the second); Sd is the diagonal of modes 3 and 5."""
+    or the pair rows (mode 3; their first half in modes 5 and 6, S2b the second); Sd is the diagonal of modes 3, 5
+    and 6."""
     NP: tl.constexpr = 2 if EXPAND >= 5 else 1
     Sd = tl.zeros([BK, BV], dtype=tl.float32)
     S2b = tl.zeros([BK * (BK // 2) // 2, BV], dtype=tl.float32)
