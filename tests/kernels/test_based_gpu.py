@@ -41,10 +41,12 @@ SPLIT_CASES = [Case(B=1, T=T, H=2, K=16, V=64) for T in GPU_T] + [
 ]
 
 
-# the default settings at every case and dtype; the state passes in four segments at two cases in bf16
+# the default settings at every case and dtype; the state passes in four segments, and the pair features by
+# tl.gather, at two cases in bf16
 SPLIT_RUNS = [(c, {}, dt, f"{c.id}-default-{n}") for c in SPLIT_CASES for dt, n in zip(DTYPES, DT_IDS)] + [
-    (c, {"NS": 4}, torch.bfloat16, f"{c.id}-ns4-bf16") for c in SPLIT_CASES if c.T in (1000, 4096) and c.V == 64
-    and c.normalize
+    (c, cfg, torch.bfloat16, f"{c.id}-{name}-bf16")
+    for c in SPLIT_CASES if c.T in (1000, 4096) and c.V == 64 and c.normalize
+    for cfg, name in (({"NS": 4}, "ns4"), ({"gather": True}, "gather"))
 ]
 
 
@@ -57,6 +59,22 @@ def test_split_matches_naive_gpu(case, config, dtype, monkeypatch):
     monkeypatch.setattr(chunk, "FORWARD", "split")
     monkeypatch.setattr(chunk, "BACKWARD", "split")
     monkeypatch.setattr(split, "CONFIG", {**split.CONFIG, **config})
+    with nan_empty():
+        check_against_naive(chunk_based, case, dtype, "cuda", reference=_reference(case))
+
+
+MODE_CASES = [c for c in CASES if c.T in (1000, 4096) and c.K <= 16]  # K > 16 runs mode 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES[:2], ids=DT_IDS[:2])
+@pytest.mark.parametrize("case", MODE_CASES, ids=[c.id for c in MODE_CASES])
+def test_order2_mode6_matches_naive_gpu(case, dtype, monkeypatch):
+    """The fused kernels at order-2 mode 6 (mode 5 with the pair features by tl.gather), forward and backward."""
+    from kernels.based import chunk
+
+    monkeypatch.setattr(chunk, "FWD_EXPAND", 6)
+    monkeypatch.setattr(chunk, "BWD_EXPAND", 6)
+    monkeypatch.setattr(chunk, "BACKWARD", "fused")
     with nan_empty():
         check_against_naive(chunk_based, case, dtype, "cuda", reference=_reference(case))
 
