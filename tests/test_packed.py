@@ -326,3 +326,19 @@ def test_a_pack_whose_vmapped_backward_raises_trains_unpacked(tmp_path, monkeypa
     records = run_pack(runs, [])
     assert [r["status"] for r in records] == ["finished", "finished"]
     assert all("fails" in r["unpacked"] for r in records)
+
+
+def test_the_agreement_check_covers_every_member(tmp_path, monkeypatch):
+    """A vmap rule that goes wrong for one member only (here: the second member's loss scaled) is caught too, not
+    just a fault in the first row."""
+    original = _Pack.losses
+
+    def second_member_off(self, *args):
+        losses = original(self, *args)
+        return losses * torch.tensor([1.0] + [1.5] * (len(losses) - 1), device=losses.device)
+
+    monkeypatch.setattr(_Pack, "losses", second_member_off)
+    cfg, _ = cfg_of(tmp_path, "model=attention", "train.epochs=1")
+    with pytest.raises(PackError, match="for member 1"):
+        train_packed(pack_members(cfg, LRS[:2]))
+    assert not (tmp_path / "default").exists()

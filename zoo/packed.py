@@ -26,7 +26,7 @@ Limits, each a one-line PackError before any work:
 - Every mixer runs in PyTorch, at impl=naive (or impl=chunk for DeltaNet and Gated DeltaNet): the FLA and
   Triton kernels have no vmap rule.
 - No train.compile (train.cuda_graph captures the whole step instead) and no wandb mirror yet.
-- Before training, row 0's loss and gradient on 8 examples must equal the plain model's (`check_agreement`):
+- Before training, every row's loss and gradient on 8 examples must equal the plain model's (`check_agreement`):
   on the H200, vmapped attention trained to NaN within 50 steps (session 4), so a device whose vmap rules
   compute something else gets a PackError, and zoo-sweep trains those runs unpacked. Inside the pack,
   scaled_dot_product_attention uses its math backend.
@@ -195,33 +195,37 @@ class _Pack:
             return self._batched_loss(self.views(self.flat), inputs, query_pos, query_labels)
 
     def check_agreement(self, model: LanguageModel, batch: tuple[torch.Tensor, ...], amp, rtol: float) -> None:
-        """PackError unless row 0's loss and gradient on `batch` equal those of the plain `model` holding row 0's
-        parameters, within `rtol` (relative to the gradient's norm): a vmap rule that computes something else on
-        this device must not train the pack silently. A vmapped forward or backward that raises is a PackError too
-        (on the H200, sliding-window attention's masked math SDPA under vmap and bf16 autocast raised "expected
-        input and grad types to match" in its backward), so that zoo-sweep trains those runs unpacked."""
+        """PackError unless every row's loss and gradient on `batch` equal those of the plain `model` holding that
+        row's parameters, within `rtol` (relative to the gradient's norm): a vmap rule that computes something else
+        on this device, for any member, must not train the pack silently. A vmapped forward or backward that raises
+        is a PackError too (on the H200, sliding-window attention's masked math SDPA under vmap and bf16 autocast
+        raised "expected input and grad types to match" in its backward), so that zoo-sweep trains those runs
+        unpacked."""
         try:
             with amp:
                 losses = self.losses(*batch)
-            (grad,) = torch.autograd.grad(losses[0], self.flat)
+            # members do not interact, so the gradient of the sum holds each member's own gradient in its row
+            (grad,) = torch.autograd.grad(losses.sum(), self.flat)
         except RuntimeError as e:  # e.g. a vmapped backward with no rule for this dtype on this device
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise PackError(
                 f"the vmapped model fails on {self.flat.device} ({first}); train these runs unpacked"
             ) from e
-        self.to_model(0, model)
-        with amp:
-            loss = query_loss(model, *batch)
-        ref = torch.autograd.grad(loss, [p for _, p in model.named_parameters()])
-        ref = torch.cat([g.reshape(-1) for g in ref]).float()
-        got = grad[0].float()
-        err = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
-        loss_err = abs(float(losses[0]) - float(loss)) / max(abs(float(loss)), 1e-30)
-        if not (torch.isfinite(got).all() and err <= rtol and loss_err <= rtol):
-            raise PackError(
-                f"the vmapped model disagrees with the plain one on {self.flat.device} (loss {float(losses[0]):.4g} vs "
-                f"{float(loss):.4g}, gradient relative error {err:.3g} > {rtol:g}); train these runs unpacked"
-            )
+        for row in range(len(self)):
+            self.to_model(row, model)
+            with amp:
+                loss = query_loss(model, *batch)
+            ref = torch.autograd.grad(loss, [p for _, p in model.named_parameters()])
+            ref = torch.cat([g.reshape(-1) for g in ref]).float()
+            got = grad[row].float()
+            err = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+            loss_err = abs(float(losses[row]) - float(loss)) / max(abs(float(loss)), 1e-30)
+            if not (torch.isfinite(got).all() and err <= rtol and loss_err <= rtol):
+                raise PackError(
+                    f"the vmapped model disagrees with the plain one on {self.flat.device} for member {row} (loss "
+                    f"{float(losses[row]):.4g} vs {float(loss):.4g}, gradient relative error {err:.3g} > {rtol:g}); "
+                    "train these runs unpacked"
+                )
 
     @torch.no_grad()
     def adamw_step(self, lr_factor: float | torch.Tensor, t: int | torch.Tensor) -> None:
