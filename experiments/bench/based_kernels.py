@@ -98,7 +98,7 @@ SPLIT_BEST = {}  # "fwd" / "fb": the split settings of the fastest forward / for
 
 
 @contextlib.contextmanager
-def split_forward(name):
+def split_choice(name):
     """`ours_split` runs our kernels with chunk.FORWARD = chunk.BACKWARD = "split" at the sweep's fastest forward
     settings; `ours_split_bwd` the fused forward and the split backward at its fastest forward+backward settings."""
     import kernels.based.split as split_mod
@@ -353,7 +353,7 @@ def main():
                               for a, b in zip((out, *grads), (ref, *ref_grads)))
                     if not err < 2e-2:
                         raise ValueError(f"output or gradients differ from ours: relative error {err:.2e}")
-                with order2_mode(name), split_forward(name):
+                with order2_mode(name), split_choice(name):
                     fwd, both = time_impl(fn, T, layout, d_qk)
             except Exception as e:  # keep the table going if a baseline breaks on this stack; say so
                 print(f"{name:24s} {T:6d} failed: {type(e).__name__}: {str(e)[:200]}")
