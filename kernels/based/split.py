@@ -49,8 +49,14 @@ from kernels.based.chunk import _load_dout, _mm, _pair_contract, _pairs
 # in the backward on Triton 3.6 (an out-of-bounds shared-memory read, compute-sanitizer), so the value block
 # stays 64.
 # gather: the pair features from `tl.gather` instead of dots with 0/1 matrices (`chunk._pairs`; not yet timed).
+# state_maxnreg / output_maxnreg / grads_maxnreg: a register cap per thread (Triton's `maxnreg`, None: the
+# compiler's choice) for the state passes, the output pass and the dq/dk/dv kernels: at 4 warps, 168 registers let
+# 3 programs share an SM and 128 let 4 (ncu, session 9: every split kernel ran at 2 programs, 8 warps, per SM).
+# output_BV: the value block of the output pass and the dq kernel (the states are stored at full V, so it need not
+# be the state passes' BV; the dk/dv kernel keeps BV, see above).
 CONFIG = {"BC": 64, "BV": 64, "NP": 2, "OP": 4, "NS": 1, "prefetch": True, "gather": False, "state_warps": 4,
-          "output_warps": 4, "dkv_apart": True}
+          "output_warps": 4, "dkv_apart": True, "state_maxnreg": None, "output_maxnreg": None, "grads_maxnreg": None,
+          "output_BV": 64}
 
 
 def _pair_index(BK: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -297,10 +303,11 @@ def _output_kernel(q, k, v, o, den, hs, zs, scale, T, NC,
     tl.store(o + t[:, None] * H * V + offs_v[None, :], num.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
 
-def _blocks(T: int, V: int) -> tuple[int, int, int, int]:
-    """(BC, BV, NV, NC) of CONFIG at length T and value width V: chunk, value block, their counts."""
+def _blocks(T: int, V: int, BV: int | None = None) -> tuple[int, int, int, int]:
+    """(BC, BV, NV, NC) of CONFIG at length T and value width V: chunk, value block (CONFIG["BV"] unless given),
+    their counts."""
     BC = CONFIG["BC"]
-    BV = min(CONFIG["BV"], max(16, triton.next_power_of_2(V)))
+    BV = min(CONFIG["BV"] if BV is None else BV, max(16, triton.next_power_of_2(V)))
     return BC, BV, triton.cdiv(V, BV), triton.cdiv(T, BC)
 
 
@@ -348,7 +355,8 @@ def state_pass(k, v, hv0, hz0, output_final_state: bool, dot: int):
         h0 = orders_to_pairs(hv0.reshape(B * H, 1 + K + K * K, V), K, BK).contiguous()
         z0 = _pad_orders(hz0.reshape(B * H, 1 + K + K * K), K, BK).contiguous()
     meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NP=NP, NS=NS, DOT=dot, PREFETCH=CONFIG["prefetch"],
-                GATHER=CONFIG["gather"], num_warps=CONFIG["state_warps"])
+                GATHER=CONFIG["gather"], num_warps=CONFIG["state_warps"],
+                maxnreg=CONFIG["state_maxnreg"])
     grid = (NP + 1, NV, B * H * NS)
     if NS == 1:
         if output_final_state:
@@ -373,12 +381,12 @@ def output_pass(q, k, v, hs, zs, scale: float, normalize: bool, dot: int):
     """The second kernel: o [B, T, H, V] in v's dtype and den [B, T, H] fp32 (None unless normalize)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    BC, BV, NV, NC = _blocks(T, V)
+    BC, BV, NV, NC = _blocks(T, V, CONFIG["output_BV"])
     o = torch.empty_like(v)
     den = torch.empty(B, T, H, device=q.device, dtype=torch.float32) if normalize else None
     _output_kernel[(NC, NV, B * H)](q, k, v, o, den, hs, zs, scale, T, NC, H=H, K=K, V=V, BK=16, BV=BV, BC=BC,
                                     OP=CONFIG["OP"], NORMALIZE=normalize, DOT=dot, GATHER=CONFIG["gather"],
-                                    num_warps=CONFIG["output_warps"])
+                                    num_warps=CONFIG["output_warps"], maxnreg=CONFIG["output_maxnreg"])
     return o, den
 
 
@@ -677,7 +685,8 @@ def reverse_pass(q, do, den, dden, dhvT, dhzT, store_dh0: bool, scale: float, no
         dzT = _pad_orders(dhzT.reshape(B * H, 1 + K + K * K), K, BK).contiguous()
     NS, CPS = _segments(NC)
     meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NP=NP, NS=NS, NORMALIZE=normalize, DOT=dot,
-                PREFETCH=CONFIG["prefetch"], GATHER=CONFIG["gather"], num_warps=CONFIG["state_warps"])
+                PREFETCH=CONFIG["prefetch"], GATHER=CONFIG["gather"], num_warps=CONFIG["state_warps"],
+                maxnreg=CONFIG["state_maxnreg"])
     grid = (NP + 1, NV, B * H * NS)
     if NS == 1:
         if store_dh0:
@@ -706,16 +715,17 @@ def chunk_grads(q, k, v, do, den, dden, hs, zs, ds, dzs, scale: float, normalize
     V = v.shape[-1]
     BC, BV, NV, NC = _blocks(T, V)
     dev = q.device
-    dq = torch.empty(NV, B, T, H, K, device=dev, dtype=torch.float32)
+    _, BVQ, NVQ, _ = _blocks(T, V, CONFIG["output_BV"])
+    dq = torch.empty(NVQ, B, T, H, K, device=dev, dtype=torch.float32)
     dk = torch.empty(NV, B, T, H, K, device=dev, dtype=torch.float32)
     dv = torch.empty_like(v)
-    meta = dict(H=H, K=K, V=V, BK=16, BV=BV, BC=BC, OP=CONFIG["OP"], NORMALIZE=normalize, DOT=dot,
-                num_warps=CONFIG["output_warps"])
-    _dq_kernel[(NC, NV, B * H)](q, k, v, do, den, dden, dq, hs, zs, scale, T, NC, **meta)
+    meta = dict(H=H, K=K, V=V, BK=16, BC=BC, OP=CONFIG["OP"], NORMALIZE=normalize, DOT=dot,
+                num_warps=CONFIG["output_warps"], maxnreg=CONFIG["grads_maxnreg"])
+    _dq_kernel[(NC, NVQ, B * H)](q, k, v, do, den, dden, dq, hs, zs, scale, T, NC, BV=BVQ, **meta)
     parts = ({"DV": True, "DK": False}, {"DV": False, "DK": True}) if CONFIG["dkv_apart"] else ({},)
     for which in parts:
-        _dkv_kernel[(NC, NV, B * H)](q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, GATHER=CONFIG["gather"],
-                                     **meta, **which)
+        _dkv_kernel[(NC, NV, B * H)](q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, BV=BV,
+                                     GATHER=CONFIG["gather"], **meta, **which)
     return dq.sum(0), dk.sum(0), dv
 
 

@@ -98,12 +98,15 @@ SPLIT = [Case(B=1, T=T, H=2, K=16, V=64) for T in CPU_T] + [
 ]
 
 
-# Every case at the default-like settings (loading a chunk ahead); three of them also at small chunks (several
-# chunks, four V blocks, the other row splits), with dv and dk in one launch, the state passes in three segments
-# (the last shorter) loading chunk by chunk, and the pair features by tl.gather.
-SPLIT_RUNS = [(c, {"BC": 32, "NP": 4, "OP": 2, "NS": 1, "prefetch": True, "gather": False, "dkv_apart": True}, "bc32")
+# Every case at the default-like settings (loading a chunk ahead; the output pass and dq in value blocks of 32, the
+# state passes and dk/dv in 64); three of them also at small chunks (several chunks, four V blocks, the other row
+# splits), with dv and dk in one launch, the state passes in three segments (the last shorter) loading chunk by
+# chunk, the pair features by tl.gather, and the output pass and dq in value blocks of 64 against 16.
+SPLIT_RUNS = [(c, {"BC": 32, "NP": 4, "OP": 2, "NS": 1, "prefetch": True, "gather": False, "dkv_apart": True,
+                   "output_BV": 32}, "bc32")
               for c in SPLIT] + [
-    (c, {"BC": 16, "NP": 2, "BV": 16, "OP": 4, "NS": 3, "prefetch": False, "gather": True, "dkv_apart": False},
+    (c, {"BC": 16, "NP": 2, "BV": 16, "OP": 4, "NS": 3, "prefetch": False, "gather": True, "dkv_apart": False,
+         "output_BV": 64},
      "bc16-ns3-gather")
     for c in (SPLIT[3], SPLIT[4], SPLIT[6])
 ]
