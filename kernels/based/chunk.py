@@ -674,10 +674,15 @@ def _config(K: int, V: int, dtype: torch.dtype, kind: str):
 # program per SM (132 SMs), e.g. prefill of one sequence. SEGMENT_TOKENS, when set, forces the segment length
 # (tests; a multiple of the chunk).
 TARGET_PROGRAMS = 132
-# "fused": `_fwd_kernel` above (the default). "split": kernels/based/split.py, a state pass that stores the state
-# entering every chunk, then every chunk's output at once (K ≤ 16). On the H200 (session 8, B=8, H=16, T=4096,
-# bf16) the split forward took 0.50 ms against the fused 0.385, so it stays opt-in.
-FORWARD = "fused"
+# "fused": `_fwd_kernel` above. "split": kernels/based/split.py, a state pass that stores the state entering every
+# chunk, then every chunk's output at once (K ≤ 16). On the H200 (session 8, B=8, H=16, T=4096, bf16) the split
+# forward took 0.50 ms against the fused 0.385. "auto" (the default): split where a gradient will follow and the
+# backward is split (`split_backward_applies`), fused otherwise. The split backward then reuses the entering states
+# the split forward stored instead of recomputing them (its state pass, 0.30 ms at that shape), at the cost of
+# keeping them from forward to backward: B·H·⌈T/64⌉·(161·V·2 + 273·4) bytes in bf16 (205 MB at that shape, against
+# 168 MB for q, k, v, o); `SAVE_STATES = False` recomputes them instead.
+FORWARD = "auto"
+SAVE_STATES = True
 # The same choice for the backward: "split" recomputes the split forward's states, runs a reverse state pass and
 # then every chunk's dq and dk, dv at once (K ≤ 16). "auto" (the default) takes it where it was measured faster
 # and checked on the H200: bf16 and fp16 inputs, K ≤ 16 and 32 < V ≤ 128 (value blocks of 64; `split_backward_
@@ -720,7 +725,7 @@ class ChunkBasedFunction(torch.autograd.Function):
     """(q, k, v, hv0, hz0) -> (o, hvT, hzT) with the state in Taylor-order form; see `chunk_based`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, hv0, hz0, scale, output_final_state, normalize):
+    def forward(ctx, q, k, v, hv0, hz0, scale, output_final_state, normalize, grad_follows):
         B, T, H, K = q.shape
         V = v.shape[-1]
         F = 1 + K + K * K
@@ -732,11 +737,15 @@ class ChunkBasedFunction(torch.autograd.Function):
                     EXPAND=_expand_mode(BK, forward=True), num_warps=num_warps, num_stages=num_stages)
         SEG = _segment_tokens(T, NV * B * H, BC)
         NS = triton.cdiv(T, SEG)
-        if FORWARD == "split" and K <= 16:
+        split_bwd = grad_follows and split_backward_applies(K, V, q.dtype)
+        states = None
+        if (FORWARD == "split" and K <= 16) or (FORWARD == "auto" and split_bwd):
             from kernels.based.split import split_forward
 
-            o, den, hvT, hzT = split_forward(q, k, v, hv0, hz0, scale, output_final_state, normalize,
-                                             _dot_mode(q.dtype))
+            o, den, hvT, hzT, states = split_forward(q, k, v, hv0, hz0, scale, output_final_state, normalize,
+                                                     _dot_mode(q.dtype), return_states=True)
+            if not (split_bwd and SAVE_STATES):
+                states = None
         elif NS == 1:
             hvT = torch.empty(B, H, F, V, device=q.device, dtype=torch.float32) if output_final_state else None
             hzT = torch.empty(B, H, F, device=q.device, dtype=torch.float32) if output_final_state else None
@@ -761,13 +770,13 @@ class ChunkBasedFunction(torch.autograd.Function):
                 hzT = (hz_in[:, :, -1] + zs[:, :, -1]).contiguous()
             _fwd_kernel[(NV, NS, B * H)](q, k, v, o, den, hv_in, hz_in, None, None, scale, T, SEG, USE_H0=True,
                                          STORE_HT=False, STATE_ONLY=False, **meta)
-        ctx.save_for_backward(q, k, v, o, den, hv0, hz0)
+        ctx.save_for_backward(q, k, v, o, den, hv0, hz0, *(states or (None, None)))
         ctx.scale, ctx.normalize = scale, normalize
         return o, hvT, hzT
 
     @staticmethod
     def backward(ctx, do, dhvT, dhzT):
-        q, k, v, o, den, hv0, hz0 = ctx.saved_tensors
+        q, k, v, o, den, hv0, hz0, hs, zs = ctx.saved_tensors
         B, T, H, K = q.shape
         V = v.shape[-1]
         F = 1 + K + K * K
@@ -791,8 +800,8 @@ class ChunkBasedFunction(torch.autograd.Function):
 
             dq, dk, dv, dhv0, dhz0 = split_backward(q, k, v, do, den, dden, hv0, hz0, dhvT if use_dht else None,
                                                     dhzT if use_dht else None, ctx.scale, ctx.normalize,
-                                                    _dot_mode(q.dtype))
-            return dq.to(q.dtype), dk.to(k.dtype), dv, dhv0, dhz0, None, None, None
+                                                    _dot_mode(q.dtype), states=None if hs is None else (hs, zs))
+            return dq.to(q.dtype), dk.to(k.dtype), dv, dhv0, dhz0, None, None, None, None
         store_dh0 = hv0 is not None
         dhv0 = torch.empty_like(hv0) if store_dh0 else None
         dhz0 = torch.empty_like(hz0) if store_dh0 else None
@@ -807,7 +816,7 @@ class ChunkBasedFunction(torch.autograd.Function):
                                      USE_DHT=use_dht, STORE_DH0=store_dh0, **meta)
         dq = dq.sum(0).to(q.dtype)
         dk = dk.sum(0).to(k.dtype)
-        return dq, dk, dv, dhv0, dhz0, None, None, None
+        return dq, dk, dv, dhv0, dhz0, None, None, None, None
 
 
 def chunk_based(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
@@ -840,7 +849,9 @@ def chunk_based(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float 
     if initial_state is not None:
         hv0, hz0 = state_to_orders(initial_state[0].float(), initial_state[1].float())
         hv0, hz0 = hv0.contiguous(), hz0.contiguous()
+    grad_follows = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, *(initial_state or ())))
     o, hvT, hzT = ChunkBasedFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), hv0, hz0, scale,
-                                           output_final_state, normalize)
+                                           output_final_state, normalize, grad_follows)
     final_state = orders_to_state(hvT, hzT) if output_final_state else None
     return o, final_state

@@ -5,7 +5,7 @@ a variant that spills or lowers its dots to mma.sync where it meant wgmma shows 
 
     python -m kernels.based.sm90_report [--kernel fwd|dq|dkv|split_state|split_output|split_reverse|split_dq|
         split_dkv|split_dv|split_dk] [--mode 3] [--bv 32]
-        [--bc 64] [--warps 4] [--states] [--np 4] [--op 2]
+        [--bc 64] [--warps 4] [--states] [--np 4] [--op 2] [--maxnreg 168]
 
 Uses the ptxas that ships with Triton (ptxas-blackwell where the bundled ptxas is older than the PTX Triton
 emits). The counts are per kernel (the chunk loop body dominates), at the benchmark's constexprs H=16, K=16,
@@ -44,15 +44,17 @@ KERNELS = {
 
 
 def compile_kernel(kind: str, mode: int, BV: int, BC: int, warps: int, stages: int = 2, states: bool = False,
-                   NP: int = 4, OP: int = 2, NS: int = 1, prefetch: bool = False, gather: bool = False):
+                   NP: int = 4, OP: int = 2, NS: int = 1, prefetch: bool = False, gather: bool = False,
+                   maxnreg: int | None = None, G: int = 1, chunk_stages: int = 1):
     """Compile one of KERNELS for sm_90a at H=16, K=16, V=64, bf16 operands, normalised; `states` turns on the
     state inputs and outputs (their loads and stores compiled too); NP / OP: the split passes' row parts; NS: the
-    state passes' segments per sequence; prefetch, gather: split.CONFIG's."""
+    state passes' segments per sequence; prefetch, gather: split.CONFIG's; maxnreg: a register cap per thread; G,
+    chunk_stages: the per-chunk kernels' chunks per program and pipeline stages (split.CONFIG's)."""
     fn, bf16 = KERNELS[kind]
     const = dict(H=16, K=16, V=64, BK=16, BV=BV, BC=BC, NORMALIZE=True, DOT=2, EXPAND=mode, STATE_ONLY=False,
                  USE_H0=states, STORE_HT=states, USE_DHT=states, STORE_DH0=states, NP=NP, OP=OP, NS=NS,
                  STORE_HS=True, STORE_DS=True, PREFETCH=prefetch, GATHER=gather,
-                 DV=kind != "split_dk", DK=kind != "split_dv")
+                 DV=kind != "split_dk", DK=kind != "split_dv", G=G, STAGES=chunk_stages)
     sig = {}
     for name in fn.arg_names:
         if name in const:
@@ -65,7 +67,10 @@ def compile_kernel(kind: str, mode: int, BV: int, BC: int, warps: int, stages: i
             sig[name] = "*bf16" if name in bf16 else "*fp32"
     constexprs = {(fn.arg_names.index(k),): v for k, v in const.items() if k in fn.arg_names}
     src = ASTSource(fn, sig, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    options = {"num_warps": warps, "num_stages": stages}
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def ptxas_report(ptx: str) -> str:
@@ -97,9 +102,13 @@ def main() -> None:
     p.add_argument("--ns", type=int, default=1, help="split_state, split_reverse: segments per sequence")
     p.add_argument("--prefetch", action="store_true", help="split_state, split_reverse: loads a chunk ahead")
     p.add_argument("--gather", action="store_true", help="split kernels: pair features by tl.gather")
+    p.add_argument("--maxnreg", type=int, default=None, help="register cap per thread (split.CONFIG's *_maxnreg)")
+    p.add_argument("--chunks", type=int, default=1, help="split per-chunk kernels: chunks per program")
+    p.add_argument("--chunk-stages", type=int, default=1, help="split per-chunk kernels: pipeline stages")
     args = p.parse_args()
     k = compile_kernel(args.kernel, args.mode, args.bv, args.bc, args.warps, states=args.states, NP=args.np,
-                       OP=args.op, NS=args.ns, prefetch=args.prefetch, gather=args.gather)
+                       OP=args.op, NS=args.ns, prefetch=args.prefetch, gather=args.gather, maxnreg=args.maxnreg,
+                       G=args.chunks, chunk_stages=args.chunk_stages)
     ttgir = k.asm["ttgir"]
     print(f"{args.kernel} mode {args.mode} BV={args.bv} BC={args.bc} warps={args.warps}: "
           f"wgmma {ttgir.count('ttng.warp_group_dot ')}, "

@@ -44,7 +44,8 @@ from kernels.based.chunk import _load_dout, _mm, _pair_contract, _pairs
 
 # Launch settings of the split kernels; the GPU sweep of experiments/bench/based_kernels.py varies them.
 # H200 (session 8): NP=2 and the one-chunk-ahead load were fastest (fused forward + split backward 1.74 ms at the
-# benchmark shape with OP=2, 1.80 ms at these settings); OP=2 spills 24 B under Triton 3.9; segments (NS > 1)
+# benchmark shape with OP=2, 1.80 ms with OP=4); session 9: OP=2 with 168-register caps 1.70 ms (128-register caps
+# spill: 2.23 ms; output_BV=32: 1.83 ms); OP=2 spills 24 B under Triton 3.9 (the caps more); segments (NS > 1)
 # were slower (the state passes already fill the GPU, so NS× more programs only add the second walk); BV=32 faults
 # in the backward on Triton 3.6 (an out-of-bounds shared-memory read, compute-sanitizer), so the value block
 # stays 64.
@@ -54,9 +55,12 @@ from kernels.based.chunk import _load_dout, _mm, _pair_contract, _pairs
 # 3 programs share an SM and 128 let 4 (ncu, session 9: every split kernel ran at 2 programs, 8 warps, per SM).
 # output_BV: the value block of the output pass and the dq kernel (the states are stored at full V, so it need not
 # be the state passes' BV; the dk/dv kernel keeps BV, see above).
-CONFIG = {"BC": 64, "BV": 64, "NP": 2, "OP": 4, "NS": 1, "prefetch": True, "gather": False, "state_warps": 4,
-          "output_warps": 4, "dkv_apart": True, "state_maxnreg": None, "output_maxnreg": None, "grads_maxnreg": None,
-          "output_BV": 64}
+# chunks_per_program / chunk_stages: the output pass and the dq, dk/dv kernels take chunks_per_program chunks of a
+# sequence each, one after another, with chunk_stages > 1 loading the next chunk (its q, k, v, dO and its entering
+# state) during this one's dots (Triton's pipelined loop): ncu (session 9) found them waiting mostly on loads.
+CONFIG = {"BC": 64, "BV": 64, "NP": 2, "OP": 2, "NS": 1, "prefetch": True, "gather": False, "state_warps": 4,
+          "output_warps": 4, "dkv_apart": True, "state_maxnreg": 168, "output_maxnreg": 168, "grads_maxnreg": 168,
+          "output_BV": 64, "chunks_per_program": 1, "chunk_stages": 1}
 
 
 def _pair_index(BK: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -255,26 +259,39 @@ def _state_kernel(k, v, hs, zs, h0, z0, hT, zT, T, NC, CPS,
 def _output_kernel(q, k, v, o, den, hs, zs, scale, T, NC,
                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    BC: tl.constexpr, OP: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr,
-                   GATHER: tl.constexpr = False):
-    """Chunk i_c of sequence i_bh, value block i_v: the causal tile plus the read of the entering state (the
-    order-2 pair rows in OP parts, so that one part's [BC, J/OP] pair features are live at a time)."""
-    i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                   GATHER: tl.constexpr = False, G: tl.constexpr = 1, STAGES: tl.constexpr = 1):
+    """Chunks i_g·G up to (i_g + 1)·G of sequence i_bh, value block i_v, one after another (with STAGES > 1 the
+    next chunk's loads are in flight during this one's dots): the causal tile plus the read of the entering state
+    (the order-2 pair rows in OP parts, so that one part's [BC, J/OP] pair features are live at a time)."""
+    i_g, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    R: tl.constexpr = 1 + 2 * BK + BK * (BK // 2)
-    ZR: tl.constexpr = 1 + BK + BK * BK
     JP: tl.constexpr = BK * (BK // 2) // OP
     offs_c = tl.arange(0, BC)
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
     offs_j = tl.arange(0, JP)
     m_k, m_v = offs_k < K, offs_v < V
-    t = i_c * BC + offs_c
-    m_t = t < T
     causal = offs_c[:, None] >= offs_c[None, :]
     q += i_b.to(tl.int64) * T * H * K + i_h * K
     k += i_b.to(tl.int64) * T * H * K + i_h * K
     v += i_b.to(tl.int64) * T * H * V + i_h * V
     o += i_b.to(tl.int64) * T * H * V + i_h * V
+    for i_c in tl.range(i_g * G, tl.minimum(i_g * G + G, NC), num_stages=STAGES):
+        _output_chunk(q, k, v, o, den, hs, zs, scale, T, NC, i_c, i_b, i_h, i_bh, i_v, offs_c, offs_k, offs_v,
+                      offs_j, m_k, m_v, causal, H, K, V, BK, BV, BC, OP, NORMALIZE, DOT, GATHER)
+
+
+@triton.jit
+def _output_chunk(q, k, v, o, den, hs, zs, scale, T, NC, i_c, i_b, i_h, i_bh, i_v, offs_c, offs_k, offs_v, offs_j,
+                  m_k, m_v, causal, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                  BV: tl.constexpr, BC: tl.constexpr, OP: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr,
+                  GATHER: tl.constexpr):
+    """`_output_kernel`'s chunk i_c (pointers already at the sequence)."""
+    R: tl.constexpr = 1 + 2 * BK + BK * (BK // 2)
+    ZR: tl.constexpr = 1 + BK + BK * BK
+    JP: tl.constexpr = BK * (BK // 2) // OP
+    t = i_c * BC + offs_c
+    m_t = t < T
     h = hs + (i_bh.to(tl.int64) * NC + i_c) * R * V
     z = zs + (i_bh.to(tl.int64) * NC + i_c) * ZR
 
@@ -286,12 +303,14 @@ def _output_kernel(q, k, v, o, den, hs, zs, scale, T, NC,
     w = tl.where(causal, 1.0 + s + 0.5 * s * s, 0.0)
 
     S0 = tl.load(h + offs_v, mask=m_v, other=0.0).to(tl.float32)
-    S1 = tl.load(h + (1 + offs_k)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
-    Sd = tl.load(h + (1 + BK + offs_k)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
+    # the state tiles go to the dots as stored (`_mm` casts to the operand dtype), so that a pipelined loop
+    # (STAGES > 1) can load them ahead
+    S1 = tl.load(h + (1 + offs_k)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
+    Sd = tl.load(h + (1 + BK + offs_k)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
     o2 = _mm(qs * qs, Sd, DOT)
     for p in tl.static_range(OP):
         S2 = tl.load(h + (1 + 2 * BK + p * JP + offs_j)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
-        o2 += _mm(_pairs(qs, BK, DOT, p, OP, False, GATHER), S2.to(tl.float32), DOT)
+        o2 += _mm(_pairs(qs, BK, DOT, p, OP, False, GATHER), S2, DOT)
     num = _mm(w, bv, DOT) + S0[None, :] + _mm(qs, S1, DOT) + 0.5 * o2
     if NORMALIZE:
         Z2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
@@ -384,15 +403,20 @@ def output_pass(q, k, v, hs, zs, scale: float, normalize: bool, dot: int):
     BC, BV, NV, NC = _blocks(T, V, CONFIG["output_BV"])
     o = torch.empty_like(v)
     den = torch.empty(B, T, H, device=q.device, dtype=torch.float32) if normalize else None
-    _output_kernel[(NC, NV, B * H)](q, k, v, o, den, hs, zs, scale, T, NC, H=H, K=K, V=V, BK=16, BV=BV, BC=BC,
-                                    OP=CONFIG["OP"], NORMALIZE=normalize, DOT=dot, GATHER=CONFIG["gather"],
-                                    num_warps=CONFIG["output_warps"], maxnreg=CONFIG["output_maxnreg"])
+    G = CONFIG["chunks_per_program"]
+    _output_kernel[(triton.cdiv(NC, G), NV, B * H)](q, k, v, o, den, hs, zs, scale, T, NC, H=H, K=K, V=V, BK=16,
+                                                    BV=BV, BC=BC, OP=CONFIG["OP"], NORMALIZE=normalize, DOT=dot,
+                                                    GATHER=CONFIG["gather"], G=G, STAGES=CONFIG["chunk_stages"],
+                                                    num_warps=CONFIG["output_warps"],
+                                                    maxnreg=CONFIG["output_maxnreg"])
     return o, den
 
 
-def split_forward(q, k, v, hv0, hz0, scale: float, output_final_state: bool, normalize: bool, dot: int):
+def split_forward(q, k, v, hv0, hz0, scale: float, output_final_state: bool, normalize: bool, dot: int,
+                  return_states: bool = False):
     """o [B, T, H, V], den [B, T, H] fp32 (or None), and the final state (hvT, hzT) in the Taylor-order layout
-    of `chunk.py` (or None, None). hv0/hz0: the initial state in that layout, or None. K ≤ 16."""
+    of `chunk.py` (or None, None). hv0/hz0: the initial state in that layout, or None. K ≤ 16. With return_states,
+    also (hs, zs), the states entering every chunk (`state_pass`), for `split_backward`."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     hs, zs, hT, zT = state_pass(k, v, hv0, hz0, output_final_state, dot)
@@ -401,6 +425,8 @@ def split_forward(q, k, v, hv0, hz0, scale: float, output_final_state: bool, nor
     if output_final_state:
         hvT = pairs_to_orders(hT, K, 16).reshape(B, H, 1 + K + K * K, V).contiguous()
         hzT = _unpad_orders(zT, K, 16).reshape(B, H, 1 + K + K * K).contiguous()
+    if return_states:
+        return o, den, hvT, hzT, (hs, zs)
     return o, den, hvT, hzT
 
 
@@ -530,10 +556,10 @@ def _pair_grad(y, x, h, offs_v, m_v, V: tl.constexpr, BK: tl.constexpr, OP: tl.c
     offs_k = tl.arange(0, BK)
     offs_j = tl.arange(0, JP)
     Sdt = tl.load(h + (1 + BK + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
-    g = x * _mm(y, Sdt.to(tl.float32), DOT)
+    g = x * _mm(y, Sdt, DOT)
     for p in tl.static_range(OP):
         S2t = tl.load(h + (1 + 2 * BK + p * JP + offs_j)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
-        g += _pair_contract(_mm(y, S2t.to(tl.float32), DOT), x, BK, DOT, p, OP)
+        g += _pair_contract(_mm(y, S2t, DOT), x, BK, DOT, p, OP)
     return g
 
 
@@ -545,28 +571,26 @@ def _order2_of(x, h, offs_v, m_v, V: tl.constexpr, BK: tl.constexpr, OP: tl.cons
     offs_k = tl.arange(0, BK)
     offs_j = tl.arange(0, JP)
     Sd = tl.load(h + (1 + BK + offs_k)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
-    o2 = _mm(x * x, Sd.to(tl.float32), DOT)
+    o2 = _mm(x * x, Sd, DOT)
     for p in tl.static_range(OP):
         S2 = tl.load(h + (1 + 2 * BK + p * JP + offs_j)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
-        o2 += _mm(_pairs(x, BK, DOT, p, OP, False, GATHER), S2.to(tl.float32), DOT)
+        o2 += _mm(_pairs(x, BK, DOT, p, OP, False, GATHER), S2, DOT)
     return o2
 
 
 @triton.jit
 def _dq_kernel(q, k, v, do, den, dden, dq, hs, zs, scale, T, NC,
                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-               BC: tl.constexpr, OP: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr):
-    """dq of chunk i_c (partial over V blocks: dq [NV, B, T, H, K]) from the forward state entering it."""
-    i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+               BC: tl.constexpr, OP: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr,
+               G: tl.constexpr = 1, STAGES: tl.constexpr = 1):
+    """dq of chunks i_g·G up to (i_g + 1)·G (partial over V blocks: dq [NV, B, T, H, K]) from the forward states
+    entering them, one chunk after another (STAGES as in `_output_kernel`)."""
+    i_g, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    R: tl.constexpr = 1 + 2 * BK + BK * (BK // 2)
-    ZR: tl.constexpr = 1 + BK + BK * BK
     offs_c = tl.arange(0, BC)
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = offs_k < K, offs_v < V
-    t = i_c * BC + offs_c
-    m_t = t < T
     first = i_v == 0
     causal = offs_c[:, None] >= offs_c[None, :]
     q += i_b.to(tl.int64) * T * H * K + i_h * K
@@ -577,6 +601,20 @@ def _dq_kernel(q, k, v, do, den, dden, dq, hs, zs, scale, T, NC,
     if NORMALIZE:
         den += i_b.to(tl.int64) * T * H + i_h
         dden += i_b.to(tl.int64) * T * H + i_h
+    for i_c in tl.range(i_g * G, tl.minimum(i_g * G + G, NC), num_stages=STAGES):
+        _dq_chunk(q, k, v, do, den, dden, dq, hs, zs, scale, T, NC, i_c, i_bh, offs_c, offs_k, offs_v, m_k, m_v,
+                  first, causal, H, K, V, BK, BV, BC, OP, NORMALIZE, DOT)
+
+
+@triton.jit
+def _dq_chunk(q, k, v, do, den, dden, dq, hs, zs, scale, T, NC, i_c, i_bh, offs_c, offs_k, offs_v, m_k, m_v, first,
+              causal, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+              BC: tl.constexpr, OP: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr):
+    """`_dq_kernel`'s chunk i_c (pointers already at the sequence)."""
+    R: tl.constexpr = 1 + 2 * BK + BK * (BK // 2)
+    ZR: tl.constexpr = 1 + BK + BK * BK
+    t = i_c * BC + offs_c
+    m_t = t < T
     h = hs + (i_bh.to(tl.int64) * NC + i_c) * R * V
     z = zs + (i_bh.to(tl.int64) * NC + i_c) * ZR
 
@@ -591,7 +629,7 @@ def _dq_kernel(q, k, v, do, den, dden, dq, hs, zs, scale, T, NC,
     dp = _mm(dnum, bvt, DOT) + dd[:, None]
     ds = tl.where(causal, dp * (1.0 + s), 0.0)
     S1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
-    dqs = _mm(ds, bk, DOT) + _mm(dnum, S1t.to(tl.float32), DOT) + _pair_grad(dnum, qs, h, offs_v, m_v, V, BK, OP, DOT)
+    dqs = _mm(ds, bk, DOT) + _mm(dnum, S1t, DOT) + _pair_grad(dnum, qs, h, offs_v, m_v, V, BK, OP, DOT)
     if NORMALIZE:
         if first:
             Z2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
@@ -603,19 +641,17 @@ def _dq_kernel(q, k, v, do, den, dden, dq, hs, zs, scale, T, NC,
 def _dkv_kernel(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                 BC: tl.constexpr, OP: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr,
-                DV: tl.constexpr = True, DK: tl.constexpr = True, GATHER: tl.constexpr = False):
-    """dv (DV) and dk (DK; partial over V blocks: dk [NV, B, T, H, K]) of chunk i_c from the reverse state entering
-    it; CONFIG["dkv_apart"] launches it twice, once for each, to halve what is live at a time."""
-    i_c, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                DV: tl.constexpr = True, DK: tl.constexpr = True, GATHER: tl.constexpr = False,
+                G: tl.constexpr = 1, STAGES: tl.constexpr = 1):
+    """dv (DV) and dk (DK; partial over V blocks: dk [NV, B, T, H, K]) of chunks i_g·G up to (i_g + 1)·G from the
+    reverse states entering them, one chunk after another (STAGES as in `_output_kernel`); CONFIG["dkv_apart"]
+    launches it twice, once for each, to halve what is live at a time."""
+    i_g, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    R: tl.constexpr = 1 + 2 * BK + BK * (BK // 2)
-    ZR: tl.constexpr = 1 + BK + BK * BK
     offs_c = tl.arange(0, BC)
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = offs_k < K, offs_v < V
-    t = i_c * BC + offs_c
-    m_t = t < T
     first = i_v == 0
     causal_t = offs_c[:, None] <= offs_c[None, :]  # [key j, query i]: j ≤ i
     q += i_b.to(tl.int64) * T * H * K + i_h * K
@@ -627,6 +663,21 @@ def _dkv_kernel(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC,
     if NORMALIZE:
         den += i_b.to(tl.int64) * T * H + i_h
         dden += i_b.to(tl.int64) * T * H + i_h
+    for i_c in tl.range(i_g * G, tl.minimum(i_g * G + G, NC), num_stages=STAGES):
+        _dkv_chunk(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, i_c, i_bh, offs_c, offs_k, offs_v, m_k,
+                   m_v, first, causal_t, H, K, V, BK, BV, BC, OP, NORMALIZE, DOT, DV, DK, GATHER)
+
+
+@triton.jit
+def _dkv_chunk(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, i_c, i_bh, offs_c, offs_k, offs_v, m_k, m_v,
+               first, causal_t, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+               BV: tl.constexpr, BC: tl.constexpr, OP: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr,
+               DV: tl.constexpr, DK: tl.constexpr, GATHER: tl.constexpr):
+    """`_dkv_kernel`'s chunk i_c (pointers already at the sequence)."""
+    R: tl.constexpr = 1 + 2 * BK + BK * (BK // 2)
+    ZR: tl.constexpr = 1 + BK + BK * BK
+    t = i_c * BC + offs_c
+    m_t = t < T
     h = ds + (i_bh.to(tl.int64) * NC + i_c) * R * V
     z = dzs + (i_bh.to(tl.int64) * NC + i_c) * ZR
 
@@ -642,7 +693,7 @@ def _dkv_kernel(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC,
     if DV:
         wt = tl.where(causal_t, 1.0 + st + 0.5 * st * st, 0.0)
         D0 = tl.load(h + offs_v, mask=m_v, other=0.0).to(tl.float32)
-        D1 = tl.load(h + (1 + offs_k)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0).to(tl.float32)
+        D1 = tl.load(h + (1 + offs_k)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
         bdv = _mm(wt, dnum, DOT) + D0[None, :] + _mm(kf, D1, DOT)
         bdv += 0.5 * _order2_of(kf, h, offs_v, m_v, V, BK, OP, DOT, GATHER)
         tl.store(dv + t[:, None] * H * V + offs_v[None, :], bdv.to(dv.dtype.element_ty),
@@ -658,7 +709,7 @@ def _dkv_kernel(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC,
         dpt = _mm(bv, dnumt, DOT) + dd[None, :]
         dst = tl.where(causal_t, dpt * (1.0 + st), 0.0)
         D1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
-        bdk = _mm(dst, qs, DOT) + _mm(bv, D1t.to(tl.float32), DOT)
+        bdk = _mm(dst, qs, DOT) + _mm(bv, D1t, DOT)
         bdk += _pair_grad(bv, kf, h, offs_v, m_v, V, BK, OP, DOT)
         if first:  # the denominator's reverse state, counted once
             d2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
@@ -719,23 +770,26 @@ def chunk_grads(q, k, v, do, den, dden, hs, zs, ds, dzs, scale: float, normalize
     dq = torch.empty(NVQ, B, T, H, K, device=dev, dtype=torch.float32)
     dk = torch.empty(NV, B, T, H, K, device=dev, dtype=torch.float32)
     dv = torch.empty_like(v)
-    meta = dict(H=H, K=K, V=V, BK=16, BC=BC, OP=CONFIG["OP"], NORMALIZE=normalize, DOT=dot,
-                num_warps=CONFIG["output_warps"], maxnreg=CONFIG["grads_maxnreg"])
-    _dq_kernel[(NC, NVQ, B * H)](q, k, v, do, den, dden, dq, hs, zs, scale, T, NC, BV=BVQ, **meta)
+    G = CONFIG["chunks_per_program"]
+    meta = dict(H=H, K=K, V=V, BK=16, BC=BC, OP=CONFIG["OP"], NORMALIZE=normalize, DOT=dot, G=G,
+                STAGES=CONFIG["chunk_stages"], num_warps=CONFIG["output_warps"], maxnreg=CONFIG["grads_maxnreg"])
+    _dq_kernel[(triton.cdiv(NC, G), NVQ, B * H)](q, k, v, do, den, dden, dq, hs, zs, scale, T, NC, BV=BVQ, **meta)
     parts = ({"DV": True, "DK": False}, {"DV": False, "DK": True}) if CONFIG["dkv_apart"] else ({},)
     for which in parts:
-        _dkv_kernel[(NC, NV, B * H)](q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, BV=BV,
+        _dkv_kernel[(triton.cdiv(NC, G), NV, B * H)](q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, BV=BV,
                                      GATHER=CONFIG["gather"], **meta, **which)
     return dq.sum(0), dk.sum(0), dv
 
 
-def split_backward(q, k, v, do, den, dden, hv0, hz0, dhvT, dhzT, scale: float, normalize: bool, dot: int):
+def split_backward(q, k, v, do, den, dden, hv0, hz0, dhvT, dhzT, scale: float, normalize: bool, dot: int,
+                   states=None):
     """dq, dk (fp32, summed over V blocks), dv, and the initial state's gradient (dhv0, dhz0) in the Taylor-order
     layout (None without an initial state). dhvT/dhzT: the final state's gradient with order 2 symmetrised, or
-    None. The arguments are those of chunk.py's backward."""
+    None. The arguments are those of chunk.py's backward; states: the forward's (hs, zs) from `split_forward`
+    (at the same CONFIG), or None to compute them again."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    hs, zs, _, _ = state_pass(k, v, hv0, hz0, False, dot)
+    hs, zs = states if states is not None else state_pass(k, v, hv0, hz0, False, dot)[:2]
     ds, dzs, dh0, dz0 = reverse_pass(q, do, den, dden, dhvT, dhzT, hv0 is not None, scale, normalize, dot)
     dq, dk, dv = chunk_grads(q, k, v, do, den, dden, hs, zs, ds, dzs, scale, normalize, dot)
     dhv0 = dhz0 = None

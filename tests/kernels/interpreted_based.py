@@ -101,12 +101,13 @@ SPLIT = [Case(B=1, T=T, H=2, K=16, V=64) for T in CPU_T] + [
 # Every case at the default-like settings (loading a chunk ahead; the output pass and dq in value blocks of 32, the
 # state passes and dk/dv in 64); three of them also at small chunks (several chunks, four V blocks, the other row
 # splits), with dv and dk in one launch, the state passes in three segments (the last shorter) loading chunk by
-# chunk, the pair features by tl.gather, and the output pass and dq in value blocks of 64 against 16.
+# chunk, the pair features by tl.gather, and the output pass and dq in value blocks of 64 against 16. The per-chunk
+# kernels take 2 chunks per program (pipelined), and 3 at small chunks (the last program fewer).
 SPLIT_RUNS = [(c, {"BC": 32, "NP": 4, "OP": 2, "NS": 1, "prefetch": True, "gather": False, "dkv_apart": True,
-                   "output_BV": 32}, "bc32")
+                   "output_BV": 32, "chunks_per_program": 2, "chunk_stages": 2}, "bc32")
               for c in SPLIT] + [
     (c, {"BC": 16, "NP": 2, "BV": 16, "OP": 4, "NS": 3, "prefetch": False, "gather": True, "dkv_apart": False,
-         "output_BV": 64},
+         "output_BV": 64, "chunks_per_program": 3, "chunk_stages": 1},
      "bc16-ns3-gather")
     for c in (SPLIT[3], SPLIT[4], SPLIT[6])
 ]
@@ -146,6 +147,30 @@ def test_split_forward_chained_calls_equal_one(monkeypatch):
     monkeypatch.setattr(chunk, "BACKWARD", "split")
     monkeypatch.setattr(split, "CONFIG", {**split.CONFIG, "BC": 16})
     test_two_chained_calls_equal_one()
+
+
+@pytest.mark.parametrize("save", [True, False], ids=["saved", "recomputed"])
+def test_split_backward_reuses_the_forward_states(save, monkeypatch):
+    """FORWARD="auto" under a split backward: the forward runs split and, with SAVE_STATES, the backward takes its
+    entering states instead of running the state pass again; gradients (initial state's included) against naive."""
+    from kernels.based import chunk, split
+
+    calls = []
+    state_pass = split.state_pass
+
+    def counted(*args, **kwargs):
+        calls.append(torch.is_grad_enabled())
+        return state_pass(*args, **kwargs)
+
+    monkeypatch.setattr(chunk, "FORWARD", "auto")
+    monkeypatch.setattr(chunk, "BACKWARD", "split")
+    monkeypatch.setattr(chunk, "SAVE_STATES", save)
+    monkeypatch.setattr(split, "state_pass", counted)
+    monkeypatch.setattr(split, "CONFIG", {**split.CONFIG, "BC": 16})
+    with nan_empty():
+        check_against_naive(chunk_based, Case(B=1, T=100, H=2, K=16, V=64), torch.float32, "cpu")
+    # one forward and one backward (check_against_naive differentiates once): the backward's call only if not saved
+    assert len(calls) == (1 if save else 2)
 
 
 def test_forward_in_chunks_of_64(monkeypatch):

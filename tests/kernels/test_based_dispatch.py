@@ -1,9 +1,10 @@
-"""Which kernels `chunk_based`'s backward runs (kernels/based/chunk.py BACKWARD): the split kernels only where they
+"""Which kernels `chunk_based` runs (kernels/based/chunk.py FORWARD, BACKWARD): the split kernels only where they
 were measured faster and checked on the H200, the fused ones elsewhere."""
 
+import pytest
 import torch
 
-from kernels.based import chunk
+from kernels.based import chunk, split
 
 
 def test_auto_backward_takes_the_split_kernels_only_where_measured(monkeypatch):
@@ -22,3 +23,40 @@ def test_forced_choices(monkeypatch):
     assert not chunk.split_backward_applies(32, 64, torch.bfloat16)
     monkeypatch.setattr(chunk, "BACKWARD", "fused")
     assert not chunk.split_backward_applies(16, 64, torch.bfloat16)
+
+
+class Chosen(Exception):
+    pass
+
+
+def _which_forward(monkeypatch, dtype, requires_grad, grad_enabled=True):
+    """"split" or "fused": the forward `chunk_based` starts, stopped at its first kernel (nothing runs)."""
+
+    def split_forward(*args, return_states=False, **kwargs):
+        raise Chosen("split" if return_states else "split without states")
+
+    class Fused:
+        def __getitem__(self, grid):
+            raise Chosen("fused")
+
+    monkeypatch.setattr(split, "split_forward", split_forward)
+    monkeypatch.setattr(chunk, "_fwd_kernel", Fused())
+    q, k = (torch.randn(1, 64, 2, 16, dtype=dtype, requires_grad=requires_grad) for _ in range(2))
+    v = torch.randn(1, 64, 2, 64, dtype=dtype, requires_grad=requires_grad)
+    with torch.set_grad_enabled(grad_enabled), pytest.raises(Chosen) as chosen:
+        chunk.chunk_based(q, k, v)
+    return str(chosen.value)
+
+
+def test_auto_forward_is_split_only_for_a_split_backward(monkeypatch):
+    monkeypatch.setattr(chunk, "FORWARD", "auto")
+    monkeypatch.setattr(chunk, "BACKWARD", "auto")
+    assert _which_forward(monkeypatch, torch.bfloat16, requires_grad=True) == "split"
+    assert _which_forward(monkeypatch, torch.bfloat16, requires_grad=True, grad_enabled=False) == "fused"
+    assert _which_forward(monkeypatch, torch.bfloat16, requires_grad=False) == "fused"
+    assert _which_forward(monkeypatch, torch.float32, requires_grad=True) == "fused"  # fp32: fused backward
+    monkeypatch.setattr(chunk, "BACKWARD", "fused")
+    assert _which_forward(monkeypatch, torch.bfloat16, requires_grad=True) == "fused"
+    monkeypatch.setattr(chunk, "FORWARD", "fused")
+    monkeypatch.setattr(chunk, "BACKWARD", "auto")
+    assert _which_forward(monkeypatch, torch.bfloat16, requires_grad=True) == "fused"

@@ -3,7 +3,6 @@ CPU check that the default mode compiles (the interpreter runs code the compiler
 return inside an if)."""
 
 import os
-import re
 
 import pytest
 import torch
@@ -29,18 +28,20 @@ def test_default_kernels_compile_for_sm90(kind):
 
 @pytest.mark.skipif(not os.path.exists(os.path.join(BIN, "ptxas")), reason="Triton ships no ptxas here")
 @pytest.mark.parametrize("kind", ["split_state", "split_output", "split_reverse", "split_dq", "split_dv", "split_dk"])
-def test_split_kernels_compile_for_sm90_without_spills(kind):
+def test_split_kernels_compile_for_sm90_within_their_register_caps(kind):
     """The split forward's and backward's kernels at their default settings (kernels/based/split.py CONFIG),
-    states on: they compile for sm_90a (the interpreter accepts code the compiler refuses), without spills
-    (dv and dk as the two launches of CONFIG["dkv_apart"]; together, at BV=64, they spill 440 B)."""
+    states on: they compile for sm_90a (the interpreter accepts code the compiler refuses), within the register cap
+    CONFIG sets for their class (dv and dk as the two launches of CONFIG["dkv_apart"]). Spills under the cap are
+    allowed: the caps were measured faster on the H200 with Triton 3.6, whose spills differ from this Triton's."""
     from kernels.based.split import CONFIG
 
-    warps = CONFIG["state_warps"] if kind in ("split_state", "split_reverse") else CONFIG["output_warps"]
-    kernel = compile_kernel(kind, 5, CONFIG["BV"], CONFIG["BC"], warps, states=True, NP=CONFIG["NP"],
-                            OP=CONFIG["OP"], NS=CONFIG["NS"], prefetch=CONFIG["prefetch"],
-                            gather=CONFIG["gather"])
+    state = kind in ("split_state", "split_reverse")
+    cap = CONFIG["state_maxnreg"] if state else CONFIG["output_maxnreg"] if kind == "split_output" else \
+        CONFIG["grads_maxnreg"]
+    kernel = compile_kernel(kind, 5, CONFIG["BV"], CONFIG["BC"], CONFIG["state_warps" if state else "output_warps"],
+                            states=True, NP=CONFIG["NP"], OP=CONFIG["OP"], NS=CONFIG["NS"],
+                            prefetch=CONFIG["prefetch"], gather=CONFIG["gather"], maxnreg=cap,
+                            G=CONFIG["chunks_per_program"], chunk_stages=CONFIG["chunk_stages"])
     report = ptxas_report(kernel.asm["ptx"])
     used = int(report.split("Used ")[1].split(" registers")[0])
-    assert 0 < used <= 255, report
-    spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
-    assert spills == 0, report
+    assert 0 < used <= (cap or 255), report
