@@ -296,7 +296,7 @@ def main():
     p.add_argument("--split-sweep", action="store_true", help="time the split kernels' settings; use the best")
     p.add_argument("--split-budget", type=float, default=None, help="seconds after which the split sweep stops")
     p.add_argument("--split-grid", default=None,
-                   help="JSON list of split settings (each merged into the default) to sweep instead of SPLIT_GRID")
+                   help="JSON list of split settings (each over split.CONFIG) to sweep instead of SPLIT_GRID")
     p.add_argument("--split-one", default=None, help="(internal) time one split setting, JSON; print SPLIT_ONE {...}")
     p.add_argument("--skip-baselines", action="store_true")
     p.add_argument("--tuned", default=None, help="JSON with the forward/backward modes and block configs to use")
@@ -330,7 +330,7 @@ def main():
             default(K_, V_, dtype, kind)
         result["sweep"] = {"best": best, "table": table}
     if args.split_sweep:
-        grid = SPLIT_GRID if args.split_grid is None else [{**_BASE, **c} for c in json.loads(args.split_grid)]
+        grid = SPLIT_GRID if args.split_grid is None else json.loads(args.split_grid)  # each over split.CONFIG
         best, best_fb, table = split_sweep(grid=grid, budget_s=args.split_budget)
         result["split_sweep"] = {"best": best, "best_fwdbwd": best_fb, "table": table}
         if best is not None:

@@ -55,12 +55,14 @@ from kernels.based.chunk import _load_dout, _mm, _pair_contract, _pairs
 # 3 programs share an SM and 128 let 4 (ncu, session 9: every split kernel ran at 2 programs, 8 warps, per SM).
 # output_BV: the value block of the output pass and the dq kernel (the states are stored at full V, so it need not
 # be the state passes' BV; the dk/dv kernel keeps BV, see above).
-# chunks_per_program / chunk_stages: the output pass and the dq, dk/dv kernels take chunks_per_program chunks of a
-# sequence each, one after another, with chunk_stages > 1 loading the next chunk (its q, k, v, dO and its entering
-# state) during this one's dots (Triton's pipelined loop): ncu (session 9) found them waiting mostly on loads.
+# output_chunks / output_stages (the output pass) and grads_chunks / grads_stages (the dq, dk/dv kernels): each
+# program takes that many chunks of a sequence, one after another, with stages > 1 loading the next chunk's inputs
+# during this one's dots (Triton's pipelined loop): ncu (session 9) found these kernels waiting mostly on loads.
+# Session 9 (at OP=4): the output pass 0.199 ms -> 0.164 at 2 chunks, 2 stages (0.156 at 8 and 3); the dq, dk/dv
+# kernels gave wrong gradients pipelined on Triton 3.6 (relative error 1.6; right unpipelined), so they stay at 1.
 CONFIG = {"BC": 64, "BV": 64, "NP": 2, "OP": 2, "NS": 1, "prefetch": True, "gather": False, "state_warps": 4,
           "output_warps": 4, "dkv_apart": True, "state_maxnreg": 168, "output_maxnreg": 168, "grads_maxnreg": 168,
-          "output_BV": 64, "chunks_per_program": 1, "chunk_stages": 1}
+          "output_BV": 64, "output_chunks": 2, "output_stages": 2, "grads_chunks": 1, "grads_stages": 1}
 
 
 def _pair_index(BK: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -403,10 +405,10 @@ def output_pass(q, k, v, hs, zs, scale: float, normalize: bool, dot: int):
     BC, BV, NV, NC = _blocks(T, V, CONFIG["output_BV"])
     o = torch.empty_like(v)
     den = torch.empty(B, T, H, device=q.device, dtype=torch.float32) if normalize else None
-    G = CONFIG["chunks_per_program"]
+    G = CONFIG["output_chunks"]
     _output_kernel[(triton.cdiv(NC, G), NV, B * H)](q, k, v, o, den, hs, zs, scale, T, NC, H=H, K=K, V=V, BK=16,
                                                     BV=BV, BC=BC, OP=CONFIG["OP"], NORMALIZE=normalize, DOT=dot,
-                                                    GATHER=CONFIG["gather"], G=G, STAGES=CONFIG["chunk_stages"],
+                                                    GATHER=CONFIG["gather"], G=G, STAGES=CONFIG["output_stages"],
                                                     num_warps=CONFIG["output_warps"],
                                                     maxnreg=CONFIG["output_maxnreg"])
     return o, den
@@ -630,10 +632,9 @@ def _dq_chunk(q, k, v, do, den, dden, dq, hs, zs, scale, T, NC, i_c, i_bh, offs_
     ds = tl.where(causal, dp * (1.0 + s), 0.0)
     S1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
     dqs = _mm(ds, bk, DOT) + _mm(dnum, S1t, DOT) + _pair_grad(dnum, qs, h, offs_v, m_v, V, BK, OP, DOT)
-    if NORMALIZE:
-        if first:
-            Z2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
-            dqs += dd[:, None] * (tl.load(z + 1 + offs_k)[None, :] + _mm(qs, Z2, 0))
+    if NORMALIZE:  # dd is zero past the first V block; no branch, so that a pipelined loop loads Z2 ahead
+        Z2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
+        dqs += dd[:, None] * (tl.load(z + 1 + offs_k)[None, :] + _mm(qs, Z2, 0))
     tl.store(dq + t[:, None] * H * K + offs_k[None, :], dqs * scale, mask=m_t[:, None] & m_k[None, :])
 
 
@@ -711,9 +712,9 @@ def _dkv_chunk(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, i_c, i_bh,
         D1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
         bdk = _mm(dst, qs, DOT) + _mm(bv, D1t, DOT)
         bdk += _pair_grad(bv, kf, h, offs_v, m_v, V, BK, OP, DOT)
-        if first:  # the denominator's reverse state, counted once
-            d2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
-            bdk += tl.load(z + 1 + offs_k)[None, :] + _mm(kf, d2, 0)
+        # the denominator's reverse state, counted once (first V block), weighted by 0 or 1 rather than in a branch
+        d2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
+        bdk += first.to(tl.float32) * (tl.load(z + 1 + offs_k)[None, :] + _mm(kf, d2, 0))
         tl.store(dk + t[:, None] * H * K + offs_k[None, :], bdk, mask=m_t[:, None] & m_k[None, :])
 
 
@@ -770,9 +771,9 @@ def chunk_grads(q, k, v, do, den, dden, hs, zs, ds, dzs, scale: float, normalize
     dq = torch.empty(NVQ, B, T, H, K, device=dev, dtype=torch.float32)
     dk = torch.empty(NV, B, T, H, K, device=dev, dtype=torch.float32)
     dv = torch.empty_like(v)
-    G = CONFIG["chunks_per_program"]
+    G = CONFIG["grads_chunks"]
     meta = dict(H=H, K=K, V=V, BK=16, BC=BC, OP=CONFIG["OP"], NORMALIZE=normalize, DOT=dot, G=G,
-                STAGES=CONFIG["chunk_stages"], num_warps=CONFIG["output_warps"], maxnreg=CONFIG["grads_maxnreg"])
+                STAGES=CONFIG["grads_stages"], num_warps=CONFIG["output_warps"], maxnreg=CONFIG["grads_maxnreg"])
     _dq_kernel[(triton.cdiv(NC, G), NVQ, B * H)](q, k, v, do, den, dden, dq, hs, zs, scale, T, NC, BV=BVQ, **meta)
     parts = ({"DV": True, "DK": False}, {"DV": False, "DK": True}) if CONFIG["dkv_apart"] else ({},)
     for which in parts:

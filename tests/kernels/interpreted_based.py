@@ -104,10 +104,11 @@ SPLIT = [Case(B=1, T=T, H=2, K=16, V=64) for T in CPU_T] + [
 # chunk, the pair features by tl.gather, and the output pass and dq in value blocks of 64 against 16. The per-chunk
 # kernels take 2 chunks per program (pipelined), and 3 at small chunks (the last program fewer).
 SPLIT_RUNS = [(c, {"BC": 32, "NP": 4, "OP": 2, "NS": 1, "prefetch": True, "gather": False, "dkv_apart": True,
-                   "output_BV": 32, "chunks_per_program": 2, "chunk_stages": 2}, "bc32")
+                   "output_BV": 32, "output_chunks": 2, "output_stages": 2,
+                   "grads_chunks": 2, "grads_stages": 2}, "bc32")
               for c in SPLIT] + [
     (c, {"BC": 16, "NP": 2, "BV": 16, "OP": 4, "NS": 3, "prefetch": False, "gather": True, "dkv_apart": False,
-         "output_BV": 64, "chunks_per_program": 3, "chunk_stages": 1},
+         "output_BV": 64, "output_chunks": 3, "grads_chunks": 3},
      "bc16-ns3-gather")
     for c in (SPLIT[3], SPLIT[4], SPLIT[6])
 ]

@@ -41,7 +41,8 @@ def test_split_kernels_compile_for_sm90_within_their_register_caps(kind):
     kernel = compile_kernel(kind, 5, CONFIG["BV"], CONFIG["BC"], CONFIG["state_warps" if state else "output_warps"],
                             states=True, NP=CONFIG["NP"], OP=CONFIG["OP"], NS=CONFIG["NS"],
                             prefetch=CONFIG["prefetch"], gather=CONFIG["gather"], maxnreg=cap,
-                            G=CONFIG["chunks_per_program"], chunk_stages=CONFIG["chunk_stages"])
+                            G=CONFIG["output_chunks" if kind == "split_output" else "grads_chunks"],
+                            chunk_stages=CONFIG["output_stages" if kind == "split_output" else "grads_stages"])
     report = ptxas_report(kernel.asm["ptx"])
     used = int(report.split("Used ")[1].split(" registers")[0])
     assert 0 < used <= (cap or 255), report
