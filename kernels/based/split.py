@@ -23,9 +23,10 @@ Traffic: the entering states are B·H·(T/BC)·R·V elements, written once and r
 K=16, V=64, BC=64 in bf16, 169 MB each way (≈ 40 µs at the H200's 4.2 TB/s), against ≈ 30 MB for q, k, v, o.
 Larger BC trades that for a bigger causal tile.
 
-Selected by `chunk.FORWARD = "split"` (K ≤ 16). The backward has the same shape (`split_backward`, selected by
-`chunk.BACKWARD`, "auto" by default: bf16/fp16, K ≤ 16, 32 < V ≤ 128): the state pass again, a reverse state
-pass over (q, dO/den), then every chunk's dq and dk, dv at once.
+Selected by `chunk.FORWARD` ("split", or "auto", the default: where a split backward will follow, whose state
+pass it then saves). The backward has the same shape (`split_backward`, selected by `chunk.BACKWARD`, "auto" by
+default: bf16/fp16, K ≤ 16, 32 < V ≤ 128): the forward's entering states (kept, or computed again), a reverse
+state pass over (q, dO/den), then every chunk's dq and dk, dv at once.
 
 Measured on the H200 (session 8, B=8, H=16, T=4096, K=16, V=64, bf16; `experiments/bench/based_kernels.py
 --split-sweep`): the split forward 0.50 ms (state pass 0.31, output pass 0.19) against the fused 0.385, so the
@@ -33,7 +34,9 @@ forward stays fused; the fused forward with the split backward 1.80 ms forward+b
 The state pass is not bound by its chain: walking each sequence in NS segments at once (CONFIG["NS"]; a first
 launch sums each segment, a cumsum over segments gives the entering states, a second launch walks the segments
 from them) made it slower at every NS (0.42-0.61 ms for NS = 2-16), as its 3 programs per SM already fill the
-GPU; loading the next chunk while summing this one (CONFIG["prefetch"]) saved 8%.
+GPU; loading the next chunk while summing this one (CONFIG["prefetch"]) saved 8%. Session 9 (Nsight Compute: 2
+programs of 4 warps per SM, waiting on loads): register caps, OP=2, the states kept from forward to backward and
+a pipelined output pass brought forward+backward to 1.59 ms (split forward 0.44: state pass 0.30, output 0.14).
 """
 
 import torch
@@ -58,11 +61,12 @@ from kernels.based.chunk import _load_dout, _mm, _pair_contract, _pairs
 # output_chunks / output_stages (the output pass) and grads_chunks / grads_stages (the dq, dk/dv kernels): each
 # program takes that many chunks of a sequence, one after another, with stages > 1 loading the next chunk's inputs
 # during this one's dots (Triton's pipelined loop): ncu (session 9) found these kernels waiting mostly on loads.
-# Session 9 (at OP=4): the output pass 0.199 ms -> 0.164 at 2 chunks, 2 stages (0.156 at 8 and 3); the dq, dk/dv
-# kernels gave wrong gradients pipelined on Triton 3.6 (relative error 1.6; right unpipelined), so they stay at 1.
+# Session 9: the output pass 0.190 ms -> 0.164 at 2 chunks, 2 stages and 0.143 at 8 chunks, 3 stages (the default);
+# the dq, dk/dv kernels gave wrong gradients pipelined on Triton 3.6 (relative error 1.6, or an illegal memory
+# access; right unpipelined), so they stay at 1.
 CONFIG = {"BC": 64, "BV": 64, "NP": 2, "OP": 2, "NS": 1, "prefetch": True, "gather": False, "state_warps": 4,
           "output_warps": 4, "dkv_apart": True, "state_maxnreg": 168, "output_maxnreg": 168, "grads_maxnreg": 168,
-          "output_BV": 64, "output_chunks": 2, "output_stages": 2, "grads_chunks": 1, "grads_stages": 1}
+          "output_BV": 64, "output_chunks": 8, "output_stages": 3, "grads_chunks": 1, "grads_stages": 1}
 
 
 def _pair_index(BK: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
