@@ -185,15 +185,11 @@ def sweep(modes=(5, 6)):
     return best, {kind: [(ms, m, list(c)) for ms, m, c in r] for kind, r in results.items()}
 
 
-# Session 8's sweep (12 settings around BC=64, BV=64, NP=2, OP=2) found segments (NS > 1), NP=4, OP=4, 8 state
-# warps all slower and BV=32 faulting (experiments/LOG.md). This grid: the default, OP=2, then the pair features by
-# tl.gather (not yet timed) at NP 2 and 4, with and without the chunk-ahead load. BC=128 faulted and is left out.
-_BASE = {"BC": 64, "BV": 64, "NP": 2, "OP": 4, "NS": 1, "prefetch": True, "gather": False, "state_warps": 4,
-         "output_warps": 4}
-SPLIT_GRID = [_BASE, {**_BASE, "OP": 2}] + [
-    {**_BASE, "gather": True, "NP": np_, "OP": op, "prefetch": pf}
-    for np_, op, pf in ((2, 4, True), (2, 2, True), (4, 4, True), (2, 4, False), (2, 8, True))
-]
+# The split settings to sweep, each over split.CONFIG's defaults. Sessions 8-9 settled NP=2, OP=2, the chunk-ahead
+# load, 168-register caps and the output pass at 8 chunks / 3 stages (experiments/LOG.md: segments, NP=4, 8 warps,
+# BV=32, 128-register caps and pipelined gradient kernels were slower or faulted). This grid: the defaults, then
+# the state passes as per-chunk sums and a prefix scan (CONFIG["scan"], not yet timed) at NP 2 and 1.
+SPLIT_GRID = [{}, {"scan": True}, {"scan": True, "NP": 1}]
 
 
 def split_one(cfg, T=4096):

@@ -62,11 +62,16 @@ from kernels.based.chunk import _load_dout, _mm, _pair_contract, _pairs
 # program takes that many chunks of a sequence, one after another, with stages > 1 loading the next chunk's inputs
 # during this one's dots (Triton's pipelined loop): ncu (session 9) found these kernels waiting mostly on loads.
 # Session 9: the output pass 0.190 ms -> 0.164 at 2 chunks, 2 stages and 0.143 at 8 chunks, 3 stages (the default);
+# scan: the state passes as every chunk's own sum at once (one program per chunk and row part, no chain of dots)
+# followed by an in-place exclusive prefix over the chunks (`_prefix_kernel`: a load, an add and a store per step,
+# fp32 sums, one slot loaded ahead), instead of one walk that sums with dots as it goes.
+# Traffic: the per-chunk sums are written and read once more (169 MB each way at the benchmark shape, ≈ 80 µs at
+# the copy ceiling), against the walk's ≈ 0.30 ms (state) and 0.34 ms (reverse) on the H200. Not yet timed.
 # the dq, dk/dv kernels gave wrong gradients pipelined on Triton 3.6 (relative error 1.6, or an illegal memory
 # access; right unpipelined), so they stay at 1.
 CONFIG = {"BC": 64, "BV": 64, "NP": 2, "OP": 2, "NS": 1, "prefetch": True, "gather": False, "state_warps": 4,
           "output_warps": 4, "dkv_apart": True, "state_maxnreg": 168, "output_maxnreg": 168, "grads_maxnreg": 168,
-          "output_BV": 64, "output_chunks": 8, "output_stages": 3, "grads_chunks": 1, "grads_stages": 1}
+          "output_BV": 64, "output_chunks": 8, "output_stages": 3, "grads_chunks": 1, "grads_stages": 1, "scan": False}
 
 
 def _pair_index(BK: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -328,6 +333,45 @@ def _output_chunk(q, k, v, o, den, hs, zs, scale, T, NC, i_c, i_b, i_h, i_bh, i_
     tl.store(o + t[:, None] * H * V + offs_v[None, :], num.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
 
+@triton.jit
+def _prefix_kernel(x, x0, xT, NC, W, REVERSE: tl.constexpr, USE_X0: tl.constexpr, STORE_XT: tl.constexpr,
+                   BW: tl.constexpr):
+    """In place along the chunk axis of x [N, NC, W] (columns i_w·BW up to (i_w + 1)·BW of row i_n): slot c
+    becomes x0 + Σ_{c' < c} x[c'] (with REVERSE, Σ_{c' > c}), summed in fp32 and stored in x's dtype; xT [N, W]
+    (fp32) gets x0 + the whole sum. x0: [N, W] fp32 (USE_X0). The state passes' second step under CONFIG["scan"]:
+    the per-chunk sums come from a fully parallel launch, and what stays serial is a load, an add and a store (the
+    next slot's load issued before this one's store)."""
+    i_w, i_n = tl.program_id(0), tl.program_id(1)
+    offs = i_w * BW + tl.arange(0, BW)
+    m = offs < W
+    x += i_n.to(tl.int64) * NC * W
+    acc = tl.zeros([BW], dtype=tl.float32)
+    if USE_X0:
+        acc += tl.load(x0 + i_n.to(tl.int64) * W + offs, mask=m, other=0.0)
+    step = -1 if REVERSE else 1
+    c = NC - 1 if REVERSE else 0
+    d = tl.load(x + c * W + offs, mask=m, other=0.0).to(tl.float32)
+    for i in range(NC):
+        nd = tl.load(x + (c + step) * W + offs, mask=m & (offs * 0 + i + 1 < NC), other=0.0).to(tl.float32)
+        tl.store(x + c * W + offs, acc.to(x.dtype.element_ty), mask=m)
+        acc += d
+        d = nd
+        c += step
+    if STORE_XT:
+        tl.store(xT + i_n.to(tl.int64) * W + offs, acc, mask=m)
+
+
+def _prefix(x: torch.Tensor, x0, reverse: bool, store_total: bool):
+    """`_prefix_kernel` over x [N, NC, ...] in place; returns the total [N, ...] (fp32) or None."""
+    N, NC = x.shape[:2]
+    W = x[0, 0].numel()
+    xT = torch.empty(N, *x.shape[2:], device=x.device, dtype=torch.float32) if store_total else None
+    BW = min(1024, triton.next_power_of_2(W))
+    _prefix_kernel[(triton.cdiv(W, BW), N)](x, x0, xT, NC, W, REVERSE=reverse, USE_X0=x0 is not None,
+                                            STORE_XT=store_total, BW=BW, num_warps=4)
+    return xT
+
+
 def _blocks(T: int, V: int, BV: int | None = None) -> tuple[int, int, int, int]:
     """(BC, BV, NV, NC) of CONFIG at length T and value width V: chunk, value block (CONFIG["BV"] unless given),
     their counts."""
@@ -383,6 +427,15 @@ def state_pass(k, v, hv0, hz0, output_final_state: bool, dot: int):
                 GATHER=CONFIG["gather"], num_warps=CONFIG["state_warps"],
                 maxnreg=CONFIG["state_maxnreg"])
     grid = (NP + 1, NV, B * H * NS)
+    if CONFIG["scan"]:
+        # every chunk's own sum at once (NC segments of one chunk, stored straight into hs, zs), then the exclusive
+        # prefix over chunks in place
+        meta.update(NS=NC, PREFETCH=False)
+        _state_kernel[(NP + 1, NV, B * H * NC)](k, v, hs, zs, None, None, hs, zs, T, NC, 1, USE_H0=False,
+                                                STORE_HS=False, STORE_HT=True, **meta)
+        hT = _prefix(hs.view(B * H, NC, R * V), h0, False, output_final_state)
+        zT = _prefix(zs, z0, False, output_final_state)
+        return hs, zs, None if hT is None else hT.view(B * H, R, V), zT
     if NS == 1:
         if output_final_state:
             hT = torch.empty(B * H, R, V, device=dev, dtype=torch.float32)
@@ -744,6 +797,15 @@ def reverse_pass(q, do, den, dden, dhvT, dhzT, store_dh0: bool, scale: float, no
                 PREFETCH=CONFIG["prefetch"], GATHER=CONFIG["gather"], num_warps=CONFIG["state_warps"],
                 maxnreg=CONFIG["state_maxnreg"])
     grid = (NP + 1, NV, B * H * NS)
+    if CONFIG["scan"]:
+        # as in state_pass: every chunk's own sum at once, then the exclusive prefix from the right, in place
+        meta.update(NS=NC, PREFETCH=False)
+        _reverse_state_kernel[(NP + 1, NV, B * H * NC)](q, do, den, dden, ds, dzs, None, None, ds, dzs, scale, T,
+                                                        NC, 1, USE_DHT=False, STORE_DS=False, STORE_DH0=True,
+                                                        **meta)
+        dh0 = _prefix(ds.view(B * H, NC, R * V), dhT, True, store_dh0)
+        dz0 = _prefix(dzs, dzT, True, store_dh0)
+        return ds, dzs, None if dh0 is None else dh0.view(B * H, R, V), dz0
     if NS == 1:
         if store_dh0:
             dh0 = torch.empty(B * H, R, V, device=dev, dtype=torch.float32)

@@ -102,7 +102,8 @@ SPLIT = [Case(B=1, T=T, H=2, K=16, V=64) for T in CPU_T] + [
 # state passes and dk/dv in 64); three of them also at small chunks (several chunks, four V blocks, the other row
 # splits), with dv and dk in one launch, the state passes in three segments (the last shorter) loading chunk by
 # chunk, the pair features by tl.gather, and the output pass and dq in value blocks of 64 against 16. The per-chunk
-# kernels take 2 chunks per program (pipelined), and 3 at small chunks (the last program fewer).
+# kernels take 2 chunks per program (pipelined), and 3 at small chunks (the last program fewer). The same three
+# also with the state passes as per-chunk sums and a prefix scan (CONFIG["scan"]).
 SPLIT_RUNS = [(c, {"BC": 32, "NP": 4, "OP": 2, "NS": 1, "prefetch": True, "gather": False, "dkv_apart": True,
                    "output_BV": 32, "output_chunks": 2, "output_stages": 2,
                    "grads_chunks": 2, "grads_stages": 2}, "bc32")
@@ -111,6 +112,8 @@ SPLIT_RUNS = [(c, {"BC": 32, "NP": 4, "OP": 2, "NS": 1, "prefetch": True, "gathe
          "output_BV": 64, "output_chunks": 3, "grads_chunks": 3},
      "bc16-ns3-gather")
     for c in (SPLIT[3], SPLIT[4], SPLIT[6])
+] + [
+    (c, {"BC": 16, "NP": 2, "OP": 2, "scan": True}, "bc16-scan") for c in (SPLIT[3], SPLIT[4], SPLIT[6])
 ]
 SPLIT_IDS = [f"{c.id}-{name}" for c, _, name in SPLIT_RUNS]
 
