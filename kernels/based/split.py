@@ -58,7 +58,7 @@ from kernels.based.chunk import _load_dout, _mm, _pair_contract, _pairs
 # 3 programs share an SM and 128 let 4 (ncu, session 9: every split kernel ran at 2 programs, 8 warps, per SM).
 # output_BV: the value block of the output pass and the dq kernel (the states are stored at full V, so it need not
 # be the state passes' BV; the dk/dv kernel keeps BV, see above).
-# output_chunks / output_stages (the output pass) and grads_chunks / grads_stages (the dq, dk/dv kernels): each
+# output_chunks / output_stages (the output pass), dq_chunks / dq_stages and dkv_chunks / dkv_stages: each
 # program takes that many chunks of a sequence, one after another, with stages > 1 loading the next chunk's inputs
 # during this one's dots (Triton's pipelined loop): ncu (session 9) found these kernels waiting mostly on loads.
 # Session 9: the output pass 0.190 ms -> 0.164 at 2 chunks, 2 stages and 0.143 at 8 chunks, 3 stages (the default);
@@ -67,11 +67,13 @@ from kernels.based.chunk import _load_dout, _mm, _pair_contract, _pairs
 # fp32 sums, one slot loaded ahead), instead of one walk that sums with dots as it goes.
 # Traffic: the per-chunk sums are written and read once more (169 MB each way at the benchmark shape, ≈ 80 µs at
 # the copy ceiling), against the walk's ≈ 0.30 ms (state) and 0.34 ms (reverse) on the H200. Not yet timed.
-# the dq, dk/dv kernels gave wrong gradients pipelined on Triton 3.6 (relative error 1.6, or an illegal memory
-# access; right unpipelined), so they stay at 1.
+# the dq and dk/dv kernels pipelined together (session 9's one knob for both) gave wrong gradients on Triton 3.6
+# (relative error 1.6, or an illegal memory access; right unpipelined), so they stay at 1; the knobs are apart now
+# to find which kernel it is.
 CONFIG = {"BC": 64, "BV": 64, "NP": 2, "OP": 2, "NS": 1, "prefetch": True, "gather": False, "state_warps": 4,
           "output_warps": 4, "dkv_apart": True, "state_maxnreg": 168, "output_maxnreg": 168, "grads_maxnreg": 168,
-          "output_BV": 64, "output_chunks": 8, "output_stages": 3, "grads_chunks": 1, "grads_stages": 1, "scan": False}
+          "output_BV": 64, "output_chunks": 8, "output_stages": 3, "dq_chunks": 1, "dq_stages": 1,
+          "dkv_chunks": 1, "dkv_stages": 1, "scan": False}
 
 
 def _pair_index(BK: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -837,14 +839,17 @@ def chunk_grads(q, k, v, do, den, dden, hs, zs, ds, dzs, scale: float, normalize
     dq = torch.empty(NVQ, B, T, H, K, device=dev, dtype=torch.float32)
     dk = torch.empty(NV, B, T, H, K, device=dev, dtype=torch.float32)
     dv = torch.empty_like(v)
-    G = CONFIG["grads_chunks"]
-    meta = dict(H=H, K=K, V=V, BK=16, BC=BC, OP=CONFIG["OP"], NORMALIZE=normalize, DOT=dot, G=G,
-                STAGES=CONFIG["grads_stages"], num_warps=CONFIG["output_warps"], maxnreg=CONFIG["grads_maxnreg"])
-    _dq_kernel[(triton.cdiv(NC, G), NVQ, B * H)](q, k, v, do, den, dden, dq, hs, zs, scale, T, NC, BV=BVQ, **meta)
+    meta = dict(H=H, K=K, V=V, BK=16, BC=BC, OP=CONFIG["OP"], NORMALIZE=normalize, DOT=dot,
+                num_warps=CONFIG["output_warps"], maxnreg=CONFIG["grads_maxnreg"])
+    G = CONFIG["dq_chunks"]
+    _dq_kernel[(triton.cdiv(NC, G), NVQ, B * H)](q, k, v, do, den, dden, dq, hs, zs, scale, T, NC, BV=BVQ, G=G,
+                                                 STAGES=CONFIG["dq_stages"], **meta)
+    G = CONFIG["dkv_chunks"]
     parts = ({"DV": True, "DK": False}, {"DV": False, "DK": True}) if CONFIG["dkv_apart"] else ({},)
     for which in parts:
         _dkv_kernel[(triton.cdiv(NC, G), NV, B * H)](q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, BV=BV,
-                                     GATHER=CONFIG["gather"], **meta, **which)
+                                                     GATHER=CONFIG["gather"], G=G, STAGES=CONFIG["dkv_stages"],
+                                                     **meta, **which)
     return dq.sum(0), dk.sum(0), dv
 
 

@@ -106,10 +106,10 @@ SPLIT = [Case(B=1, T=T, H=2, K=16, V=64) for T in CPU_T] + [
 # also with the state passes as per-chunk sums and a prefix scan (CONFIG["scan"]).
 SPLIT_RUNS = [(c, {"BC": 32, "NP": 4, "OP": 2, "NS": 1, "prefetch": True, "gather": False, "dkv_apart": True,
                    "output_BV": 32, "output_chunks": 2, "output_stages": 2,
-                   "grads_chunks": 2, "grads_stages": 2}, "bc32")
+                   "dq_chunks": 2, "dq_stages": 2, "dkv_chunks": 2, "dkv_stages": 2}, "bc32")
               for c in SPLIT] + [
     (c, {"BC": 16, "NP": 2, "BV": 16, "OP": 4, "NS": 3, "prefetch": False, "gather": True, "dkv_apart": False,
-         "output_BV": 64, "output_chunks": 3, "grads_chunks": 3},
+         "output_BV": 64, "output_chunks": 3, "dq_chunks": 3, "dkv_chunks": 3},
      "bc16-ns3-gather")
     for c in (SPLIT[3], SPLIT[4], SPLIT[6])
 ] + [

@@ -37,13 +37,13 @@ def test_split_kernels_compile_for_sm90_within_their_register_caps(kind):
     from kernels.based.split import CONFIG
 
     state = kind in ("split_state", "split_reverse")
+    loop = {"split_output": "output", "split_dq": "dq", "split_dv": "dkv", "split_dk": "dkv"}.get(kind, "none")
     cap = CONFIG["state_maxnreg"] if state else CONFIG["output_maxnreg"] if kind == "split_output" else \
         None if kind == "split_prefix" else CONFIG["grads_maxnreg"]
     kernel = compile_kernel(kind, 5, CONFIG["BV"], CONFIG["BC"], CONFIG["state_warps" if state else "output_warps"],
                             states=True, NP=CONFIG["NP"], OP=CONFIG["OP"], NS=CONFIG["NS"],
                             prefetch=CONFIG["prefetch"], gather=CONFIG["gather"], maxnreg=cap,
-                            G=CONFIG["output_chunks" if kind == "split_output" else "grads_chunks"],
-                            chunk_stages=CONFIG["output_stages" if kind == "split_output" else "grads_stages"])
+                            G=CONFIG.get(f"{loop}_chunks", 1), chunk_stages=CONFIG.get(f"{loop}_stages", 1))
     report = ptxas_report(kernel.asm["ptx"])
     used = int(report.split("Used ")[1].split(" registers")[0])
     assert 0 < used <= (cap or 255), report
