@@ -192,6 +192,13 @@ def sweep(modes=(5, 6)):
 SPLIT_GRID = [{}, {"scan": True}, {"scan": True, "NP": 1}]
 
 
+def split_config() -> dict:
+    """kernels/based/split.py's CONFIG as it stands."""
+    import kernels.based.split as split_mod
+
+    return split_mod.CONFIG
+
+
 def split_one(cfg, T=4096):
     """One setting of the split kernels at T, checked against the fused kernels: the whole forward, its two kernels
     apart, and forward+backward. Returns a dict of times (ms) and relative differences."""
@@ -313,7 +320,10 @@ def main():
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 GEMM {gemm / 1e12:.0f} TFLOP/s")
     result = {"device": torch.cuda.get_device_name(), "copy_TBps": bw / 1e12, "gemm_TFLOPs": gemm / 1e12,
-              "shape": {"B": B, "H": H, "K": K, "V": V, "dtype": "bf16"}, "rows": []}
+              "shape": {"B": B, "H": H, "K": K, "V": V, "dtype": "bf16"}, "rows": [],
+              # what `ours` ran: the dispatch choices and the split kernels' launch settings
+              "ours": {"forward": chunk_mod.FORWARD, "backward": chunk_mod.BACKWARD,
+                       "save_states": chunk_mod.SAVE_STATES, "split_config": dict(split_config())}}
     if args.tuned:
         result["tuned"] = {"fwd_mode": chunk_mod.FWD_EXPAND, "bwd_mode": chunk_mod.BWD_EXPAND,
                            "fwd_cfg": list(chunk_mod._config(K, V, DT, "fwd")),
