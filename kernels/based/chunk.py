@@ -679,7 +679,7 @@ TARGET_PROGRAMS = 132
 # forward took 0.50 ms against the fused 0.385. "auto" (the default): split where a gradient will follow and the
 # backward is split (`split_backward_applies`), fused otherwise. The split backward then reuses the entering states
 # the split forward stored instead of recomputing them (its state pass, 0.30 ms at that shape), at the cost of
-# keeping them from forward to backward: B·H·⌈T/64⌉·(161·V·2 + 273·4) bytes in bf16 (205 MB at that shape, against
+# keeping them from forward to backward: B·H·⌈T/64⌉·(161·V·2 + 273·4) bytes in bf16 (178 MB at that shape, against
 # 168 MB for q, k, v, o); `SAVE_STATES = False` recomputes them instead.
 FORWARD = "auto"
 SAVE_STATES = True

@@ -364,7 +364,8 @@ def _prefix_kernel(x, x0, xT, NC, W, REVERSE: tl.constexpr, USE_X0: tl.constexpr
 
 
 def _prefix(x: torch.Tensor, x0, reverse: bool, store_total: bool):
-    """`_prefix_kernel` over x [N, NC, ...] in place; returns the total [N, ...] (fp32) or None."""
+    """`_prefix_kernel` over x [N, NC, ...] (contiguous) in place, from x0 [N, ...] (fp32) or zero; returns the total
+    [N, ...] (fp32) or None."""
     N, NC = x.shape[:2]
     W = x[0, 0].numel()
     xT = torch.empty(N, *x.shape[2:], device=x.device, dtype=torch.float32) if store_total else None
@@ -435,9 +436,7 @@ def state_pass(k, v, hv0, hz0, output_final_state: bool, dot: int):
         meta.update(NS=NC, PREFETCH=False)
         _state_kernel[(NP + 1, NV, B * H * NC)](k, v, hs, zs, None, None, hs, zs, T, NC, 1, USE_H0=False,
                                                 STORE_HS=False, STORE_HT=True, **meta)
-        hT = _prefix(hs.view(B * H, NC, R * V), h0, False, output_final_state)
-        zT = _prefix(zs, z0, False, output_final_state)
-        return hs, zs, None if hT is None else hT.view(B * H, R, V), zT
+        return hs, zs, _prefix(hs, h0, False, output_final_state), _prefix(zs, z0, False, output_final_state)
     if NS == 1:
         if output_final_state:
             hT = torch.empty(B * H, R, V, device=dev, dtype=torch.float32)
@@ -805,9 +804,7 @@ def reverse_pass(q, do, den, dden, dhvT, dhzT, store_dh0: bool, scale: float, no
         _reverse_state_kernel[(NP + 1, NV, B * H * NC)](q, do, den, dden, ds, dzs, None, None, ds, dzs, scale, T,
                                                         NC, 1, USE_DHT=False, STORE_DS=False, STORE_DH0=True,
                                                         **meta)
-        dh0 = _prefix(ds.view(B * H, NC, R * V), dhT, True, store_dh0)
-        dz0 = _prefix(dzs, dzT, True, store_dh0)
-        return ds, dzs, None if dh0 is None else dh0.view(B * H, R, V), dz0
+        return ds, dzs, _prefix(ds, dhT, True, store_dh0), _prefix(dzs, dzT, True, store_dh0)
     if NS == 1:
         if store_dh0:
             dh0 = torch.empty(B * H, R, V, device=dev, dtype=torch.float32)
