@@ -62,14 +62,14 @@ from kernels.based.chunk import _load_dout, _mm, _pair_contract, _pairs
 # program takes that many chunks of a sequence, one after another, with stages > 1 loading the next chunk's inputs
 # during this one's dots (Triton's pipelined loop): ncu (session 9) found these kernels waiting mostly on loads.
 # Session 9: the output pass 0.190 ms -> 0.164 at 2 chunks, 2 stages and 0.143 at 8 chunks, 3 stages (the default);
+# the dq and dk/dv kernels pipelined together (session 9's one knob for both) gave wrong gradients on Triton 3.6
+# (relative error 1.6, or an illegal memory access; right unpipelined), so they stay at 1; the knobs are apart now
+# to find which kernel it is.
 # scan: the state passes as every chunk's own sum at once (one program per chunk and row part, no chain of dots)
 # followed by an in-place exclusive prefix over the chunks (`_prefix_kernel`: a load, an add and a store per step,
 # fp32 sums, one slot loaded ahead), instead of one walk that sums with dots as it goes.
 # Traffic: the per-chunk sums are written and read once more (169 MB each way at the benchmark shape, ≈ 80 µs at
 # the copy ceiling), against the walk's ≈ 0.30 ms (state) and 0.34 ms (reverse) on the H200. Not yet timed.
-# the dq and dk/dv kernels pipelined together (session 9's one knob for both) gave wrong gradients on Triton 3.6
-# (relative error 1.6, or an illegal memory access; right unpipelined), so they stay at 1; the knobs are apart now
-# to find which kernel it is.
 CONFIG = {"BC": 64, "BV": 64, "NP": 2, "OP": 2, "NS": 1, "prefetch": True, "gather": False, "state_warps": 4,
           "output_warps": 4, "dkv_apart": True, "state_maxnreg": 168, "output_maxnreg": 168, "grads_maxnreg": 168,
           "output_BV": 64, "output_chunks": 8, "output_stages": 3, "dq_chunks": 1, "dq_stages": 1,
