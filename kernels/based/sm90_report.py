@@ -107,7 +107,8 @@ def main() -> None:
     p.add_argument("--gather", action="store_true", help="split kernels: pair features by tl.gather")
     p.add_argument("--maxnreg", type=int, default=None, help="register cap per thread (split.CONFIG's *_maxnreg)")
     p.add_argument("--chunks", type=int, default=1, help="split per-chunk kernels: chunks per program")
-    p.add_argument("--chunk-stages", type=int, default=1, help="split per-chunk kernels: pipeline stages")
+    p.add_argument("--chunk-stages", type=int, default=1,
+                   help="split per-chunk kernels and state passes: pipeline stages")
     args = p.parse_args()
     k = compile_kernel(args.kernel, args.mode, args.bv, args.bc, args.warps, states=args.states, NP=args.np,
                        OP=args.op, NS=args.ns, prefetch=args.prefetch, gather=args.gather, maxnreg=args.maxnreg,

@@ -37,7 +37,8 @@ def test_split_kernels_compile_for_sm90_within_their_register_caps(kind):
     from kernels.based.split import CONFIG
 
     state = kind in ("split_state", "split_reverse")
-    loop = {"split_output": "output", "split_dq": "dq", "split_dv": "dkv", "split_dk": "dkv"}.get(kind, "none")
+    loop = {"split_output": "output", "split_dq": "dq", "split_dv": "dv", "split_dk": "dk", "split_state": "state",
+            "split_reverse": "state"}.get(kind, "none")
     cap = CONFIG["state_maxnreg"] if state else CONFIG["output_maxnreg"] if kind == "split_output" else \
         None if kind == "split_prefix" else CONFIG["grads_maxnreg"]
     kernel = compile_kernel(kind, 5, CONFIG["BV"], CONFIG["BC"], CONFIG["state_warps" if state else "output_warps"],
