@@ -63,9 +63,12 @@ from kernels.based.chunk import _load_dout, _mm, _pair_contract, _pairs
 # many chunks of a sequence, one after another, with stages > 1 loading the next chunk's inputs during this one's
 # dots (Triton's pipelined loop): ncu (session 9) found these kernels waiting mostly on loads.
 # Session 9: the output pass 0.190 ms -> 0.164 at 2 chunks, 2 stages and 0.143 at 8 chunks, 3 stages (the default).
-# Session 10 (Triton 3.6): dq at 4 chunks, 2 stages is right (chunk grads 0.744 -> 0.739 ms); the dk/dv kernel
-# pipelined at 4/2 is wrong (gradient relative error 1.6; 0.677 ms), so dv and dk now have knobs apart, to find
-# which launch is miscompiled. state_stages: the state passes' chunk walk as a pipelined loop (with prefetch off).
+# Session 10 (H200, Triton 3.6, T=4096; chunk grads = dq + dv + dk): unpipelined 0.745 ms; dv at 4 chunks, 2 stages
+# 0.689 (the default; gradients bit-identical); dk at 4/2 alone 0.733 (right), dq at 4/2 0.739 (right); dv and dk
+# both at 4/2 (session 9's one knob) gave gradients off by 1.6, and dk at SB=4 (a trial of states kept per block of
+# chunks, since removed) read shared memory out of bounds (compute-sanitizer), so dk stays unpipelined.
+# state_stages: the state passes' chunk walk as a pipelined loop (with prefetch off). Session 10: slower (state pass
+# 0.331 ms against 0.299 with prefetch, reverse 0.391 against 0.345).
 # scan: the state passes as every chunk's own sum at once (one program per chunk and row part, no chain of dots)
 # followed by an in-place exclusive prefix over the chunks (`_prefix_kernel`: a load, an add and a store per step,
 # fp32 sums, one slot loaded ahead), instead of one walk that sums with dots as it goes. Session 10: slower (state
@@ -74,8 +77,7 @@ from kernels.based.chunk import _load_dout, _mm, _pair_contract, _pairs
 CONFIG = {"BC": 64, "BV": 64, "NP": 2, "OP": 2, "NS": 1, "prefetch": True, "gather": False, "state_warps": 4,
           "output_warps": 4, "dkv_apart": True, "state_maxnreg": 168, "output_maxnreg": 168, "grads_maxnreg": 168,
           "output_BV": 64, "output_chunks": 8, "output_stages": 3, "dq_chunks": 1, "dq_stages": 1,
-          "dv_chunks": 1, "dv_stages": 1, "dk_chunks": 1, "dk_stages": 1, "scan": False, "state_stages": 1,
-          "SB": 1}
+          "dv_chunks": 4, "dv_stages": 2, "dk_chunks": 1, "dk_stages": 1, "scan": False, "state_stages": 1}
 
 
 def _pair_index(BK: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -196,17 +198,16 @@ def _state_kernel(k, v, hs, zs, h0, z0, hT, zT, T, NC, CPS,
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                   BC: tl.constexpr, NP: tl.constexpr, NS: tl.constexpr, USE_H0: tl.constexpr,
                   STORE_HS: tl.constexpr, STORE_HT: tl.constexpr, DOT: tl.constexpr, PREFETCH: tl.constexpr,
-                  GATHER: tl.constexpr = False, STAGES: tl.constexpr = 1, SB: tl.constexpr = 1):
+                  GATHER: tl.constexpr = False, STAGES: tl.constexpr = 1):
     """Row part i_p of the state of sequence i_bh, value block i_v, over segment i_s of NS (chunks i_s·CPS up to
-    (i_s + 1)·CPS, CPS a multiple of SB): with STORE_HS, hs[i_bh, c / SB] = h0 + Σ over the segment's chunks before
-    c for every SB-th chunk c (the first of its block of SB chunks); with STORE_HT, what the
+    (i_s + 1)·CPS): with STORE_HS, hs[i_bh, c] = h0 + Σ over the segment's chunks before c; with STORE_HT, what the
     segment adds on top of h0, in hT. With PREFETCH the next chunk's loads are issued before this one is summed
     (more registers), otherwise after; STAGES > 1 leaves it to Triton's pipelined loop instead (the loads of the
     next STAGES - 1 chunks in flight, straight into shared memory; meant with PREFETCH off).
 
-    hs: [B·H, NB, R, V] (operand dtype, NB = ⌈NC / SB⌉), h0/hT: [B·H·NS, R, V] fp32 (pair layout, one per
-    segment); zs: [B·H, NB, ZR], z0/zT: [B·H·NS, ZR] fp32, the denominator's state in the Taylor-order layout at
-    BK (n, z1 [BK], Z2 [BK, BK])."""
+    hs: [B·H, NC, R, V] (operand dtype), h0/hT: [B·H·NS, R, V] fp32 (pair layout, one per segment); zs: [B·H,
+    NC, ZR], z0/zT: [B·H·NS, ZR] fp32, the denominator's state in the Taylor-order layout at BK (n, z1 [BK],
+    Z2 [BK, BK])."""
     i_p, i_v, i_bs = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_bh, i_s = i_bs // NS, i_bs % NS
     i_b, i_h = i_bh // H, i_bh % H
@@ -222,9 +223,8 @@ def _state_kernel(k, v, hs, zs, h0, z0, hT, zT, T, NC, CPS,
     c1 = tl.minimum(c0 + CPS, NC)
     k += i_b.to(tl.int64) * T * H * K + i_h * K
     v += i_b.to(tl.int64) * T * H * V + i_h * V
-    NB = (NC + SB - 1) // SB
-    hs += i_bh.to(tl.int64) * NB * R * V
-    zs += i_bh.to(tl.int64) * NB * ZR
+    hs += i_bh.to(tl.int64) * NC * R * V
+    zs += i_bh.to(tl.int64) * NC * ZR
     if PREFETCH:
         bkt, bv = _load_kt_v(k, v, c0, T, offs_c, offs_k, offs_v, m_k, m_v, H, K, V, BC)
     if i_p < NP:
@@ -235,9 +235,8 @@ def _state_kernel(k, v, hs, zs, h0, z0, hT, zT, T, NC, CPS,
                          other=0.0)
         for c in tl.range(c0, c1, num_stages=STAGES):
             if STORE_HS:
-                if c % SB == 0:
-                    tl.store(hs + (c // SB) * R * V + rows[:, None] * V + offs_v[None, :], S.to(hs.dtype.element_ty),
-                             mask=m_v[None, :])
+                tl.store(hs + c * R * V + rows[:, None] * V + offs_v[None, :], S.to(hs.dtype.element_ty),
+                         mask=m_v[None, :])
             if PREFETCH:
                 nkt, nv = _load_kt_v(k, v, c + 1, T, offs_c, offs_k, offs_v, m_k, m_v, H, K, V, BC)
             else:
@@ -251,9 +250,7 @@ def _state_kernel(k, v, hs, zs, h0, z0, hT, zT, T, NC, CPS,
         S0, S1, Sd, n, z1, Z2 = _init_head(h0, z0, i_bs, USE_H0, offs_k, offs_v, m_v, first, V, BK, BV)
         for c in tl.range(c0, c1, num_stages=STAGES):
             if STORE_HS:
-                if c % SB == 0:
-                    _store_head(hs + (c // SB) * R * V, zs + (c // SB) * ZR, S0, S1, Sd, n, z1, Z2, offs_k, offs_v, m_v,
-                                first, V, BK)
+                _store_head(hs + c * R * V, zs + c * ZR, S0, S1, Sd, n, z1, Z2, offs_k, offs_v, m_v, first, V, BK)
             if PREFETCH:
                 nkt, nv = _load_kt_v(k, v, c + 1, T, offs_c, offs_k, offs_v, m_k, m_v, H, K, V, BC)
             else:
@@ -280,12 +277,10 @@ def _state_kernel(k, v, hs, zs, h0, z0, hT, zT, T, NC, CPS,
 def _output_kernel(q, k, v, o, den, hs, zs, scale, T, NC,
                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    BC: tl.constexpr, OP: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr,
-                   GATHER: tl.constexpr = False, G: tl.constexpr = 1, STAGES: tl.constexpr = 1,
-                   SB: tl.constexpr = 1):
+                   GATHER: tl.constexpr = False, G: tl.constexpr = 1, STAGES: tl.constexpr = 1):
     """Chunks i_g·G up to (i_g + 1)·G of sequence i_bh, value block i_v, one after another (with STAGES > 1 the
-    next chunk's loads are in flight during this one's dots): the causal tile plus the read of the state entering
-    the chunk's block of SB chunks (the order-2 pair rows in OP parts, so that one part's [BC, J/OP] pair features
-    are live at a time), plus the full tiles of the block's earlier chunks."""
+    next chunk's loads are in flight during this one's dots): the causal tile plus the read of the entering state
+    (the order-2 pair rows in OP parts, so that one part's [BC, J/OP] pair features are live at a time)."""
     i_g, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     JP: tl.constexpr = BK * (BK // 2) // OP
@@ -301,23 +296,22 @@ def _output_kernel(q, k, v, o, den, hs, zs, scale, T, NC,
     o += i_b.to(tl.int64) * T * H * V + i_h * V
     for i_c in tl.range(i_g * G, tl.minimum(i_g * G + G, NC), num_stages=STAGES):
         _output_chunk(q, k, v, o, den, hs, zs, scale, T, NC, i_c, i_b, i_h, i_bh, i_v, offs_c, offs_k, offs_v,
-                      offs_j, m_k, m_v, causal, H, K, V, BK, BV, BC, OP, NORMALIZE, DOT, GATHER, SB)
+                      offs_j, m_k, m_v, causal, H, K, V, BK, BV, BC, OP, NORMALIZE, DOT, GATHER)
 
 
 @triton.jit
 def _output_chunk(q, k, v, o, den, hs, zs, scale, T, NC, i_c, i_b, i_h, i_bh, i_v, offs_c, offs_k, offs_v, offs_j,
                   m_k, m_v, causal, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, BC: tl.constexpr, OP: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr,
-                  GATHER: tl.constexpr, SB: tl.constexpr):
+                  GATHER: tl.constexpr):
     """`_output_kernel`'s chunk i_c (pointers already at the sequence)."""
     R: tl.constexpr = 1 + 2 * BK + BK * (BK // 2)
     ZR: tl.constexpr = 1 + BK + BK * BK
     JP: tl.constexpr = BK * (BK // 2) // OP
     t = i_c * BC + offs_c
     m_t = t < T
-    NB = (NC + SB - 1) // SB
-    h = hs + (i_bh.to(tl.int64) * NB + i_c // SB) * R * V
-    z = zs + (i_bh.to(tl.int64) * NB + i_c // SB) * ZR
+    h = hs + (i_bh.to(tl.int64) * NC + i_c) * R * V
+    z = zs + (i_bh.to(tl.int64) * NC + i_c) * ZR
 
     bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
     bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
@@ -336,21 +330,10 @@ def _output_chunk(q, k, v, o, den, hs, zs, scale, T, NC, i_c, i_b, i_h, i_bh, i_
         S2 = tl.load(h + (1 + 2 * BK + p * JP + offs_j)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
         o2 += _mm(_pairs(qs, BK, DOT, p, OP, False, GATHER), S2, DOT)
     num = _mm(w, bv, DOT) + S0[None, :] + _mm(qs, S1, DOT) + 0.5 * o2
-    wsum = tl.sum(w, 1)
-    for r in tl.static_range(SB - 1):  # the block's earlier chunks j, whole tiles (j < i_c lies inside [0, T))
-        j = (i_c // SB) * SB + r
-        if j < i_c:
-            tj = j * BC + offs_c
-            bkt_j = tl.load(k + tj[None, :] * H * K + offs_k[:, None], mask=m_k[:, None], other=0.0)
-            bv_j = tl.load(v + tj[:, None] * H * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
-            s_j = _mm(bq, bkt_j, DOT) * scale
-            w_j = 1.0 + s_j + 0.5 * s_j * s_j
-            num += _mm(w_j, bv_j, DOT)
-            wsum += tl.sum(w_j, 1)
     if NORMALIZE:
         Z2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
         d2 = tl.sum(_mm(qs, Z2, 0) * qs, 1)
-        d = wsum + tl.load(z) + tl.sum(qs * tl.load(z + 1 + offs_k)[None, :], 1) + 0.5 * d2
+        d = tl.sum(w, 1) + tl.load(z) + tl.sum(qs * tl.load(z + 1 + offs_k)[None, :], 1) + 0.5 * d2
         num = num / d[:, None]
         if i_v == 0:
             tl.store(den + i_b.to(tl.int64) * T * H + i_h + t * H, d, mask=m_t)
@@ -406,11 +389,8 @@ def _blocks(T: int, V: int, BV: int | None = None) -> tuple[int, int, int, int]:
 
 
 def _segments(NC: int) -> tuple[int, int]:
-    """(NS, CPS): CONFIG["NS"] segments per sequence, at most one per state block, of CPS chunks each (the last
-    shorter), CPS a multiple of CONFIG["SB"] so that every segment starts a block."""
-    SB = CONFIG["SB"]
-    NB = triton.cdiv(NC, SB)
-    CPS = SB * triton.cdiv(NB, max(1, min(CONFIG["NS"], NB)))
+    """(NS, CPS): CONFIG["NS"] segments per sequence, at most one per chunk, of CPS chunks each (the last shorter)."""
+    CPS = triton.cdiv(NC, max(1, min(CONFIG["NS"], NC)))
     return triton.cdiv(NC, CPS), CPS
 
 
@@ -428,9 +408,8 @@ def _exclusive_carry(tot: torch.Tensor, start, reverse: bool) -> torch.Tensor:
 
 
 def state_pass(k, v, hv0, hz0, output_final_state: bool, dot: int):
-    """The first kernel: (hs [B·H, NB, R, V], zs [B·H, NB, ZR], hT, zT) in the pair layout (hT, zT None unless
-    output_final_state), the states entering every CONFIG["SB"]-th chunk (NB = ⌈NC / SB⌉ of them); hv0/hz0 in
-    the Taylor-order layout, or None.
+    """The first kernel: (hs [B·H, NC, R, V], zs [B·H, NC, R], hT, zT) in the pair layout (hT, zT None unless
+    output_final_state); hv0/hz0 in the Taylor-order layout, or None.
 
     With CONFIG["NS"] > 1 each sequence is walked in NS segments at once, twice: the first launch sums each
     segment, the states entering the segments follow in PyTorch (an exclusive cumsum over NS), and the second
@@ -442,26 +421,25 @@ def state_pass(k, v, hv0, hz0, output_final_state: bool, dot: int):
         raise ValueError(f"the split forward supports K ≤ {BK}, got K={K}")
     BC, BV, NV, NC = _blocks(T, V)
     NS, CPS = _segments(NC)
-    NP, SB = CONFIG["NP"], CONFIG["SB"]
-    NB = triton.cdiv(NC, SB)
+    NP = CONFIG["NP"]
     R = 1 + 2 * BK + BK * BK // 2
     ZR = 1 + BK + BK * BK
     dev = k.device
-    hs = torch.empty(B * H, NB, R, V, device=dev, dtype=torch.bfloat16 if dot == 2 else torch.float32)
-    zs = torch.empty(B * H, NB, ZR, device=dev, dtype=torch.float32)
+    hs = torch.empty(B * H, NC, R, V, device=dev, dtype=torch.bfloat16 if dot == 2 else torch.float32)
+    zs = torch.empty(B * H, NC, ZR, device=dev, dtype=torch.float32)
     h0 = z0 = hT = zT = None
     if hv0 is not None:
         h0 = orders_to_pairs(hv0.reshape(B * H, 1 + K + K * K, V), K, BK).contiguous()
         z0 = _pad_orders(hz0.reshape(B * H, 1 + K + K * K), K, BK).contiguous()
     meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NP=NP, NS=NS, DOT=dot, PREFETCH=CONFIG["prefetch"],
                 GATHER=CONFIG["gather"], num_warps=CONFIG["state_warps"],
-                maxnreg=CONFIG["state_maxnreg"], STAGES=CONFIG["state_stages"], SB=SB)
+                maxnreg=CONFIG["state_maxnreg"], STAGES=CONFIG["state_stages"])
     grid = (NP + 1, NV, B * H * NS)
     if CONFIG["scan"]:
-        # every state block's own sum at once (NB segments of SB chunks, stored straight into hs, zs), then the
-        # exclusive prefix over blocks in place
-        meta.update(NS=NB, PREFETCH=False)
-        _state_kernel[(NP + 1, NV, B * H * NB)](k, v, hs, zs, None, None, hs, zs, T, NC, SB, USE_H0=False,
+        # every chunk's own sum at once (NC segments of one chunk, stored straight into hs, zs), then the exclusive
+        # prefix over chunks in place
+        meta.update(NS=NC, PREFETCH=False)
+        _state_kernel[(NP + 1, NV, B * H * NC)](k, v, hs, zs, None, None, hs, zs, T, NC, 1, USE_H0=False,
                                                 STORE_HS=False, STORE_HT=True, **meta)
         return hs, zs, _prefix(hs, h0, False, output_final_state), _prefix(zs, z0, False, output_final_state)
     if NS == 1:
@@ -494,7 +472,6 @@ def output_pass(q, k, v, hs, zs, scale: float, normalize: bool, dot: int):
     _output_kernel[(triton.cdiv(NC, G), NV, B * H)](q, k, v, o, den, hs, zs, scale, T, NC, H=H, K=K, V=V, BK=16,
                                                     BV=BV, BC=BC, OP=CONFIG["OP"], NORMALIZE=normalize, DOT=dot,
                                                     GATHER=CONFIG["gather"], G=G, STAGES=CONFIG["output_stages"],
-                                                    SB=CONFIG["SB"],
                                                     num_warps=CONFIG["output_warps"],
                                                     maxnreg=CONFIG["output_maxnreg"])
     return o, den
@@ -549,10 +526,9 @@ def _reverse_state_kernel(q, do, den, dden, ds, dzs, dhT, dzT, dh0, dz0, scale, 
                           BC: tl.constexpr, NP: tl.constexpr, NS: tl.constexpr, USE_DHT: tl.constexpr,
                           STORE_DS: tl.constexpr, STORE_DH0: tl.constexpr, NORMALIZE: tl.constexpr,
                           DOT: tl.constexpr, PREFETCH: tl.constexpr, GATHER: tl.constexpr = False,
-                          STAGES: tl.constexpr = 1, SB: tl.constexpr = 1):
-    """Row part i_p of the reverse state of sequence i_bh, value block i_v, over segment i_s of NS (CPS a multiple of
-    SB): with STORE_DS, for the last chunk c of every block of SB chunks (or of the sequence), ds[i_bh, c / SB] = dhT
-    + Σ over the segment's chunks after c of (1, q_s, q_s⊗q_s as pairs) (dO/den)ᵀ (the fused dkv
+                          STAGES: tl.constexpr = 1):
+    """Row part i_p of the reverse state of sequence i_bh, value block i_v, over segment i_s of NS: with STORE_DS,
+    ds[i_bh, c] = dhT + Σ over the segment's chunks after c of (1, q_s, q_s⊗q_s as pairs) (dO/den)ᵀ (the fused dkv
     kernel's D0, D1, Dd, D2), dzs[i_bh, c] likewise with the denominator's gradient (d0, d1, d2 [BK, BK]; first V
     block only); with STORE_DH0, what the segment adds on top of dhT, in dh0. dhT/dzT, dh0/dz0: [B·H·NS, ...], one
     per segment (order 2 symmetrised; pair / padded Taylor-order layouts). PREFETCH: as in `_state_kernel` (the
@@ -575,9 +551,8 @@ def _reverse_state_kernel(q, do, den, dden, ds, dzs, dhT, dzT, dh0, dz0, scale, 
     if NORMALIZE:
         den += i_b.to(tl.int64) * T * H + i_h
         dden += i_b.to(tl.int64) * T * H + i_h
-    NB = (NC + SB - 1) // SB
-    ds += i_bh.to(tl.int64) * NB * R * V
-    dzs += i_bh.to(tl.int64) * NB * ZR
+    ds += i_bh.to(tl.int64) * NC * R * V
+    dzs += i_bh.to(tl.int64) * NC * ZR
     if PREFETCH:
         bqt, bdo, d, g = _load_q_dout(q, do, den, dden, c1 - 1, T, offs_c, offs_k, offs_v, m_k, m_v, H, K, V,
                                           BC, NORMALIZE)
@@ -590,9 +565,8 @@ def _reverse_state_kernel(q, do, den, dden, ds, dzs, dhT, dzT, dh0, dz0, scale, 
         for i in tl.range(0, c1 - c0, num_stages=STAGES):
             c = c1 - 1 - i
             if STORE_DS:
-                if (c % SB == SB - 1) | (c == NC - 1):
-                    tl.store(ds + (c // SB) * R * V + rows[:, None] * V + offs_v[None, :], D.to(ds.dtype.element_ty),
-                             mask=m_v[None, :])
+                tl.store(ds + c * R * V + rows[:, None] * V + offs_v[None, :], D.to(ds.dtype.element_ty),
+                         mask=m_v[None, :])
             if PREFETCH:
                 nqt, ndo, nd, ng = _load_q_dout(q, do, den, dden, c - 1, T, offs_c, offs_k, offs_v, m_k, m_v, H,
                                                     K, V, BC, NORMALIZE)
@@ -611,9 +585,7 @@ def _reverse_state_kernel(q, do, den, dden, ds, dzs, dhT, dzT, dh0, dz0, scale, 
         for i in tl.range(0, c1 - c0, num_stages=STAGES):
             c = c1 - 1 - i
             if STORE_DS:
-                if (c % SB == SB - 1) | (c == NC - 1):
-                    _store_head(ds + (c // SB) * R * V, dzs + (c // SB) * ZR, D0, D1, Dd, d0, d1, d2, offs_k, offs_v,
-                                m_v, first, V, BK)
+                _store_head(ds + c * R * V, dzs + c * ZR, D0, D1, Dd, d0, d1, d2, offs_k, offs_v, m_v, first, V, BK)
             if PREFETCH:
                 nqt, ndo, nd, ng = _load_q_dout(q, do, den, dden, c - 1, T, offs_c, offs_k, offs_v, m_k, m_v, H,
                                                     K, V, BC, NORMALIZE)
@@ -676,10 +648,9 @@ def _order2_of(x, h, offs_v, m_v, V: tl.constexpr, BK: tl.constexpr, OP: tl.cons
 def _dq_kernel(q, k, v, do, den, dden, dq, hs, zs, scale, T, NC,
                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                BC: tl.constexpr, OP: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr,
-               G: tl.constexpr = 1, STAGES: tl.constexpr = 1, SB: tl.constexpr = 1):
+               G: tl.constexpr = 1, STAGES: tl.constexpr = 1):
     """dq of chunks i_g·G up to (i_g + 1)·G (partial over V blocks: dq [NV, B, T, H, K]) from the forward states
-    entering their blocks of SB chunks and the blocks' earlier chunks, one chunk after another (STAGES as in
-    `_output_kernel`)."""
+    entering them, one chunk after another (STAGES as in `_output_kernel`)."""
     i_g, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     offs_c = tl.arange(0, BC)
@@ -698,21 +669,20 @@ def _dq_kernel(q, k, v, do, den, dden, dq, hs, zs, scale, T, NC,
         dden += i_b.to(tl.int64) * T * H + i_h
     for i_c in tl.range(i_g * G, tl.minimum(i_g * G + G, NC), num_stages=STAGES):
         _dq_chunk(q, k, v, do, den, dden, dq, hs, zs, scale, T, NC, i_c, i_bh, offs_c, offs_k, offs_v, m_k, m_v,
-                  first, causal, H, K, V, BK, BV, BC, OP, NORMALIZE, DOT, SB)
+                  first, causal, H, K, V, BK, BV, BC, OP, NORMALIZE, DOT)
 
 
 @triton.jit
 def _dq_chunk(q, k, v, do, den, dden, dq, hs, zs, scale, T, NC, i_c, i_bh, offs_c, offs_k, offs_v, m_k, m_v, first,
               causal, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-              BC: tl.constexpr, OP: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr, SB: tl.constexpr):
+              BC: tl.constexpr, OP: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr):
     """`_dq_kernel`'s chunk i_c (pointers already at the sequence)."""
     R: tl.constexpr = 1 + 2 * BK + BK * (BK // 2)
     ZR: tl.constexpr = 1 + BK + BK * BK
     t = i_c * BC + offs_c
     m_t = t < T
-    NB = (NC + SB - 1) // SB
-    h = hs + (i_bh.to(tl.int64) * NB + i_c // SB) * R * V
-    z = zs + (i_bh.to(tl.int64) * NB + i_c // SB) * ZR
+    h = hs + (i_bh.to(tl.int64) * NC + i_c) * R * V
+    z = zs + (i_bh.to(tl.int64) * NC + i_c) * ZR
 
     bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
     bk = tl.load(k + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
@@ -726,16 +696,6 @@ def _dq_chunk(q, k, v, do, den, dden, dq, hs, zs, scale, T, NC, i_c, i_bh, offs_
     ds = tl.where(causal, dp * (1.0 + s), 0.0)
     S1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
     dqs = _mm(ds, bk, DOT) + _mm(dnum, S1t, DOT) + _pair_grad(dnum, qs, h, offs_v, m_v, V, BK, OP, DOT)
-    for r in tl.static_range(SB - 1):  # the block's earlier chunks j, whole tiles (j < i_c lies inside [0, T))
-        j = (i_c // SB) * SB + r
-        if j < i_c:
-            tj = j * BC + offs_c
-            bk_j = tl.load(k + tj[:, None] * H * K + offs_k[None, :], mask=m_k[None, :], other=0.0)
-            bkt_j = tl.load(k + tj[None, :] * H * K + offs_k[:, None], mask=m_k[:, None], other=0.0)
-            bvt_j = tl.load(v + tj[None, :] * H * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
-            s_j = _mm(bq, bkt_j, DOT) * scale
-            dp_j = _mm(dnum, bvt_j, DOT) + dd[:, None]
-            dqs += _mm(dp_j * (1.0 + s_j), bk_j, DOT)
     if NORMALIZE:  # dd is zero past the first V block; no branch, so that a pipelined loop loads Z2 ahead
         Z2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
         dqs += dd[:, None] * (tl.load(z + 1 + offs_k)[None, :] + _mm(qs, Z2, 0))
@@ -747,10 +707,9 @@ def _dkv_kernel(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                 BC: tl.constexpr, OP: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr,
                 DV: tl.constexpr = True, DK: tl.constexpr = True, GATHER: tl.constexpr = False,
-                G: tl.constexpr = 1, STAGES: tl.constexpr = 1, SB: tl.constexpr = 1):
+                G: tl.constexpr = 1, STAGES: tl.constexpr = 1):
     """dv (DV) and dk (DK; partial over V blocks: dk [NV, B, T, H, K]) of chunks i_g·G up to (i_g + 1)·G from the
-    reverse states entering the last chunks of their blocks of SB chunks and the blocks' later chunks, one chunk
-    after another (STAGES as in `_output_kernel`); CONFIG["dkv_apart"]
+    reverse states entering them, one chunk after another (STAGES as in `_output_kernel`); CONFIG["dkv_apart"]
     launches it twice, once for each, to halve what is live at a time."""
     i_g, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
@@ -771,22 +730,21 @@ def _dkv_kernel(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC,
         dden += i_b.to(tl.int64) * T * H + i_h
     for i_c in tl.range(i_g * G, tl.minimum(i_g * G + G, NC), num_stages=STAGES):
         _dkv_chunk(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, i_c, i_bh, offs_c, offs_k, offs_v, m_k,
-                   m_v, first, causal_t, H, K, V, BK, BV, BC, OP, NORMALIZE, DOT, DV, DK, GATHER, SB)
+                   m_v, first, causal_t, H, K, V, BK, BV, BC, OP, NORMALIZE, DOT, DV, DK, GATHER)
 
 
 @triton.jit
 def _dkv_chunk(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, i_c, i_bh, offs_c, offs_k, offs_v, m_k, m_v,
                first, causal_t, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                BV: tl.constexpr, BC: tl.constexpr, OP: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr,
-               DV: tl.constexpr, DK: tl.constexpr, GATHER: tl.constexpr, SB: tl.constexpr):
+               DV: tl.constexpr, DK: tl.constexpr, GATHER: tl.constexpr):
     """`_dkv_kernel`'s chunk i_c (pointers already at the sequence)."""
     R: tl.constexpr = 1 + 2 * BK + BK * (BK // 2)
     ZR: tl.constexpr = 1 + BK + BK * BK
     t = i_c * BC + offs_c
     m_t = t < T
-    NB = (NC + SB - 1) // SB
-    h = ds + (i_bh.to(tl.int64) * NB + i_c // SB) * R * V
-    z = dzs + (i_bh.to(tl.int64) * NB + i_c // SB) * ZR
+    h = ds + (i_bh.to(tl.int64) * NC + i_c) * R * V
+    z = dzs + (i_bh.to(tl.int64) * NC + i_c) * ZR
 
     bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
     bqt = tl.load(q + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
@@ -803,15 +761,6 @@ def _dkv_chunk(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, i_c, i_bh,
         D1 = tl.load(h + (1 + offs_k)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
         bdv = _mm(wt, dnum, DOT) + D0[None, :] + _mm(kf, D1, DOT)
         bdv += 0.5 * _order2_of(kf, h, offs_v, m_v, V, BK, OP, DOT, GATHER)
-        for r in tl.static_range(1, SB):  # the block's later chunks j, whole tiles of queries (zero dO past T)
-            j = (i_c // SB) * SB + r
-            if (j > i_c) & (j < NC):
-                tj = j * BC + offs_c
-                m_tj = tj < T
-                bqt_j = tl.load(q + tj[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_tj[None, :], other=0.0)
-                dnum_j, _ = _load_dout(do, den, dden, tj, m_tj, offs_v, m_v, first, H, V, BC, NORMALIZE)
-                st_j = _mm(bk, bqt_j, DOT) * scale
-                bdv += _mm(1.0 + st_j + 0.5 * st_j * st_j, dnum_j, DOT)
         tl.store(dv + t[:, None] * H * V + offs_v[None, :], bdv.to(dv.dtype.element_ty),
                  mask=m_t[:, None] & m_v[None, :])
     if DK:
@@ -827,22 +776,6 @@ def _dkv_chunk(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, i_c, i_bh,
         D1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
         bdk = _mm(dst, qs, DOT) + _mm(bv, D1t, DOT)
         bdk += _pair_grad(bv, kf, h, offs_v, m_v, V, BK, OP, DOT)
-        for r in tl.static_range(1, SB):  # as for dv
-            j = (i_c // SB) * SB + r
-            if (j > i_c) & (j < NC):
-                tj = j * BC + offs_c
-                m_tj = tj < T
-                bq_j = tl.load(q + tj[:, None] * H * K + offs_k[None, :], mask=m_tj[:, None] & m_k[None, :], other=0.0)
-                bqt_j = tl.load(q + tj[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_tj[None, :], other=0.0)
-                dnumt_j = tl.load(do + tj[None, :] * H * V + offs_v[:, None], mask=m_v[:, None] & m_tj[None, :],
-                                  other=0.0).to(tl.float32)
-                dd_j = tl.zeros([BC], dtype=tl.float32)
-                if NORMALIZE:
-                    dnumt_j = dnumt_j / tl.load(den + tj * H, mask=m_tj, other=1.0)[None, :]
-                    dd_j = tl.where(first, tl.load(dden + tj * H, mask=m_tj, other=0.0), 0.0)
-                st_j = _mm(bk, bqt_j, DOT) * scale
-                dpt_j = _mm(bv, dnumt_j, DOT) + dd_j[None, :]
-                bdk += _mm(dpt_j * (1.0 + st_j), bq_j.to(tl.float32) * scale, DOT)
         # the denominator's reverse state, counted once (first V block), weighted by 0 or 1 rather than in a branch
         d2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
         bdk += first.to(tl.float32) * (tl.load(z + 1 + offs_k)[None, :] + _mm(kf, d2, 0))
@@ -850,20 +783,18 @@ def _dkv_chunk(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, i_c, i_bh,
 
 
 def reverse_pass(q, do, den, dden, dhvT, dhzT, store_dh0: bool, scale: float, normalize: bool, dot: int):
-    """The backward's reverse state pass: (ds [B·H, NB, R, V], dzs [B·H, NB, ZR], dh0, dz0), the reverse states
-    entering the last chunk of every block of CONFIG["SB"] chunks in the pair / padded Taylor-order layouts, and
-    with store_dh0 what is left at t = 0 (else None, None). dhvT/dhzT: the final state's gradient (Taylor-order
-    layout, order 2 symmetrised) or None."""
+    """The backward's reverse state pass: (ds [B·H, NC, R, V], dzs [B·H, NC, ZR], dh0, dz0), the reverse states
+    entering every chunk in the pair / padded Taylor-order layouts, and with store_dh0 what is left at t = 0 (else
+    None, None). dhvT/dhzT: the final state's gradient (Taylor-order layout, order 2 symmetrised) or None."""
     B, T, H, K = q.shape
     V = do.shape[-1]
     BK = 16
     BC, BV, NV, NC = _blocks(T, V)
-    NP, SB = CONFIG["NP"], CONFIG["SB"]
-    NB = triton.cdiv(NC, SB)
+    NP = CONFIG["NP"]
     R, ZR = 1 + 2 * BK + BK * BK // 2, 1 + BK + BK * BK
     dev = q.device
-    ds = torch.empty(B * H, NB, R, V, device=dev, dtype=torch.bfloat16 if dot == 2 else torch.float32)
-    dzs = torch.empty(B * H, NB, ZR, device=dev, dtype=torch.float32)
+    ds = torch.empty(B * H, NC, R, V, device=dev, dtype=torch.bfloat16 if dot == 2 else torch.float32)
+    dzs = torch.empty(B * H, NC, ZR, device=dev, dtype=torch.float32)
     dhT = dzT = dh0 = dz0 = None
     if dhvT is not None:
         dhT = orders_to_pairs(dhvT.reshape(B * H, 1 + K + K * K, V), K, BK).contiguous()
@@ -871,13 +802,13 @@ def reverse_pass(q, do, den, dden, dhvT, dhzT, store_dh0: bool, scale: float, no
     NS, CPS = _segments(NC)
     meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NP=NP, NS=NS, NORMALIZE=normalize, DOT=dot,
                 PREFETCH=CONFIG["prefetch"], GATHER=CONFIG["gather"], num_warps=CONFIG["state_warps"],
-                maxnreg=CONFIG["state_maxnreg"], STAGES=CONFIG["state_stages"], SB=SB)
+                maxnreg=CONFIG["state_maxnreg"], STAGES=CONFIG["state_stages"])
     grid = (NP + 1, NV, B * H * NS)
     if CONFIG["scan"]:
-        # as in state_pass: every block's own sum at once, then the exclusive prefix from the right, in place
-        meta.update(NS=NB, PREFETCH=False)
-        _reverse_state_kernel[(NP + 1, NV, B * H * NB)](q, do, den, dden, ds, dzs, None, None, ds, dzs, scale, T,
-                                                        NC, SB, USE_DHT=False, STORE_DS=False, STORE_DH0=True,
+        # as in state_pass: every chunk's own sum at once, then the exclusive prefix from the right, in place
+        meta.update(NS=NC, PREFETCH=False)
+        _reverse_state_kernel[(NP + 1, NV, B * H * NC)](q, do, den, dden, ds, dzs, None, None, ds, dzs, scale, T,
+                                                        NC, 1, USE_DHT=False, STORE_DS=False, STORE_DH0=True,
                                                         **meta)
         return ds, dzs, _prefix(ds, dhT, True, store_dh0), _prefix(dzs, dzT, True, store_dh0)
     if NS == 1:
@@ -915,14 +846,14 @@ def chunk_grads(q, k, v, do, den, dden, hs, zs, ds, dzs, scale: float, normalize
                 num_warps=CONFIG["output_warps"], maxnreg=CONFIG["grads_maxnreg"])
     G = CONFIG["dq_chunks"]
     _dq_kernel[(triton.cdiv(NC, G), NVQ, B * H)](q, k, v, do, den, dden, dq, hs, zs, scale, T, NC, BV=BVQ, G=G,
-                                                 STAGES=CONFIG["dq_stages"], SB=CONFIG["SB"], **meta)
+                                                 STAGES=CONFIG["dq_stages"], **meta)
     parts = (("dv", {"DV": True, "DK": False}), ("dk", {"DV": False, "DK": True})) if CONFIG["dkv_apart"] else \
         (("dk", {}),)
     for name, which in parts:
         G = CONFIG[f"{name}_chunks"]
         _dkv_kernel[(triton.cdiv(NC, G), NV, B * H)](q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, BV=BV,
                                                      GATHER=CONFIG["gather"], G=G, STAGES=CONFIG[f"{name}_stages"],
-                                                     SB=CONFIG["SB"], **meta, **which)
+                                                     **meta, **which)
     return dq.sum(0), dk.sum(0), dv
 
 

@@ -103,9 +103,8 @@ SPLIT = [Case(B=1, T=T, H=2, K=16, V=64) for T in CPU_T] + [
 # splits), with dv and dk in one launch, the state passes in three segments (the last shorter) loading chunk by
 # chunk, the pair features by tl.gather, and the output pass and dq in value blocks of 64 against 16. The per-chunk
 # kernels take 2 chunks per program (pipelined), and 3 at small chunks (the last program fewer), where the state
-# passes also run as Triton's pipelined loop. The same three with the states kept for blocks of 3 chunks
-# (CONFIG["SB"]: the blocks' inner tiles in the per-chunk kernels; in 2 segments, the last shorter, and a last block
-# of 1 chunk at T=100), and as per-block sums of 2 chunks and a prefix scan (CONFIG["scan"]).
+# passes also run as Triton's pipelined loop. The same three also with the state passes as per-chunk sums and a
+# prefix scan (CONFIG["scan"]).
 SPLIT_RUNS = [(c, {"BC": 32, "NP": 4, "OP": 2, "NS": 1, "prefetch": True, "gather": False, "dkv_apart": True,
                    "output_BV": 32, "output_chunks": 2, "output_stages": 2,
                    "dq_chunks": 2, "dq_stages": 2, "dv_chunks": 2, "dv_stages": 2, "dk_chunks": 2, "dk_stages": 2},
@@ -116,11 +115,7 @@ SPLIT_RUNS = [(c, {"BC": 32, "NP": 4, "OP": 2, "NS": 1, "prefetch": True, "gathe
      "bc16-ns3-gather")
     for c in (SPLIT[3], SPLIT[4], SPLIT[6])
 ] + [
-    (c, {"BC": 16, "NP": 2, "OP": 2, "SB": 3, "NS": 2, "output_chunks": 2, "output_stages": 2, "dq_chunks": 2,
-         "dv_chunks": 2, "dk_chunks": 2}, "bc16-sb3-ns2")
-    for c in (SPLIT[3], SPLIT[4], SPLIT[6])
-] + [
-    (c, {"BC": 16, "NP": 2, "OP": 2, "scan": True, "SB": 2}, "bc16-scan-sb2") for c in (SPLIT[3], SPLIT[4], SPLIT[6])
+    (c, {"BC": 16, "NP": 2, "OP": 2, "scan": True}, "bc16-scan") for c in (SPLIT[3], SPLIT[4], SPLIT[6])
 ]
 SPLIT_IDS = [f"{c.id}-{name}" for c, _, name in SPLIT_RUNS]
 
