@@ -687,7 +687,7 @@ SAVE_STATES = True
 # then every chunk's dq and dk, dv at once (K ≤ 16). "auto" (the default) takes it where it was measured faster
 # and checked on the H200: bf16 and fp16 inputs, K ≤ 16 and 32 < V ≤ 128 (value blocks of 64; `split_backward_
 # applies`); forward+backward 1.74 ms against 2.25 ms fused at the benchmark shape (session 8; 1.59 ms with the
-# split forward's states kept, FORWARD above, session 9). fp32 stays fused.
+# split forward's states kept, FORWARD above, session 9; 1.54 ms with dv pipelined, session 10). fp32 stays fused.
 BACKWARD = "auto"
 
 

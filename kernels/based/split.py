@@ -36,7 +36,11 @@ launch sums each segment, a cumsum over segments gives the entering states, a se
 from them) made it slower at every NS (0.42-0.61 ms for NS = 2-16), as its 3 programs per SM already fill the
 GPU; loading the next chunk while summing this one (CONFIG["prefetch"]) saved 8%. Session 9 (Nsight Compute: 2
 programs of 4 warps per SM, waiting on loads): register caps, OP=2, the states kept from forward to backward and
-a pipelined output pass brought forward+backward to 1.59 ms (split forward 0.44: state pass 0.30, output 0.14).
+a pipelined output pass brought forward+backward to 1.59 ms (split forward 0.44: state pass 0.30, output 0.14);
+session 10, the dv launch pipelined, to 1.54 ms (chunk gradients 0.745 -> 0.689). Session 10 also measured what
+does not help the state passes: a per-chunk scan, Triton's pipelined loop, and fewer stored states (blocks of
+2-8 chunks, the state pass 0.30 -> 0.28 ms while the output pass doubled): a step costs ≈ 4.4 µs of latency inside
+the step (ncu: loads behind shared-memory traffic and layout changes), with or without its store.
 """
 
 import torch
