@@ -81,7 +81,8 @@ from kernels.based.chunk import _load_dout, _mm, _pair_contract, _pairs
 CONFIG = {"BC": 64, "BV": 64, "NP": 2, "OP": 2, "NS": 1, "prefetch": True, "gather": False, "state_warps": 4,
           "output_warps": 4, "dkv_apart": True, "state_maxnreg": 168, "output_maxnreg": 168, "grads_maxnreg": 168,
           "output_BV": 64, "output_chunks": 8, "output_stages": 3, "dq_chunks": 1, "dq_stages": 1,
-          "dv_chunks": 4, "dv_stages": 2, "dk_chunks": 1, "dk_stages": 1, "scan": False, "state_stages": 1}
+          "dv_chunks": 4, "dv_stages": 2, "dk_chunks": 1, "dk_stages": 1, "scan": False, "state_stages": 1,
+          "features": False, "features_rows": 64, "features_stages": 3, "features_maxnreg": None}
 
 
 def _pair_index(BK: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -411,6 +412,101 @@ def _exclusive_carry(tot: torch.Tensor, start, reverse: bool) -> torch.Tensor:
     return carry
 
 
+@triton.jit
+def _features_kernel(k, F, zc, T, NC, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
+                     NPF: tl.constexpr, DOT: tl.constexpr):
+    """CONFIG["features"]: chunk i_c of sequence i_bh's key features, feature-major, in the state's pair-layout row
+    order (F [B·H, R, T] in the operand dtype: 1, k_a, k_a², then w_j·k_{a_j}·k_{b_j}, the products exact in fp32
+    before the one rounding the dot would apply), and the chunk's own denominator sums (zc [B·H, NC, ZR] fp32:
+    the token count, Σ k, Σ k kᵀ). Fully parallel: what the state walk then does per step is one load and one dot."""
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    R: tl.constexpr = 1 + 2 * BK + BK * (BK // 2)
+    ZR: tl.constexpr = 1 + BK + BK * BK
+    JP: tl.constexpr = BK * (BK // 2) // NPF
+    offs_c = tl.arange(0, BC)
+    offs_k = tl.arange(0, BK)
+    m_k = offs_k < K
+    t = i_c * BC + offs_c
+    m_t = t < T
+    k += i_b.to(tl.int64) * T * H * K + i_h * K
+    F += i_bh.to(tl.int64) * R * T
+    zc += (i_bh.to(tl.int64) * NC + i_c) * ZR
+    kft = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+    kft = kft.to(tl.float32)  # [BK, BC]
+    dt = F.dtype.element_ty
+    tl.store(F + t, tl.full([BC], 1.0, tl.float32).to(dt), mask=m_t)
+    tl.store(F + (1 + offs_k)[:, None] * T + t[None, :], kft.to(dt), mask=m_t[None, :])
+    tl.store(F + (1 + BK + offs_k)[:, None] * T + t[None, :], (kft * kft).to(dt), mask=m_t[None, :])
+    for p in tl.static_range(NPF):
+        rows = 1 + 2 * BK + p * JP + tl.arange(0, JP)
+        tl.store(F + rows[:, None] * T + t[None, :], _pairs(kft, BK, DOT, p, NPF, True).to(dt), mask=m_t[None, :])
+    tl.store(zc, tl.sum(m_t.to(tl.float32), 0))
+    tl.store(zc + 1 + offs_k, tl.sum(kft, 1))
+    # k loaded again untransposed for Σ k kᵀ in exact fp32 (as Z2 in `_state_kernel`)
+    Z2 = _mm(kft, _load_k(k, i_c, T, offs_c, offs_k, m_k, H, K, BC).to(tl.float32), 0)
+    tl.store(zc + 1 + BK + offs_k[:, None] * BK + offs_k[None, :], Z2)
+
+
+@triton.jit
+def _chain_kernel(F, v, hs, h0, hT, T, NC, H: tl.constexpr, V: tl.constexpr, R: tl.constexpr, RP: tl.constexpr,
+                  BV: tl.constexpr, BC: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
+                  DOT: tl.constexpr, STAGES: tl.constexpr):
+    """CONFIG["features"]: rows i_p·RP up to (i_p + 1)·RP of sequence i_bh's state, value block i_v, walked over
+    the chunks from the features `_features_kernel` stored: hs[i_bh, c] = h0 + Σ_{c' < c} F[:, c'] v[c'] (and the
+    whole sum in hT, fp32), one load and one dot per step, Triton's pipelined loop loading STAGES - 1 chunks ahead.
+    Every row is alike here, so the row parts need not follow the layout's orders."""
+    i_p, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    rows = i_p * RP + tl.arange(0, RP)
+    m_r = rows < R
+    offs_c = tl.arange(0, BC)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    m_v = offs_v < V
+    m_s = m_r[:, None] & m_v[None, :]
+    F += i_bh.to(tl.int64) * R * T
+    v += i_b.to(tl.int64) * T * H * V + i_h * V
+    hs += i_bh.to(tl.int64) * NC * R * V
+    S = tl.zeros([RP, BV], dtype=tl.float32)
+    if USE_H0:
+        S += tl.load(h0 + i_bh.to(tl.int64) * R * V + rows[:, None] * V + offs_v[None, :], mask=m_s, other=0.0)
+    for c in tl.range(0, NC, num_stages=STAGES):
+        tl.store(hs + c * R * V + rows[:, None] * V + offs_v[None, :], S.to(hs.dtype.element_ty), mask=m_s)
+        t = c * BC + offs_c
+        m_t = t < T
+        f = tl.load(F + rows[:, None] * T + t[None, :], mask=m_r[:, None] & m_t[None, :], other=0.0)
+        bv = tl.load(v + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        S += _mm(f, bv, DOT)
+    if STORE_HT:
+        tl.store(hT + i_bh.to(tl.int64) * R * V + rows[:, None] * V + offs_v[None, :], S, mask=m_s)
+
+
+def _features_state_pass(k, v, h0, z0, output_final_state: bool, dot: int):
+    """`state_pass` under CONFIG["features"]: the key features and per-chunk denominator sums at once
+    (`_features_kernel`), the walk as one load and one dot per step (`_chain_kernel`), the denominator's entering
+    states by an exclusive cumsum over chunks (fp32). h0, z0: pair / padded Taylor-order layouts, or None."""
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    BK = 16
+    BC, BV, NV, NC = _blocks(T, V)
+    R, ZR = 1 + 2 * BK + BK * BK // 2, 1 + BK + BK * BK
+    dev = k.device
+    dt = torch.bfloat16 if dot == 2 else torch.float32
+    F = torch.empty(B * H, R, T, device=dev, dtype=dt)
+    zc = torch.empty(B * H, NC, ZR, device=dev, dtype=torch.float32)
+    _features_kernel[(NC, B * H)](k, F, zc, T, NC, H=H, K=K, BK=BK, BC=BC, NPF=2, DOT=dot, num_warps=4)
+    hs = torch.empty(B * H, NC, R, V, device=dev, dtype=dt)
+    hT = torch.empty(B * H, R, V, device=dev, dtype=torch.float32) if output_final_state else None
+    RP = CONFIG["features_rows"]
+    _chain_kernel[(triton.cdiv(R, RP), NV, B * H)](F, v, hs, h0, hT, T, NC, H=H, V=V, R=R, RP=RP, BV=BV, BC=BC,
+                                                   USE_H0=h0 is not None, STORE_HT=output_final_state, DOT=dot,
+                                                   STAGES=CONFIG["features_stages"], num_warps=4,
+                                                   maxnreg=CONFIG["features_maxnreg"])
+    zs = _exclusive_carry(zc, z0, False)
+    zT = zs[:, -1] + zc[:, -1] if output_final_state else None
+    return hs, zs, hT, zT
+
+
 def state_pass(k, v, hv0, hz0, output_final_state: bool, dot: int):
     """The first kernel: (hs [B·H, NC, R, V], zs [B·H, NC, R], hT, zT) in the pair layout (hT, zT None unless
     output_final_state); hv0/hz0 in the Taylor-order layout, or None.
@@ -439,6 +535,8 @@ def state_pass(k, v, hv0, hz0, output_final_state: bool, dot: int):
                 GATHER=CONFIG["gather"], num_warps=CONFIG["state_warps"],
                 maxnreg=CONFIG["state_maxnreg"], STAGES=CONFIG["state_stages"])
     grid = (NP + 1, NV, B * H * NS)
+    if CONFIG["features"]:
+        return _features_state_pass(k, v, h0, z0, output_final_state, dot)
     if CONFIG["scan"]:
         # every chunk's own sum at once (NC segments of one chunk, stored straight into hs, zs), then the exclusive
         # prefix over chunks in place
