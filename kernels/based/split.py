@@ -78,10 +78,12 @@ from kernels.based.chunk import _load_dout, _mm, _pair_contract, _pairs
 # fp32 sums, one slot loaded ahead), instead of one walk that sums with dots as it goes. Session 10: slower (state
 # pass 0.317 ms against 0.299, reverse 0.394 against 0.345; 0.346 / 0.417 at NP=1): the per-chunk launch alone
 # costs about what the walk does, and the prefix's traffic (169 MB each way) comes on top.
-# features (features_rows, features_stages, features_maxnreg): the forward state pass as a fully parallel kernel that
-# stores the key features feature-major (`_features_kernel`) and a walk that is one load and one dot per step over
-# them (`_chain_kernel`, rows in parts of features_rows, a pipelined loop of features_stages). Session 10: a minimal
-# kernel of that walk took 1.2-1.5 µs per step on the H200 against the state pass's 4.6; not yet timed itself.
+# features (features_rows, features_stages, features_maxnreg): both state passes as a fully parallel kernel that
+# stores the features feature-major (`_features_kernel`: of the keys; for the reverse pass of the scaled queries,
+# with dden as the denominator sums' weights) and a walk that is one load and one dot per step over them
+# (`_chain_kernel`, over v or dO/den, rows in parts of features_rows, a pipelined loop of features_stages). Session
+# 10: a minimal kernel of that walk took 1.2-1.5 µs per step on the H200 against the state pass's 4.6; not yet
+# timed itself.
 CONFIG = {"BC": 64, "BV": 64, "NP": 2, "OP": 2, "NS": 1, "prefetch": True, "gather": False, "state_warps": 4,
           "output_warps": 4, "dkv_apart": True, "state_maxnreg": 168, "output_maxnreg": 168, "grads_maxnreg": 168,
           "output_BV": 64, "output_chunks": 8, "output_stages": 3, "dq_chunks": 1, "dq_stages": 1,
@@ -417,12 +419,14 @@ def _exclusive_carry(tot: torch.Tensor, start, reverse: bool) -> torch.Tensor:
 
 
 @triton.jit
-def _features_kernel(k, F, zc, T, NC, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
-                     NPF: tl.constexpr, DOT: tl.constexpr):
-    """CONFIG["features"]: chunk i_c of sequence i_bh's key features, feature-major, in the state's pair-layout row
-    order (F [B·H, R, T] in the operand dtype: 1, k_a, k_a², then w_j·k_{a_j}·k_{b_j}, the products exact in fp32
-    before the one rounding the dot would apply), and the chunk's own denominator sums (zc [B·H, NC, ZR] fp32:
-    the token count, Σ k, Σ k kᵀ). Fully parallel: what the state walk then does per step is one load and one dot."""
+def _features_kernel(k, g, F, zc, scale, T, NC, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                     BC: tl.constexpr, NPF: tl.constexpr, DOT: tl.constexpr, USE_G: tl.constexpr):
+    """CONFIG["features"]: chunk i_c of sequence i_bh's features of x = scale·k (k: the keys, or the queries for the
+    reverse pass), feature-major, in the state's pair-layout row order (F [B·H, R, T] in the operand dtype: 1, x_a,
+    x_a², then w_j·x_{a_j}·x_{b_j}, the products exact in fp32 before the one rounding the dot would apply), and the
+    chunk's own denominator sums with per-token weights g (zc [B·H, NC, ZR] fp32: Σ g, Σ x g, Σ x xᵀ g; g = dden
+    [B, T, H] with USE_G, else 1 per token: the count, Σ k, Σ k kᵀ). Fully parallel: what the state walk then does
+    per step is one load and one dot."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     R: tl.constexpr = 1 + 2 * BK + BK * (BK // 2)
@@ -437,7 +441,11 @@ def _features_kernel(k, F, zc, T, NC, H: tl.constexpr, K: tl.constexpr, BK: tl.c
     F += i_bh.to(tl.int64) * R * T
     zc += (i_bh.to(tl.int64) * NC + i_c) * ZR
     kft = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
-    kft = kft.to(tl.float32)  # [BK, BC]
+    kft = kft.to(tl.float32) * scale  # [BK, BC]
+    if USE_G:
+        gt = tl.load(g + i_b.to(tl.int64) * T * H + i_h + t * H, mask=m_t, other=0.0)
+    else:
+        gt = m_t.to(tl.float32)
     dt = F.dtype.element_ty
     tl.store(F + t, tl.full([BC], 1.0, tl.float32).to(dt), mask=m_t)
     tl.store(F + (1 + offs_k)[:, None] * T + t[None, :], kft.to(dt), mask=m_t[None, :])
@@ -445,21 +453,22 @@ def _features_kernel(k, F, zc, T, NC, H: tl.constexpr, K: tl.constexpr, BK: tl.c
     for p in tl.static_range(NPF):
         rows = 1 + 2 * BK + p * JP + tl.arange(0, JP)
         tl.store(F + rows[:, None] * T + t[None, :], _pairs(kft, BK, DOT, p, NPF, True).to(dt), mask=m_t[None, :])
-    tl.store(zc, tl.sum(m_t.to(tl.float32), 0))
-    tl.store(zc + 1 + offs_k, tl.sum(kft, 1))
-    # k loaded again untransposed for Σ k kᵀ in exact fp32 (as Z2 in `_state_kernel`)
-    Z2 = _mm(kft, _load_k(k, i_c, T, offs_c, offs_k, m_k, H, K, BC).to(tl.float32), 0)
+    tl.store(zc, tl.sum(gt, 0))
+    tl.store(zc + 1 + offs_k, tl.sum(kft * gt[None, :], 1))
+    # x loaded again untransposed for Σ x xᵀ g in exact fp32 (as Z2 in `_state_kernel`)
+    Z2 = _mm(kft, _load_k(k, i_c, T, offs_c, offs_k, m_k, H, K, BC).to(tl.float32) * scale * gt[:, None], 0)
     tl.store(zc + 1 + BK + offs_k[:, None] * BK + offs_k[None, :], Z2)
 
 
 @triton.jit
 def _chain_kernel(F, v, hs, h0, hT, T, NC, H: tl.constexpr, V: tl.constexpr, R: tl.constexpr, RP: tl.constexpr,
                   BV: tl.constexpr, BC: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
-                  DOT: tl.constexpr, STAGES: tl.constexpr):
+                  DOT: tl.constexpr, STAGES: tl.constexpr, REVERSE: tl.constexpr = False):
     """CONFIG["features"]: rows i_p·RP up to (i_p + 1)·RP of sequence i_bh's state, value block i_v, walked over
-    the chunks from the features `_features_kernel` stored: hs[i_bh, c] = h0 + Σ_{c' < c} F[:, c'] v[c'] (and the
-    whole sum in hT, fp32), one load and one dot per step, Triton's pipelined loop loading STAGES - 1 chunks ahead.
-    Every row is alike here, so the row parts need not follow the layout's orders."""
+    the chunks from the features `_features_kernel` stored: hs[i_bh, c] = h0 + Σ_{c' < c} F[:, c'] v[c'] (with
+    REVERSE, Σ_{c' > c}: the reverse pass, v = dO/den) and the whole sum in hT (fp32), one load and one dot per
+    step, Triton's pipelined loop loading STAGES - 1 chunks ahead. Every row is alike here, so the row parts need
+    not follow the layout's orders."""
     i_p, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     rows = i_p * RP + tl.arange(0, RP)
@@ -474,7 +483,8 @@ def _chain_kernel(F, v, hs, h0, hT, T, NC, H: tl.constexpr, V: tl.constexpr, R: 
     S = tl.zeros([RP, BV], dtype=tl.float32)
     if USE_H0:
         S += tl.load(h0 + i_bh.to(tl.int64) * R * V + rows[:, None] * V + offs_v[None, :], mask=m_s, other=0.0)
-    for c in tl.range(0, NC, num_stages=STAGES):
+    for i in tl.range(0, NC, num_stages=STAGES):
+        c = NC - 1 - i if REVERSE else i
         tl.store(hs + c * R * V + rows[:, None] * V + offs_v[None, :], S.to(hs.dtype.element_ty), mask=m_s)
         t = c * BC + offs_c
         m_t = t < T
@@ -485,29 +495,34 @@ def _chain_kernel(F, v, hs, h0, hT, T, NC, H: tl.constexpr, V: tl.constexpr, R: 
         tl.store(hT + i_bh.to(tl.int64) * R * V + rows[:, None] * V + offs_v[None, :], S, mask=m_s)
 
 
-def _features_state_pass(k, v, h0, z0, output_final_state: bool, dot: int):
-    """`state_pass` under CONFIG["features"]: the key features and per-chunk denominator sums at once
-    (`_features_kernel`), the walk as one load and one dot per step (`_chain_kernel`), the denominator's entering
-    states by an exclusive cumsum over chunks (fp32). h0, z0: pair / padded Taylor-order layouts, or None."""
-    B, T, H, K = k.shape
-    V = v.shape[-1]
+def _features_walk(x, g, w, scale: float, h0, z0, store_total: bool, reverse: bool, dot: int):
+    """A state pass under CONFIG["features"]: the features of scale·x and each chunk's denominator sums (weights g
+    [B, T, H] fp32, or None: 1 per token) at once (`_features_kernel`), the walk over w [B, T, H, V] as one load and
+    one dot per step (`_chain_kernel`, from the last chunk with reverse), and the denominator's entering states by
+    an exclusive cumsum over chunks (fp32). The forward: x = k, w = v; the reverse: x = q (times scale), w = dO/den,
+    g = dden. h0, z0: the state the walk starts from, pair / padded Taylor-order layouts, or None. Returns (hs, zs,
+    hT, zT) as `state_pass` does (hT, zT: the whole sums, or None)."""
+    B, T, H, K = x.shape
+    V = w.shape[-1]
     BK = 16
     BC, BV, NV, NC = _blocks(T, V)
     R, ZR = 1 + 2 * BK + BK * BK // 2, 1 + BK + BK * BK
-    dev = k.device
+    dev = x.device
     dt = torch.bfloat16 if dot == 2 else torch.float32
     F = torch.empty(B * H, R, T, device=dev, dtype=dt)
     zc = torch.empty(B * H, NC, ZR, device=dev, dtype=torch.float32)
-    _features_kernel[(NC, B * H)](k, F, zc, T, NC, H=H, K=K, BK=BK, BC=BC, NPF=2, DOT=dot, num_warps=4)
+    _features_kernel[(NC, B * H)](x, g, F, zc, scale, T, NC, H=H, K=K, BK=BK, BC=BC, NPF=2, DOT=dot,
+                                  USE_G=g is not None, num_warps=4)
     hs = torch.empty(B * H, NC, R, V, device=dev, dtype=dt)
-    hT = torch.empty(B * H, R, V, device=dev, dtype=torch.float32) if output_final_state else None
+    hT = torch.empty(B * H, R, V, device=dev, dtype=torch.float32) if store_total else None
     RP = CONFIG["features_rows"]
-    _chain_kernel[(triton.cdiv(R, RP), NV, B * H)](F, v, hs, h0, hT, T, NC, H=H, V=V, R=R, RP=RP, BV=BV, BC=BC,
-                                                   USE_H0=h0 is not None, STORE_HT=output_final_state, DOT=dot,
-                                                   STAGES=CONFIG["features_stages"], num_warps=4,
+    _chain_kernel[(triton.cdiv(R, RP), NV, B * H)](F, w, hs, h0, hT, T, NC, H=H, V=V, R=R, RP=RP, BV=BV, BC=BC,
+                                                   USE_H0=h0 is not None, STORE_HT=store_total, DOT=dot,
+                                                   STAGES=CONFIG["features_stages"], REVERSE=reverse, num_warps=4,
                                                    maxnreg=CONFIG["features_maxnreg"])
-    zs = _exclusive_carry(zc, z0, False)
-    zT = zs[:, -1] + zc[:, -1] if output_final_state else None
+    zs = _exclusive_carry(zc, z0, reverse)
+    end = 0 if reverse else -1
+    zT = zs[:, end] + zc[:, end] if store_total else None
     return hs, zs, hT, zT
 
 
@@ -540,7 +555,7 @@ def state_pass(k, v, hv0, hz0, output_final_state: bool, dot: int):
                 maxnreg=CONFIG["state_maxnreg"], STAGES=CONFIG["state_stages"])
     grid = (NP + 1, NV, B * H * NS)
     if CONFIG["features"]:
-        return _features_state_pass(k, v, h0, z0, output_final_state, dot)
+        return _features_walk(k, None, v, 1.0, h0, z0, output_final_state, False, dot)
     if CONFIG["scan"]:
         # every chunk's own sum at once (NC segments of one chunk, stored straight into hs, zs), then the exclusive
         # prefix over chunks in place
@@ -899,12 +914,19 @@ def reverse_pass(q, do, den, dden, dhvT, dhzT, store_dh0: bool, scale: float, no
     NP = CONFIG["NP"]
     R, ZR = 1 + 2 * BK + BK * BK // 2, 1 + BK + BK * BK
     dev = q.device
-    ds = torch.empty(B * H, NC, R, V, device=dev, dtype=torch.bfloat16 if dot == 2 else torch.float32)
-    dzs = torch.empty(B * H, NC, ZR, device=dev, dtype=torch.float32)
     dhT = dzT = dh0 = dz0 = None
     if dhvT is not None:
         dhT = orders_to_pairs(dhvT.reshape(B * H, 1 + K + K * K, V), K, BK).contiguous()
         dzT = _pad_orders(dhzT.reshape(B * H, 1 + K + K * K), K, BK).contiguous()
+    if CONFIG["features"]:
+        # the query features, dO/den in the dots' operand dtype, and dden as the denominator sums' weights
+        if normalize:
+            dnum, g = (do.float() / den[..., None]).to(torch.bfloat16 if dot == 2 else torch.float32), dden
+        else:
+            dnum, g = do, torch.zeros(B, T, H, device=dev, dtype=torch.float32)
+        return _features_walk(q, g, dnum, scale, dhT, dzT, store_dh0, True, dot)
+    ds = torch.empty(B * H, NC, R, V, device=dev, dtype=torch.bfloat16 if dot == 2 else torch.float32)
+    dzs = torch.empty(B * H, NC, ZR, device=dev, dtype=torch.float32)
     NS, CPS = _segments(NC)
     meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NP=NP, NS=NS, NORMALIZE=normalize, DOT=dot,
                 PREFETCH=CONFIG["prefetch"], GATHER=CONFIG["gather"], num_warps=CONFIG["state_warps"],
