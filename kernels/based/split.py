@@ -419,14 +419,16 @@ def _exclusive_carry(tot: torch.Tensor, start, reverse: bool) -> torch.Tensor:
 
 
 @triton.jit
-def _features_kernel(k, g, F, zc, scale, T, NC, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                     BC: tl.constexpr, NPF: tl.constexpr, DOT: tl.constexpr, USE_G: tl.constexpr):
+def _features_kernel(k, g, F, zc, w, den, wout, scale, T, NC, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                     BK: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr, NPF: tl.constexpr, DOT: tl.constexpr,
+                     USE_G: tl.constexpr, STORE_W: tl.constexpr):
     """CONFIG["features"]: chunk i_c of sequence i_bh's features of x = scale·k (k: the keys, or the queries for the
     reverse pass), feature-major, in the state's pair-layout row order (F [B·H, R, T] in the operand dtype: 1, x_a,
     x_a², then w_j·x_{a_j}·x_{b_j}, the products exact in fp32 before the one rounding the dot would apply), and the
     chunk's own denominator sums with per-token weights g (zc [B·H, NC, ZR] fp32: Σ g, Σ x g, Σ x xᵀ g; g = dden
-    [B, T, H] with USE_G, else 1 per token: the count, Σ k, Σ k kᵀ). Fully parallel: what the state walk then does
-    per step is one load and one dot."""
+    [B, T, H] with USE_G, else 1 per token: the count, Σ k, Σ k kᵀ). With STORE_W also the walk's other operand for
+    the reverse pass, wout = w / den (dO/den, [B, T, H, V] in F's dtype; BW ≥ V). Fully parallel: what the state
+    walk then does per step is one load and one dot."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     R: tl.constexpr = 1 + 2 * BK + BK * (BK // 2)
@@ -458,6 +460,13 @@ def _features_kernel(k, g, F, zc, scale, T, NC, H: tl.constexpr, K: tl.constexpr
     # x loaded again untransposed for Σ x xᵀ g in exact fp32 (as Z2 in `_state_kernel`)
     Z2 = _mm(kft, _load_k(k, i_c, T, offs_c, offs_k, m_k, H, K, BC).to(tl.float32) * scale * gt[:, None], 0)
     tl.store(zc + 1 + BK + offs_k[:, None] * BK + offs_k[None, :], Z2)
+    if STORE_W:
+        offs_w = tl.arange(0, BW)
+        m_w = m_t[:, None] & (offs_w < V)[None, :]
+        at = (i_b.to(tl.int64) * T + t[:, None]) * H * V + i_h * V + offs_w[None, :]
+        bw = tl.load(w + at, mask=m_w, other=0.0).to(tl.float32)
+        d = tl.load(den + i_b.to(tl.int64) * T * H + i_h + t * H, mask=m_t, other=1.0)
+        tl.store(wout + at, (bw / d[:, None]).to(wout.dtype.element_ty), mask=m_w)
 
 
 @triton.jit
@@ -495,13 +504,14 @@ def _chain_kernel(F, v, hs, h0, hT, T, NC, H: tl.constexpr, V: tl.constexpr, R: 
         tl.store(hT + i_bh.to(tl.int64) * R * V + rows[:, None] * V + offs_v[None, :], S, mask=m_s)
 
 
-def _features_walk(x, g, w, scale: float, h0, z0, store_total: bool, reverse: bool, dot: int):
+def _features_walk(x, g, w, scale: float, h0, z0, store_total: bool, reverse: bool, dot: int, den=None):
     """A state pass under CONFIG["features"]: the features of scale·x and each chunk's denominator sums (weights g
     [B, T, H] fp32, or None: 1 per token) at once (`_features_kernel`), the walk over w [B, T, H, V] as one load and
     one dot per step (`_chain_kernel`, from the last chunk with reverse), and the denominator's entering states by
-    an exclusive cumsum over chunks (fp32). The forward: x = k, w = v; the reverse: x = q (times scale), w = dO/den,
-    g = dden. h0, z0: the state the walk starts from, pair / padded Taylor-order layouts, or None. Returns (hs, zs,
-    hT, zT) as `state_pass` does (hT, zT: the whole sums, or None)."""
+    an exclusive cumsum over chunks (fp32). The forward: x = k, w = v; the reverse: x = q (times scale), w = dO,
+    g = dden, den the forward's denominator (the walk then runs over dO/den, which the features kernel stores).
+    h0, z0: the state the walk starts from, pair / padded Taylor-order layouts, or None. Returns (hs, zs, hT, zT)
+    as `state_pass` does (hT, zT: the whole sums, or None)."""
     B, T, H, K = x.shape
     V = w.shape[-1]
     BK = 16
@@ -511,8 +521,11 @@ def _features_walk(x, g, w, scale: float, h0, z0, store_total: bool, reverse: bo
     dt = torch.bfloat16 if dot == 2 else torch.float32
     F = torch.empty(B * H, R, T, device=dev, dtype=dt)
     zc = torch.empty(B * H, NC, ZR, device=dev, dtype=torch.float32)
-    _features_kernel[(NC, B * H)](x, g, F, zc, scale, T, NC, H=H, K=K, BK=BK, BC=BC, NPF=2, DOT=dot,
-                                  USE_G=g is not None, num_warps=4)
+    wout = None if den is None else torch.empty(w.shape, device=dev, dtype=dt)
+    _features_kernel[(NC, B * H)](x, g, F, zc, w, den, wout, scale, T, NC, H=H, K=K, V=V, BK=BK, BC=BC,
+                                  BW=max(16, triton.next_power_of_2(V)), NPF=2, DOT=dot, USE_G=g is not None,
+                                  STORE_W=den is not None, num_warps=4)
+    w = w if den is None else wout
     hs = torch.empty(B * H, NC, R, V, device=dev, dtype=dt)
     hT = torch.empty(B * H, R, V, device=dev, dtype=torch.float32) if store_total else None
     RP = CONFIG["features_rows"]
@@ -919,12 +932,12 @@ def reverse_pass(q, do, den, dden, dhvT, dhzT, store_dh0: bool, scale: float, no
         dhT = orders_to_pairs(dhvT.reshape(B * H, 1 + K + K * K, V), K, BK).contiguous()
         dzT = _pad_orders(dhzT.reshape(B * H, 1 + K + K * K), K, BK).contiguous()
     if CONFIG["features"]:
-        # the query features, dO/den in the dots' operand dtype, and dden as the denominator sums' weights
+        # the query features, dden as the denominator sums' weights, and the walk over dO/den (stored in the dots'
+        # operand dtype by the features kernel)
         if normalize:
-            dnum, g = (do.float() / den[..., None]).to(torch.bfloat16 if dot == 2 else torch.float32), dden
-        else:
-            dnum, g = do, torch.zeros(B, T, H, device=dev, dtype=torch.float32)
-        return _features_walk(q, g, dnum, scale, dhT, dzT, store_dh0, True, dot)
+            return _features_walk(q, dden, do, scale, dhT, dzT, store_dh0, True, dot, den=den)
+        g = torch.zeros(B, T, H, device=dev, dtype=torch.float32)
+        return _features_walk(q, g, do, scale, dhT, dzT, store_dh0, True, dot)
     ds = torch.empty(B * H, NC, R, V, device=dev, dtype=torch.bfloat16 if dot == 2 else torch.float32)
     dzs = torch.empty(B * H, NC, ZR, device=dev, dtype=torch.float32)
     NS, CPS = _segments(NC)
