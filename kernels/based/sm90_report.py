@@ -4,7 +4,7 @@ allocations per program (Triton's TTGIR), and registers and spills (ptxas). The 
 a variant that spills or lowers its dots to mma.sync where it meant wgmma shows here before it is timed.
 
     python -m kernels.based.sm90_report [--kernel fwd|dq|dkv|split_state|split_output|split_reverse|split_dq|
-        split_dkv|split_dv|split_dk|split_prefix] [--mode 3] [--bv 32]
+        split_dkv|split_dv|split_dk|split_prefix|split_features|split_chain] [--mode 3] [--bv 32]
         [--bc 64] [--warps 4] [--states] [--np 4] [--op 2] [--maxnreg 168]
 
 Uses the ptxas that ships with Triton (ptxas-blackwell where the bundled ptxas is older than the PTX Triton
@@ -42,6 +42,10 @@ KERNELS = {
     "split_dk": (split._dkv_kernel, ("q", "k", "v", "do", "dv", "ds")),  # split_dkv with DV=False
     # CONFIG["scan"]: the in-place prefix over the per-chunk sums (the bf16 states)
     "split_prefix": (split._prefix_kernel, ("x",)),
+    # CONFIG["features"]: the features kernel (with --states: the reverse pass's, dden weights and dO/den stored)
+    # and the walk over the stored features
+    "split_features": (split._features_kernel, ("k", "F", "w", "wout")),
+    "split_chain": (split._chain_kernel, ("F", "v", "hs")),
 }
 
 
@@ -57,7 +61,8 @@ def compile_kernel(kind: str, mode: int, BV: int, BC: int, warps: int, stages: i
                  USE_H0=states, STORE_HT=states, USE_DHT=states, STORE_DH0=states, NP=NP, OP=OP, NS=NS,
                  STORE_HS=True, STORE_DS=True, PREFETCH=prefetch, GATHER=gather,
                  DV=kind != "split_dk", DK=kind != "split_dv", G=G, STAGES=chunk_stages, REVERSE=False,
-                 USE_X0=states, STORE_XT=states, BW=1024)
+                 USE_X0=states, STORE_XT=states, BW=1024 if kind == "split_prefix" else BV, R=161, RP=64, NPF=2,
+                 USE_G=states, STORE_W=states)
     sig = {}
     for name in fn.arg_names:
         if name in const:

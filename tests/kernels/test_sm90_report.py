@@ -28,7 +28,7 @@ def test_default_kernels_compile_for_sm90(kind):
 
 @pytest.mark.skipif(not os.path.exists(os.path.join(BIN, "ptxas")), reason="Triton ships no ptxas here")
 @pytest.mark.parametrize("kind", ["split_state", "split_output", "split_reverse", "split_dq", "split_dv", "split_dk",
-                                  "split_prefix"])
+                                  "split_prefix", "split_features", "split_chain"])
 def test_split_kernels_compile_for_sm90_within_their_register_caps(kind):
     """The split forward's and backward's kernels at their default settings (kernels/based/split.py CONFIG),
     states on: they compile for sm_90a (the interpreter accepts code the compiler refuses), within the register cap
@@ -40,7 +40,8 @@ def test_split_kernels_compile_for_sm90_within_their_register_caps(kind):
     loop = {"split_output": "output", "split_dq": "dq", "split_dv": "dv", "split_dk": "dk", "split_state": "state",
             "split_reverse": "state"}.get(kind, "none")
     cap = CONFIG["state_maxnreg"] if state else CONFIG["output_maxnreg"] if kind == "split_output" else \
-        None if kind == "split_prefix" else CONFIG["grads_maxnreg"]
+        None if kind in ("split_prefix", "split_features") else CONFIG["features_maxnreg"] if kind == "split_chain" \
+        else CONFIG["grads_maxnreg"]
     kernel = compile_kernel(kind, 5, CONFIG["BV"], CONFIG["BC"], CONFIG["state_warps" if state else "output_warps"],
                             states=True, NP=CONFIG["NP"], OP=CONFIG["OP"], NS=CONFIG["NS"],
                             prefetch=CONFIG["prefetch"], gather=CONFIG["gather"], maxnreg=cap,
