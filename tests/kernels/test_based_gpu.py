@@ -42,7 +42,7 @@ SPLIT_CASES = [Case(B=1, T=T, H=2, K=16, V=64) for T in GPU_T] + [
 
 
 # the default settings at every case and dtype; the state passes in four segments, the pair features by tl.gather,
-# and the key features stored first (CONFIG["features"]), at two cases in bf16 (the last also at V=112 in fp16)
+# and the key features stored first (CONFIG["features"]), at two cases in bf16; the features also at V=112 in fp16
 SPLIT_RUNS = [(c, {}, dt, f"{c.id}-default-{n}") for c in SPLIT_CASES for dt, n in zip(DTYPES, DT_IDS)] + [
     (c, cfg, torch.bfloat16, f"{c.id}-{name}-bf16")
     for c in SPLIT_CASES if c.T in (1000, 4096) and c.V == 64 and c.normalize
