@@ -557,18 +557,18 @@ def state_pass(k, v, hv0, hz0, output_final_state: bool, dot: int):
     R = 1 + 2 * BK + BK * BK // 2
     ZR = 1 + BK + BK * BK
     dev = k.device
-    hs = torch.empty(B * H, NC, R, V, device=dev, dtype=torch.bfloat16 if dot == 2 else torch.float32)
-    zs = torch.empty(B * H, NC, ZR, device=dev, dtype=torch.float32)
     h0 = z0 = hT = zT = None
     if hv0 is not None:
         h0 = orders_to_pairs(hv0.reshape(B * H, 1 + K + K * K, V), K, BK).contiguous()
         z0 = _pad_orders(hz0.reshape(B * H, 1 + K + K * K), K, BK).contiguous()
+    if CONFIG["features"]:
+        return _features_walk(k, None, v, 1.0, h0, z0, output_final_state, False, dot)
+    hs = torch.empty(B * H, NC, R, V, device=dev, dtype=torch.bfloat16 if dot == 2 else torch.float32)
+    zs = torch.empty(B * H, NC, ZR, device=dev, dtype=torch.float32)
     meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NP=NP, NS=NS, DOT=dot, PREFETCH=CONFIG["prefetch"],
                 GATHER=CONFIG["gather"], num_warps=CONFIG["state_warps"],
                 maxnreg=CONFIG["state_maxnreg"], STAGES=CONFIG["state_stages"])
     grid = (NP + 1, NV, B * H * NS)
-    if CONFIG["features"]:
-        return _features_walk(k, None, v, 1.0, h0, z0, output_final_state, False, dot)
     if CONFIG["scan"]:
         # every chunk's own sum at once (NC segments of one chunk, stored straight into hs, zs), then the exclusive
         # prefix over chunks in place
