@@ -209,9 +209,10 @@ def sweep(modes=(5, 6)):
 
 # The split settings to sweep, each over split.CONFIG's defaults. Sessions 8-9 settled NP=2, OP=2, the chunk-ahead
 # load, 168-register caps and the output pass at 8 chunks / 3 stages (experiments/LOG.md: segments, NP=4, 8 warps,
-# BV=32, 128-register caps and pipelined gradient kernels were slower or faulted). This grid: the defaults, then
-# the state passes as per-chunk sums and a prefix scan (CONFIG["scan"], not yet timed) at NP 2 and 1.
-SPLIT_GRID = [{}, {"scan": True}, {"scan": True, "NP": 1}]
+# BV=32, 128-register caps and pipelined gradient kernels were slower or faulted); session 10 the dv launch at 4 /
+# 2 and session 11 the stored features (CONFIG["features"]). This grid: the defaults, the state passes walking
+# with the features computed inside the walk (the default before session 11), and dq at 4 chunks / 2 stages.
+SPLIT_GRID = [{}, {"features": False}, {"dq_chunks": 4, "dq_stages": 2}]
 
 
 def split_config() -> dict:

@@ -50,6 +50,8 @@ import triton.language as tl
 from kernels.based.chunk import _load_dout, _mm, _pair_contract, _pairs
 
 # Launch settings of the split kernels; the GPU sweep of experiments/bench/based_kernels.py varies them.
+# NP, NS, prefetch, gather (in the state passes), state_warps, state_maxnreg, state_stages and scan shape the state
+# passes' walk with the features computed inside it, which runs with features off (the default since session 11).
 # H200 (session 8): NP=2 and the one-chunk-ahead load were fastest (fused forward + split backward 1.74 ms at the
 # benchmark shape with OP=2, 1.80 ms with OP=4); session 9: OP=2 with 168-register caps 1.70 ms (128-register caps
 # spill: 2.23 ms; output_BV=32: 1.83 ms); OP=2 spills 24 B under Triton 3.9 (the caps more); segments (NS > 1)
@@ -82,13 +84,16 @@ from kernels.based.chunk import _load_dout, _mm, _pair_contract, _pairs
 # stores the features feature-major (`_features_kernel`: of the keys; for the reverse pass of the scaled queries,
 # with dden as the denominator sums' weights) and a walk that is one load and one dot per step over them
 # (`_chain_kernel`, over v or dO/den, rows in parts of features_rows, a pipelined loop of features_stages). Session
-# 10: a minimal kernel of that walk took 1.2-1.5 µs per step on the H200 against the state pass's 4.6; not yet
-# timed itself.
+# 10: a minimal kernel of that walk took 1.2-1.5 µs per step on the H200 against the state pass's 4.6. Session 11
+# (H200, Triton 3.6, T=4096): state pass 0.300 -> 0.260 ms, reverse 0.346 -> 0.300, forward+backward 1.539 -> 1.458
+# (the default since); features_rows=32 0.274 / 0.313, features_stages 2 or 4 0.272-0.274 / 0.313, a 168-register
+# cap the same (0.261 / 0.300). It trades the walk's latency for traffic: at that shape F is 169 MB, written once
+# and read once, each row part reads v again, and the states are stored: ≈ 0.72 GB, 0.17 ms at the copy ceiling.
 CONFIG = {"BC": 64, "BV": 64, "NP": 2, "OP": 2, "NS": 1, "prefetch": True, "gather": False, "state_warps": 4,
           "output_warps": 4, "dkv_apart": True, "state_maxnreg": 168, "output_maxnreg": 168, "grads_maxnreg": 168,
           "output_BV": 64, "output_chunks": 8, "output_stages": 3, "dq_chunks": 1, "dq_stages": 1,
           "dv_chunks": 4, "dv_stages": 2, "dk_chunks": 1, "dk_stages": 1, "scan": False, "state_stages": 1,
-          "features": False, "features_rows": 64, "features_stages": 3, "features_maxnreg": None}
+          "features": True, "features_rows": 64, "features_stages": 3, "features_maxnreg": None}
 
 
 def _pair_index(BK: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -470,14 +475,17 @@ def _features_kernel(k, g, F, zc, w, den, wout, scale, T, NC, H: tl.constexpr, K
 
 
 @triton.jit
-def _chain_kernel(F, v, hs, h0, hT, T, NC, H: tl.constexpr, V: tl.constexpr, R: tl.constexpr, RP: tl.constexpr,
-                  BV: tl.constexpr, BC: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
-                  DOT: tl.constexpr, STAGES: tl.constexpr, REVERSE: tl.constexpr = False):
+def _chain_kernel(F, v, hs, h0, hT, zc, z0, zT, T, NC, H: tl.constexpr, V: tl.constexpr, R: tl.constexpr,
+                  RP: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr, ZR: tl.constexpr, BZ: tl.constexpr,
+                  USE_H0: tl.constexpr, STORE_HT: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr,
+                  REVERSE: tl.constexpr = False):
     """CONFIG["features"]: rows i_p·RP up to (i_p + 1)·RP of sequence i_bh's state, value block i_v, walked over
     the chunks from the features `_features_kernel` stored: hs[i_bh, c] = h0 + Σ_{c' < c} F[:, c'] v[c'] (with
     REVERSE, Σ_{c' > c}: the reverse pass, v = dO/den) and the whole sum in hT (fp32), one load and one dot per
     step, Triton's pipelined loop loading STAGES - 1 chunks ahead. Every row is alike here, so the row parts need
-    not follow the layout's orders."""
+    not follow the layout's orders. The first program of each sequence (row part 0, value block 0) also turns the
+    chunks' own denominator sums zc [B·H, NC, ZR] (fp32) into the entering ones in place, from z0, with the whole
+    sum in zT (the other programs' masks are empty): no launch or PyTorch op of its own."""
     i_p, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     rows = i_p * RP + tl.arange(0, RP)
@@ -486,12 +494,17 @@ def _chain_kernel(F, v, hs, h0, hT, T, NC, H: tl.constexpr, V: tl.constexpr, R: 
     offs_v = i_v * BV + tl.arange(0, BV)
     m_v = offs_v < V
     m_s = m_r[:, None] & m_v[None, :]
+    offs_z = tl.arange(0, BZ)
+    m_z = (offs_z < ZR) & (offs_z * 0 + i_p + i_v == 0)  # the first program only
     F += i_bh.to(tl.int64) * R * T
     v += i_b.to(tl.int64) * T * H * V + i_h * V
     hs += i_bh.to(tl.int64) * NC * R * V
+    zc += i_bh.to(tl.int64) * NC * ZR
     S = tl.zeros([RP, BV], dtype=tl.float32)
+    Z = tl.zeros([BZ], dtype=tl.float32)
     if USE_H0:
         S += tl.load(h0 + i_bh.to(tl.int64) * R * V + rows[:, None] * V + offs_v[None, :], mask=m_s, other=0.0)
+        Z += tl.load(z0 + i_bh.to(tl.int64) * ZR + offs_z, mask=m_z, other=0.0)
     for i in tl.range(0, NC, num_stages=STAGES):
         c = NC - 1 - i if REVERSE else i
         tl.store(hs + c * R * V + rows[:, None] * V + offs_v[None, :], S.to(hs.dtype.element_ty), mask=m_s)
@@ -499,16 +512,20 @@ def _chain_kernel(F, v, hs, h0, hT, T, NC, H: tl.constexpr, V: tl.constexpr, R: 
         m_t = t < T
         f = tl.load(F + rows[:, None] * T + t[None, :], mask=m_r[:, None] & m_t[None, :], other=0.0)
         bv = tl.load(v + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        dz = tl.load(zc + c * ZR + offs_z, mask=m_z, other=0.0)
+        tl.store(zc + c * ZR + offs_z, Z, mask=m_z)
+        Z += dz
         S += _mm(f, bv, DOT)
     if STORE_HT:
         tl.store(hT + i_bh.to(tl.int64) * R * V + rows[:, None] * V + offs_v[None, :], S, mask=m_s)
+        tl.store(zT + i_bh.to(tl.int64) * ZR + offs_z, Z, mask=m_z)
 
 
 def _features_walk(x, g, w, scale: float, h0, z0, store_total: bool, reverse: bool, dot: int, den=None):
     """A state pass under CONFIG["features"]: the features of scale·x and each chunk's denominator sums (weights g
     [B, T, H] fp32, or None: 1 per token) at once (`_features_kernel`), the walk over w [B, T, H, V] as one load and
-    one dot per step (`_chain_kernel`, from the last chunk with reverse), and the denominator's entering states by
-    an exclusive cumsum over chunks (fp32). The forward: x = k, w = v; the reverse: x = q (times scale), w = dO,
+    one dot per step (`_chain_kernel`, from the last chunk with reverse), which also sums the denominator's
+    entering states over the chunks (fp32). The forward: x = k, w = v; the reverse: x = q (times scale), w = dO,
     g = dden, den the forward's denominator (the walk then runs over dO/den, which the features kernel stores).
     h0, z0: the state the walk starts from, pair / padded Taylor-order layouts, or None. Returns (hs, zs, hT, zT)
     as `state_pass` does (hT, zT: the whole sums, or None)."""
@@ -528,15 +545,15 @@ def _features_walk(x, g, w, scale: float, h0, z0, store_total: bool, reverse: bo
     w = w if den is None else wout
     hs = torch.empty(B * H, NC, R, V, device=dev, dtype=dt)
     hT = torch.empty(B * H, R, V, device=dev, dtype=torch.float32) if store_total else None
+    zT = torch.empty(B * H, ZR, device=dev, dtype=torch.float32) if store_total else None
     RP = CONFIG["features_rows"]
-    _chain_kernel[(triton.cdiv(R, RP), NV, B * H)](F, w, hs, h0, hT, T, NC, H=H, V=V, R=R, RP=RP, BV=BV, BC=BC,
+    # zc becomes the entering denominator states in place (the chain's first program per sequence)
+    _chain_kernel[(triton.cdiv(R, RP), NV, B * H)](F, w, hs, h0, hT, zc, z0, zT, T, NC, H=H, V=V, R=R, RP=RP, BV=BV,
+                                                   BC=BC, ZR=ZR, BZ=triton.next_power_of_2(ZR),
                                                    USE_H0=h0 is not None, STORE_HT=store_total, DOT=dot,
                                                    STAGES=CONFIG["features_stages"], REVERSE=reverse, num_warps=4,
                                                    maxnreg=CONFIG["features_maxnreg"])
-    zs = _exclusive_carry(zc, z0, reverse)
-    end = 0 if reverse else -1
-    zT = zs[:, end] + zc[:, end] if store_total else None
-    return hs, zs, hT, zT
+    return hs, zc, hT, zT
 
 
 def state_pass(k, v, hv0, hz0, output_final_state: bool, dot: int):
@@ -833,7 +850,8 @@ def _dq_chunk(q, k, v, do, den, dden, dq, hs, zs, scale, T, NC, i_c, i_bh, offs_
     if NORMALIZE:  # dd is zero past the first V block; no branch, so that a pipelined loop loads Z2 ahead
         Z2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
         dqs += dd[:, None] * (tl.load(z + 1 + offs_k)[None, :] + _mm(qs, Z2, 0))
-    tl.store(dq + t[:, None] * H * K + offs_k[None, :], dqs * scale, mask=m_t[:, None] & m_k[None, :])
+    tl.store(dq + t[:, None] * H * K + offs_k[None, :], (dqs * scale).to(dq.dtype.element_ty),
+             mask=m_t[:, None] & m_k[None, :])
 
 
 @triton.jit
@@ -913,7 +931,8 @@ def _dkv_chunk(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, i_c, i_bh,
         # the denominator's reverse state, counted once (first V block), weighted by 0 or 1 rather than in a branch
         d2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
         bdk += first.to(tl.float32) * (tl.load(z + 1 + offs_k)[None, :] + _mm(kf, d2, 0))
-        tl.store(dk + t[:, None] * H * K + offs_k[None, :], bdk, mask=m_t[:, None] & m_k[None, :])
+        tl.store(dk + t[:, None] * H * K + offs_k[None, :], bdk.to(dk.dtype.element_ty),
+                 mask=m_t[:, None] & m_k[None, :])
 
 
 def reverse_pass(q, do, den, dden, dhvT, dhzT, store_dh0: bool, scale: float, normalize: bool, dot: int):
@@ -973,15 +992,16 @@ def reverse_pass(q, do, den, dden, dhvT, dhzT, store_dh0: bool, scale: float, no
 
 
 def chunk_grads(q, k, v, do, den, dden, hs, zs, ds, dzs, scale: float, normalize: bool, dot: int):
-    """Every chunk's dq and dk (fp32, summed over V blocks) and dv, at once, from the entering states of
-    `state_pass` (hs, zs) and `reverse_pass` (ds, dzs)."""
+    """Every chunk's dq and dk and dv, at once, from the entering states of `state_pass` (hs, zs) and
+    `reverse_pass` (ds, dzs). dq and dk come in q's dtype where one value block covers V (stored straight from the
+    fp32 sums: no reduction or cast launched after), else as fp32 sums of the value blocks' parts."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     BC, BV, NV, NC = _blocks(T, V)
     dev = q.device
     _, BVQ, NVQ, _ = _blocks(T, V, CONFIG["output_BV"])
-    dq = torch.empty(NVQ, B, T, H, K, device=dev, dtype=torch.float32)
-    dk = torch.empty(NV, B, T, H, K, device=dev, dtype=torch.float32)
+    dq = torch.empty(NVQ, B, T, H, K, device=dev, dtype=q.dtype if NVQ == 1 else torch.float32)
+    dk = torch.empty(NV, B, T, H, K, device=dev, dtype=q.dtype if NV == 1 else torch.float32)
     dv = torch.empty_like(v)
     meta = dict(H=H, K=K, V=V, BK=16, BC=BC, OP=CONFIG["OP"], NORMALIZE=normalize, DOT=dot,
                 num_warps=CONFIG["output_warps"], maxnreg=CONFIG["grads_maxnreg"])
@@ -995,12 +1015,12 @@ def chunk_grads(q, k, v, do, den, dden, hs, zs, ds, dzs, scale: float, normalize
         _dkv_kernel[(triton.cdiv(NC, G), NV, B * H)](q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, BV=BV,
                                                      GATHER=CONFIG["gather"], G=G, STAGES=CONFIG[f"{name}_stages"],
                                                      **meta, **which)
-    return dq.sum(0), dk.sum(0), dv
+    return (dq[0] if NVQ == 1 else dq.sum(0)), (dk[0] if NV == 1 else dk.sum(0)), dv
 
 
 def split_backward(q, k, v, do, den, dden, hv0, hz0, dhvT, dhzT, scale: float, normalize: bool, dot: int,
                    states=None):
-    """dq, dk (fp32, summed over V blocks), dv, and the initial state's gradient (dhv0, dhz0) in the Taylor-order
+    """dq, dk (as `chunk_grads` returns them), dv, and the initial state's gradient (dhv0, dhz0) in the Taylor-order
     layout (None without an initial state). dhvT/dhzT: the final state's gradient with order 2 symmetrised, or
     None. The arguments are those of chunk.py's backward; states: the forward's (hs, zs) from `split_forward`
     (at the same CONFIG), or None to compute them again."""

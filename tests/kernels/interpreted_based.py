@@ -104,20 +104,23 @@ SPLIT = [Case(B=1, T=T, H=2, K=16, V=64) for T in CPU_T] + [
 # chunk, the pair features by tl.gather, and the output pass and dq in value blocks of 64 against 16. The per-chunk
 # kernels take 2 chunks per program (pipelined), and 3 at small chunks (the last program fewer), where the state
 # passes also run as Triton's pipelined loop. The same three also with the state passes as per-chunk sums and a
-# prefix scan (CONFIG["scan"]). Every case with the key features stored first and the walk a load and a dot per
-# step (CONFIG["features"]), and three of them so at small chunks, in row parts of 32.
+# prefix scan (CONFIG["scan"]). Those runs walk with the features computed inside the walk (CONFIG["features"]
+# off); every case also at the defaults (the key features stored first, the walk a load and a dot per step), and
+# three of them so at small chunks, in row parts of 32.
 SPLIT_RUNS = [(c, {"BC": 32, "NP": 4, "OP": 2, "NS": 1, "prefetch": True, "gather": False, "dkv_apart": True,
+                   "features": False,
                    "output_BV": 32, "output_chunks": 2, "output_stages": 2,
                    "dq_chunks": 2, "dq_stages": 2, "dv_chunks": 2, "dv_stages": 2, "dk_chunks": 2, "dk_stages": 2},
                    "bc32")
               for c in SPLIT] + [
     (c, {"BC": 16, "NP": 2, "BV": 16, "OP": 4, "NS": 3, "prefetch": False, "gather": True, "dkv_apart": False,
-         "output_BV": 64, "output_chunks": 3, "dq_chunks": 3, "dk_chunks": 3, "state_stages": 2},
+         "output_BV": 64, "output_chunks": 3, "dq_chunks": 3, "dk_chunks": 3, "state_stages": 2, "features": False},
      "bc16-ns3-gather")
     for c in (SPLIT[3], SPLIT[4], SPLIT[6])
 ] + [
-    (c, {"BC": 16, "NP": 2, "OP": 2, "scan": True}, "bc16-scan") for c in (SPLIT[3], SPLIT[4], SPLIT[6])
-] + [(c, {"features": True}, "features") for c in SPLIT] + [
+    (c, {"BC": 16, "NP": 2, "OP": 2, "scan": True, "features": False}, "bc16-scan")
+    for c in (SPLIT[3], SPLIT[4], SPLIT[6])
+] + [(c, {}, "default") for c in SPLIT] + [
     (c, {"BC": 16, "features": True, "features_rows": 32}, "bc16-features32") for c in (SPLIT[3], SPLIT[4], SPLIT[6])
 ]
 SPLIT_IDS = [f"{c.id}-{name}" for c, _, name in SPLIT_RUNS]

@@ -41,13 +41,15 @@ SPLIT_CASES = [Case(B=1, T=T, H=2, K=16, V=64) for T in GPU_T] + [
 ]
 
 
-# the default settings at every case and dtype; the state passes in four segments, the pair features by tl.gather,
-# and the key features stored first (CONFIG["features"]), at two cases in bf16; the features also at V=112 in fp16
+# the default settings (the key features stored first, CONFIG["features"]) at every case and dtype; the state
+# passes walking with the features computed inside the walk (features off), alone, in four segments and with the
+# pair features by tl.gather, at two cases in bf16; that walk also at V=112 in fp16
+WALK = {"features": False}
 SPLIT_RUNS = [(c, {}, dt, f"{c.id}-default-{n}") for c in SPLIT_CASES for dt, n in zip(DTYPES, DT_IDS)] + [
-    (c, cfg, torch.bfloat16, f"{c.id}-{name}-bf16")
+    (c, {**WALK, **cfg}, torch.bfloat16, f"{c.id}-{name}-bf16")
     for c in SPLIT_CASES if c.T in (1000, 4096) and c.V == 64 and c.normalize
-    for cfg, name in (({"NS": 4}, "ns4"), ({"gather": True}, "gather"), ({"features": True}, "features"))
-] + [(SPLIT_CASES[-2], {"features": True}, torch.float16, f"{SPLIT_CASES[-2].id}-features-fp16")]
+    for cfg, name in (({"NS": 4}, "ns4"), ({"gather": True}, "gather"), ({}, "walk"))
+] + [(SPLIT_CASES[-2], WALK, torch.float16, f"{SPLIT_CASES[-2].id}-walk-fp16")]
 
 
 @pytest.mark.parametrize(("case", "config", "dtype"), [r[:3] for r in SPLIT_RUNS], ids=[r[3] for r in SPLIT_RUNS])
