@@ -89,11 +89,14 @@ from kernels.based.chunk import _load_dout, _mm, _pair_contract, _pairs
 # (the default since); features_rows=32 0.274 / 0.313, features_stages 2 or 4 0.272-0.274 / 0.313, a 168-register
 # cap the same (0.261 / 0.300). It trades the walk's latency for traffic: at that shape F is 169 MB, written once
 # and read once, each row part reads v again, and the states are stored: ≈ 0.72 GB, 0.17 ms at the copy ceiling.
+# features_gather: the features kernel's pair rows by `tl.gather` (as gather above) instead of dots with 0/1
+# matrices.
 CONFIG = {"BC": 64, "BV": 64, "NP": 2, "OP": 2, "NS": 1, "prefetch": True, "gather": False, "state_warps": 4,
           "output_warps": 4, "dkv_apart": True, "state_maxnreg": 168, "output_maxnreg": 168, "grads_maxnreg": 168,
           "output_BV": 64, "output_chunks": 8, "output_stages": 3, "dq_chunks": 1, "dq_stages": 1,
           "dv_chunks": 4, "dv_stages": 2, "dk_chunks": 1, "dk_stages": 1, "scan": False, "state_stages": 1,
-          "features": True, "features_rows": 64, "features_stages": 3, "features_maxnreg": None}
+          "features": True, "features_rows": 64, "features_stages": 3, "features_maxnreg": None,
+          "features_gather": False}
 
 
 def _pair_index(BK: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -426,7 +429,7 @@ def _exclusive_carry(tot: torch.Tensor, start, reverse: bool) -> torch.Tensor:
 @triton.jit
 def _features_kernel(k, g, F, zc, w, den, wout, scale, T, NC, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                      BK: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr, NPF: tl.constexpr, DOT: tl.constexpr,
-                     USE_G: tl.constexpr, STORE_W: tl.constexpr):
+                     USE_G: tl.constexpr, STORE_W: tl.constexpr, GATHER: tl.constexpr = False):
     """CONFIG["features"]: chunk i_c of sequence i_bh's features of x = scale·k (k: the keys, or the queries for the
     reverse pass), feature-major, in the state's pair-layout row order (F [B·H, R, T] in the operand dtype: 1, x_a,
     x_a², then w_j·x_{a_j}·x_{b_j}, the products exact in fp32 before the one rounding the dot would apply), and the
@@ -459,7 +462,8 @@ def _features_kernel(k, g, F, zc, w, den, wout, scale, T, NC, H: tl.constexpr, K
     tl.store(F + (1 + BK + offs_k)[:, None] * T + t[None, :], (kft * kft).to(dt), mask=m_t[None, :])
     for p in tl.static_range(NPF):
         rows = 1 + 2 * BK + p * JP + tl.arange(0, JP)
-        tl.store(F + rows[:, None] * T + t[None, :], _pairs(kft, BK, DOT, p, NPF, True).to(dt), mask=m_t[None, :])
+        pairs = _pairs(kft, BK, DOT, p, NPF, True, GATHER)
+        tl.store(F + rows[:, None] * T + t[None, :], pairs.to(dt), mask=m_t[None, :])
     tl.store(zc, tl.sum(gt, 0))
     tl.store(zc + 1 + offs_k, tl.sum(kft * gt[None, :], 1))
     # x loaded again untransposed for Σ x xᵀ g in exact fp32 (as Z2 in `_state_kernel`)
@@ -541,7 +545,7 @@ def _features_walk(x, g, w, scale: float, h0, z0, store_total: bool, reverse: bo
     wout = None if den is None else torch.empty(w.shape, device=dev, dtype=dt)
     _features_kernel[(NC, B * H)](x, g, F, zc, w, den, wout, scale, T, NC, H=H, K=K, V=V, BK=BK, BC=BC,
                                   BW=max(16, triton.next_power_of_2(V)), NPF=2, DOT=dot, USE_G=g is not None,
-                                  STORE_W=den is not None, num_warps=4)
+                                  STORE_W=den is not None, GATHER=CONFIG["features_gather"], num_warps=4)
     w = w if den is None else wout
     hs = torch.empty(B * H, NC, R, V, device=dev, dtype=dt)
     hT = torch.empty(B * H, R, V, device=dev, dtype=torch.float32) if store_total else None
