@@ -676,18 +676,20 @@ def _config(K: int, V: int, dtype: torch.dtype, kind: str):
 TARGET_PROGRAMS = 132
 # "fused": `_fwd_kernel` above. "split": kernels/based/split.py, a state pass that stores the state entering every
 # chunk, then every chunk's output at once (K ≤ 16). On the H200 (session 8, B=8, H=16, T=4096, bf16) the split
-# forward took 0.50 ms against the fused 0.385. "auto" (the default): split where a gradient will follow and the
-# backward is split (`split_backward_applies`), fused otherwise. The split backward then reuses the entering states
-# the split forward stored instead of recomputing them (its state pass, 0.30 ms at that shape), at the cost of
-# keeping them from forward to backward: B·H·⌈T/64⌉·(161·V·2 + 273·4) bytes in bf16 (178 MB at that shape, against
-# 168 MB for q, k, v, o); `SAVE_STATES = False` recomputes them instead.
+# forward took 0.50 ms against the fused 0.385; session 11, with the stored features, 0.371 against 0.384, for 338
+# MB of temporaries at that shape (the features and the states), so inference stays fused. "auto" (the default):
+# split where a gradient will follow and the backward is split (`split_backward_applies`), fused otherwise. The
+# split backward then reuses the entering states the split forward stored instead of recomputing them (its state
+# pass, 0.23 ms at that shape), at the cost of keeping them from forward to backward: B·H·⌈T/64⌉·(161·V·2 + 273·4)
+# bytes in bf16 (178 MB at that shape, against 168 MB for q, k, v, o); `SAVE_STATES = False` recomputes them.
 FORWARD = "auto"
 SAVE_STATES = True
 # The same choice for the backward: "split" recomputes the split forward's states, runs a reverse state pass and
 # then every chunk's dq and dk, dv at once (K ≤ 16). "auto" (the default) takes it where it was measured faster
 # and checked on the H200: bf16 and fp16 inputs, K ≤ 16 and 32 < V ≤ 128 (value blocks of 64; `split_backward_
 # applies`); forward+backward 1.74 ms against 2.25 ms fused at the benchmark shape (session 8; 1.59 ms with the
-# split forward's states kept, FORWARD above, session 9; 1.54 ms with dv pipelined, session 10). fp32 stays fused.
+# split forward's states kept, FORWARD above, session 9; 1.54 ms with dv pipelined, session 10; 1.27 ms with the
+# stored features and fewer launches, session 11). fp32 stays fused.
 BACKWARD = "auto"
 
 

@@ -5,11 +5,13 @@ registers, so one program per (sequence, V block) runs a chain of T/BC dependent
 update, the state read and the intra-chunk tile (experiments/LOG.md: register-bound at 255 registers, ≈ 6 µs
 per step on the H200). This split forward separates them:
 
-1. `_state_kernel`, grid (NP + 1 row parts, V blocks, B·H): each program owns a slice of the state's rows and
-   walks the chunks, storing the state that enters every chunk, hs[b·h, c] (the exclusive prefix), and adding
-   the chunk's keys. Part p < NP holds 1/NP of the order-2 pair rows; part NP holds order 0, order 1 and the
-   order-2 diagonal. The chain is still serial, but each step is one small dot and the programs are
-   (NP + 1)× more numerous with a fraction of the registers.
+1. The state pass stores the state that enters every chunk, hs[b·h, c] (the exclusive prefix). By default
+   (CONFIG["features"], since session 11) in two launches: `_features_kernel`, grid (chunks, B·H), writes every
+   token's key features feature-major (F [B·H, R, T]) and every chunk's own denominator sums, fully parallel;
+   then `_chain_kernel`, grid (row parts, V blocks, B·H), walks the chunks with one load and one dot per step,
+   hs[c + 1] = hs[c] + F[:, c]·v[c], and turns the denominator sums into entering states on the way. With
+   features off, `_state_kernel`, grid (NP + 1 row parts, V blocks, B·H), builds the features inside the walk:
+   part p < NP holds 1/NP of the order-2 pair rows, part NP orders 0, 1 and the order-2 diagonal.
 2. `_output_kernel`, grid (chunks, V blocks, B·H): every chunk at once, from its entering state:
    o = w·v (the causal tile, w = 1 + s + s²/2) + φ(q)·hs[c], and the same for the denominator.
 
@@ -40,7 +42,11 @@ a pipelined output pass brought forward+backward to 1.59 ms (split forward 0.44:
 session 10, the dv launch pipelined, to 1.54 ms (chunk gradients 0.745 -> 0.689). Session 10 also measured what
 does not help the state passes: a per-chunk scan, Triton's pipelined loop, and fewer stored states (blocks of
 2-8 chunks, the state pass 0.30 -> 0.28 ms while the output pass doubled): a step costs ≈ 4.4 µs of latency inside
-the step (ncu: loads behind shared-memory traffic and layout changes), with or without its store.
+the step (ncu: loads behind shared-memory traffic and layout changes), with or without its store. Session 11: the
+features computed first (CONFIG["features"]) take the state pass to 0.23 ms and the reverse to 0.26, and with the
+dq/dk reductions and the cumsum ops gone forward+backward is 1.27 ms; the split forward, 0.37 ms, now edges out
+the fused one (0.38). Nsight Compute: the chain walk runs at 70% of DRAM bandwidth (3.4 TB/s), the features
+kernel at 35-49% of DRAM and 73-82% of L1 (its layout changes), so the state passes are near their traffic.
 """
 
 import torch
