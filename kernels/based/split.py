@@ -96,13 +96,16 @@ from kernels.based.chunk import _load_dout, _mm, _pair_contract, _pairs
 # cap the same (0.261 / 0.300). It trades the walk's latency for traffic: at that shape F is 169 MB, written once
 # and read once, each row part reads v again, and the states are stored: ≈ 0.72 GB, 0.17 ms at the copy ceiling.
 # features_gather: the features kernel's pair rows by `tl.gather` (as gather above) instead of dots with 0/1
-# matrices.
+# matrices (session 11: split forward 0.358 ms against 0.370, forward+backward 1.277 against 1.263, one run).
+# features_parts (1, 2, 4 or 8: the pair rows built in that many parts, fewer live at a time) and features_warps:
+# the features kernel, which ncu (session 11) found at 150-160 registers and 3 programs per SM, bound by L1 traffic
+# (its layout changes) rather than DRAM (34-49%); not yet timed.
 CONFIG = {"BC": 64, "BV": 64, "NP": 2, "OP": 2, "NS": 1, "prefetch": True, "gather": False, "state_warps": 4,
           "output_warps": 4, "dkv_apart": True, "state_maxnreg": 168, "output_maxnreg": 168, "grads_maxnreg": 168,
           "output_BV": 64, "output_chunks": 8, "output_stages": 3, "dq_chunks": 1, "dq_stages": 1,
           "dv_chunks": 4, "dv_stages": 2, "dk_chunks": 1, "dk_stages": 1, "scan": False, "state_stages": 1,
           "features": True, "features_rows": 64, "features_stages": 3, "features_maxnreg": None,
-          "features_gather": False}
+          "features_gather": False, "features_parts": 2, "features_warps": 4}
 
 
 def _pair_index(BK: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -550,8 +553,9 @@ def _features_walk(x, g, w, scale: float, h0, z0, store_total: bool, reverse: bo
     zc = torch.empty(B * H, NC, ZR, device=dev, dtype=torch.float32)
     wout = None if den is None else torch.empty(w.shape, device=dev, dtype=dt)
     _features_kernel[(NC, B * H)](x, g, F, zc, w, den, wout, scale, T, NC, H=H, K=K, V=V, BK=BK, BC=BC,
-                                  BW=max(16, triton.next_power_of_2(V)), NPF=2, DOT=dot, USE_G=g is not None,
-                                  STORE_W=den is not None, GATHER=CONFIG["features_gather"], num_warps=4)
+                                  BW=max(16, triton.next_power_of_2(V)), NPF=CONFIG["features_parts"], DOT=dot,
+                                  USE_G=g is not None, STORE_W=den is not None, GATHER=CONFIG["features_gather"],
+                                  num_warps=CONFIG["features_warps"])
     w = w if den is None else wout
     hs = torch.empty(B * H, NC, R, V, device=dev, dtype=dt)
     hT = torch.empty(B * H, R, V, device=dev, dtype=torch.float32) if store_total else None
