@@ -689,16 +689,23 @@ SAVE_STATES = True
 # and checked on the H200: bf16 and fp16 inputs, K ≤ 16 and 32 < V ≤ 128 (value blocks of 64; `split_backward_
 # applies`); forward+backward 1.74 ms against 2.25 ms fused at the benchmark shape (session 8; 1.59 ms with the
 # split forward's states kept, FORWARD above, session 9; 1.54 ms with dv pipelined, session 10; 1.27 ms with the
-# stored features and fewer launches, session 11). fp32 stays fused.
+# stored features and fewer launches, session 11). fp32 stays fused. "auto" also leaves small problems fused
+# (B·H·T < SPLIT_MIN_WORK), except under CUDA-graph capture: there the host's launch cost decides, and the split
+# forward+backward launches 9 Triton kernels against the fused one's 4. Session 12 (H200, B·H = 128, bf16, eager,
+# iterations back to back, ms): T=512 split 1.12 / fused 0.64, T=1024 1.28 / 0.76, T=2048 1.13 / 1.18, T=4096
+# 1.35 / 2.32, while on the device alone (the host hidden) the split is faster at every T (0.39 / 0.60 at T=1024).
 BACKWARD = "auto"
+SPLIT_MIN_WORK = 1 << 18
 
 
-def split_backward_applies(K: int, V: int, dtype: torch.dtype) -> bool:
-    """Whether the backward runs kernels/based/split.py's kernels under BACKWARD (see above)."""
+def split_backward_applies(K: int, V: int, dtype: torch.dtype, work: int, capturing: bool = False) -> bool:
+    """Whether the backward runs kernels/based/split.py's kernels under BACKWARD (see above); work = B·H·T,
+    capturing: whether the call is being captured into a CUDA graph."""
     if BACKWARD == "split":
         return K <= 16
     if BACKWARD == "auto":
-        return K <= 16 and 32 < V <= 128 and dtype in (torch.bfloat16, torch.float16)
+        return (K <= 16 and 32 < V <= 128 and dtype in (torch.bfloat16, torch.float16)
+                and (work >= SPLIT_MIN_WORK or capturing))
     return False
 MIN_SEGMENT_CHUNKS = 8
 SEGMENT_TOKENS: int | None = None
@@ -740,7 +747,8 @@ class ChunkBasedFunction(torch.autograd.Function):
                     EXPAND=_expand_mode(BK, forward=True), num_warps=num_warps, num_stages=num_stages)
         SEG = _segment_tokens(T, NV * B * H, BC)
         NS = triton.cdiv(T, SEG)
-        split_bwd = grad_follows and split_backward_applies(K, V, q.dtype)
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        split_bwd = grad_follows and split_backward_applies(K, V, q.dtype, B * H * T, capturing)
         states = None
         if (FORWARD == "split" and K <= 16) or (FORWARD == "auto" and split_bwd):
             from kernels.based.split import split_forward
@@ -774,7 +782,7 @@ class ChunkBasedFunction(torch.autograd.Function):
             _fwd_kernel[(NV, NS, B * H)](q, k, v, o, den, hv_in, hz_in, None, None, scale, T, SEG, USE_H0=True,
                                          STORE_HT=False, STATE_ONLY=False, **meta)
         ctx.save_for_backward(q, k, v, o, den, hv0, hz0, *(states or (None, None)))
-        ctx.scale, ctx.normalize = scale, normalize
+        ctx.scale, ctx.normalize, ctx.split_bwd = scale, normalize, split_bwd
         return o, hvT, hzT
 
     @staticmethod
@@ -798,7 +806,7 @@ class ChunkBasedFunction(torch.autograd.Function):
             dhzT = torch.zeros(B, H, F, device=q.device, dtype=torch.float32) if dhzT is None else dhzT
             dhvT = _symmetrise_order2(dhvT.float(), K).contiguous()
             dhzT = _symmetrise_order2(dhzT.float(), K).contiguous()
-        if split_backward_applies(K, V, q.dtype):
+        if ctx.split_bwd:  # the forward's choice, which kept its states for it
             from kernels.based.split import split_backward
 
             dq, dk, dv, dhv0, dhz0 = split_backward(q, k, v, do, den, dden, hv0, hz0, dhvT if use_dht else None,

@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.based.chunk import _load_dout, _mm, _pair_contract, _pairs
+from kernels.based.chunk import _load_dout, _mm, _pair_cols, _pair_contract, _pairs
 
 # Launch settings of the split kernels; the GPU sweep of experiments/bench/based_kernels.py varies them.
 # NP, NS, prefetch, gather (in the state passes), state_warps, state_maxnreg, state_stages and scan shape the state
@@ -99,13 +99,17 @@ from kernels.based.chunk import _load_dout, _mm, _pair_contract, _pairs
 # matrices (session 11: split forward 0.358 ms against 0.370, forward+backward 1.277 against 1.263, one run).
 # features_parts (1, 2, 4 or 8: the pair rows built in that many parts, fewer live at a time) and features_warps:
 # the features kernel, which ncu (session 11) found at 150-160 registers and 3 programs per SM, bound by L1 traffic
-# (its layout changes) rather than DRAM (34-49%); not yet timed.
+# (its layout changes) rather than DRAM (34-49%). Session 12 (H200, T=4096, one run): parts 1 0.390 / 1.323 ms
+# (split forward / forward+backward), 4 0.373 / 1.273, 8 0.379 / 1.287, against 2 0.372 / 1.270 (and 0.372 / 1.273
+# at the sweep's end); 8 warps 0.385 / 1.318; gather 0.359 / 1.254 (gather with 4 parts 0.361 / 1.258).
+# features_load: the features kernel reads x transposed ([B, H, K, T], a PyTorch copy made first), each feature row
+# a contiguous row load (L1 hits) in the store's layout, so the kernel has no layout change left; not yet timed.
 CONFIG = {"BC": 64, "BV": 64, "NP": 2, "OP": 2, "NS": 1, "prefetch": True, "gather": False, "state_warps": 4,
           "output_warps": 4, "dkv_apart": True, "state_maxnreg": 168, "output_maxnreg": 168, "grads_maxnreg": 168,
           "output_BV": 64, "output_chunks": 8, "output_stages": 3, "dq_chunks": 1, "dq_stages": 1,
           "dv_chunks": 4, "dv_stages": 2, "dk_chunks": 1, "dk_stages": 1, "scan": False, "state_stages": 1,
           "features": True, "features_rows": 64, "features_stages": 3, "features_maxnreg": None,
-          "features_gather": False, "features_parts": 2, "features_warps": 4}
+          "features_gather": False, "features_parts": 2, "features_warps": 4, "features_load": False}
 
 
 def _pair_index(BK: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -436,16 +440,19 @@ def _exclusive_carry(tot: torch.Tensor, start, reverse: bool) -> torch.Tensor:
 
 
 @triton.jit
-def _features_kernel(k, g, F, zc, w, den, wout, scale, T, NC, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                     BK: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr, NPF: tl.constexpr, DOT: tl.constexpr,
-                     USE_G: tl.constexpr, STORE_W: tl.constexpr, GATHER: tl.constexpr = False):
+def _features_kernel(k, kt, g, F, zc, w, den, wout, scale, T, NC, H: tl.constexpr, K: tl.constexpr,
+                     V: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr, NPF: tl.constexpr,
+                     DOT: tl.constexpr, USE_G: tl.constexpr, STORE_W: tl.constexpr, GATHER: tl.constexpr = False,
+                     LOADT: tl.constexpr = False):
     """CONFIG["features"]: chunk i_c of sequence i_bh's features of x = scale·k (k: the keys, or the queries for the
     reverse pass), feature-major, in the state's pair-layout row order (F [B·H, R, T] in the operand dtype: 1, x_a,
     x_a², then w_j·x_{a_j}·x_{b_j}, the products exact in fp32 before the one rounding the dot would apply), and the
     chunk's own denominator sums with per-token weights g (zc [B·H, NC, ZR] fp32: Σ g, Σ x g, Σ x xᵀ g; g = dden
     [B, T, H] with USE_G, else 1 per token: the count, Σ k, Σ k kᵀ). With STORE_W also the walk's other operand for
     the reverse pass, wout = w / den (dO/den, [B, T, H, V] in F's dtype; BW ≥ V). Fully parallel: what the state
-    walk then does per step is one load and one dot."""
+    walk then does per step is one load and one dot. With LOADT, kt is x transposed ([B, H, K, T], contiguous) and
+    every row (x_a, and both factors of each pair row) is a load of a contiguous row of it, in the layout of the
+    store: no layout change in registers (the chunk's rows stay in L1 across the loads)."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     R: tl.constexpr = 1 + 2 * BK + BK * (BK // 2)
@@ -459,7 +466,11 @@ def _features_kernel(k, g, F, zc, w, den, wout, scale, T, NC, H: tl.constexpr, K
     k += i_b.to(tl.int64) * T * H * K + i_h * K
     F += i_bh.to(tl.int64) * R * T
     zc += (i_bh.to(tl.int64) * NC + i_c) * ZR
-    kft = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+    if LOADT:
+        kt += i_bh.to(tl.int64) * K * T
+        kft = tl.load(kt + offs_k[:, None] * T + t[None, :], mask=m_k[:, None] & m_t[None, :], other=0.0)
+    else:
+        kft = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
     kft = kft.to(tl.float32) * scale  # [BK, BC]
     if USE_G:
         gt = tl.load(g + i_b.to(tl.int64) * T * H + i_h + t * H, mask=m_t, other=0.0)
@@ -471,7 +482,19 @@ def _features_kernel(k, g, F, zc, w, den, wout, scale, T, NC, H: tl.constexpr, K
     tl.store(F + (1 + BK + offs_k)[:, None] * T + t[None, :], (kft * kft).to(dt), mask=m_t[None, :])
     for p in tl.static_range(NPF):
         rows = 1 + 2 * BK + p * JP + tl.arange(0, JP)
-        pairs = _pairs(kft, BK, DOT, p, NPF, True, GATHER)
+        if LOADT:
+            # the same values as `_pairs` (x rounded to the dot's operand dtype, then w·x_a·x_b in fp32)
+            a, b, wp = _pair_cols(BK, p, NPF)
+            xa = tl.load(kt + a[:, None] * T + t[None, :], mask=(a < K)[:, None] & m_t[None, :], other=0.0)
+            xb = tl.load(kt + b[:, None] * T + t[None, :], mask=(b < K)[:, None] & m_t[None, :], other=0.0)
+            xa = xa.to(tl.float32) * scale
+            xb = xb.to(tl.float32) * scale
+            if DOT == 2:
+                xa = xa.to(tl.bfloat16).to(tl.float32)
+                xb = xb.to(tl.bfloat16).to(tl.float32)
+            pairs = xa * xb * wp[:, None]
+        else:
+            pairs = _pairs(kft, BK, DOT, p, NPF, True, GATHER)
         tl.store(F + rows[:, None] * T + t[None, :], pairs.to(dt), mask=m_t[None, :])
     tl.store(zc, tl.sum(gt, 0))
     tl.store(zc + 1 + offs_k, tl.sum(kft * gt[None, :], 1))
@@ -552,10 +575,12 @@ def _features_walk(x, g, w, scale: float, h0, z0, store_total: bool, reverse: bo
     F = torch.empty(B * H, R, T, device=dev, dtype=dt)
     zc = torch.empty(B * H, NC, ZR, device=dev, dtype=torch.float32)
     wout = None if den is None else torch.empty(w.shape, device=dev, dtype=dt)
-    _features_kernel[(NC, B * H)](x, g, F, zc, w, den, wout, scale, T, NC, H=H, K=K, V=V, BK=BK, BC=BC,
+    # features_load: x transposed to [B, H, K, T] first (one PyTorch copy, 2·B·T·H·K elements of traffic)
+    xt = x.permute(0, 2, 3, 1).contiguous() if CONFIG["features_load"] else None
+    _features_kernel[(NC, B * H)](x, xt, g, F, zc, w, den, wout, scale, T, NC, H=H, K=K, V=V, BK=BK, BC=BC,
                                   BW=max(16, triton.next_power_of_2(V)), NPF=CONFIG["features_parts"], DOT=dot,
                                   USE_G=g is not None, STORE_W=den is not None, GATHER=CONFIG["features_gather"],
-                                  num_warps=CONFIG["features_warps"])
+                                  LOADT=CONFIG["features_load"], num_warps=CONFIG["features_warps"])
     w = w if den is None else wout
     hs = torch.empty(B * H, NC, R, V, device=dev, dtype=dt)
     hT = torch.empty(B * H, R, V, device=dev, dtype=torch.float32) if store_total else None

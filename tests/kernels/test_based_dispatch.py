@@ -6,23 +6,35 @@ import torch
 
 from kernels.based import chunk, split
 
+BIG = 8 * 16 * 4096  # B·H·T of the benchmark at T=4096
+
 
 def test_auto_backward_takes_the_split_kernels_only_where_measured(monkeypatch):
     monkeypatch.setattr(chunk, "BACKWARD", "auto")
-    assert chunk.split_backward_applies(16, 64, torch.bfloat16)
-    assert chunk.split_backward_applies(16, 112, torch.float16)
-    assert chunk.split_backward_applies(8, 40, torch.bfloat16)
-    assert not chunk.split_backward_applies(16, 64, torch.float32)  # fp32: not measured faster
-    assert not chunk.split_backward_applies(16, 32, torch.bfloat16)  # value blocks of 32 fault on Triton 3.6
-    assert not chunk.split_backward_applies(32, 64, torch.bfloat16)  # the split kernels hold K ≤ 16
+    assert chunk.split_backward_applies(16, 64, torch.bfloat16, BIG)
+    assert chunk.split_backward_applies(16, 112, torch.float16, BIG)
+    assert chunk.split_backward_applies(8, 40, torch.bfloat16, BIG)
+    assert not chunk.split_backward_applies(16, 64, torch.float32, BIG)  # fp32: not measured faster
+    assert not chunk.split_backward_applies(16, 32, torch.bfloat16, BIG)  # value blocks of 32 fault on Triton 3.6
+    assert not chunk.split_backward_applies(32, 64, torch.bfloat16, BIG)  # the split kernels hold K ≤ 16
+
+
+def test_auto_backward_leaves_small_problems_fused_unless_captured(monkeypatch):
+    """Below SPLIT_MIN_WORK (B·H·T) the fused kernels' fewer launches win eagerly; in a CUDA graph the split ones."""
+    monkeypatch.setattr(chunk, "BACKWARD", "auto")
+    small = chunk.SPLIT_MIN_WORK - 1
+    assert not chunk.split_backward_applies(16, 64, torch.bfloat16, small)
+    assert chunk.split_backward_applies(16, 64, torch.bfloat16, small + 1)
+    assert chunk.split_backward_applies(16, 64, torch.bfloat16, small, capturing=True)
+    assert not chunk.split_backward_applies(16, 64, torch.float32, small, capturing=True)
 
 
 def test_forced_choices(monkeypatch):
     monkeypatch.setattr(chunk, "BACKWARD", "split")
-    assert chunk.split_backward_applies(16, 32, torch.float32)
-    assert not chunk.split_backward_applies(32, 64, torch.bfloat16)
+    assert chunk.split_backward_applies(16, 32, torch.float32, 1)
+    assert not chunk.split_backward_applies(32, 64, torch.bfloat16, BIG)
     monkeypatch.setattr(chunk, "BACKWARD", "fused")
-    assert not chunk.split_backward_applies(16, 64, torch.bfloat16)
+    assert not chunk.split_backward_applies(16, 64, torch.bfloat16, BIG, capturing=True)
 
 
 class Chosen(Exception):
@@ -49,6 +61,7 @@ def _which_forward(monkeypatch, dtype, requires_grad, grad_enabled=True):
 
 
 def test_auto_forward_is_split_only_for_a_split_backward(monkeypatch):
+    monkeypatch.setattr(chunk, "SPLIT_MIN_WORK", 1)  # the inputs below are small
     monkeypatch.setattr(chunk, "FORWARD", "auto")
     monkeypatch.setattr(chunk, "BACKWARD", "auto")
     assert _which_forward(monkeypatch, torch.bfloat16, requires_grad=True) == "split"
@@ -60,3 +73,12 @@ def test_auto_forward_is_split_only_for_a_split_backward(monkeypatch):
     monkeypatch.setattr(chunk, "FORWARD", "fused")
     monkeypatch.setattr(chunk, "BACKWARD", "auto")
     assert _which_forward(monkeypatch, torch.bfloat16, requires_grad=True) == "fused"
+
+
+def test_auto_forward_of_a_small_problem_is_fused(monkeypatch):
+    """B·H·T = 128 here: under the default SPLIT_MIN_WORK the forward (and so the backward) stays fused."""
+    monkeypatch.setattr(chunk, "FORWARD", "auto")
+    monkeypatch.setattr(chunk, "BACKWARD", "auto")
+    assert _which_forward(monkeypatch, torch.bfloat16, requires_grad=True) == "fused"
+    monkeypatch.setattr(chunk, "SPLIT_MIN_WORK", 128)
+    assert _which_forward(monkeypatch, torch.bfloat16, requires_grad=True) == "split"

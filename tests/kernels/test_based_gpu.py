@@ -135,3 +135,50 @@ def test_decode_in_cuda_graph(dtype):
     assert_close(f"decode {dtype} o", torch.stack(outs, 1), ref_o, base_o, dtype)
     assert_close(f"decode {dtype} kv", state[0], ref_kv, base_kv, dtype)
     assert_close(f"decode {dtype} k_sum", state[1], ref_ks, base_ks, dtype)
+
+
+def test_forward_backward_in_cuda_graph(monkeypatch):
+    """A forward+backward captured in a CUDA graph and replayed: "auto" takes the split kernels under capture even
+    below SPLIT_MIN_WORK (eagerly it stays fused there), and output and gradients pass the rule against float64."""
+    from kernels.based import chunk, split
+
+    monkeypatch.setattr(chunk, "FORWARD", "auto")
+    monkeypatch.setattr(chunk, "BACKWARD", "auto")
+    taken = []
+    split_backward = split.split_backward
+    monkeypatch.setattr(split, "split_backward", lambda *a, **kw: taken.append(1) or split_backward(*a, **kw))
+    dt = torch.bfloat16
+    case = Case(B=1, T=300, H=2, K=16, V=64)
+    assert case.B * case.H * case.T < chunk.SPLIT_MIN_WORK
+    q, k, v = (x.detach() for x in make_inputs(case, "cuda")[:3])
+    do = torch.randn(q.shape[:3] + (case.V,), device="cuda", dtype=torch.float64)
+    outs = {}
+    for name, d in (("ref", torch.float64), ("base", dt)):
+        qd, kd, vd = (x.to(d).requires_grad_() for x in (q, k, v))
+        o = naive_parallel_based(qd, kd, vd)[0]
+        outs[name] = (o, *torch.autograd.grad(o, (qd, kd, vd), do.to(d)))
+    qs, ks, vs = (x.to(dt).requires_grad_() for x in (q, k, v))
+    dos = do.to(dt)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile both paths outside the capture
+        chunk_based(qs, ks, vs)[0].backward(dos)
+        assert not taken  # eagerly, below SPLIT_MIN_WORK: fused
+        with monkeypatch.context() as m:
+            m.setattr(chunk, "SPLIT_MIN_WORK", 1)
+            chunk_based(qs, ks, vs)[0].backward(dos)
+        assert taken
+    torch.cuda.current_stream().wait_stream(side)
+    taken.clear()
+    qs.grad = ks.grad = vs.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o = chunk_based(qs, ks, vs)[0]
+        o.backward(dos)
+    assert taken
+    for x in (o, qs.grad, ks.grad, vs.grad):
+        x.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for i, (name, x) in enumerate(zip(("o", "dq", "dk", "dv"), (o, qs.grad, ks.grad, vs.grad))):
+        assert_close(f"graphed {name}", x, outs["ref"][i], outs["base"][i], dt)
