@@ -154,10 +154,12 @@ def test_forward_backward_in_cuda_graph(monkeypatch):
     do = torch.randn(q.shape[:3] + (case.V,), device="cuda", dtype=torch.float64)
     outs = {}
     for name, d in (("ref", torch.float64), ("base", dt)):
-        qd, kd, vd = (x.to(d).requires_grad_() for x in (q, k, v))
+        qd, kd, vd = (x.to(d, copy=True).requires_grad_() for x in (q, k, v))
         o = naive_parallel_based(qd, kd, vd)[0]
         outs[name] = (o, *torch.autograd.grad(o, (qd, kd, vd), do.to(d)))
+    # leaves: a cast recorded in the autograd graph outside the capture would replay on the legacy stream
     qs, ks, vs = (x.to(dt).requires_grad_() for x in (q, k, v))
+    assert qs.is_leaf
     dos = do.to(dt)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
