@@ -795,11 +795,17 @@ class ChunkBasedFunction(torch.autograd.Function):
         NV = triton.cdiv(V, BV)
         do = do.contiguous()
         dden = None
+        split_dden = False
+        if ctx.split_bwd:
+            from kernels.based.split import fuses_dden
+
+            split_dden = fuses_dden(ctx.normalize)
         if ctx.normalize:
             dden = torch.empty_like(den)
             R = B * T * H
             BR = 32
-            _dden_kernel[(triton.cdiv(R, BR),)](do, o, den, dden, R, V=V, BR=BR, BV=triton.next_power_of_2(V))
+            if not split_dden:
+                _dden_kernel[(triton.cdiv(R, BR),)](do, o, den, dden, R, V=V, BR=BR, BV=triton.next_power_of_2(V))
         use_dht = dhvT is not None or dhzT is not None
         if use_dht:
             dhvT = torch.zeros(B, H, F, V, device=q.device, dtype=torch.float32) if dhvT is None else dhvT
@@ -811,7 +817,8 @@ class ChunkBasedFunction(torch.autograd.Function):
 
             dq, dk, dv, dhv0, dhz0 = split_backward(q, k, v, do, den, dden, hv0, hz0, dhvT if use_dht else None,
                                                     dhzT if use_dht else None, ctx.scale, ctx.normalize,
-                                                    _dot_mode(q.dtype), states=None if hs is None else (hs, zs))
+                                                    _dot_mode(q.dtype), states=None if hs is None else (hs, zs),
+                                                    o=o if split_dden else None)
             return dq.to(q.dtype), dk.to(k.dtype), dv, dhv0, dhz0, None, None, None, None
         store_dh0 = hv0 is not None
         dhv0 = torch.empty_like(hv0) if store_dh0 else None

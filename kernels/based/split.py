@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.based.chunk import _load_dout, _mm, _pair_cols, _pair_contract, _pairs
+from kernels.based.chunk import _load_dout, _mm, _pair_contract, _pairs
 
 # Launch settings of the split kernels; the GPU sweep of experiments/bench/based_kernels.py varies them.
 # NP, NS, prefetch, gather (in the state passes), state_warps, state_maxnreg, state_stages and scan shape the state
@@ -102,14 +102,17 @@ from kernels.based.chunk import _load_dout, _mm, _pair_cols, _pair_contract, _pa
 # (its layout changes) rather than DRAM (34-49%). Session 12 (H200, T=4096, one run): parts 1 0.390 / 1.323 ms
 # (split forward / forward+backward), 4 0.373 / 1.273, 8 0.379 / 1.287, against 2 0.372 / 1.270 (and 0.372 / 1.273
 # at the sweep's end); 8 warps 0.385 / 1.318; gather 0.359 / 1.254 (gather with 4 parts 0.361 / 1.258).
-# features_load: the features kernel reads x transposed ([B, H, K, T], a PyTorch copy made first), each feature row
-# a contiguous row load (L1 hits) in the store's layout, so the kernel has no layout change left; not yet timed.
+# Also session 12: the features kernel reading x transposed ([B, H, K, T], a PyTorch copy first) with every feature
+# row a contiguous row load in the store's layout (no layout change in registers): 0.412 / 1.353 ms against 0.371 /
+# 1.265 (two runs each; removed). chain_warps: the chain walk's warps. fuse_dden: the reverse pass's features kernel
+# computes dden (`chunk._dden_kernel`'s values) from the dO and den it loads anyway, plus o, instead of that launch
+# (the backward then passes o and an empty dden); not yet timed.
 CONFIG = {"BC": 64, "BV": 64, "NP": 2, "OP": 2, "NS": 1, "prefetch": True, "gather": False, "state_warps": 4,
           "output_warps": 4, "dkv_apart": True, "state_maxnreg": 168, "output_maxnreg": 168, "grads_maxnreg": 168,
           "output_BV": 64, "output_chunks": 8, "output_stages": 3, "dq_chunks": 1, "dq_stages": 1,
           "dv_chunks": 4, "dv_stages": 2, "dk_chunks": 1, "dk_stages": 1, "scan": False, "state_stages": 1,
           "features": True, "features_rows": 64, "features_stages": 3, "features_maxnreg": None,
-          "features_gather": False, "features_parts": 2, "features_warps": 4, "features_load": False}
+          "features_gather": False, "features_parts": 2, "features_warps": 4, "chain_warps": 4, "fuse_dden": False}
 
 
 def _pair_index(BK: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -440,19 +443,19 @@ def _exclusive_carry(tot: torch.Tensor, start, reverse: bool) -> torch.Tensor:
 
 
 @triton.jit
-def _features_kernel(k, kt, g, F, zc, w, den, wout, scale, T, NC, H: tl.constexpr, K: tl.constexpr,
+def _features_kernel(k, g, F, zc, w, den, wout, o, scale, T, NC, H: tl.constexpr, K: tl.constexpr,
                      V: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr, NPF: tl.constexpr,
                      DOT: tl.constexpr, USE_G: tl.constexpr, STORE_W: tl.constexpr, GATHER: tl.constexpr = False,
-                     LOADT: tl.constexpr = False):
+                     DDEN: tl.constexpr = False):
     """CONFIG["features"]: chunk i_c of sequence i_bh's features of x = scale·k (k: the keys, or the queries for the
     reverse pass), feature-major, in the state's pair-layout row order (F [B·H, R, T] in the operand dtype: 1, x_a,
     x_a², then w_j·x_{a_j}·x_{b_j}, the products exact in fp32 before the one rounding the dot would apply), and the
     chunk's own denominator sums with per-token weights g (zc [B·H, NC, ZR] fp32: Σ g, Σ x g, Σ x xᵀ g; g = dden
     [B, T, H] with USE_G, else 1 per token: the count, Σ k, Σ k kᵀ). With STORE_W also the walk's other operand for
     the reverse pass, wout = w / den (dO/den, [B, T, H, V] in F's dtype; BW ≥ V). Fully parallel: what the state
-    walk then does per step is one load and one dot. With LOADT, kt is x transposed ([B, H, K, T], contiguous) and
-    every row (x_a, and both factors of each pair row) is a load of a contiguous row of it, in the layout of the
-    store: no layout change in registers (the chunk's rows stay in L1 across the loads)."""
+    walk then does per step is one load and one dot. With DDEN (and STORE_W) the weights g are computed here rather
+    than loaded, g = dden = -Σ_v dO·o / den (`chunk._dden_kernel`'s values), and stored to g for the gradient
+    kernels: dO and den are loaded here anyway, so this saves that launch and its second read of dO."""
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     R: tl.constexpr = 1 + 2 * BK + BK * (BK // 2)
@@ -466,13 +469,18 @@ def _features_kernel(k, kt, g, F, zc, w, den, wout, scale, T, NC, H: tl.constexp
     k += i_b.to(tl.int64) * T * H * K + i_h * K
     F += i_bh.to(tl.int64) * R * T
     zc += (i_bh.to(tl.int64) * NC + i_c) * ZR
-    if LOADT:
-        kt += i_bh.to(tl.int64) * K * T
-        kft = tl.load(kt + offs_k[:, None] * T + t[None, :], mask=m_k[:, None] & m_t[None, :], other=0.0)
-    else:
-        kft = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+    kft = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
     kft = kft.to(tl.float32) * scale  # [BK, BC]
-    if USE_G:
+    if STORE_W:
+        offs_w = tl.arange(0, BW)
+        m_w = m_t[:, None] & (offs_w < V)[None, :]
+        at = (i_b.to(tl.int64) * T + t[:, None]) * H * V + i_h * V + offs_w[None, :]
+        bw = tl.load(w + at, mask=m_w, other=0.0).to(tl.float32)
+        d = tl.load(den + i_b.to(tl.int64) * T * H + i_h + t * H, mask=m_t, other=1.0)
+    if DDEN:
+        gt = -tl.sum(bw * tl.load(o + at, mask=m_w, other=0.0).to(tl.float32), 1) / d
+        tl.store(g + i_b.to(tl.int64) * T * H + i_h + t * H, gt, mask=m_t)
+    elif USE_G:
         gt = tl.load(g + i_b.to(tl.int64) * T * H + i_h + t * H, mask=m_t, other=0.0)
     else:
         gt = m_t.to(tl.float32)
@@ -482,19 +490,7 @@ def _features_kernel(k, kt, g, F, zc, w, den, wout, scale, T, NC, H: tl.constexp
     tl.store(F + (1 + BK + offs_k)[:, None] * T + t[None, :], (kft * kft).to(dt), mask=m_t[None, :])
     for p in tl.static_range(NPF):
         rows = 1 + 2 * BK + p * JP + tl.arange(0, JP)
-        if LOADT:
-            # the same values as `_pairs` (x rounded to the dot's operand dtype, then w·x_a·x_b in fp32)
-            a, b, wp = _pair_cols(BK, p, NPF)
-            xa = tl.load(kt + a[:, None] * T + t[None, :], mask=(a < K)[:, None] & m_t[None, :], other=0.0)
-            xb = tl.load(kt + b[:, None] * T + t[None, :], mask=(b < K)[:, None] & m_t[None, :], other=0.0)
-            xa = xa.to(tl.float32) * scale
-            xb = xb.to(tl.float32) * scale
-            if DOT == 2:
-                xa = xa.to(tl.bfloat16).to(tl.float32)
-                xb = xb.to(tl.bfloat16).to(tl.float32)
-            pairs = xa * xb * wp[:, None]
-        else:
-            pairs = _pairs(kft, BK, DOT, p, NPF, True, GATHER)
+        pairs = _pairs(kft, BK, DOT, p, NPF, True, GATHER)
         tl.store(F + rows[:, None] * T + t[None, :], pairs.to(dt), mask=m_t[None, :])
     tl.store(zc, tl.sum(gt, 0))
     tl.store(zc + 1 + offs_k, tl.sum(kft * gt[None, :], 1))
@@ -502,11 +498,6 @@ def _features_kernel(k, kt, g, F, zc, w, den, wout, scale, T, NC, H: tl.constexp
     Z2 = _mm(kft, _load_k(k, i_c, T, offs_c, offs_k, m_k, H, K, BC).to(tl.float32) * scale * gt[:, None], 0)
     tl.store(zc + 1 + BK + offs_k[:, None] * BK + offs_k[None, :], Z2)
     if STORE_W:
-        offs_w = tl.arange(0, BW)
-        m_w = m_t[:, None] & (offs_w < V)[None, :]
-        at = (i_b.to(tl.int64) * T + t[:, None]) * H * V + i_h * V + offs_w[None, :]
-        bw = tl.load(w + at, mask=m_w, other=0.0).to(tl.float32)
-        d = tl.load(den + i_b.to(tl.int64) * T * H + i_h + t * H, mask=m_t, other=1.0)
         tl.store(wout + at, (bw / d[:, None]).to(wout.dtype.element_ty), mask=m_w)
 
 
@@ -557,14 +548,15 @@ def _chain_kernel(F, v, hs, h0, hT, zc, z0, zT, T, NC, H: tl.constexpr, V: tl.co
         tl.store(zT + i_bh.to(tl.int64) * ZR + offs_z, Z, mask=m_z)
 
 
-def _features_walk(x, g, w, scale: float, h0, z0, store_total: bool, reverse: bool, dot: int, den=None):
+def _features_walk(x, g, w, scale: float, h0, z0, store_total: bool, reverse: bool, dot: int, den=None, o=None):
     """A state pass under CONFIG["features"]: the features of scale·x and each chunk's denominator sums (weights g
     [B, T, H] fp32, or None: 1 per token) at once (`_features_kernel`), the walk over w [B, T, H, V] as one load and
     one dot per step (`_chain_kernel`, from the last chunk with reverse), which also sums the denominator's
     entering states over the chunks (fp32). The forward: x = k, w = v; the reverse: x = q (times scale), w = dO,
     g = dden, den the forward's denominator (the walk then runs over dO/den, which the features kernel stores).
-    h0, z0: the state the walk starts from, pair / padded Taylor-order layouts, or None. Returns (hs, zs, hT, zT)
-    as `state_pass` does (hT, zT: the whole sums, or None)."""
+    h0, z0: the state the walk starts from, pair / padded Taylor-order layouts, or None. o: the forward's output,
+    with den: the features kernel then computes g = dden itself and fills g (an empty [B, T, H] fp32) with it.
+    Returns (hs, zs, hT, zT) as `state_pass` does (hT, zT: the whole sums, or None)."""
     B, T, H, K = x.shape
     V = w.shape[-1]
     BK = 16
@@ -575,12 +567,10 @@ def _features_walk(x, g, w, scale: float, h0, z0, store_total: bool, reverse: bo
     F = torch.empty(B * H, R, T, device=dev, dtype=dt)
     zc = torch.empty(B * H, NC, ZR, device=dev, dtype=torch.float32)
     wout = None if den is None else torch.empty(w.shape, device=dev, dtype=dt)
-    # features_load: x transposed to [B, H, K, T] first (one PyTorch copy, 2·B·T·H·K elements of traffic)
-    xt = x.permute(0, 2, 3, 1).contiguous() if CONFIG["features_load"] else None
-    _features_kernel[(NC, B * H)](x, xt, g, F, zc, w, den, wout, scale, T, NC, H=H, K=K, V=V, BK=BK, BC=BC,
+    _features_kernel[(NC, B * H)](x, g, F, zc, w, den, wout, o, scale, T, NC, H=H, K=K, V=V, BK=BK, BC=BC,
                                   BW=max(16, triton.next_power_of_2(V)), NPF=CONFIG["features_parts"], DOT=dot,
                                   USE_G=g is not None, STORE_W=den is not None, GATHER=CONFIG["features_gather"],
-                                  LOADT=CONFIG["features_load"], num_warps=CONFIG["features_warps"])
+                                  DDEN=o is not None, num_warps=CONFIG["features_warps"])
     w = w if den is None else wout
     hs = torch.empty(B * H, NC, R, V, device=dev, dtype=dt)
     hT = torch.empty(B * H, R, V, device=dev, dtype=torch.float32) if store_total else None
@@ -590,7 +580,8 @@ def _features_walk(x, g, w, scale: float, h0, z0, store_total: bool, reverse: bo
     _chain_kernel[(triton.cdiv(R, RP), NV, B * H)](F, w, hs, h0, hT, zc, z0, zT, T, NC, H=H, V=V, R=R, RP=RP, BV=BV,
                                                    BC=BC, ZR=ZR, BZ=triton.next_power_of_2(ZR),
                                                    USE_H0=h0 is not None, STORE_HT=store_total, DOT=dot,
-                                                   STAGES=CONFIG["features_stages"], REVERSE=reverse, num_warps=4,
+                                                   STAGES=CONFIG["features_stages"], REVERSE=reverse,
+                                                   num_warps=CONFIG["chain_warps"],
                                                    maxnreg=CONFIG["features_maxnreg"])
     return hs, zc, hT, zT
 
@@ -974,7 +965,7 @@ def _dkv_chunk(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, i_c, i_bh,
                  mask=m_t[:, None] & m_k[None, :])
 
 
-def reverse_pass(q, do, den, dden, dhvT, dhzT, store_dh0: bool, scale: float, normalize: bool, dot: int):
+def reverse_pass(q, do, den, dden, dhvT, dhzT, store_dh0: bool, scale: float, normalize: bool, dot: int, o=None):
     """The backward's reverse state pass: (ds [B·H, NC, R, V], dzs [B·H, NC, ZR], dh0, dz0), the reverse states
     entering every chunk in the pair / padded Taylor-order layouts, and with store_dh0 what is left at t = 0 (else
     None, None). dhvT/dhzT: the final state's gradient (Taylor-order layout, order 2 symmetrised) or None."""
@@ -993,7 +984,7 @@ def reverse_pass(q, do, den, dden, dhvT, dhzT, store_dh0: bool, scale: float, no
         # the query features, dden as the denominator sums' weights, and the walk over dO/den (stored in the dots'
         # operand dtype by the features kernel)
         if normalize:
-            return _features_walk(q, dden, do, scale, dhT, dzT, store_dh0, True, dot, den=den)
+            return _features_walk(q, dden, do, scale, dhT, dzT, store_dh0, True, dot, den=den, o=o)
         g = torch.zeros(B, T, H, device=dev, dtype=torch.float32)
         return _features_walk(q, g, do, scale, dhT, dzT, store_dh0, True, dot)
     ds = torch.empty(B * H, NC, R, V, device=dev, dtype=torch.bfloat16 if dot == 2 else torch.float32)
@@ -1057,16 +1048,22 @@ def chunk_grads(q, k, v, do, den, dden, hs, zs, ds, dzs, scale: float, normalize
     return (dq[0] if NVQ == 1 else dq.sum(0)), (dk[0] if NV == 1 else dk.sum(0)), dv
 
 
+def fuses_dden(normalize: bool) -> bool:
+    """Whether `split_backward` computes dden itself (CONFIG["fuse_dden"], in the features reverse pass)."""
+    return normalize and CONFIG["features"] and CONFIG["fuse_dden"]
+
+
 def split_backward(q, k, v, do, den, dden, hv0, hz0, dhvT, dhzT, scale: float, normalize: bool, dot: int,
-                   states=None):
+                   states=None, o=None):
     """dq, dk (as `chunk_grads` returns them), dv, and the initial state's gradient (dhv0, dhz0) in the Taylor-order
     layout (None without an initial state). dhvT/dhzT: the final state's gradient with order 2 symmetrised, or
     None. The arguments are those of chunk.py's backward; states: the forward's (hs, zs) from `split_forward`
-    (at the same CONFIG), or None to compute them again."""
+    (at the same CONFIG), or None to compute them again; o: the forward's output where `fuses_dden()`, dden then
+    an empty buffer the reverse pass fills."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     hs, zs = states if states is not None else state_pass(k, v, hv0, hz0, False, dot)[:2]
-    ds, dzs, dh0, dz0 = reverse_pass(q, do, den, dden, dhvT, dhzT, hv0 is not None, scale, normalize, dot)
+    ds, dzs, dh0, dz0 = reverse_pass(q, do, den, dden, dhvT, dhzT, hv0 is not None, scale, normalize, dot, o=o)
     dq, dk, dv = chunk_grads(q, k, v, do, den, dden, hs, zs, ds, dzs, scale, normalize, dot)
     dhv0 = dhz0 = None
     if hv0 is not None:
