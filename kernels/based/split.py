@@ -106,13 +106,16 @@ from kernels.based.chunk import _load_dout, _mm, _pair_contract, _pairs
 # row a contiguous row load in the store's layout (no layout change in registers): 0.412 / 1.353 ms against 0.371 /
 # 1.265 (two runs each; removed). chain_warps: the chain walk's warps. fuse_dden: the reverse pass's features kernel
 # computes dden (`chunk._dden_kernel`'s values) from the dO and den it loads anyway, plus o, instead of that launch
-# (the backward then passes o and an empty dden); not yet timed.
+# (the backward then passes o and an empty dden). Session 12 (two runs each, forward+backward ms): the defaults then
+# (rows of 64, dden launched) 1.279 / 1.281, fuse_dden 1.271 / 1.277, features_rows=128 1.268 / 1.496 (an outlier),
+# both 1.264 / 1.265 (the defaults since: 2 row parts instead of 3, so v is read twice per step, not three times);
+# one run each: rows of 256 at 8 warps 1.263, 8 warps 1.281. The table's T=4096 row: 1.262 eager, 1.250 graphed.
 CONFIG = {"BC": 64, "BV": 64, "NP": 2, "OP": 2, "NS": 1, "prefetch": True, "gather": False, "state_warps": 4,
           "output_warps": 4, "dkv_apart": True, "state_maxnreg": 168, "output_maxnreg": 168, "grads_maxnreg": 168,
           "output_BV": 64, "output_chunks": 8, "output_stages": 3, "dq_chunks": 1, "dq_stages": 1,
           "dv_chunks": 4, "dv_stages": 2, "dk_chunks": 1, "dk_stages": 1, "scan": False, "state_stages": 1,
-          "features": True, "features_rows": 64, "features_stages": 3, "features_maxnreg": None,
-          "features_gather": False, "features_parts": 2, "features_warps": 4, "chain_warps": 4, "fuse_dden": False}
+          "features": True, "features_rows": 128, "features_stages": 3, "features_maxnreg": None,
+          "features_gather": False, "features_parts": 2, "features_warps": 4, "chain_warps": 4, "fuse_dden": True}
 
 
 def _pair_index(BK: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -107,7 +107,8 @@ SPLIT = [Case(B=1, T=T, H=2, K=16, V=64) for T in CPU_T] + [
 # prefix scan (CONFIG["scan"]). Those runs walk with the features computed inside the walk (CONFIG["features"]
 # off); every case also at the defaults (the key features stored first, the walk a load and a dot per step), and
 # three of them so at small chunks, in row parts of 32, with the pair rows by tl.gather in four parts, and three at
-# small chunks with dden computed in the reverse features kernel (CONFIG["fuse_dden"]).
+# small chunks with dden from its own kernel rather than the reverse features kernel (CONFIG["fuse_dden"] off, the
+# default since session 12) and the walk in row parts of 64.
 SPLIT_RUNS = [(c, {"BC": 32, "NP": 4, "OP": 2, "NS": 1, "prefetch": True, "gather": False, "dkv_apart": True,
                    "features": False,
                    "output_BV": 32, "output_chunks": 2, "output_stages": 2,
@@ -125,7 +126,8 @@ SPLIT_RUNS = [(c, {"BC": 32, "NP": 4, "OP": 2, "NS": 1, "prefetch": True, "gathe
     (c, {"BC": 16, "features": True, "features_rows": 32, "features_gather": True, "features_parts": 4},
      "bc16-features32-gather-parts4")
     for c in (SPLIT[3], SPLIT[4], SPLIT[6])
-] + [(c, {"BC": 16, "fuse_dden": True}, "bc16-fuse-dden") for c in (SPLIT[3], SPLIT[4], SPLIT[5])]
+] + [(c, {"BC": 16, "fuse_dden": False, "features_rows": 64}, "bc16-dden-kernel-rows64")
+       for c in (SPLIT[3], SPLIT[4], SPLIT[5])]
 SPLIT_IDS = [f"{c.id}-{name}" for c, _, name in SPLIT_RUNS]
 
 
