@@ -747,7 +747,8 @@ class ChunkBasedFunction(torch.autograd.Function):
                     EXPAND=_expand_mode(BK, forward=True), num_warps=num_warps, num_stages=num_stages)
         SEG = _segment_tokens(T, NV * B * H, BC)
         NS = triton.cdiv(T, SEG)
-        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        # (not asked while torch.compile traces: there the size alone decides)
+        capturing = q.is_cuda and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing()
         split_bwd = grad_follows and split_backward_applies(K, V, q.dtype, B * H * T, capturing)
         states = None
         if (FORWARD == "split" and K <= 16) or (FORWARD == "auto" and split_bwd):
