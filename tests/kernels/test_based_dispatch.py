@@ -82,3 +82,12 @@ def test_auto_forward_of_a_small_problem_is_fused(monkeypatch):
     assert _which_forward(monkeypatch, torch.bfloat16, requires_grad=True) == "fused"
     monkeypatch.setattr(chunk, "SPLIT_MIN_WORK", 128)
     assert _which_forward(monkeypatch, torch.bfloat16, requires_grad=True) == "split"
+
+
+def test_auto_forward_under_torch_compile_is_split(monkeypatch):
+    """While torch.compile traces, a small problem takes the split kernels too (as under CUDA-graph capture)."""
+    monkeypatch.setattr(chunk, "FORWARD", "auto")
+    monkeypatch.setattr(chunk, "BACKWARD", "auto")
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert _which_forward(monkeypatch, torch.bfloat16, requires_grad=True) == "split"
+    assert _which_forward(monkeypatch, torch.float32, requires_grad=True) == "fused"  # fp32: fused backward
