@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.based.naive import orders_to_state, state_to_orders
+from kernels.launch import cdiv, next_power_of_2
 
 DOT_IEEE, DOT_TF32, DOT_BF16 = 0, 1, 2
 # Order-2 modes: how the order-2 state is kept and q⊗q, k⊗k are formed. Mode 0 keeps K² rows and forms the
@@ -659,8 +660,8 @@ def _config(K: int, V: int, dtype: torch.dtype, kind: str):
     backward fault (illegal address) on Triton 3.6 in some configurations, so the backward keeps BC=32; the
     fp32/fp16 forward keeps it too (BC=64 not timed there).
     """
-    BK = max(16, triton.next_power_of_2(K))
-    BV = min(32, max(16, triton.next_power_of_2(V)))
+    BK = max(16, next_power_of_2(K))
+    BV = min(32, max(16, next_power_of_2(V)))
     # BC=64 only in mode 3 (BK ≤ 16): at K=32 (the reshape mode) it needs 237,568 B of shared memory, over the
     # H200's 232,448 (OutOfResources in the GPU tests).
     BC = 64 if kind == "fwd" and dtype == torch.bfloat16 and BK <= 16 else 32
@@ -718,11 +719,11 @@ def _segment_tokens(T: int, programs: int, BC: int) -> int:
         if SEGMENT_TOKENS % BC:
             raise ValueError(f"SEGMENT_TOKENS must be a multiple of the chunk ({BC}), got {SEGMENT_TOKENS}")
         return SEGMENT_TOKENS
-    n_chunks = triton.cdiv(T, BC)
-    segments = min(triton.cdiv(TARGET_PROGRAMS, programs), n_chunks // MIN_SEGMENT_CHUNKS)
+    n_chunks = cdiv(T, BC)
+    segments = min(cdiv(TARGET_PROGRAMS, programs), n_chunks // MIN_SEGMENT_CHUNKS)
     if segments <= 1:
         return n_chunks * BC
-    return triton.cdiv(n_chunks, segments) * BC
+    return cdiv(n_chunks, segments) * BC
 
 
 def _symmetrise_order2(hv: torch.Tensor, K: int) -> torch.Tensor:
@@ -741,13 +742,13 @@ class ChunkBasedFunction(torch.autograd.Function):
         V = v.shape[-1]
         F = 1 + K + K * K
         BK, BV, BC, num_warps, num_stages = _config(K, V, q.dtype, "fwd")
-        NV = triton.cdiv(V, BV)
+        NV = cdiv(V, BV)
         o = torch.empty_like(v)
         den = torch.empty(B, T, H, device=q.device, dtype=torch.float32) if normalize else None
         meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NORMALIZE=normalize, DOT=_dot_mode(q.dtype),
                     EXPAND=_expand_mode(BK, forward=True), num_warps=num_warps, num_stages=num_stages)
         SEG = _segment_tokens(T, NV * B * H, BC)
-        NS = triton.cdiv(T, SEG)
+        NS = cdiv(T, SEG)
         # torch.compile counts as capture: its graphs often replay under CUDA graphs, and the fused backward kernels
         # fail to compile under inductor (it passes the float scale as fp64; experiments/LOG.md, session 12)
         capturing = torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing())
@@ -795,7 +796,7 @@ class ChunkBasedFunction(torch.autograd.Function):
         V = v.shape[-1]
         F = 1 + K + K * K
         BK, BV, BC, num_warps, num_stages = _config(K, V, q.dtype, "bwd")
-        NV = triton.cdiv(V, BV)
+        NV = cdiv(V, BV)
         do = do.contiguous()
         dden = None
         split_dden = False
@@ -808,7 +809,7 @@ class ChunkBasedFunction(torch.autograd.Function):
             R = B * T * H
             BR = 32
             if not split_dden:
-                _dden_kernel[(triton.cdiv(R, BR),)](do, o, den, dden, R, V=V, BR=BR, BV=triton.next_power_of_2(V))
+                _dden_kernel[(cdiv(R, BR),)](do, o, den, dden, R, V=V, BR=BR, BV=next_power_of_2(V))
         use_dht = dhvT is not None or dhzT is not None
         if use_dht:
             dhvT = torch.zeros(B, H, F, V, device=q.device, dtype=torch.float32) if dhvT is None else dhvT

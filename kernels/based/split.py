@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 
 from kernels.based.chunk import _load_dout, _mm, _pair_contract, _pairs
+from kernels.launch import cdiv, next_power_of_2
 
 # Launch settings of the split kernels; the GPU sweep of experiments/bench/based_kernels.py varies them.
 # NP, NS, prefetch, gather (in the state passes), state_warps, state_maxnreg, state_stages and scan shape the state
@@ -412,8 +413,8 @@ def _prefix(x: torch.Tensor, x0, reverse: bool, store_total: bool):
     N, NC = x.shape[:2]
     W = x[0, 0].numel()
     xT = torch.empty(N, *x.shape[2:], device=x.device, dtype=torch.float32) if store_total else None
-    BW = min(1024, triton.next_power_of_2(W))
-    _prefix_kernel[(triton.cdiv(W, BW), N)](x, x0, xT, NC, W, REVERSE=reverse, USE_X0=x0 is not None,
+    BW = min(1024, next_power_of_2(W))
+    _prefix_kernel[(cdiv(W, BW), N)](x, x0, xT, NC, W, REVERSE=reverse, USE_X0=x0 is not None,
                                             STORE_XT=store_total, BW=BW, num_warps=4)
     return xT
 
@@ -422,14 +423,14 @@ def _blocks(T: int, V: int, BV: int | None = None) -> tuple[int, int, int, int]:
     """(BC, BV, NV, NC) of CONFIG at length T and value width V: chunk, value block (CONFIG["BV"] unless given),
     their counts."""
     BC = CONFIG["BC"]
-    BV = min(CONFIG["BV"] if BV is None else BV, max(16, triton.next_power_of_2(V)))
-    return BC, BV, triton.cdiv(V, BV), triton.cdiv(T, BC)
+    BV = min(CONFIG["BV"] if BV is None else BV, max(16, next_power_of_2(V)))
+    return BC, BV, cdiv(V, BV), cdiv(T, BC)
 
 
 def _segments(NC: int) -> tuple[int, int]:
     """(NS, CPS): CONFIG["NS"] segments per sequence, at most one per chunk, of CPS chunks each (the last shorter)."""
-    CPS = triton.cdiv(NC, max(1, min(CONFIG["NS"], NC)))
-    return triton.cdiv(NC, CPS), CPS
+    CPS = cdiv(NC, max(1, min(CONFIG["NS"], NC)))
+    return cdiv(NC, CPS), CPS
 
 
 def _exclusive_carry(tot: torch.Tensor, start, reverse: bool) -> torch.Tensor:
@@ -571,7 +572,7 @@ def _features_walk(x, g, w, scale: float, h0, z0, store_total: bool, reverse: bo
     zc = torch.empty(B * H, NC, ZR, device=dev, dtype=torch.float32)
     wout = None if den is None else torch.empty(w.shape, device=dev, dtype=dt)
     _features_kernel[(NC, B * H)](x, g, F, zc, w, den, wout, o, scale, T, NC, H=H, K=K, V=V, BK=BK, BC=BC,
-                                  BW=max(16, triton.next_power_of_2(V)), NPF=CONFIG["features_parts"], DOT=dot,
+                                  BW=max(16, next_power_of_2(V)), NPF=CONFIG["features_parts"], DOT=dot,
                                   USE_G=g is not None, STORE_W=den is not None, GATHER=CONFIG["features_gather"],
                                   DDEN=o is not None, num_warps=CONFIG["features_warps"])
     w = w if den is None else wout
@@ -580,8 +581,8 @@ def _features_walk(x, g, w, scale: float, h0, z0, store_total: bool, reverse: bo
     zT = torch.empty(B * H, ZR, device=dev, dtype=torch.float32) if store_total else None
     RP = CONFIG["features_rows"]
     # zc becomes the entering denominator states in place (the chain's first program per sequence)
-    _chain_kernel[(triton.cdiv(R, RP), NV, B * H)](F, w, hs, h0, hT, zc, z0, zT, T, NC, H=H, V=V, R=R, RP=RP, BV=BV,
-                                                   BC=BC, ZR=ZR, BZ=triton.next_power_of_2(ZR),
+    _chain_kernel[(cdiv(R, RP), NV, B * H)](F, w, hs, h0, hT, zc, z0, zT, T, NC, H=H, V=V, R=R, RP=RP, BV=BV,
+                                                   BC=BC, ZR=ZR, BZ=next_power_of_2(ZR),
                                                    USE_H0=h0 is not None, STORE_HT=store_total, DOT=dot,
                                                    STAGES=CONFIG["features_stages"], REVERSE=reverse,
                                                    num_warps=CONFIG["chain_warps"],
@@ -653,7 +654,7 @@ def output_pass(q, k, v, hs, zs, scale: float, normalize: bool, dot: int):
     o = torch.empty_like(v)
     den = torch.empty(B, T, H, device=q.device, dtype=torch.float32) if normalize else None
     G = CONFIG["output_chunks"]
-    _output_kernel[(triton.cdiv(NC, G), NV, B * H)](q, k, v, o, den, hs, zs, scale, T, NC, H=H, K=K, V=V, BK=16,
+    _output_kernel[(cdiv(NC, G), NV, B * H)](q, k, v, o, den, hs, zs, scale, T, NC, H=H, K=K, V=V, BK=16,
                                                     BV=BV, BC=BC, OP=CONFIG["OP"], NORMALIZE=normalize, DOT=dot,
                                                     GATHER=CONFIG["gather"], G=G, STAGES=CONFIG["output_stages"],
                                                     num_warps=CONFIG["output_warps"],
@@ -1039,13 +1040,13 @@ def chunk_grads(q, k, v, do, den, dden, hs, zs, ds, dzs, scale: float, normalize
     meta = dict(H=H, K=K, V=V, BK=16, BC=BC, OP=CONFIG["OP"], NORMALIZE=normalize, DOT=dot,
                 num_warps=CONFIG["output_warps"], maxnreg=CONFIG["grads_maxnreg"])
     G = CONFIG["dq_chunks"]
-    _dq_kernel[(triton.cdiv(NC, G), NVQ, B * H)](q, k, v, do, den, dden, dq, hs, zs, scale, T, NC, BV=BVQ, G=G,
+    _dq_kernel[(cdiv(NC, G), NVQ, B * H)](q, k, v, do, den, dden, dq, hs, zs, scale, T, NC, BV=BVQ, G=G,
                                                  STAGES=CONFIG["dq_stages"], **meta)
     parts = (("dv", {"DV": True, "DK": False}), ("dk", {"DV": False, "DK": True})) if CONFIG["dkv_apart"] else \
         (("dk", {}),)
     for name, which in parts:
         G = CONFIG[f"{name}_chunks"]
-        _dkv_kernel[(triton.cdiv(NC, G), NV, B * H)](q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, BV=BV,
+        _dkv_kernel[(cdiv(NC, G), NV, B * H)](q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, BV=BV,
                                                      GATHER=CONFIG["gather"], G=G, STAGES=CONFIG[f"{name}_stages"],
                                                      **meta, **which)
     return (dq[0] if NVQ == 1 else dq.sum(0)), (dk[0] if NV == 1 else dk.sum(0)), dv

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import cdiv, next_power_of_2
+
 
 @triton.jit
 def _tile(i_d, D: tl.constexpr, N: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
@@ -95,8 +97,8 @@ def _bwd_kernel(u, dt, A, Bm, Cm, h0, hs, dy, dhT, du, ddt, dA, dB, dC, dh0, T, 
 
 
 def _blocks(D: int, N: int) -> tuple[int, int]:
-    BN = triton.next_power_of_2(N)
-    BD = max(1, min(triton.next_power_of_2(D), 4096 // BN, 64))  # [BD, BN] fp32 tiles: ≤ 4K elements each
+    BN = next_power_of_2(N)
+    BD = max(1, min(next_power_of_2(D), 4096 // BN, 64))  # [BD, BN] fp32 tiles: ≤ 4K elements each
     return BD, BN
 
 
@@ -106,7 +108,7 @@ class SelectiveScanFunction(torch.autograd.Function):
         Bsz, T, D = u.shape
         N = A.shape[1]
         BD, BN = _blocks(D, N)
-        grid = (Bsz, triton.cdiv(D, BD))
+        grid = (Bsz, cdiv(D, BD))
         y = torch.empty(Bsz, T, D, device=u.device, dtype=torch.float32)
         hs = torch.empty(Bsz, T, D, N, device=u.device, dtype=torch.float32)
         hT = torch.empty(Bsz, D, N, device=u.device, dtype=torch.float32)
@@ -120,7 +122,7 @@ class SelectiveScanFunction(torch.autograd.Function):
         Bsz, T, D = u.shape
         N = A.shape[1]
         BD, BN = _blocks(D, N)
-        NDB = triton.cdiv(D, BD)
+        NDB = cdiv(D, BD)
         f32 = dict(device=u.device, dtype=torch.float32)
         du, ddt = torch.empty(Bsz, T, D, **f32), torch.empty(Bsz, T, D, **f32)
         dA = torch.empty(Bsz, D, N, **f32)
