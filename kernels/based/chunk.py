@@ -369,6 +369,7 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
 
     hv0/hz0 and hvT/hzT are indexed per (sequence, segment): [B·H, NS, F, V] and [B·H, NS, F]. STATE_ONLY
     skips the output and only sums the segment's state (the first pass of the segmented forward)."""
+    scale = tl.cast(scale, tl.float32)  # a no-op for the fp32 Triton passes; torch.compile passes fp64
     i_v, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NS = tl.num_programs(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -486,6 +487,7 @@ def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
                    BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
                    USE_H0: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr, EXPAND: tl.constexpr):
     """dq, first chunk to last, recomputing the forward state. dq: [NV, B, T, H, K] partial sums over V blocks."""
+    scale = tl.cast(scale, tl.float32)  # a no-op for the fp32 Triton passes; torch.compile passes fp64
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     F: tl.constexpr = 1 + K + K * K
@@ -558,6 +560,7 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
     """dk (partial over V blocks, [NV, B, T, H, K]) and dv, last chunk to first, carrying the reverse states
     D0 = Σ dnum, D1 = Σ q_s dnumᵀ, D2 = Σ (q_s⊗q_s) dnumᵀ and d0, d1, d2 likewise with the denominator's
     gradient. What is left at t = 0 is the gradient of the initial state (order 2 halved)."""
+    scale = tl.cast(scale, tl.float32)  # a no-op for the fp32 Triton passes; torch.compile passes fp64
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     F: tl.constexpr = 1 + K + K * K

@@ -51,11 +51,12 @@ KERNELS = {
 
 def compile_kernel(kind: str, mode: int, BV: int, BC: int, warps: int, stages: int = 2, states: bool = False,
                    NP: int = 4, OP: int = 2, NS: int = 1, prefetch: bool = False, gather: bool = False,
-                   maxnreg: int | None = None, G: int = 1, chunk_stages: int = 1):
+                   maxnreg: int | None = None, G: int = 1, chunk_stages: int = 1, scale_dtype: str = "fp32"):
     """Compile one of KERNELS for sm_90a at H=16, K=16, V=64, bf16 operands, normalised; `states` turns on the
     state inputs and outputs (their loads and stores compiled too); NP / OP: the split passes' row parts; NS: the
     state passes' segments per sequence; prefetch, gather: split.CONFIG's; maxnreg: a register cap per thread; G,
-    chunk_stages: the per-chunk kernels' chunks per program and pipeline stages (split.CONFIG's)."""
+    chunk_stages: the per-chunk kernels' chunks per program and pipeline stages (split.CONFIG's); scale_dtype: the
+    scalar type of `scale` ("fp64" is what torch.compile's inductor passes for a Python float)."""
     fn, bf16 = KERNELS[kind]
     const = dict(H=16, K=16, V=64, BK=16, BV=BV, BC=BC, NORMALIZE=True, DOT=2, EXPAND=mode, STATE_ONLY=False,
                  USE_H0=states, STORE_HT=states, USE_DHT=states, STORE_DH0=states, NP=NP, OP=OP, NS=NS,
@@ -68,7 +69,7 @@ def compile_kernel(kind: str, mode: int, BV: int, BC: int, warps: int, stages: i
         if name in const:
             sig[name] = "constexpr"
         elif name == "scale":
-            sig[name] = "fp32"
+            sig[name] = scale_dtype
         elif name in ("T", "SEG", "NC", "CPS", "W"):
             sig[name] = "i32"
         else:

@@ -320,6 +320,7 @@ def _output_kernel(q, k, v, o, den, hs, zs, scale, T, NC,
     """Chunks i_g·G up to (i_g + 1)·G of sequence i_bh, value block i_v, one after another (with STAGES > 1 the
     next chunk's loads are in flight during this one's dots): the causal tile plus the read of the entering state
     (the order-2 pair rows in OP parts, so that one part's [BC, J/OP] pair features are live at a time)."""
+    scale = tl.cast(scale, tl.float32)  # a no-op for the fp32 Triton passes; torch.compile passes fp64
     i_g, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     JP: tl.constexpr = BK * (BK // 2) // OP
@@ -460,6 +461,7 @@ def _features_kernel(k, g, F, zc, w, den, wout, o, scale, T, NC, H: tl.constexpr
     walk then does per step is one load and one dot. With DDEN (and STORE_W) the weights g are computed here rather
     than loaded, g = dden = -Σ_v dO·o / den (`chunk._dden_kernel`'s values), and stored to g for the gradient
     kernels: dO and den are loaded here anyway, so this saves that launch and its second read of dO."""
+    scale = tl.cast(scale, tl.float32)  # a no-op for the fp32 Triton passes; torch.compile passes fp64
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     R: tl.constexpr = 1 + 2 * BK + BK * (BK // 2)
@@ -718,6 +720,7 @@ def _reverse_state_kernel(q, do, den, dden, ds, dzs, dhT, dzT, dh0, dz0, scale, 
     block only); with STORE_DH0, what the segment adds on top of dhT, in dh0. dhT/dzT, dh0/dz0: [B·H·NS, ...], one
     per segment (order 2 symmetrised; pair / padded Taylor-order layouts). PREFETCH: as in `_state_kernel` (the
     previous chunk's loads issued before this one is summed)."""
+    scale = tl.cast(scale, tl.float32)  # a no-op for the fp32 Triton passes; torch.compile passes fp64
     i_p, i_v, i_bs = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_bh, i_s = i_bs // NS, i_bs % NS
     i_b, i_h = i_bh // H, i_bh % H
@@ -836,6 +839,7 @@ def _dq_kernel(q, k, v, do, den, dden, dq, hs, zs, scale, T, NC,
                G: tl.constexpr = 1, STAGES: tl.constexpr = 1):
     """dq of chunks i_g·G up to (i_g + 1)·G (partial over V blocks: dq [NV, B, T, H, K]) from the forward states
     entering them, one chunk after another (STAGES as in `_output_kernel`)."""
+    scale = tl.cast(scale, tl.float32)  # a no-op for the fp32 Triton passes; torch.compile passes fp64
     i_g, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     offs_c = tl.arange(0, BC)
@@ -897,6 +901,7 @@ def _dkv_kernel(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC,
     """dv (DV) and dk (DK; partial over V blocks: dk [NV, B, T, H, K]) of chunks i_g·G up to (i_g + 1)·G from the
     reverse states entering them, one chunk after another (STAGES as in `_output_kernel`); CONFIG["dkv_apart"]
     launches it twice, once for each, to halve what is live at a time."""
+    scale = tl.cast(scale, tl.float32)  # a no-op for the fp32 Triton passes; torch.compile passes fp64
     i_g, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     offs_c = tl.arange(0, BC)

@@ -49,3 +49,22 @@ def test_split_kernels_compile_for_sm90_within_their_register_caps(kind):
     report = ptxas_report(kernel.asm["ptx"])
     used = int(report.split("Used ")[1].split(" registers")[0])
     assert 0 < used <= (cap or 255), report
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(BIN, "ptxas")), reason="Triton ships no ptxas here")
+@pytest.mark.parametrize("kind", ["fwd", "dq", "dkv", "split_output", "split_features", "split_reverse", "split_dq",
+                                  "split_dv", "split_dk"])
+def test_kernels_compile_with_an_fp64_scale(kind):
+    """torch.compile's inductor launches the kernels with the Python float `scale` typed fp64, not fp32 as Triton's
+    own launcher does; each kernel casts it to fp32 first (without that, the fused dk/dv kernel's loop-carried fp32
+    accumulator turned fp64 and failed to compile: experiments/LOG.md, session 12)."""
+    from kernels.based.split import CONFIG
+
+    if kind in ("fwd", "dq", "dkv"):
+        BK, BV, BC, warps, stages = chunk._config(16, 64, torch.bfloat16, "fwd" if kind == "fwd" else "bwd")
+        kernel = compile_kernel(kind, 5, BV, BC, warps, stages, states=True, scale_dtype="fp64")
+    else:
+        kernel = compile_kernel(kind, 5, CONFIG["BV"], CONFIG["BC"], 4, states=True, NP=CONFIG["NP"], OP=CONFIG["OP"],
+                                scale_dtype="fp64")
+    assert "cvt.rn.f32.f64" in kernel.asm["ptx"]  # the one conversion, at the top
+    assert ".f64" not in kernel.asm["ptx"].replace("cvt.rn.f32.f64", "").replace(".param .f64", "")
