@@ -696,9 +696,9 @@ SAVE_STATES = True
 # stored features and fewer launches, session 11). fp32 stays fused. "auto" also leaves small problems fused
 # (B·H·T < SPLIT_MIN_WORK), except under CUDA-graph capture or torch.compile: eagerly the host's launch cost
 # decides, and the split forward+backward launches 8 Triton kernels against the fused one's 4 (9 before
-# split.CONFIG["fuse_dden"]). Session 12 (H200, B·H = 128, bf16, eager,
-# iterations back to back, ms): T=512 split 1.12 / fused 0.64, T=1024 1.28 / 0.76, T=2048 1.13 / 1.18, T=4096
-# 1.35 / 2.32, while on the device alone (the host hidden) the split is faster at every T (0.39 / 0.60 at T=1024).
+# split.CONFIG["fuse_dden"]). Session 12 (H200, B·H = 128, bf16, eager, iterations back to back, ms): T=512 split
+# 1.12 / fused 0.64, T=1024 1.28 / 0.76, T=2048 1.13 / 1.18, T=4096 1.35 / 2.32, while on the device alone (the
+# host hidden) the split is faster at every T (0.39 / 0.60 at T=1024).
 BACKWARD = "auto"
 SPLIT_MIN_WORK = 1 << 18
 
@@ -752,8 +752,8 @@ class ChunkBasedFunction(torch.autograd.Function):
                     EXPAND=_expand_mode(BK, forward=True), num_warps=num_warps, num_stages=num_stages)
         SEG = _segment_tokens(T, NV * B * H, BC)
         NS = cdiv(T, SEG)
-        # torch.compile counts as capture: its graphs often replay under CUDA graphs, and the fused backward kernels
-        # fail to compile under inductor (it passes the float scale as fp64; experiments/LOG.md, session 12)
+        # torch.compile counts as capture: its graphs often replay under CUDA graphs, and the split kernels are the
+        # ones checked under it on the H200 (experiments/LOG.md, session 12)
         capturing = torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing())
         split_bwd = grad_follows and split_backward_applies(K, V, q.dtype, B * H * T, capturing)
         states = None

@@ -416,7 +416,7 @@ def _prefix(x: torch.Tensor, x0, reverse: bool, store_total: bool):
     xT = torch.empty(N, *x.shape[2:], device=x.device, dtype=torch.float32) if store_total else None
     BW = min(1024, next_power_of_2(W))
     _prefix_kernel[(cdiv(W, BW), N)](x, x0, xT, NC, W, REVERSE=reverse, USE_X0=x0 is not None,
-                                            STORE_XT=store_total, BW=BW, num_warps=4)
+                                     STORE_XT=store_total, BW=BW, num_warps=4)
     return xT
 
 
@@ -584,11 +584,11 @@ def _features_walk(x, g, w, scale: float, h0, z0, store_total: bool, reverse: bo
     RP = CONFIG["features_rows"]
     # zc becomes the entering denominator states in place (the chain's first program per sequence)
     _chain_kernel[(cdiv(R, RP), NV, B * H)](F, w, hs, h0, hT, zc, z0, zT, T, NC, H=H, V=V, R=R, RP=RP, BV=BV,
-                                                   BC=BC, ZR=ZR, BZ=next_power_of_2(ZR),
-                                                   USE_H0=h0 is not None, STORE_HT=store_total, DOT=dot,
-                                                   STAGES=CONFIG["features_stages"], REVERSE=reverse,
-                                                   num_warps=CONFIG["chain_warps"],
-                                                   maxnreg=CONFIG["features_maxnreg"])
+                                            BC=BC, ZR=ZR, BZ=next_power_of_2(ZR),
+                                            USE_H0=h0 is not None, STORE_HT=store_total, DOT=dot,
+                                            STAGES=CONFIG["features_stages"], REVERSE=reverse,
+                                            num_warps=CONFIG["chain_warps"],
+                                            maxnreg=CONFIG["features_maxnreg"])
     return hs, zc, hT, zT
 
 
@@ -657,10 +657,10 @@ def output_pass(q, k, v, hs, zs, scale: float, normalize: bool, dot: int):
     den = torch.empty(B, T, H, device=q.device, dtype=torch.float32) if normalize else None
     G = CONFIG["output_chunks"]
     _output_kernel[(cdiv(NC, G), NV, B * H)](q, k, v, o, den, hs, zs, scale, T, NC, H=H, K=K, V=V, BK=16,
-                                                    BV=BV, BC=BC, OP=CONFIG["OP"], NORMALIZE=normalize, DOT=dot,
-                                                    GATHER=CONFIG["gather"], G=G, STAGES=CONFIG["output_stages"],
-                                                    num_warps=CONFIG["output_warps"],
-                                                    maxnreg=CONFIG["output_maxnreg"])
+                                             BV=BV, BC=BC, OP=CONFIG["OP"], NORMALIZE=normalize, DOT=dot,
+                                             GATHER=CONFIG["gather"], G=G, STAGES=CONFIG["output_stages"],
+                                             num_warps=CONFIG["output_warps"],
+                                             maxnreg=CONFIG["output_maxnreg"])
     return o, den
 
 
@@ -1046,14 +1046,14 @@ def chunk_grads(q, k, v, do, den, dden, hs, zs, ds, dzs, scale: float, normalize
                 num_warps=CONFIG["output_warps"], maxnreg=CONFIG["grads_maxnreg"])
     G = CONFIG["dq_chunks"]
     _dq_kernel[(cdiv(NC, G), NVQ, B * H)](q, k, v, do, den, dden, dq, hs, zs, scale, T, NC, BV=BVQ, G=G,
-                                                 STAGES=CONFIG["dq_stages"], **meta)
+                                          STAGES=CONFIG["dq_stages"], **meta)
     parts = (("dv", {"DV": True, "DK": False}), ("dk", {"DV": False, "DK": True})) if CONFIG["dkv_apart"] else \
         (("dk", {}),)
     for name, which in parts:
         G = CONFIG[f"{name}_chunks"]
         _dkv_kernel[(cdiv(NC, G), NV, B * H)](q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, BV=BV,
-                                                     GATHER=CONFIG["gather"], G=G, STAGES=CONFIG[f"{name}_stages"],
-                                                     **meta, **which)
+                                              GATHER=CONFIG["gather"], G=G, STAGES=CONFIG[f"{name}_stages"],
+                                              **meta, **which)
     return (dq[0] if NVQ == 1 else dq.sum(0)), (dk[0] if NV == 1 else dk.sum(0)), dv
 
 
