@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.based.naive import orders_to_state, state_to_orders
-from kernels.launch import cdiv, next_power_of_2
+from kernels.launch import cdiv, check_devices, next_power_of_2
 
 DOT_IEEE, DOT_TF32, DOT_BF16 = 0, 1, 2
 # Order-2 modes: how the order-2 state is kept and q⊗q, k⊗k are formed. Mode 0 keeps K² rows and forms the
@@ -867,6 +867,7 @@ def chunk_based(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float 
         raise ValueError(f"chunk_based supports K ≤ 32 and V ≤ 128, got K={K}, V={V}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    check_devices("chunk_based", q, k, v, *(initial_state or ()))
     scale = K**-0.5 if scale is None else float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.based.naive import feature_dim
-from kernels.launch import next_power_of_2
+from kernels.launch import check_devices, next_power_of_2
 
 
 @triton.jit
@@ -88,6 +88,7 @@ def fused_recurrent_based(q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tenso
         raise ValueError(f"state must be (kv {(B, H, E, V)}, k_sum {(B, H, E)}), got ({kv.shape}, {k_sum.shape})")
     if kv.dtype != torch.float32 or k_sum.dtype != torch.float32 or not (kv.is_contiguous() and k_sum.is_contiguous()):
         raise ValueError("the state must be contiguous fp32 tensors (it is updated in place)")
+    check_devices("fused_recurrent_based", q_t, k_t, v_t, kv, k_sum, out)
     scale = K**-0.5 if scale is None else float(scale)
     if out is None:
         out = torch.empty_like(v_t)

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from typing import Any
 
 import torch
+
+from kernels.launch import triton_runs_on
 
 logger = logging.getLogger("zoo.models.mixers")
 
@@ -65,7 +66,7 @@ def log_impl(mixer: str, impl: str) -> None:
 
 def require_triton_device(x: torch.Tensor, mixer: str, impl: str) -> None:
     """Triton kernels need CUDA tensors, or CPU tensors under the interpreter (TRITON_INTERPRET=1)."""
-    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if not triton_runs_on(x.device):
         raise RuntimeError(
             f"mixer {mixer!r} impl={impl!r} runs Triton kernels: needs CUDA tensors or TRITON_INTERPRET=1 "
             f"(got a {x.device.type} tensor); use impl='naive' on CPU"
