@@ -53,6 +53,7 @@ def _which_forward(monkeypatch, dtype, requires_grad, grad_enabled=True):
 
     monkeypatch.setattr(split, "split_forward", split_forward)
     monkeypatch.setattr(chunk, "_fwd_kernel", Fused())
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors pass the device check; no kernel launches here
     q, k = (torch.randn(1, 64, 2, 16, dtype=dtype, requires_grad=requires_grad) for _ in range(2))
     v = torch.randn(1, 64, 2, 64, dtype=dtype, requires_grad=requires_grad)
     with torch.set_grad_enabled(grad_enabled), pytest.raises(Chosen) as chosen:
