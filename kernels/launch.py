@@ -16,6 +16,12 @@ def triton_runs_on(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def is_capturing(x: torch.Tensor) -> bool:
+    """True while a CUDA graph is being captured on x's stream (launches then cost the host nothing, and code that
+    reads device values must skip them)."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def check_devices(op: str, *tensors: torch.Tensor | None) -> None:
     """One clear error, before any launch, for inputs on several devices or on one Triton cannot launch on."""
     devices = sorted({str(t.device) for t in tensors if t is not None})

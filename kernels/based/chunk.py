@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.based.naive import orders_to_state, state_to_orders
-from kernels.launch import cdiv, check_devices, next_power_of_2
+from kernels.launch import cdiv, check_devices, is_capturing, next_power_of_2
 
 DOT_IEEE, DOT_TF32, DOT_BF16 = 0, 1, 2
 # Order-2 modes: how the order-2 state is kept and q⊗q, k⊗k are formed. Mode 0 keeps K² rows and forms the
@@ -754,7 +754,7 @@ class ChunkBasedFunction(torch.autograd.Function):
         NS = cdiv(T, SEG)
         # torch.compile counts as capture: its graphs often replay under CUDA graphs, and the split kernels are the
         # ones checked under it on the H200 (experiments/LOG.md, session 12)
-        capturing = torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing())
+        capturing = torch.compiler.is_compiling() or is_capturing(q)
         split_bwd = grad_follows and split_backward_applies(K, V, q.dtype, B * H * T, capturing)
         states = None
         if (FORWARD == "split" and K <= 16) or (FORWARD == "auto" and split_bwd):

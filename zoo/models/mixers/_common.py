@@ -73,11 +73,6 @@ def require_triton_device(x: torch.Tensor, mixer: str, impl: str) -> None:
         )
 
 
-def is_capturing(x: torch.Tensor) -> bool:
-    """True while a CUDA graph is being captured: checks that read device values must be skipped then."""
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """At least fp32: bf16/fp16 activations are upcast for accumulations, fp64 stays fp64."""
     return torch.promote_types(dtype, torch.float32)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from kernels.launch import is_capturing
 from zoo.models.mixers._common import (
     apply_rotary,
     check_choice,
@@ -28,7 +29,6 @@ from zoo.models.mixers._common import (
     check_int,
     check_step_input,
     default_num_heads,
-    is_capturing,
     make_config,
     module_device_dtype,
 )

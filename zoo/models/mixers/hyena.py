@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kernels.launch import is_capturing
 from zoo.models.mixers._common import (
     check_input,
     check_int,
     check_step_input,
-    is_capturing,
     make_config,
     module_device_dtype,
 )
