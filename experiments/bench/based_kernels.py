@@ -1,11 +1,13 @@
 """Benchmark: Based linear attention kernels against FLA's Based kernels and causal SDPA, on one CUDA GPU.
 
-    python experiments/bench/based_kernels.py [--sweep] [--T 1024 2048 4096 8192 16384]
+    python experiments/bench/based_kernels.py [--sweep] [--T 1024 2048 4096 8192 16384] [--dtype bf16]
 
 Shape B=8, H=16, K=16, V=64, bf16 (SDPA: head dim 64). Median times over CUDA events after warm-up
 (triton.testing.do_bench, which also flushes L2 between runs), forward and forward+backward, and the decode
 step at B ∈ {1, 64, 256} (a CUDA graph of 16 steps, time per step). Ceilings are measured in the same process:
-copy bandwidth (device-to-device copy, bytes read + written) and bf16 GEMM rate (8192³, random data). Each row
+copy bandwidth (device-to-device copy, bytes read + written) and bf16 GEMM rate (8192³, random data). --dtype fp16
+or fp32 runs every row, the GEMM ceiling and the decode step in that dtype instead (fp32 GEMM: PyTorch's default
+fp32 matmul, no tf32). Each row
 reports the fraction of both ceilings it reaches, counting the minimum bytes (inputs read once, outputs written
 once) and the FLOPs of kernels/based/README.md. The last line is JSON.
 
@@ -36,7 +38,8 @@ import kernels.based.chunk as chunk_mod
 from kernels.based import chunk_based, feature_dim, fused_recurrent_based
 
 B, H, K, V, SDPA_D = 8, 16, 16, 64, 64
-DT = torch.bfloat16
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DT = torch.bfloat16  # --dtype
 E = feature_dim(K)
 
 
@@ -63,7 +66,7 @@ def based_flops(T, C=64):
 
 
 def based_bytes(T, backward):
-    qk, vo = B * T * H * K * 2, B * T * H * V * 2
+    qk, vo = B * T * H * K * DT.itemsize, B * T * H * V * DT.itemsize
     fwd = 2 * qk + 2 * vo  # q, k, v read; o written
     return fwd + (4 * qk + 4 * vo if backward else 0)  # + q, k, v, o, dO read; dq, dk, dv written
 
@@ -327,7 +330,10 @@ def main():
     p.add_argument("--split-one", default=None, help="(internal) time one split setting, JSON; print SPLIT_ONE {...}")
     p.add_argument("--skip-baselines", action="store_true")
     p.add_argument("--tuned", default=None, help="JSON with the forward/backward modes and block configs to use")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="inputs of every row (default bf16)")
     args = p.parse_args()
+    global DT
+    DT = DTYPES[args.dtype]
     if args.split_one:
         print("SPLIT_ONE " + json.dumps(split_one(json.loads(args.split_one), args.T[0])))
         return
@@ -342,9 +348,9 @@ def main():
     torch.manual_seed(0)
     bw, gemm = copy_bandwidth(), gemm_rate()
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
-    print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 GEMM {gemm / 1e12:.0f} TFLOP/s")
+    print(f"ceilings: copy {bw / 1e12:.2f} TB/s, {args.dtype} GEMM {gemm / 1e12:.0f} TFLOP/s")
     result = {"device": torch.cuda.get_device_name(), "copy_TBps": bw / 1e12, "gemm_TFLOPs": gemm / 1e12,
-              "shape": {"B": B, "H": H, "K": K, "V": V, "dtype": "bf16"}, "rows": [],
+              "shape": {"B": B, "H": H, "K": K, "V": V, "dtype": args.dtype}, "rows": [],
               # what `ours` ran: the dispatch choices and the split kernels' launch settings
               "ours": {"forward": chunk_mod.FORWARD, "backward": chunk_mod.BACKWARD,
                        "save_states": chunk_mod.SAVE_STATES, "split_config": dict(split_config())}}
@@ -393,8 +399,8 @@ def main():
                 print(f"{name:24s} {T:6d} failed: {type(e).__name__}: {str(e)[:200]}")
                 continue
             if name == "sdpa_causal_d64":
-                fl, by_f = sdpa_flops(T), 4 * B * T * H * SDPA_D * 2
-                by_b = by_f + 7 * B * T * H * SDPA_D * 2
+                fl, by_f = sdpa_flops(T), 4 * B * T * H * SDPA_D * DT.itemsize
+                by_b = by_f + 7 * B * T * H * SDPA_D * DT.itemsize
                 fl_b = 3.5 * fl
             else:
                 fl, by_f, by_b, fl_b = based_flops(T), based_bytes(T, False), based_bytes(T, True), 3 * based_flops(T)

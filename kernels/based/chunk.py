@@ -15,9 +15,11 @@ so the E = 153 Taylor features never touch HBM: q, k, v are read once and o is w
 state (kv [B,H,E,V], k_sum [B,H,E], FLA's TaylorFeatureMap order) is converted to and from these orders only at
 the boundaries (`naive.state_to_orders`, `naive.orders_to_state`), in fp32.
 
-Dot precision follows the input dtype: fp32 inputs use exact fp32 dots ("ieee", not tf32), bf16 inputs bf16
-operands, fp16 inputs tf32 operands (fp16's 10-bit mantissa with fp32's range: the order-2 state and the
-normalised gradient dO/den leave fp16's range at long T). Accumulation is fp32 throughout.
+Dot precision follows the input dtype: fp32 inputs use three tf32 products per dot ("tf32x3": each operand split
+into a tf32 head and a tf32 tail, the tail·tail product dropped, ≈ fp32's accuracy on the tensor cores; `FP32_DOT`
+= "ieee" gives exact fp32 dots on the vector units instead), bf16 inputs bf16 operands, fp16 inputs tf32 operands
+(fp16's 10-bit mantissa with fp32's range: the order-2 state and the normalised gradient dO/den leave fp16's
+range at long T). Accumulation is fp32 throughout.
 """
 
 import math
@@ -29,7 +31,12 @@ import triton.language as tl
 from kernels.based.naive import orders_to_state, state_to_orders
 from kernels.launch import cdiv, check_devices, is_capturing, next_power_of_2
 
-DOT_IEEE, DOT_TF32, DOT_BF16 = 0, 1, 2
+DOT_IEEE, DOT_TF32, DOT_BF16, DOT_TF32X3 = 0, 1, 2, 3
+# The dots of fp32 inputs: "tf32x3" (the default) or "ieee". On the H200 (session 13, B=8, H=16, T=4096) an fp32
+# forward+backward took 68.5 ms with "ieee" dots, 54× the bf16 one, because Triton runs ieee fp32 dots as FMAs on
+# the vector units; "tf32x3" keeps the tensor cores at ≈ fp32 accuracy (14.0 ms; output within 3.5e-7 of the ieee
+# one; the GPU tests hold it to fp32's rule).
+FP32_DOT = "tf32x3"
 # Order-2 modes: how the order-2 state is kept and q⊗q, k⊗k are formed. Mode 0 keeps K² rows and forms the
 # features by broadcast and reshape; mode 1 keeps K² rows and forms them with dots against 0/1 matrices [K, K²]
 # (faster than 0 on the H200 at K=16; at K=32 the matrices overflow shared memory, so K > 16 uses mode 0).
@@ -55,9 +62,14 @@ def _expand_mode(BK: int, forward: bool) -> int:
     return mode if BK <= 16 else 0
 
 
-def _dot_mode(dtype: torch.dtype) -> int:
+def _dot_mode(dtype: torch.dtype, K: int = 16) -> int:
+    """The kernels' DOT for inputs of `dtype` with feature dim K (see the module docstring and FP32_DOT)."""
     if dtype == torch.float32:
-        return DOT_IEEE
+        if FP32_DOT not in ("tf32x3", "ieee"):
+            raise ValueError(f"chunk.FP32_DOT must be 'tf32x3' or 'ieee', got {FP32_DOT!r}")
+        # K > 16 (order-2 mode 0, BK = 32): the split operands of tf32x3 need ≈ 275-279 KB of shared memory per
+        # program (compiled for sm_90a, kernels/based/sm90_report.py), over the H200's 227 KB; ieee fits
+        return DOT_TF32X3 if FP32_DOT == "tf32x3" and K <= 16 else DOT_IEEE
     if dtype == torch.float16:
         return DOT_TF32
     if dtype == torch.bfloat16:
@@ -72,6 +84,8 @@ def _mm(a, b, DOT: tl.constexpr):
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
     elif DOT == 1:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
+    elif DOT == 3:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32x3")
     else:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
 
@@ -748,12 +762,13 @@ class ChunkBasedFunction(torch.autograd.Function):
         NV = cdiv(V, BV)
         o = torch.empty_like(v)
         den = torch.empty(B, T, H, device=q.device, dtype=torch.float32) if normalize else None
-        meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NORMALIZE=normalize, DOT=_dot_mode(q.dtype),
+        meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NORMALIZE=normalize, DOT=_dot_mode(q.dtype, K),
                     EXPAND=_expand_mode(BK, forward=True), num_warps=num_warps, num_stages=num_stages)
         SEG = _segment_tokens(T, NV * B * H, BC)
         NS = cdiv(T, SEG)
-        # torch.compile counts as capture: its graphs often replay under CUDA graphs, and the split kernels are the
-        # ones checked under it on the H200 (experiments/LOG.md, session 12)
+        # torch.compile counts as capture: its graphs often replay under CUDA graphs (mode="reduce-overhead"), and
+        # compiled eagerly the two paths tie at small T (session 13, H200, bf16, B·H = 128, compiled forward+backward
+        # in a loop: T=1024 split 0.800 ms / fused 0.796; T=4096 1.341 / 2.255). Both pass the GPU compile test.
         capturing = torch.compiler.is_compiling() or is_capturing(q)
         split_bwd = grad_follows and split_backward_applies(K, V, q.dtype, B * H * T, capturing)
         states = None
@@ -761,7 +776,7 @@ class ChunkBasedFunction(torch.autograd.Function):
             from kernels.based.split import split_forward
 
             o, den, hvT, hzT, states = split_forward(q, k, v, hv0, hz0, scale, output_final_state, normalize,
-                                                     _dot_mode(q.dtype), return_states=True)
+                                                     _dot_mode(q.dtype, K), return_states=True)
             if not (split_bwd and SAVE_STATES):
                 states = None
         elif NS == 1:
@@ -824,7 +839,7 @@ class ChunkBasedFunction(torch.autograd.Function):
 
             dq, dk, dv, dhv0, dhz0 = split_backward(q, k, v, do, den, dden, hv0, hz0, dhvT if use_dht else None,
                                                     dhzT if use_dht else None, ctx.scale, ctx.normalize,
-                                                    _dot_mode(q.dtype), states=None if hs is None else (hs, zs),
+                                                    _dot_mode(q.dtype, K), states=None if hs is None else (hs, zs),
                                                     o=o if split_dden else None)
             return dq.to(q.dtype), dk.to(k.dtype), dv, dhv0, dhz0, None, None, None, None
         store_dh0 = hv0 is not None
@@ -833,7 +848,7 @@ class ChunkBasedFunction(torch.autograd.Function):
         dq = torch.empty(NV, B, T, H, K, device=q.device, dtype=torch.float32)
         dk = torch.empty(NV, B, T, H, K, device=q.device, dtype=torch.float32)
         dv = torch.empty_like(v)
-        meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NORMALIZE=ctx.normalize, DOT=_dot_mode(q.dtype),
+        meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NORMALIZE=ctx.normalize, DOT=_dot_mode(q.dtype, K),
                     EXPAND=_expand_mode(BK, forward=False), num_warps=num_warps, num_stages=num_stages)
         _bwd_dq_kernel[(NV, B * H)](q, k, v, do, den, dden, dq, hv0, hz0, ctx.scale, T, USE_H0=hv0 is not None,
                                     **meta)

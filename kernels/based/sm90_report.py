@@ -51,14 +51,16 @@ KERNELS = {
 
 def compile_kernel(kind: str, mode: int, BV: int, BC: int, warps: int, stages: int = 2, states: bool = False,
                    NP: int = 4, OP: int = 2, NS: int = 1, prefetch: bool = False, gather: bool = False,
-                   maxnreg: int | None = None, G: int = 1, chunk_stages: int = 1, scale_dtype: str = "fp32"):
+                   maxnreg: int | None = None, G: int = 1, chunk_stages: int = 1, scale_dtype: str = "fp32",
+                   dot: int = 2):
     """Compile one of KERNELS for sm_90a at H=16, K=16, V=64, bf16 operands, normalised; `states` turns on the
     state inputs and outputs (their loads and stores compiled too); NP / OP: the split passes' row parts; NS: the
     state passes' segments per sequence; prefetch, gather: split.CONFIG's; maxnreg: a register cap per thread; G,
     chunk_stages: the per-chunk kernels' chunks per program and pipeline stages (split.CONFIG's); scale_dtype: the
-    scalar type of `scale` ("fp64" is what torch.compile's inductor passes for a Python float)."""
+    scalar type of `scale` ("fp64" is what torch.compile's inductor passes for a Python float); dot: the kernels'
+    DOT (chunk.py's DOT_*: 2 for bf16 inputs; any other compiles for fp32 inputs, every tensor fp32)."""
     fn, bf16 = KERNELS[kind]
-    const = dict(H=16, K=16, V=64, BK=16, BV=BV, BC=BC, NORMALIZE=True, DOT=2, EXPAND=mode, STATE_ONLY=False,
+    const = dict(H=16, K=16, V=64, BK=16, BV=BV, BC=BC, NORMALIZE=True, DOT=dot, EXPAND=mode, STATE_ONLY=False,
                  USE_H0=states, STORE_HT=states, USE_DHT=states, STORE_DH0=states, NP=NP, OP=OP, NS=NS,
                  STORE_HS=True, STORE_DS=True, PREFETCH=prefetch, GATHER=gather,
                  DV=kind != "split_dk", DK=kind != "split_dv", G=G, STAGES=chunk_stages, REVERSE=False,
@@ -73,7 +75,7 @@ def compile_kernel(kind: str, mode: int, BV: int, BC: int, warps: int, stages: i
         elif name in ("T", "SEG", "NC", "CPS", "W"):
             sig[name] = "i32"
         else:
-            sig[name] = "*bf16" if name in bf16 else "*fp32"
+            sig[name] = "*bf16" if name in bf16 and dot == 2 else "*fp32"
     constexprs = {(fn.arg_names.index(k),): v for k, v in const.items() if k in fn.arg_names}
     src = ASTSource(fn, sig, constexprs=constexprs)
     options = {"num_warps": warps, "num_stages": stages}

@@ -301,8 +301,9 @@ def _state_kernel(k, v, hs, zs, h0, z0, hT, zT, T, NC, CPS,
             n += tl.sum(((c * BC + offs_c) < T).to(tl.float32), 0)
             if first:
                 z1 += tl.sum(kft, 1)
-                if DOT == 0:  # exact fp32, as the fused kernel's denominator; k loaded again untransposed, because
-                    # Triton 3.6 computed dot(x, trans(x)) of an fp32 tile wrongly on the H200 (session 8)
+                if DOT == 0 or DOT == 3:  # fp32 inputs: exact fp32, as the fused kernel's denominator; k loaded
+                    # again untransposed, because Triton 3.6 computed dot(x, trans(x)) of an fp32 tile wrongly on
+                    # the H200 (session 8)
                     Z2 += _mm(kft, _load_k(k, c, T, offs_c, offs_k, m_k, H, K, BC).to(tl.float32), 0)
                 else:
                     Z2 += _mm(kft, tl.trans(kft), 0)
@@ -788,7 +789,7 @@ def _reverse_state_kernel(q, do, den, dden, ds, dzs, dhT, dzT, dh0, dz0, scale, 
             if first:
                 d0 += tl.sum(g, 0)
                 d1 += tl.sum(qst * g[None, :], 1)
-                if DOT == 0:  # q loaded again untransposed, as Z2 in `_state_kernel`
+                if DOT == 0 or DOT == 3:  # fp32 inputs: q loaded again untransposed, as Z2 in `_state_kernel`
                     t = c * BC + offs_c
                     bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=(t < T)[:, None] & m_k[None, :],
                                  other=0.0)

@@ -92,3 +92,17 @@ def test_auto_forward_under_torch_compile_is_split(monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert _which_forward(monkeypatch, torch.bfloat16, requires_grad=True) == "split"
     assert _which_forward(monkeypatch, torch.float32, requires_grad=True) == "fused"  # fp32: fused backward
+
+
+def test_fp32_dot_precision(monkeypatch):
+    """fp32 inputs take tf32x3 dots by default (the tensor cores at ≈ fp32 accuracy), exact ones on request; bf16 and
+    fp16 are unaffected; anything else is refused in one line."""
+    assert chunk._dot_mode(torch.float32) == chunk.DOT_TF32X3
+    assert chunk._dot_mode(torch.float32, 32) == chunk.DOT_IEEE  # tf32x3 overflows shared memory at K=32
+    monkeypatch.setattr(chunk, "FP32_DOT", "ieee")
+    assert chunk._dot_mode(torch.float32) == chunk.DOT_IEEE
+    assert chunk._dot_mode(torch.bfloat16) == chunk.DOT_BF16
+    assert chunk._dot_mode(torch.float16) == chunk.DOT_TF32
+    monkeypatch.setattr(chunk, "FP32_DOT", "tf32")
+    with pytest.raises(ValueError, match="FP32_DOT"):
+        chunk._dot_mode(torch.float32)

@@ -65,6 +65,16 @@ def test_split_matches_naive_gpu(case, config, dtype, monkeypatch):
         check_against_naive(chunk_based, case, dtype, "cuda", reference=_reference(case))
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c.T in (1000, 4096)], ids=lambda c: c.id)
+def test_fp32_ieee_dots_match_naive_gpu(case, monkeypatch):
+    """fp32 with exact fp32 dots (chunk.FP32_DOT = "ieee", the vector units) instead of the default tf32x3."""
+    from kernels.based import chunk
+
+    monkeypatch.setattr(chunk, "FP32_DOT", "ieee")
+    with nan_empty():
+        check_against_naive(chunk_based, case, torch.float32, "cuda", reference=_reference(case))
+
+
 MODE_CASES = [c for c in CASES if c.T in (1000, 4096) and c.K <= 16]  # K > 16 runs mode 0
 
 

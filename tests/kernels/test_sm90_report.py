@@ -68,3 +68,18 @@ def test_kernels_compile_with_an_fp64_scale(kind):
                                 scale_dtype="fp64")
     assert "cvt.rn.f32.f64" in kernel.asm["ptx"]  # the one conversion, at the top
     assert ".f64" not in kernel.asm["ptx"].replace("cvt.rn.f32.f64", "").replace(".param .f64", "")
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(BIN, "ptxas")), reason="Triton ships no ptxas here")
+@pytest.mark.parametrize("kind", ["fwd", "dq", "dkv"])
+def test_fp32_kernels_use_the_tensor_cores(kind):
+    """fp32 inputs take the fused kernels with tf32x3 dots (chunk.FP32_DOT): they compile for sm_90a and their state
+    dots are wgmmas, where "ieee" dots run as FMAs on the vector units (54x slower than bf16 on the H200,
+    experiments/LOG.md, session 13)."""
+    mode = chunk.FWD_EXPAND if kind == "fwd" else chunk.BWD_EXPAND
+    BK, BV, BC, warps, stages = chunk._config(16, 64, torch.float32, "fwd" if kind == "fwd" else "bwd")
+    kernel = compile_kernel(kind, mode, BV, BC, warps, stages, states=True, dot=chunk._dot_mode(torch.float32))
+    assert "ttng.warp_group_dot" in kernel.asm["ttgir"]
+    assert kernel.metadata.shared <= 232448  # the H200's shared memory per block (K=32 overflows it: ieee there)
+    report = ptxas_report(kernel.asm["ptx"])
+    assert 0 < int(report.split("Used ")[1].split(" registers")[0]) <= 255, report
