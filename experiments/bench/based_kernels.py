@@ -5,11 +5,10 @@
 Shape B=8, H=16, K=16, V=64, bf16 (SDPA: head dim 64). Median times over CUDA events after warm-up
 (triton.testing.do_bench, which also flushes L2 between runs), forward and forward+backward, and the decode
 step at B ∈ {1, 64, 256} (a CUDA graph of 16 steps, time per step). Ceilings are measured in the same process:
-copy bandwidth (device-to-device copy, bytes read + written) and bf16 GEMM rate (8192³, random data). --dtype fp16
-or fp32 runs every row, the GEMM ceiling and the decode step in that dtype instead (fp32 GEMM: PyTorch's default
-fp32 matmul, no tf32). Each row
+copy bandwidth (device-to-device copy, bytes read + written) and bf16 GEMM rate (8192³, random data). Each row
 reports the fraction of both ceilings it reaches, counting the minimum bytes (inputs read once, outputs written
-once) and the FLOPs of kernels/based/README.md. The last line is JSON.
+once) and the FLOPs of kernels/based/README.md. The last line is JSON. --dtype fp16 or fp32 runs every row, the
+GEMM ceiling and the decode step in that dtype instead (fp32 GEMM: PyTorch's default fp32 matmul, no tf32).
 
 --sweep first times order-2 modes (5, 6) x block configurations of our kernel at T=4096 (each checked against
 the default) and uses the fastest mode and configuration per pass.
