@@ -19,8 +19,10 @@ fused forward with the split backward at the fastest forward+backward's settings
 --tuned FILE sets our kernel's order-2 modes and block configurations from a JSON file
 {"fwd": {"mode": m, "cfg": [BK, BV, BC, warps, stages]}, "fb": {...}} (the forward from "fwd", the backward from
 "fb"), as a tuning run writes it; the table then times `ours` with them.
-`ours_batched_o2` is our kernel with `chunk.FWD_EXPAND = chunk.BWD_EXPAND = 2`; its output and gradients are
-checked against `ours` before it is timed. `ours_graphed` is `ours` captured in CUDA graphs and timed by replay
+`ours_batched_o2` is our kernel with `chunk.FWD_EXPAND = chunk.BWD_EXPAND = 2`, `ours_fwd_prefetch` with
+`chunk.FWD_PREFETCH = True` (the fused forward, which runs where no gradient follows, loading a chunk ahead);
+their outputs (with and without a gradient following) and gradients are checked against `ours` before they are
+timed. `ours_graphed` is `ours` captured in CUDA graphs and timed by replay
 (the GPU's time without the host's launch overhead, which the eager rows include).
 """
 
@@ -85,16 +87,18 @@ def inputs(T, d_qk=K, d_v=V, layout="bthd"):
 
 
 @contextlib.contextmanager
-def order2_mode(name):
+def kernel_variant(name):
     """`ours_batched_o2` runs our kernels with chunk.FWD_EXPAND = BWD_EXPAND = 2 (order-2 states as [K, K, BV],
-    batched dots); every other implementation as configured."""
-    saved = chunk_mod.FWD_EXPAND, chunk_mod.BWD_EXPAND
+    batched dots), `ours_fwd_prefetch` with chunk.FWD_PREFETCH = True; every other implementation as configured."""
+    saved = chunk_mod.FWD_EXPAND, chunk_mod.BWD_EXPAND, chunk_mod.FWD_PREFETCH
     if name == "ours_batched_o2":
         chunk_mod.FWD_EXPAND = chunk_mod.BWD_EXPAND = 2
+    if name == "ours_fwd_prefetch":
+        chunk_mod.FWD_PREFETCH = True
     try:
         yield
     finally:
-        chunk_mod.FWD_EXPAND, chunk_mod.BWD_EXPAND = saved
+        chunk_mod.FWD_EXPAND, chunk_mod.BWD_EXPAND, chunk_mod.FWD_PREFETCH = saved
 
 
 SPLIT_BEST = {}  # "fwd" / "fb": the split settings of the fastest forward / forward+backward (--split-sweep)
@@ -125,8 +129,9 @@ def impls():
 
     out = {
         "ours": (lambda q, k, v: chunk_based(q, k, v)[0], "bthd", K),
-        # order-2 terms by batched dots over the first index, no 0/1 expansion matrices (see order2_mode)
+        # order-2 terms by batched dots over the first index, no 0/1 expansion matrices (see kernel_variant)
         "ours_batched_o2": (lambda q, k, v: chunk_based(q, k, v)[0], "bthd", K),
+        "ours_fwd_prefetch": (lambda q, k, v: chunk_based(q, k, v)[0], "bthd", K),
         "fla_parallel_based": (lambda q, k, v: parallel_based(q, k, v, scale=None, use_norm=True), "bthd", K),
         "fla_fused_chunk_based": (lambda q, k, v: fused_chunk_based(q, k, v, scale=None, use_norm=True), "bthd", K),
         "sdpa_causal_d64": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), "bhtd", SDPA_D),
@@ -376,23 +381,28 @@ def main():
         names["ours_split"] = names["ours_split_bwd"] = names["ours"]
     if args.tuned:
         names.pop("ours_batched_o2")
+        names.pop("ours_fwd_prefetch")
     print(f"{'impl':24s} {'T':>6s} {'fwd ms':>8s} {'fwd+bwd ms':>10s} {'fwd %bw':>8s} {'fwd %gemm':>9s} "
           f"{'f+b %bw':>8s} {'f+b %gemm':>9s}")
     for T in args.T:
         for name, (fn, layout, d_qk) in names.items():
             try:
-                if name == "ours_batched_o2":
+                if name in ("ours_batched_o2", "ours_fwd_prefetch"):
                     q, k, v, do = inputs(T)
+                    with torch.no_grad():
+                        ref_ng = chunk_based(q, k, v)[0]
                     ref = chunk_based(q, k, v)[0]
                     ref_grads = torch.autograd.grad(ref, (q, k, v), do)
-                    with order2_mode(name):
+                    with kernel_variant(name):
+                        with torch.no_grad():
+                            out_ng = chunk_based(q, k, v)[0]
                         out = chunk_based(q, k, v)[0]
                         grads = torch.autograd.grad(out, (q, k, v), do)
                     err = max(((a.float() - b.float()).norm() / b.float().norm()).item()
-                              for a, b in zip((out, *grads), (ref, *ref_grads)))
+                              for a, b in zip((out_ng, out, *grads), (ref_ng, ref, *ref_grads)))
                     if not err < 2e-2:
                         raise ValueError(f"output or gradients differ from ours: relative error {err:.2e}")
-                with order2_mode(name), split_choice(name):
+                with kernel_variant(name), split_choice(name):
                     fwd, both = (time_graphed if name == "ours_graphed" else time_impl)(fn, T, layout, d_qk)
             except Exception as e:  # keep the table going if a baseline breaks on this stack; say so
                 print(f"{name:24s} {T:6d} failed: {type(e).__name__}: {str(e)[:200]}")
