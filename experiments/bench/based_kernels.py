@@ -86,19 +86,24 @@ def inputs(T, d_qk=K, d_v=V, layout="bthd"):
     return q, k, v, do
 
 
+# Rows that run our kernels with other chunk.py settings, each checked against `ours` before it is timed:
+# order-2 terms by batched dots over the first index, no 0/1 expansion matrices; the fused forward loading a chunk
+# ahead.
+VARIANTS = {"ours_batched_o2": {"FWD_EXPAND": 2, "BWD_EXPAND": 2}, "ours_fwd_prefetch": {"FWD_PREFETCH": True}}
+
+
 @contextlib.contextmanager
 def kernel_variant(name):
-    """`ours_batched_o2` runs our kernels with chunk.FWD_EXPAND = BWD_EXPAND = 2 (order-2 states as [K, K, BV],
-    batched dots), `ours_fwd_prefetch` with chunk.FWD_PREFETCH = True; every other implementation as configured."""
-    saved = chunk_mod.FWD_EXPAND, chunk_mod.BWD_EXPAND, chunk_mod.FWD_PREFETCH
-    if name == "ours_batched_o2":
-        chunk_mod.FWD_EXPAND = chunk_mod.BWD_EXPAND = 2
-    if name == "ours_fwd_prefetch":
-        chunk_mod.FWD_PREFETCH = True
+    """The chunk.py settings of VARIANTS[name] for the duration; every other implementation as configured."""
+    settings = VARIANTS.get(name, {})
+    saved = {key: getattr(chunk_mod, key) for key in settings}
+    for key, value in settings.items():
+        setattr(chunk_mod, key, value)
     try:
         yield
     finally:
-        chunk_mod.FWD_EXPAND, chunk_mod.BWD_EXPAND, chunk_mod.FWD_PREFETCH = saved
+        for key, value in saved.items():
+            setattr(chunk_mod, key, value)
 
 
 SPLIT_BEST = {}  # "fwd" / "fb": the split settings of the fastest forward / forward+backward (--split-sweep)
@@ -129,9 +134,7 @@ def impls():
 
     out = {
         "ours": (lambda q, k, v: chunk_based(q, k, v)[0], "bthd", K),
-        # order-2 terms by batched dots over the first index, no 0/1 expansion matrices (see kernel_variant)
-        "ours_batched_o2": (lambda q, k, v: chunk_based(q, k, v)[0], "bthd", K),
-        "ours_fwd_prefetch": (lambda q, k, v: chunk_based(q, k, v)[0], "bthd", K),
+        **{name: (lambda q, k, v: chunk_based(q, k, v)[0], "bthd", K) for name in VARIANTS},
         "fla_parallel_based": (lambda q, k, v: parallel_based(q, k, v, scale=None, use_norm=True), "bthd", K),
         "fla_fused_chunk_based": (lambda q, k, v: fused_chunk_based(q, k, v, scale=None, use_norm=True), "bthd", K),
         "sdpa_causal_d64": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), "bhtd", SDPA_D),
@@ -380,14 +383,14 @@ def main():
     if SPLIT_BEST:
         names["ours_split"] = names["ours_split_bwd"] = names["ours"]
     if args.tuned:
-        names.pop("ours_batched_o2")
-        names.pop("ours_fwd_prefetch")
+        for name in VARIANTS:
+            names.pop(name)
     print(f"{'impl':24s} {'T':>6s} {'fwd ms':>8s} {'fwd+bwd ms':>10s} {'fwd %bw':>8s} {'fwd %gemm':>9s} "
           f"{'f+b %bw':>8s} {'f+b %gemm':>9s}")
     for T in args.T:
         for name, (fn, layout, d_qk) in names.items():
             try:
-                if name in ("ours_batched_o2", "ours_fwd_prefetch"):
+                if name in VARIANTS:
                     q, k, v, do = inputs(T)
                     with torch.no_grad():
                         ref_ng = chunk_based(q, k, v)[0]
