@@ -790,7 +790,8 @@ class ChunkBasedFunction(torch.autograd.Function):
         NV = cdiv(V, BV)
         o = torch.empty_like(v)
         den = torch.empty(B, T, H, device=q.device, dtype=torch.float32) if normalize else None
-        meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NORMALIZE=normalize, DOT=_dot_mode(q.dtype, K),
+        dot = _dot_mode(q.dtype, K)  # the backward reuses it (ctx.dot)
+        meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NORMALIZE=normalize, DOT=dot,
                     EXPAND=_expand_mode(BK, forward=True), PREFETCH=FWD_PREFETCH, num_warps=num_warps,
                     num_stages=num_stages)
         SEG = _segment_tokens(T, NV * B * H, BC)
@@ -805,7 +806,7 @@ class ChunkBasedFunction(torch.autograd.Function):
             from kernels.based.split import split_forward
 
             o, den, hvT, hzT, states = split_forward(q, k, v, hv0, hz0, scale, output_final_state, normalize,
-                                                     _dot_mode(q.dtype, K), return_states=True)
+                                                     dot, return_states=True)
             if not (split_bwd and SAVE_STATES):
                 states = None
         elif NS == 1:
@@ -833,7 +834,7 @@ class ChunkBasedFunction(torch.autograd.Function):
             _fwd_kernel[(NV, NS, B * H)](q, k, v, o, den, hv_in, hz_in, None, None, scale, T, SEG, USE_H0=True,
                                          STORE_HT=False, STATE_ONLY=False, **meta)
         ctx.save_for_backward(q, k, v, o, den, hv0, hz0, *(states or (None, None)))
-        ctx.scale, ctx.normalize, ctx.split_bwd = scale, normalize, split_bwd
+        ctx.scale, ctx.normalize, ctx.split_bwd, ctx.dot = scale, normalize, split_bwd, dot
         return o, hvT, hzT
 
     @staticmethod
@@ -868,7 +869,7 @@ class ChunkBasedFunction(torch.autograd.Function):
 
             dq, dk, dv, dhv0, dhz0 = split_backward(q, k, v, do, den, dden, hv0, hz0, dhvT if use_dht else None,
                                                     dhzT if use_dht else None, ctx.scale, ctx.normalize,
-                                                    _dot_mode(q.dtype, K), states=None if hs is None else (hs, zs),
+                                                    ctx.dot, states=None if hs is None else (hs, zs),
                                                     o=o if split_dden else None)
             return dq.to(q.dtype), dk.to(k.dtype), dv, dhv0, dhz0, None, None, None, None
         store_dh0 = hv0 is not None
@@ -877,7 +878,7 @@ class ChunkBasedFunction(torch.autograd.Function):
         dq = torch.empty(NV, B, T, H, K, device=q.device, dtype=torch.float32)
         dk = torch.empty(NV, B, T, H, K, device=q.device, dtype=torch.float32)
         dv = torch.empty_like(v)
-        meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NORMALIZE=ctx.normalize, DOT=_dot_mode(q.dtype, K),
+        meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NORMALIZE=ctx.normalize, DOT=ctx.dot,
                     EXPAND=_expand_mode(BK, forward=False), num_warps=num_warps, num_stages=num_stages)
         _bwd_dq_kernel[(NV, B * H)](q, k, v, do, den, dden, dq, hv0, hz0, ctx.scale, T, USE_H0=hv0 is not None,
                                     **meta)
