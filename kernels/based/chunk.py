@@ -55,10 +55,6 @@ FP32_DOT = "tf32x3"
 # instead of two dots with 0/1 matrices; not yet timed).
 FWD_EXPAND = 5
 BWD_EXPAND = 5
-# The fused forward issues the next chunk's loads (k, v, kᵀ, q) before this chunk's work, so they land while it
-# computes (as split.CONFIG["prefetch"] does in the state passes). Opt-in and not yet timed on the GPU: at 2
-# programs per SM the walk waits on its loads, but the forward already uses all 255 registers.
-FWD_PREFETCH = False
 
 
 def _expand_mode(BK: int, forward: bool) -> int:
@@ -403,12 +399,11 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                 BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
                 USE_H0: tl.constexpr, STORE_HT: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr,
-                EXPAND: tl.constexpr, STATE_ONLY: tl.constexpr, PREFETCH: tl.constexpr = False):
+                EXPAND: tl.constexpr, STATE_ONLY: tl.constexpr):
     """One program: value block i_v, segment i_s (SEG tokens, a multiple of BC) of sequence i_bh.
 
     hv0/hz0 and hvT/hzT are indexed per (sequence, segment): [B·H, NS, F, V] and [B·H, NS, F]. STATE_ONLY
-    skips the output and only sums the segment's state (the first pass of the segmented forward). PREFETCH issues
-    the next chunk's loads before this chunk's work (FWD_PREFETCH)."""
+    skips the output and only sums the segment's state (the first pass of the segmented forward)."""
     scale = tl.cast(scale, tl.float32)  # a no-op for the fp32 Triton passes; torch.compile passes fp64
     i_v, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NS = tl.num_programs(1)
@@ -446,19 +441,11 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
     Sd, S2, S2b = _order2_init(hv0, USE_H0, offs_k, offs_v, K, V, BK, BV, EXPAND)
 
     seg_end = tl.minimum(T, (i_s + 1) * SEG)
-    if PREFETCH:
-        nk, nv, nkt, nq = _fwd_load(q, k, v, i_s * SEG, seg_end, offs_c, offs_k, offs_v, m_k, m_v, H, K, V, EXPAND,
-                                    STATE_ONLY)
     for start in range(i_s * SEG, seg_end, BC):
         t = start + offs_c
         m_t = t < seg_end
-        if PREFETCH:
-            bk, bv, bkt, bq = nk, nv, nkt, nq
-            nk, nv, nkt, nq = _fwd_load(q, k, v, start + BC, seg_end, offs_c, offs_k, offs_v, m_k, m_v, H, K, V,
-                                        EXPAND, STATE_ONLY)
-        else:
-            bk, bv, bkt, bq = _fwd_load(q, k, v, start, seg_end, offs_c, offs_k, offs_v, m_k, m_v, H, K, V, EXPAND,
-                                        STATE_ONLY)
+        bk, bv, bkt, bq = _fwd_load(q, k, v, start, seg_end, offs_c, offs_k, offs_v, m_k, m_v, H, K, V, EXPAND,
+                                    STATE_ONLY)
         kf = bk.to(tl.float32)
         kft = bkt.to(tl.float32)
         if not STATE_ONLY:
@@ -792,7 +779,7 @@ class ChunkBasedFunction(torch.autograd.Function):
         den = torch.empty(B, T, H, device=q.device, dtype=torch.float32) if normalize else None
         dot = _dot_mode(q.dtype, K)  # the backward reuses it (ctx.dot)
         meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NORMALIZE=normalize, DOT=dot,
-                    EXPAND=_expand_mode(BK, forward=True), PREFETCH=FWD_PREFETCH, num_warps=num_warps,
+                    EXPAND=_expand_mode(BK, forward=True), num_warps=num_warps,
                     num_stages=num_stages)
         SEG = _segment_tokens(T, NV * B * H, BC)
         NS = cdiv(T, SEG)

@@ -53,28 +53,6 @@ def test_segmented_forward_matches_naive(case, monkeypatch):
         check_against_naive(chunk_based, case, torch.float32, "cpu")
 
 
-PREFETCH_CASES = [
-    Case(B=1, T=100, H=2, K=16, V=64),  # a partial last chunk
-    Case(B=1, T=1, H=2, K=16, V=64),
-    Case(B=1, T=64, H=1, K=32, V=128),  # mode 0: kᵀ transposed in registers
-    Case(B=1, T=37, H=1, K=5, V=16, normalize=False),
-]
-
-
-@pytest.mark.parametrize("segmented", [False, True], ids=["whole", "segments"])
-@pytest.mark.parametrize("case", PREFETCH_CASES, ids=[c.id for c in PREFETCH_CASES])
-def test_forward_prefetch_matches_naive(case, segmented, monkeypatch):
-    """chunk.FWD_PREFETCH: the fused forward loading each chunk one step ahead, whole or in segments of one chunk
-    (whose state-only first pass prefetches too): outputs, final state and every gradient as the naive form."""
-    from kernels.based import chunk
-
-    monkeypatch.setattr(chunk, "FWD_PREFETCH", True)
-    if segmented:
-        monkeypatch.setattr(chunk, "SEGMENT_TOKENS", 32)
-    with nan_empty():
-        check_against_naive(chunk_based, case, torch.float32, "cpu")
-
-
 BATCHED_O2 = [Case(B=1, T=100, H=2, K=16, V=64), Case(B=2, T=37, H=1, K=5, V=40, normalize=False)]
 
 

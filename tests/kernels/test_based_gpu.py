@@ -75,19 +75,6 @@ def test_fp32_ieee_dots_match_naive_gpu(case, monkeypatch):
         check_against_naive(chunk_based, case, torch.float32, "cuda", reference=_reference(case))
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-@pytest.mark.parametrize("case", [c for c in CASES if c.T in (63, 1000, 16384) or c.K != 16], ids=lambda c: c.id)
-def test_forward_prefetch_matches_naive_gpu(case, dtype, monkeypatch):
-    """chunk.FWD_PREFETCH (opt-in): the fused forward loading each chunk one step ahead; the backward as by
-    default."""
-    from kernels.based import chunk
-
-    monkeypatch.setattr(chunk, "FWD_PREFETCH", True)
-    monkeypatch.setattr(chunk, "FORWARD", "fused")
-    with nan_empty():
-        check_against_naive(chunk_based, case, dtype, "cuda", reference=_reference(case))
-
-
 MODE_CASES = [c for c in CASES if c.T in (1000, 4096) and c.K <= 16]  # K > 16 runs mode 0
 
 

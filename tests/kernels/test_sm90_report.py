@@ -27,16 +27,6 @@ def test_default_kernels_compile_for_sm90(kind):
 
 
 @pytest.mark.skipif(not os.path.exists(os.path.join(BIN, "ptxas")), reason="Triton ships no ptxas here")
-def test_forward_with_prefetch_compiles_for_sm90():
-    """chunk.FWD_PREFETCH's forward (opt-in, not yet timed on the GPU) compiles for sm_90a at the bf16 defaults."""
-    BK, BV, BC, warps, stages = chunk._config(16, 64, torch.bfloat16, "fwd")
-    kernel = compile_kernel("fwd", chunk.FWD_EXPAND, BV, BC, warps, stages, states=True, prefetch=True)
-    assert "ttng.warp_group_dot" in kernel.asm["ttgir"]
-    report = ptxas_report(kernel.asm["ptx"])
-    assert 0 < int(report.split("Used ")[1].split(" registers")[0]) <= 255, report
-
-
-@pytest.mark.skipif(not os.path.exists(os.path.join(BIN, "ptxas")), reason="Triton ships no ptxas here")
 @pytest.mark.parametrize("kind", ["split_state", "split_output", "split_reverse", "split_dq", "split_dv", "split_dk",
                                   "split_prefix", "split_features", "split_chain"])
 def test_split_kernels_compile_for_sm90_within_their_register_caps(kind):
