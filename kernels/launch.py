@@ -1,10 +1,29 @@
-"""Host-side helpers for launching the Triton kernels: where they can run, and integers for launch shapes.
+"""Host-side helpers for launching the Triton kernels: where they can run, integers for launch shapes, and
+`launch`, a cheaper way through Triton's launcher.
 
 `triton.cdiv` and `triton.next_power_of_2` are Triton constexpr functions: called from Python each one unwraps its
 arguments first, a few microseconds per call, and a Based forward+backward computes some forty such values. These
 are the same functions in plain Python (equal on every non-negative int; tests/kernels/test_launch.py).
+
+`launch(kernel, grid, *args, **kwargs)` does what `kernel[grid](*args, **kwargs)` does. Triton's JIT path binds
+every argument, works out its specialization and looks the compiled kernel up by a string key on every call: on the
+H200's host (session 14, Triton 3.6, the GPU kept busy) a launch of the 14-argument decode kernel costs 30.0 µs that
+way and 10.3 µs straight through the compiled kernel's own launcher. So `launch` keeps, per kernel, the compiled
+kernels it has seen under a key of everything Triton specializes a kernel on, at least as fine as Triton's own:
+each argument's dtype and 16-byte alignment (tensors), whether it is 1, divisible by 16 and its integer width
+(ints), bools and None by value, every keyword (constexprs, num_warps, ...) by value, and the current device. A
+key seen for the first time goes through `kernel[grid]` (which compiles if need be) and keeps the compiled kernel
+it returns; later calls with that key launch it directly on the current stream (so CUDA-graph capture works). The
+JIT path is taken whenever the direct one could differ: the interpreter (TRITON_INTERPRET=1), tensors off CUDA,
+torch.compile tracing (which must see Triton launches), a launch hook set (Triton's profiling), or FAST_LAUNCH off.
+
+Measured on the H200 (session 14, B=8, H=16, K=16, V=64, bf16, eager; the two paths interleaved in one process,
+medians of 6 rounds): host time per Based forward+backward 826 -> 708 µs at T=1024, 1068 -> 870 at T=2048; wall
+time 0.832 -> 0.764 ms and 1.100 -> 1.002 ms (at T=4096 the GPU is the limit either way: 1.398 / 1.396); one
+eager decode step (B=1) 25.4 -> 22.4 µs.
 """
 
+import inspect
 import os
 
 import torch
@@ -40,3 +59,101 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two ≥ n (n itself for n ≤ 1, as `triton.next_power_of_2`)."""
     return n if n <= 1 else 1 << (n - 1).bit_length()
+
+
+# Set False (or ZOO_FAST_LAUNCH=0 in the environment) to launch every kernel through Triton's JIT path.
+FAST_LAUNCH = os.environ.get("ZOO_FAST_LAUNCH", "1") != "0"
+_INT32 = (-(2**31), 2**31)
+_launchers: dict = {}  # kernel -> {key: (compiled kernel, plan)}, or None where the direct path is not available
+
+
+def _arg_key(x):
+    """What Triton's specialization can depend on for one runtime argument (at least as fine as Triton's)."""
+    if isinstance(x, torch.Tensor):
+        return x.dtype, x.data_ptr() % 16 == 0
+    if isinstance(x, bool) or x is None:
+        return x
+    if isinstance(x, int):
+        return int, x == 1, x % 16 == 0, _INT32[0] <= x < _INT32[1], 0 <= x < 2**63
+    if isinstance(x, float):
+        return float
+    return type(x), x  # anything else by value (hashable, or the lookup raises and the JIT path is taken)
+
+
+def launch_key(args: tuple, kwargs: dict, device: int) -> tuple:
+    """The cache key of one launch: the current device, every positional argument's `_arg_key`, every keyword by
+    value."""
+    Tensor = torch.Tensor
+    return (device, tuple([(a.dtype, a.data_ptr() & 15 == 0) if type(a) is Tensor else _arg_key(a) for a in args]),
+            tuple(kwargs.items()))
+
+
+def _plan(kernel, args: tuple, kwargs: dict) -> list:
+    """Where each of the kernel's parameters comes from, in its signature's order (what Triton's launcher takes, the
+    constexprs included): (0, i) the i-th positional argument, (1, name) a keyword, (2, value) the default."""
+    plan = []
+    for i, (name, param) in enumerate(inspect.signature(kernel.fn).parameters.items()):
+        if i < len(args):
+            plan.append((0, i))
+        elif name in kwargs:
+            plan.append((1, name))
+        else:
+            plan.append((2, param.default))
+    return plan
+
+
+def _direct_ok(args: tuple) -> bool:
+    """Whether this launch may skip Triton's JIT path (see the module docstring; torch.compile is checked first).
+    The interpreter (TRITON_INTERPRET=1) runs on CPU tensors, so the first argument being on CUDA rules it out."""
+    if not (FAST_LAUNCH and args and isinstance(args[0], torch.Tensor) and args[0].is_cuda):
+        return False
+    runtime = _triton().knobs.runtime
+    return _unhooked(runtime.launch_enter_hook) and _unhooked(runtime.launch_exit_hook)
+
+
+def _triton():
+    """The triton module (imported on first use: this module is also imported where Triton is not needed)."""
+    import triton
+    import triton.runtime.driver  # noqa: F401 (triton.runtime.driver.active)
+
+    return triton
+
+
+def _unhooked(hook) -> bool:
+    """No launch hook: None, or an empty chain (Triton 3.6 on keeps a `HookChain` and calls what it holds)."""
+    return hook is None or getattr(hook, "calls", None) == []
+
+
+def _device() -> int:
+    return _triton().runtime.driver.active.get_current_device()
+
+
+def _stream(device: int):
+    return _triton().runtime.driver.active.get_current_stream(device)
+
+
+def launch(kernel, grid: tuple, *args, **kwargs):
+    """`kernel[grid](*args, **kwargs)`, through the compiled kernel's launcher once this key has been seen (see the
+    module docstring). grid: a tuple of 1 to 3 ints. Returns the compiled kernel."""
+    if torch.compiler.is_compiling() or _launchers.get(kernel, {}) is None or not _direct_ok(args):
+        return kernel[grid](*args, **kwargs)
+    device = _device()
+    key = launch_key(args, kwargs, device)
+    cache = _launchers.setdefault(kernel, {})
+    try:
+        hit = cache.get(key)
+    except TypeError:  # an unhashable argument: nothing to key on
+        return kernel[grid](*args, **kwargs)
+    if hit is None:
+        compiled = kernel[grid](*args, **kwargs)
+        if not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+            _launchers[kernel] = None  # a Triton without the launcher this relies on: the JIT path from now on
+        else:
+            cache[key] = (compiled, _plan(kernel, args, kwargs))
+        return compiled
+    compiled, plan = hit
+    values = [args[x] if src == 0 else kwargs[x] if src == 1 else x for src, x in plan]
+    g = (tuple(grid) + (1, 1))[:3]
+    compiled.run(g[0], g[1], g[2], _stream(device), compiled.function, compiled.packed_metadata, None, None, None,
+                 *values)
+    return compiled

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.based.naive import orders_to_state, state_to_orders
-from kernels.launch import cdiv, check_devices, is_capturing, next_power_of_2
+from kernels.launch import cdiv, check_devices, is_capturing, launch, next_power_of_2
 
 DOT_IEEE, DOT_TF32, DOT_BF16, DOT_TF32X3 = 0, 1, 2, 3
 # The dots of fp32 inputs: "tf32x3" (the default) or "ieee". On the H200 (session 13, B=8, H=16, T=4096) an fp32
@@ -799,16 +799,16 @@ class ChunkBasedFunction(torch.autograd.Function):
         elif NS == 1:
             hvT = torch.empty(B, H, F, V, device=q.device, dtype=torch.float32) if output_final_state else None
             hzT = torch.empty(B, H, F, device=q.device, dtype=torch.float32) if output_final_state else None
-            _fwd_kernel[(NV, 1, B * H)](q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG, USE_H0=hv0 is not None,
-                                        STORE_HT=output_final_state, STATE_ONLY=False, **meta)
+            launch(_fwd_kernel, (NV, 1, B * H), q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
+                   USE_H0=hv0 is not None, STORE_HT=output_final_state, STATE_ONLY=False, **meta)
         else:
             # Pass 1: each segment's own state sums, all segments in parallel. Then the state entering segment
             # s is h0 + Σ_{s' < s} (an exclusive prefix sum over segments), and pass 2 runs the segments in
             # parallel from those states: NS× more programs, chains NS× shorter.
             hs = torch.empty(B, H, NS, F, V, device=q.device, dtype=torch.float32)
             zs = torch.empty(B, H, NS, F, device=q.device, dtype=torch.float32)
-            _fwd_kernel[(NV, NS, B * H)](q, k, v, o, den, None, None, hs, zs, scale, T, SEG, USE_H0=False,
-                                         STORE_HT=True, STATE_ONLY=True, **meta)
+            launch(_fwd_kernel, (NV, NS, B * H), q, k, v, o, den, None, None, hs, zs, scale, T, SEG, USE_H0=False,
+                   STORE_HT=True, STATE_ONLY=True, **meta)
             hv_in = torch.cat([torch.zeros_like(hs[:, :, :1]), hs[:, :, :-1].cumsum(2)], 2)
             hz_in = torch.cat([torch.zeros_like(zs[:, :, :1]), zs[:, :, :-1].cumsum(2)], 2)
             if hv0 is not None:
@@ -818,8 +818,8 @@ class ChunkBasedFunction(torch.autograd.Function):
             if output_final_state:
                 hvT = (hv_in[:, :, -1] + hs[:, :, -1]).contiguous()
                 hzT = (hz_in[:, :, -1] + zs[:, :, -1]).contiguous()
-            _fwd_kernel[(NV, NS, B * H)](q, k, v, o, den, hv_in, hz_in, None, None, scale, T, SEG, USE_H0=True,
-                                         STORE_HT=False, STATE_ONLY=False, **meta)
+            launch(_fwd_kernel, (NV, NS, B * H), q, k, v, o, den, hv_in, hz_in, None, None, scale, T, SEG, USE_H0=True,
+                   STORE_HT=False, STATE_ONLY=False, **meta)
         ctx.save_for_backward(q, k, v, o, den, hv0, hz0, *(states or (None, None)))
         ctx.scale, ctx.normalize, ctx.split_bwd, ctx.dot = scale, normalize, split_bwd, dot
         return o, hvT, hzT
@@ -844,7 +844,7 @@ class ChunkBasedFunction(torch.autograd.Function):
             R = B * T * H
             BR = 32
             if not split_dden:
-                _dden_kernel[(cdiv(R, BR),)](do, o, den, dden, R, V=V, BR=BR, BV=next_power_of_2(V))
+                launch(_dden_kernel, (cdiv(R, BR),), do, o, den, dden, R, V=V, BR=BR, BV=next_power_of_2(V))
         use_dht = dhvT is not None or dhzT is not None
         if use_dht:
             dhvT = torch.zeros(B, H, F, V, device=q.device, dtype=torch.float32) if dhvT is None else dhvT
@@ -867,10 +867,10 @@ class ChunkBasedFunction(torch.autograd.Function):
         dv = torch.empty_like(v)
         meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NORMALIZE=ctx.normalize, DOT=ctx.dot,
                     EXPAND=_expand_mode(BK, forward=False), num_warps=num_warps, num_stages=num_stages)
-        _bwd_dq_kernel[(NV, B * H)](q, k, v, do, den, dden, dq, hv0, hz0, ctx.scale, T, USE_H0=hv0 is not None,
-                                    **meta)
-        _bwd_dkv_kernel[(NV, B * H)](q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, ctx.scale, T,
-                                     USE_DHT=use_dht, STORE_DH0=store_dh0, **meta)
+        launch(_bwd_dq_kernel, (NV, B * H), q, k, v, do, den, dden, dq, hv0, hz0, ctx.scale, T, USE_H0=hv0 is not None,
+               **meta)
+        launch(_bwd_dkv_kernel, (NV, B * H), q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, ctx.scale, T,
+               USE_DHT=use_dht, STORE_DH0=store_dh0, **meta)
         dq = dq.sum(0).to(q.dtype)
         dk = dk.sum(0).to(k.dtype)
         return dq, dk, dv, dhv0, dhz0, None, None, None, None

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.based.naive import feature_dim
-from kernels.launch import check_devices, next_power_of_2
+from kernels.launch import check_devices, launch, next_power_of_2
 
 
 @triton.jit
@@ -92,7 +92,7 @@ def fused_recurrent_based(q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tenso
     scale = K**-0.5 if scale is None else float(scale)
     if out is None:
         out = torch.empty_like(v_t)
-    _decode_kernel[(B * H,)](q_t.contiguous(), k_t.contiguous(), v_t.contiguous(), kv, k_sum, out,
-                             scale * math.sqrt(K), H=H, K=K, V=V, E=E, BE=next_power_of_2(E),
-                             BV=min(32, next_power_of_2(V)), NORMALIZE=normalize, num_warps=4)
+    launch(_decode_kernel, (B * H,), q_t.contiguous(), k_t.contiguous(), v_t.contiguous(), kv, k_sum, out,
+           scale * math.sqrt(K), H=H, K=K, V=V, E=E, BE=next_power_of_2(E),
+           BV=min(32, next_power_of_2(V)), NORMALIZE=normalize, num_warps=4)
     return out

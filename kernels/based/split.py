@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from kernels.based.chunk import _load_dout, _mm, _pair_contract, _pairs
-from kernels.launch import cdiv, next_power_of_2
+from kernels.launch import cdiv, launch, next_power_of_2
 
 # Launch settings of the split kernels; the GPU sweep of experiments/bench/based_kernels.py varies them.
 # NP, NS, prefetch, gather (in the state passes), state_warps, state_maxnreg, state_stages and scan shape the state
@@ -416,8 +416,8 @@ def _prefix(x: torch.Tensor, x0, reverse: bool, store_total: bool):
     W = x[0, 0].numel()
     xT = torch.empty(N, *x.shape[2:], device=x.device, dtype=torch.float32) if store_total else None
     BW = min(1024, next_power_of_2(W))
-    _prefix_kernel[(cdiv(W, BW), N)](x, x0, xT, NC, W, REVERSE=reverse, USE_X0=x0 is not None,
-                                     STORE_XT=store_total, BW=BW, num_warps=4)
+    launch(_prefix_kernel, (cdiv(W, BW), N), x, x0, xT, NC, W, REVERSE=reverse, USE_X0=x0 is not None,
+           STORE_XT=store_total, BW=BW, num_warps=4)
     return xT
 
 
@@ -574,22 +574,22 @@ def _features_walk(x, g, w, scale: float, h0, z0, store_total: bool, reverse: bo
     F = torch.empty(B * H, R, T, device=dev, dtype=dt)
     zc = torch.empty(B * H, NC, ZR, device=dev, dtype=torch.float32)
     wout = None if den is None else torch.empty(w.shape, device=dev, dtype=dt)
-    _features_kernel[(NC, B * H)](x, g, F, zc, w, den, wout, o, scale, T, NC, H=H, K=K, V=V, BK=BK, BC=BC,
-                                  BW=max(16, next_power_of_2(V)), NPF=CONFIG["features_parts"], DOT=dot,
-                                  USE_G=g is not None, STORE_W=den is not None, GATHER=CONFIG["features_gather"],
-                                  DDEN=o is not None, num_warps=CONFIG["features_warps"])
+    launch(_features_kernel, (NC, B * H), x, g, F, zc, w, den, wout, o, scale, T, NC, H=H, K=K, V=V, BK=BK, BC=BC,
+           BW=max(16, next_power_of_2(V)), NPF=CONFIG["features_parts"], DOT=dot,
+           USE_G=g is not None, STORE_W=den is not None, GATHER=CONFIG["features_gather"],
+           DDEN=o is not None, num_warps=CONFIG["features_warps"])
     w = w if den is None else wout
     hs = torch.empty(B * H, NC, R, V, device=dev, dtype=dt)
     hT = torch.empty(B * H, R, V, device=dev, dtype=torch.float32) if store_total else None
     zT = torch.empty(B * H, ZR, device=dev, dtype=torch.float32) if store_total else None
     RP = CONFIG["features_rows"]
     # zc becomes the entering denominator states in place (the chain's first program per sequence)
-    _chain_kernel[(cdiv(R, RP), NV, B * H)](F, w, hs, h0, hT, zc, z0, zT, T, NC, H=H, V=V, R=R, RP=RP, BV=BV,
-                                            BC=BC, ZR=ZR, BZ=next_power_of_2(ZR),
-                                            USE_H0=h0 is not None, STORE_HT=store_total, DOT=dot,
-                                            STAGES=CONFIG["features_stages"], REVERSE=reverse,
-                                            num_warps=CONFIG["chain_warps"],
-                                            maxnreg=CONFIG["features_maxnreg"])
+    launch(_chain_kernel, (cdiv(R, RP), NV, B * H), F, w, hs, h0, hT, zc, z0, zT, T, NC, H=H, V=V, R=R, RP=RP, BV=BV,
+           BC=BC, ZR=ZR, BZ=next_power_of_2(ZR),
+           USE_H0=h0 is not None, STORE_HT=store_total, DOT=dot,
+           STAGES=CONFIG["features_stages"], REVERSE=reverse,
+           num_warps=CONFIG["chain_warps"],
+           maxnreg=CONFIG["features_maxnreg"])
     return hs, zc, hT, zT
 
 
@@ -627,23 +627,23 @@ def state_pass(k, v, hv0, hz0, output_final_state: bool, dot: int):
         # every chunk's own sum at once (NC segments of one chunk, stored straight into hs, zs), then the exclusive
         # prefix over chunks in place
         meta.update(NS=NC, PREFETCH=False)
-        _state_kernel[(NP + 1, NV, B * H * NC)](k, v, hs, zs, None, None, hs, zs, T, NC, 1, USE_H0=False,
-                                                STORE_HS=False, STORE_HT=True, **meta)
+        launch(_state_kernel, (NP + 1, NV, B * H * NC), k, v, hs, zs, None, None, hs, zs, T, NC, 1, USE_H0=False,
+               STORE_HS=False, STORE_HT=True, **meta)
         return hs, zs, _prefix(hs, h0, False, output_final_state), _prefix(zs, z0, False, output_final_state)
     if NS == 1:
         if output_final_state:
             hT = torch.empty(B * H, R, V, device=dev, dtype=torch.float32)
             zT = torch.empty(B * H, ZR, device=dev, dtype=torch.float32)
-        _state_kernel[grid](k, v, hs, zs, h0, z0, hT, zT, T, NC, CPS, USE_H0=h0 is not None, STORE_HS=True,
-                            STORE_HT=output_final_state, **meta)
+        launch(_state_kernel, grid, k, v, hs, zs, h0, z0, hT, zT, T, NC, CPS, USE_H0=h0 is not None, STORE_HS=True,
+               STORE_HT=output_final_state, **meta)
         return hs, zs, hT, zT
     tot = torch.empty(B * H, NS, R, V, device=dev, dtype=torch.float32)
     ztot = torch.empty(B * H, NS, ZR, device=dev, dtype=torch.float32)
-    _state_kernel[grid](k, v, hs, zs, None, None, tot, ztot, T, NC, CPS, USE_H0=False, STORE_HS=False,
-                        STORE_HT=True, **meta)
+    launch(_state_kernel, grid, k, v, hs, zs, None, None, tot, ztot, T, NC, CPS, USE_H0=False, STORE_HS=False,
+           STORE_HT=True, **meta)
     carry, zcarry = _exclusive_carry(tot, h0, False), _exclusive_carry(ztot, z0, False)
-    _state_kernel[grid](k, v, hs, zs, carry, zcarry, None, None, T, NC, CPS, USE_H0=True, STORE_HS=True,
-                        STORE_HT=False, **meta)
+    launch(_state_kernel, grid, k, v, hs, zs, carry, zcarry, None, None, T, NC, CPS, USE_H0=True, STORE_HS=True,
+           STORE_HT=False, **meta)
     if output_final_state:
         hT, zT = carry[:, -1] + tot[:, -1], zcarry[:, -1] + ztot[:, -1]
     return hs, zs, hT, zT
@@ -657,11 +657,11 @@ def output_pass(q, k, v, hs, zs, scale: float, normalize: bool, dot: int):
     o = torch.empty_like(v)
     den = torch.empty(B, T, H, device=q.device, dtype=torch.float32) if normalize else None
     G = CONFIG["output_chunks"]
-    _output_kernel[(cdiv(NC, G), NV, B * H)](q, k, v, o, den, hs, zs, scale, T, NC, H=H, K=K, V=V, BK=16,
-                                             BV=BV, BC=BC, OP=CONFIG["OP"], NORMALIZE=normalize, DOT=dot,
-                                             GATHER=CONFIG["gather"], G=G, STAGES=CONFIG["output_stages"],
-                                             num_warps=CONFIG["output_warps"],
-                                             maxnreg=CONFIG["output_maxnreg"])
+    launch(_output_kernel, (cdiv(NC, G), NV, B * H), q, k, v, o, den, hs, zs, scale, T, NC, H=H, K=K, V=V, BK=16,
+           BV=BV, BC=BC, OP=CONFIG["OP"], NORMALIZE=normalize, DOT=dot,
+           GATHER=CONFIG["gather"], G=G, STAGES=CONFIG["output_stages"],
+           num_warps=CONFIG["output_warps"],
+           maxnreg=CONFIG["output_maxnreg"])
     return o, den
 
 
@@ -1007,25 +1007,24 @@ def reverse_pass(q, do, den, dden, dhvT, dhzT, store_dh0: bool, scale: float, no
     if CONFIG["scan"]:
         # as in state_pass: every chunk's own sum at once, then the exclusive prefix from the right, in place
         meta.update(NS=NC, PREFETCH=False)
-        _reverse_state_kernel[(NP + 1, NV, B * H * NC)](q, do, den, dden, ds, dzs, None, None, ds, dzs, scale, T,
-                                                        NC, 1, USE_DHT=False, STORE_DS=False, STORE_DH0=True,
-                                                        **meta)
+        launch(_reverse_state_kernel, (NP + 1, NV, B * H * NC), q, do, den, dden, ds, dzs, None, None, ds, dzs,
+               scale, T, NC, 1, USE_DHT=False, STORE_DS=False, STORE_DH0=True, **meta)
         return ds, dzs, _prefix(ds, dhT, True, store_dh0), _prefix(dzs, dzT, True, store_dh0)
     if NS == 1:
         if store_dh0:
             dh0 = torch.empty(B * H, R, V, device=dev, dtype=torch.float32)
             dz0 = torch.empty(B * H, ZR, device=dev, dtype=torch.float32)
-        _reverse_state_kernel[grid](q, do, den, dden, ds, dzs, dhT, dzT, dh0, dz0, scale, T, NC, CPS,
-                                    USE_DHT=dhT is not None, STORE_DS=True, STORE_DH0=store_dh0, **meta)
+        launch(_reverse_state_kernel, grid, q, do, den, dden, ds, dzs, dhT, dzT, dh0, dz0, scale, T, NC, CPS,
+               USE_DHT=dhT is not None, STORE_DS=True, STORE_DH0=store_dh0, **meta)
         return ds, dzs, dh0, dz0
     # as in state_pass: each segment's sum, the states entering the segments from the right, then ds
     tot = torch.empty(B * H, NS, R, V, device=dev, dtype=torch.float32)
     ztot = torch.empty(B * H, NS, ZR, device=dev, dtype=torch.float32)
-    _reverse_state_kernel[grid](q, do, den, dden, ds, dzs, None, None, tot, ztot, scale, T, NC, CPS,
-                                USE_DHT=False, STORE_DS=False, STORE_DH0=True, **meta)
+    launch(_reverse_state_kernel, grid, q, do, den, dden, ds, dzs, None, None, tot, ztot, scale, T, NC, CPS,
+           USE_DHT=False, STORE_DS=False, STORE_DH0=True, **meta)
     carry, zcarry = _exclusive_carry(tot, dhT, True), _exclusive_carry(ztot, dzT, True)
-    _reverse_state_kernel[grid](q, do, den, dden, ds, dzs, carry, zcarry, None, None, scale, T, NC, CPS,
-                                USE_DHT=True, STORE_DS=True, STORE_DH0=False, **meta)
+    launch(_reverse_state_kernel, grid, q, do, den, dden, ds, dzs, carry, zcarry, None, None, scale, T, NC, CPS,
+           USE_DHT=True, STORE_DS=True, STORE_DH0=False, **meta)
     if store_dh0:
         dh0, dz0 = carry[:, 0] + tot[:, 0], zcarry[:, 0] + ztot[:, 0]
     return ds, dzs, dh0, dz0
@@ -1046,15 +1045,15 @@ def chunk_grads(q, k, v, do, den, dden, hs, zs, ds, dzs, scale: float, normalize
     meta = dict(H=H, K=K, V=V, BK=16, BC=BC, OP=CONFIG["OP"], NORMALIZE=normalize, DOT=dot,
                 num_warps=CONFIG["output_warps"], maxnreg=CONFIG["grads_maxnreg"])
     G = CONFIG["dq_chunks"]
-    _dq_kernel[(cdiv(NC, G), NVQ, B * H)](q, k, v, do, den, dden, dq, hs, zs, scale, T, NC, BV=BVQ, G=G,
-                                          STAGES=CONFIG["dq_stages"], **meta)
+    launch(_dq_kernel, (cdiv(NC, G), NVQ, B * H), q, k, v, do, den, dden, dq, hs, zs, scale, T, NC, BV=BVQ, G=G,
+           STAGES=CONFIG["dq_stages"], **meta)
     parts = (("dv", {"DV": True, "DK": False}), ("dk", {"DV": False, "DK": True})) if CONFIG["dkv_apart"] else \
         (("dk", {}),)
     for name, which in parts:
         G = CONFIG[f"{name}_chunks"]
-        _dkv_kernel[(cdiv(NC, G), NV, B * H)](q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, BV=BV,
-                                              GATHER=CONFIG["gather"], G=G, STAGES=CONFIG[f"{name}_stages"],
-                                              **meta, **which)
+        launch(_dkv_kernel, (cdiv(NC, G), NV, B * H), q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, BV=BV,
+               GATHER=CONFIG["gather"], G=G, STAGES=CONFIG[f"{name}_stages"],
+               **meta, **which)
     return (dq[0] if NVQ == 1 else dq.sum(0)), (dk[0] if NV == 1 else dk.sum(0)), dv
 
 

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import cdiv, next_power_of_2
+from kernels.launch import cdiv, launch, next_power_of_2
 
 
 @triton.jit
@@ -112,7 +112,7 @@ class SelectiveScanFunction(torch.autograd.Function):
         y = torch.empty(Bsz, T, D, device=u.device, dtype=torch.float32)
         hs = torch.empty(Bsz, T, D, N, device=u.device, dtype=torch.float32)
         hT = torch.empty(Bsz, D, N, device=u.device, dtype=torch.float32)
-        _fwd_kernel[grid](u, dt, A, Bm, Cm, h0, y, hs, hT, T, D=D, N=N, BD=BD, BN=BN, USE_H0=h0 is not None)
+        launch(_fwd_kernel, grid, u, dt, A, Bm, Cm, h0, y, hs, hT, T, D=D, N=N, BD=BD, BN=BN, USE_H0=h0 is not None)
         ctx.save_for_backward(u, dt, A, Bm, Cm, h0, hs)
         return y.to(u.dtype), hT
 
@@ -129,8 +129,8 @@ class SelectiveScanFunction(torch.autograd.Function):
         dB, dC = torch.empty(NDB, Bsz, T, N, **f32), torch.empty(NDB, Bsz, T, N, **f32)
         dh0 = torch.empty(Bsz, D, N, **f32)
         dy = torch.zeros(Bsz, T, D, **f32) if dy is None else dy.contiguous()
-        _bwd_kernel[(Bsz, NDB)](u, dt, A, Bm, Cm, h0, hs, dy, dhT, du, ddt, dA, dB, dC, dh0, T, Bsz,
-                                D=D, N=N, BD=BD, BN=BN, USE_H0=h0 is not None, USE_DHT=dhT is not None)
+        launch(_bwd_kernel, (Bsz, NDB), u, dt, A, Bm, Cm, h0, hs, dy, dhT, du, ddt, dA, dB, dC, dh0, T, Bsz,
+               D=D, N=N, BD=BD, BN=BN, USE_H0=h0 is not None, USE_DHT=dhT is not None)
         return (du.to(u.dtype), ddt.to(dt.dtype), dA.sum(0).to(A.dtype), dB.sum(0).to(Bm.dtype),
                 dC.sum(0).to(Cm.dtype), dh0.to(h0.dtype) if h0 is not None else None)
 

@@ -105,6 +105,62 @@ def test_two_chained_calls_equal_one_gpu(dtype):
         check_against_naive(chained, case, dtype, "cuda")
 
 
+@pytest.mark.parametrize("path", ["split", "fused"])
+def test_direct_launch_equals_the_jit_path_gpu(path, monkeypatch):
+    """kernels/launch.py: from a key's second call on, kernels launch straight through their compiled launcher.
+    Outputs, final state and every gradient are bit-identical to Triton's JIT path; misaligned inputs (another
+    specialization) get their own compiled kernel and the same result."""
+    from kernels import launch as L
+    from kernels.based import chunk
+
+    monkeypatch.setattr(chunk, "FORWARD", path)
+    monkeypatch.setattr(chunk, "BACKWARD", path)
+    case = Case(B=2, T=1000, H=2, K=16, V=64)
+    inputs = make_inputs(case, "cuda")
+    direct, stream = [], L._stream
+    monkeypatch.setattr(L, "_stream", lambda device: direct.append(device) or stream(device))
+    monkeypatch.setattr(L, "FAST_LAUNCH", False)
+    ref_out, ref_grad, cot = run(chunk_based, inputs, case, torch.bfloat16)
+    assert not direct
+    reference = ref_out + list(ref_grad)
+    monkeypatch.setattr(L, "FAST_LAUNCH", True)
+    for _ in range(2):
+        out, grad, _ = run(chunk_based, inputs, case, torch.bfloat16, cot)
+        for name, a, r in zip(("o", "kv", "k_sum", "dq", "dk", "dv", "dkv0", "dk_sum0"), out + list(grad), reference):
+            assert torch.equal(a, r), name
+    assert direct  # the second round launched straight through the compiled kernels
+
+    def misaligned(q, k, v, **kwargs):
+        def shift(x):  # the same values 2 bytes past a 16-byte boundary
+            y = torch.empty(x.numel() + 8, dtype=x.dtype, device=x.device)[1 : x.numel() + 1].view(x.shape)
+            return y.copy_(x)
+
+        q, k, v = shift(q), shift(k), shift(v)
+        assert q.data_ptr() % 16 != 0 and q.is_contiguous()
+        return chunk_based(q, k, v, **kwargs)
+
+    out, grad, _ = run(misaligned, inputs, case, torch.bfloat16, cot)
+    for a, r in zip(out + list(grad), reference):
+        assert rel_error(a, r) <= 1e-3
+
+
+def test_direct_launch_decode_equals_the_jit_path_gpu(monkeypatch):
+    """Decode steps through kernels/launch.py's direct path update the state exactly as Triton's JIT path."""
+    from kernels import launch as L
+
+    case = Case(B=2, T=6, H=2, K=16, V=64)
+    q, k, v, kv0, ks0 = (x.detach() for x in make_inputs(case, "cuda"))
+    results = []
+    for fast in (False, True):
+        monkeypatch.setattr(L, "FAST_LAUNCH", fast)
+        kv, ks = kv0.float().clone(), ks0.float().clone()
+        outs = [fused_recurrent_based(q[:, t].bfloat16(), k[:, t].bfloat16(), v[:, t].bfloat16(), (kv, ks))
+                for t in range(case.T)]
+        results.append((torch.stack(outs), kv, ks))
+    for a, r in zip(results[1], results[0]):
+        assert torch.equal(a, r)
+
+
 def test_65536_tokens_bf16():
     case = Case(B=1, T=65536, H=1, K=16, V=64)
     inputs = make_inputs(case, "cuda")
