@@ -19,7 +19,8 @@ Dot precision follows the input dtype: fp32 inputs use three tf32 products per d
 into a tf32 head and a tf32 tail, the tail·tail product dropped, ≈ fp32's accuracy on the tensor cores; `FP32_DOT`
 = "ieee" gives exact fp32 dots on the vector units instead), bf16 inputs bf16 operands, fp16 inputs tf32 operands
 (fp16's 10-bit mantissa with fp32's range: the order-2 state and the normalised gradient dO/den leave fp16's
-range at long T). Accumulation is fp32 throughout.
+range at long T) except in the fused forward, which takes fp16 operands and reads the state as S/n (FP16_DOT).
+Accumulation is fp32 throughout.
 """
 
 import math
@@ -31,7 +32,12 @@ import triton.language as tl
 from kernels.based.naive import orders_to_state, state_to_orders
 from kernels.launch import cdiv, check_devices, is_capturing, launch, next_power_of_2
 
-DOT_IEEE, DOT_TF32, DOT_BF16, DOT_TF32X3 = 0, 1, 2, 3
+DOT_IEEE, DOT_TF32, DOT_BF16, DOT_TF32X3, DOT_FP16 = 0, 1, 2, 3, 4
+# The fused forward's dots for fp16 inputs: "fp16" (the default) or "tf32". fp16 operands have tf32's 10-bit mantissa
+# at half the operand bytes and twice the tensor-core rate, but not fp32's range: the state grows with the tokens
+# summed, so the forward reads it at the scale of one token's terms (S/n times n, n = the tokens summed; `_fwd_kernel`).
+# The backward and the split kernels keep tf32 operands for fp16 (dO/den and the reverse states leave fp16's range).
+FP16_DOT = "fp16"
 # The dots of fp32 inputs: "tf32x3" (the default) or "ieee". On the H200 (session 13, B=8, H=16, T=4096) an fp32
 # forward+backward took 68.5 ms with "ieee" dots, 54× the bf16 one, because Triton runs ieee fp32 dots as FMAs on
 # the vector units; "tf32x3" keeps the tensor cores at ≈ fp32 accuracy (14.0 ms; output within 3.5e-7 of the ieee
@@ -77,11 +83,20 @@ def _dot_mode(dtype: torch.dtype, K: int = 16) -> int:
     raise TypeError(f"chunk_based supports fp32, fp16 and bf16 inputs, got {dtype}")
 
 
+def _fused_forward_dot(dtype: torch.dtype, K: int = 16) -> int:
+    """The fused forward's DOT: `_dot_mode`'s, except fp16 operands for fp16 inputs under FP16_DOT = "fp16"."""
+    if FP16_DOT not in ("fp16", "tf32"):
+        raise ValueError(f"chunk.FP16_DOT must be 'fp16' or 'tf32', got {FP16_DOT!r}")
+    return DOT_FP16 if dtype == torch.float16 and FP16_DOT == "fp16" else _dot_mode(dtype, K)
+
+
 @triton.jit
 def _mm(a, b, DOT: tl.constexpr):
     """a @ b with fp32 accumulation; DOT picks the operand precision (see the module docstring)."""
     if DOT == 2:
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif DOT == 4:
+        return tl.dot(a.to(tl.float16), b.to(tl.float16))
     elif DOT == 1:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
     elif DOT == 3:
@@ -452,8 +467,16 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
             qs = bq.to(tl.float32) * scale  # [BC, BK]
             s = _mm(bq, bkt, DOT) * scale  # [BC, BC]
             w = tl.where(causal, 1.0 + s + 0.5 * s * s, 0.0)
-            o2 = _order2_read(qs, Sd, S2, S2b, rep_a, rep_b, BC, BK, DOT, EXPAND)
-            num = _mm(w, bv, DOT) + S0[None, :] + _mm(qs, S1, DOT) + 0.5 * o2
+            if DOT == 4:
+                # fp16 operands: the state read as S/n, whose terms have one token's scale, then times n
+                nn = tl.maximum(n, 1.0)
+                r = 1.0 / nn
+                o2 = _order2_read(qs, Sd * r, S2 * r, S2b * r, rep_a, rep_b, BC, BK, DOT, EXPAND) * nn
+                o1 = _mm(qs, S1 * r, DOT) * nn
+            else:
+                o2 = _order2_read(qs, Sd, S2, S2b, rep_a, rep_b, BC, BK, DOT, EXPAND)
+                o1 = _mm(qs, S1, DOT)
+            num = _mm(w, bv, DOT) + S0[None, :] + o1 + 0.5 * o2
             if NORMALIZE:
                 qZ = _mm(qs, Z2, 0)
                 d = tl.sum(w, 1) + n + tl.sum(qs * z1[None, :], 1) + 0.5 * tl.sum(qZ * qs, 1)
@@ -690,13 +713,15 @@ def _config(K: int, V: int, dtype: torch.dtype, kind: str):
     variants): in mode 3, BV=32 with 4 warps was the fastest for both passes, the forward at BC=64 (0.462 ms at
     T=4096, against 0.504 at BC=32) and the backward at BC=32. In v0, BC=64 with bf16 operands made the
     backward fault (illegal address) on Triton 3.6 in some configurations, so the backward keeps BC=32; the
-    fp32/fp16 forward keeps it too (BC=64 not timed there).
+    fp32 forward keeps it too (BC=64 not timed there), the fp16 one where it takes tf32 operands (FP16_DOT).
     """
     BK = max(16, next_power_of_2(K))
     BV = min(32, max(16, next_power_of_2(V)))
     # BC=64 only in mode 3 (BK ≤ 16): at K=32 (the reshape mode) it needs 237,568 B of shared memory, over the
-    # H200's 232,448 (OutOfResources in the GPU tests).
-    BC = 64 if kind == "fwd" and dtype == torch.bfloat16 and BK <= 16 else 32
+    # H200's 232,448 (OutOfResources in the GPU tests). fp16 with fp16 operands (FP16_DOT) as bf16: on the H200
+    # (session 14, T=4096) its fused forward took 0.410 ms at BC=64 against 0.515 at 32 (tf32 operands: 0.585 / 0.746).
+    half = dtype == torch.bfloat16 or (dtype == torch.float16 and FP16_DOT == "fp16")
+    BC = 64 if kind == "fwd" and half and BK <= 16 else 32
     return BK, BV, BC, 4, 2
 
 
@@ -777,8 +802,8 @@ class ChunkBasedFunction(torch.autograd.Function):
         NV = cdiv(V, BV)
         o = torch.empty_like(v)
         den = torch.empty(B, T, H, device=q.device, dtype=torch.float32) if normalize else None
-        dot = _dot_mode(q.dtype, K)  # the backward reuses it (ctx.dot)
-        meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NORMALIZE=normalize, DOT=dot,
+        dot = _dot_mode(q.dtype, K)  # the split forward's, and the backward reuses it (ctx.dot)
+        meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NORMALIZE=normalize, DOT=_fused_forward_dot(q.dtype, K),
                     EXPAND=_expand_mode(BK, forward=True), num_warps=num_warps,
                     num_stages=num_stages)
         SEG = _segment_tokens(T, NV * B * H, BC)

@@ -58,7 +58,8 @@ def compile_kernel(kind: str, mode: int, BV: int, BC: int, warps: int, stages: i
     state passes' segments per sequence; prefetch, gather: split.CONFIG's; maxnreg: a register cap per thread; G,
     chunk_stages: the per-chunk kernels' chunks per program and pipeline stages (split.CONFIG's); scale_dtype: the
     scalar type of `scale` ("fp64" is what torch.compile's inductor passes for a Python float); dot: the kernels'
-    DOT (chunk.py's DOT_*: 2 for bf16 inputs; any other compiles for fp32 inputs, every tensor fp32)."""
+    DOT (chunk.py's DOT_*: 2 for bf16 inputs, 4 for fp16 inputs with fp16 operands; any other compiles for fp32
+    inputs, every tensor fp32)."""
     fn, bf16 = KERNELS[kind]
     const = dict(H=16, K=16, V=64, BK=16, BV=BV, BC=BC, NORMALIZE=True, DOT=dot, EXPAND=mode, STATE_ONLY=False,
                  USE_H0=states, STORE_HT=states, USE_DHT=states, STORE_DH0=states, NP=NP, OP=OP, NS=NS,
@@ -75,7 +76,7 @@ def compile_kernel(kind: str, mode: int, BV: int, BC: int, warps: int, stages: i
         elif name in ("T", "SEG", "NC", "CPS", "W"):
             sig[name] = "i32"
         else:
-            sig[name] = "*bf16" if name in bf16 and dot == 2 else "*fp32"
+            sig[name] = {2: "*bf16", 4: "*fp16"}.get(dot, "*fp32") if name in bf16 else "*fp32"
     constexprs = {(fn.arg_names.index(k),): v for k, v in const.items() if k in fn.arg_names}
     src = ASTSource(fn, sig, constexprs=constexprs)
     options = {"num_warps": warps, "num_stages": stages}

@@ -53,6 +53,37 @@ def test_segmented_forward_matches_naive(case, monkeypatch):
         check_against_naive(chunk_based, case, torch.float32, "cpu")
 
 
+FP16_CASES = [Case(B=1, T=100, H=2, K=16, V=64), Case(B=1, T=37, H=1, K=5, V=16, normalize=False)]
+
+
+@pytest.mark.parametrize("case", FP16_CASES, ids=[c.id for c in FP16_CASES])
+def test_fp16_inputs_match_naive(case):
+    """fp16 inputs: the fused forward with fp16 operands (chunk.FP16_DOT, the state read as S/n), the backward with
+    tf32 ones: outputs, final state and every gradient against the naive form in fp16 (kernels/testing.py's rule)."""
+    with nan_empty():
+        check_against_naive(chunk_based, case, torch.float16, "cpu")
+
+
+def test_fp16_forward_reads_a_large_state_in_range():
+    """Large, biased inputs (k·10, v + 100) grow the order-2 state past fp16's range within 200 tokens; the fused
+    forward's fp16 operands read it as S/n, so the output stays finite and within 1e-2 of float64."""
+    from based_cases import run
+
+    from kernels.based import naive_parallel_based
+    from kernels.testing import rel_error
+
+    case = Case(B=1, T=200, H=1, K=16, V=16, initial_state=False)
+    inputs = make_inputs(case, "cpu")
+    with torch.no_grad():
+        inputs[1].mul_(10)
+        inputs[2].add_(100)
+    ref, _, cot = run(naive_parallel_based, inputs, case, torch.float64)
+    out, _, _ = run(chunk_based, inputs, case, torch.float16, cot)
+    for name, a, r in zip(("o", "kv", "k_sum"), out, ref):
+        assert torch.isfinite(a).all(), f"{name} has inf or NaN"
+        assert rel_error(a, r) <= 1e-2, (name, rel_error(a, r))
+
+
 BATCHED_O2 = [Case(B=1, T=100, H=2, K=16, V=64), Case(B=2, T=37, H=1, K=5, V=40, normalize=False)]
 
 

@@ -106,3 +106,19 @@ def test_fp32_dot_precision(monkeypatch):
     monkeypatch.setattr(chunk, "FP32_DOT", "tf32")
     with pytest.raises(ValueError, match="FP32_DOT"):
         chunk._dot_mode(torch.float32)
+
+
+def test_fp16_operands_in_the_fused_forward_only(monkeypatch):
+    """fp16 inputs: the fused forward takes fp16 operands (FP16_DOT = "fp16", the default) or tf32 ones on request;
+    the backward and the split kernels keep tf32 (`_dot_mode`); other dtypes are unaffected; anything else is
+    refused in one line."""
+    assert chunk._fused_forward_dot(torch.float16) == chunk.DOT_FP16
+    assert chunk._dot_mode(torch.float16) == chunk.DOT_TF32
+    assert chunk._fused_forward_dot(torch.bfloat16) == chunk.DOT_BF16
+    assert chunk._fused_forward_dot(torch.float32) == chunk.DOT_TF32X3
+    monkeypatch.setattr(chunk, "FP16_DOT", "tf32")
+    assert chunk._fused_forward_dot(torch.float16) == chunk.DOT_TF32
+    monkeypatch.setattr(chunk, "FP16_DOT", "bf16")
+    with pytest.raises(ValueError, match="FP16_DOT") as e:
+        chunk._fused_forward_dot(torch.float16)
+    assert "\n" not in str(e.value)

@@ -3,6 +3,7 @@ CPU check that the default mode compiles (the interpreter runs code the compiler
 return inside an if)."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -81,5 +82,20 @@ def test_fp32_kernels_use_the_tensor_cores(kind):
     kernel = compile_kernel(kind, mode, BV, BC, warps, stages, states=True, dot=chunk._dot_mode(torch.float32))
     assert "ttng.warp_group_dot" in kernel.asm["ttgir"]
     assert kernel.metadata.shared <= 232448  # the H200's shared memory per block (K=32 overflows it: ieee there)
+    report = ptxas_report(kernel.asm["ptx"])
+    assert 0 < int(report.split("Used ")[1].split(" registers")[0]) <= 255, report
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(BIN, "ptxas")), reason="Triton ships no ptxas here")
+@pytest.mark.parametrize("BC", [32, 64])
+def test_fp16_forward_uses_fp16_wgmma(BC):
+    """fp16 inputs: the fused forward's dots take fp16 operands (chunk.FP16_DOT) as wgmmas, within the H200's shared
+    memory and 255 registers, at the chunk of fp16's config (32) and of bf16's (64)."""
+    BK, BV, _, warps, stages = chunk._config(16, 64, torch.float16, "fwd")
+    kernel = compile_kernel("fwd", chunk.FWD_EXPAND, BV, BC, warps, stages, states=True,
+                            dot=chunk._fused_forward_dot(torch.float16))
+    wgmma = set(re.findall(r"wgmma\.mma_async[\w.]*", kernel.asm["ptx"]))
+    assert wgmma and all(w.endswith(".f32.f16.f16") for w in wgmma), wgmma  # no tf32 (k8) left
+    assert kernel.metadata.shared <= 232448
     report = ptxas_report(kernel.asm["ptx"])
     assert 0 < int(report.split("Used ")[1].split(" registers")[0]) <= 255, report
