@@ -814,7 +814,11 @@ class ChunkBasedFunction(torch.autograd.Function):
         capturing = torch.compiler.is_compiling() or is_capturing(q)
         split_bwd = grad_follows and split_backward_applies(K, V, q.dtype, B * H * T, capturing)
         states = None
-        if (FORWARD == "split" and K <= 16) or (FORWARD == "auto" and split_bwd):
+        # auto: fp16 inputs keep the fused forward (fp16 operands) even where the split backward follows, which
+        # then computes the states again (H200, session 14, B·H = 128, forward+backward: T=4096 3.479 ms against
+        # 3.982 with the split forward's tf32 operands, T=16384 13.92 against 15.93)
+        fused_fp16 = meta["DOT"] == DOT_FP16
+        if (FORWARD == "split" and K <= 16) or (FORWARD == "auto" and split_bwd and not fused_fp16):
             from kernels.based.split import split_forward
 
             o, den, hvT, hzT, states = split_forward(q, k, v, hv0, hz0, scale, output_final_state, normalize,

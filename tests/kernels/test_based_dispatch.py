@@ -69,6 +69,11 @@ def test_auto_forward_is_split_only_for_a_split_backward(monkeypatch):
     assert _which_forward(monkeypatch, torch.bfloat16, requires_grad=True, grad_enabled=False) == "fused"
     assert _which_forward(monkeypatch, torch.bfloat16, requires_grad=False) == "fused"
     assert _which_forward(monkeypatch, torch.float32, requires_grad=True) == "fused"  # fp32: fused backward
+    # fp16: the fused forward's fp16 operands beat the split forward's tf32 ones (the split backward then computes
+    # the states again); with tf32 operands in the fused forward too (FP16_DOT), the split forward as for bf16
+    assert _which_forward(monkeypatch, torch.float16, requires_grad=True) == "fused"
+    monkeypatch.setattr(chunk, "FP16_DOT", "tf32")
+    assert _which_forward(monkeypatch, torch.float16, requires_grad=True) == "split"
     monkeypatch.setattr(chunk, "BACKWARD", "fused")
     assert _which_forward(monkeypatch, torch.bfloat16, requires_grad=True) == "fused"
     monkeypatch.setattr(chunk, "FORWARD", "fused")

@@ -173,6 +173,17 @@ def test_65536_tokens_bf16():
         assert err <= 1e-2, f"{name}: relative error {err:.3g} > 1e-2"
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c.T in (1000, 4096) and c.K <= 16], ids=lambda c: c.id)
+def test_fp16_default_split_backward_matches_naive_gpu(case, monkeypatch):
+    """fp16 where the split backward applies (here forced by a small SPLIT_MIN_WORK): the fused forward with fp16
+    operands, then the split backward computing the states again."""
+    from kernels.based import chunk
+
+    monkeypatch.setattr(chunk, "SPLIT_MIN_WORK", 1)
+    with nan_empty():
+        check_against_naive(chunk_based, case, torch.float16, "cuda", reference=_reference(case))
+
+
 def test_65536_tokens_fp16_forward_large_state():
     """fp16 inputs, large and biased (k·4, v + 8: the order-2 state reaches ≈ 8e6, past fp16's 65504): the fused
     forward's fp16 operands read the state as S/n, so the output over 65536 tokens is finite and within 1e-2."""
