@@ -213,3 +213,21 @@ def test_ddp_on_two_processes_equals_one_process_with_twice_the_batch(tmp_path):
     assert [s[:2] for s in a] == [s[:2] for s in b] and len(a) == 6
     assert [s[2] for s in b] == pytest.approx([s[2] for s in a], rel=1e-5)
     assert ddp["valid/loss"] == pytest.approx(single["valid/loss"], rel=1e-5)
+
+
+def test_compile_mode_reaches_torch_compile(tmp_path, monkeypatch):
+    """train.compile_mode is torch.compile's mode here too; a bad one fails before any work."""
+    import zoo.pretrain
+
+    seen = []
+
+    def compile(module, mode=None):
+        seen.append(mode)
+        return module
+
+    monkeypatch.setattr(zoo.pretrain.torch, "compile", compile)
+    pretrain(config(tmp_path, "train.compile=true", "train.compile_mode=max-autotune", "train.sample_tokens=0",
+                    "train.export_hf=false"))
+    assert seen == ["max-autotune"]
+    with pytest.raises(ConfigError, match="compile_mode must be"):
+        config(tmp_path, "train.compile=true", "train.compile_mode=turbo")

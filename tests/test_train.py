@@ -130,3 +130,25 @@ def test_wandb_mirror_offline_keeps_local_run_dir(tmp_path, monkeypatch):
     run = Path(tmp_path / "default" / run_name(cfg))
     assert (run / "summary.json").exists()
     assert list(run.glob("wandb/offline-run-*")), "wandb offline run not written"
+
+
+def test_compile_mode_reaches_torch_compile_and_bad_values_fail_in_one_line(tmp_path, monkeypatch):
+    """train.compile_mode is torch.compile's mode (reduce-overhead: CUDA graphs, for the Triton kernels at short T);
+    a mode torch.compile lacks, or a mode without train.compile, is a one-line config error before any work."""
+    import zoo.train
+
+    seen = []
+
+    def compile(fn, mode=None):
+        seen.append(mode)
+        return fn
+
+    monkeypatch.setattr(zoo.train.torch, "compile", compile)
+    cfg, resolved = quick(tmp_path, "train.epochs=1", "train.compile=true", "train.compile_mode=reduce-overhead")
+    train(cfg, resolved)
+    assert seen == ["reduce-overhead"]
+    for bad, match in ((["train.compile=true", "train.compile_mode=fast"], "compile_mode must be"),
+                       (["train.compile_mode=reduce-overhead"], "needs train.compile=true")):
+        with pytest.raises(ConfigError, match=match) as e:
+            quick(tmp_path, *bad)
+        assert "\n" not in str(e.value)

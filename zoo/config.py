@@ -163,6 +163,16 @@ def _check_execution(train) -> None:
         raise ValueError(f"train.device must be auto|cpu|cuda|cuda:N, got {train.device!r}")
     if train.resume and train.overwrite:
         raise ValueError("train.resume and train.overwrite exclude each other")
+    if train.compile_mode not in COMPILE_MODES:
+        raise ValueError(f"train.compile_mode must be {'|'.join(COMPILE_MODES)}, got {train.compile_mode!r}")
+    if train.compile_mode != "default" and not train.compile:
+        raise ValueError(f"train.compile_mode={train.compile_mode} needs train.compile=true")
+
+
+# torch.compile's modes. "reduce-overhead" replays each compiled step from CUDA graphs: the step's launches cost the
+# host nothing, which is what the Triton kernels need at short T (kernels/based/README.md: an eager Based
+# forward+backward at B·H = 128, T ≤ 2048 waits on the host).
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 @dataclass
@@ -175,6 +185,7 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
     compile: bool = False
+    compile_mode: str = "default"  # torch.compile's mode (COMPILE_MODES); reduce-overhead: CUDA graphs
     # On CUDA: capture the whole training step (forward, backward, AdamW) as a CUDA graph per batch shape and
     # replay it, so a tiny model's step costs a few launches instead of hundreds (zoo/packed.py; a single run
     # trains as a pack of one, so impl=naive). Ignored with a warning on CPU.
@@ -281,6 +292,7 @@ class PretrainTrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N (under torchrun: cuda:LOCAL_RANK)
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
     compile: bool = False
+    compile_mode: str = "default"  # torch.compile's mode (COMPILE_MODES); reduce-overhead: CUDA graphs
     peak_tflops: float = 0.0  # for MFU; 0: looked up from the GPU name (none on CPU)
     sample_tokens: int = 48  # a greedy sample from the trained model at the end (0: none)
     export_hf: bool = True  # write <run>/hf/: ZooForCausalLM.save_pretrained + tokenizer

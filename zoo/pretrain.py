@@ -295,7 +295,7 @@ def _pretrain(cfg: PretrainConfig, resolved_yaml: str | None, d: Dist) -> dict[s
         optimizer, lr_lambda(tc.steps, cfg.optim.warmup_frac, cfg.optim.min_lr_ratio)
     )
     amp = autocast(d.device, tc.precision)
-    forward = torch.compile(module) if tc.compile else module
+    forward = torch.compile(module, mode=tc.compile_mode) if tc.compile else module
     global_batch = d.world * tc.batch_size * tc.grad_accum
     windows = PackedWindows(data.train, cfg.data.seq_len, global_batch, tc.seed, data.train_labels)
     tokens_per_step = global_batch * cfg.data.seq_len

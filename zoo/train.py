@@ -248,7 +248,7 @@ def train(cfg: Config, resolved_yaml: str | None = None) -> dict[str, Any]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(total_steps, cfg.optim.warmup_frac, cfg.optim.min_lr_ratio)
     )
-    step_fn = torch.compile(query_loss) if cfg.train.compile else query_loss
+    step_fn = torch.compile(query_loss, mode=cfg.train.compile_mode) if cfg.train.compile else query_loss
 
     start_epoch, step, best, wall_before, tokens = 0, 0, 0.0, 0.0, 0
     ckpt = run.load_checkpoint() if cfg.train.resume else None
