@@ -150,6 +150,8 @@ def test_direct_launch_decode_equals_the_jit_path_gpu(monkeypatch):
 
     case = Case(B=2, T=6, H=2, K=16, V=64)
     q, k, v, kv0, ks0 = (x.detach() for x in make_inputs(case, "cuda"))
+    direct, stream = [], L._stream
+    monkeypatch.setattr(L, "_stream", lambda device: direct.append(device) or stream(device))
     results = []
     for fast in (False, True):
         monkeypatch.setattr(L, "FAST_LAUNCH", fast)
@@ -157,6 +159,7 @@ def test_direct_launch_decode_equals_the_jit_path_gpu(monkeypatch):
         outs = [fused_recurrent_based(q[:, t].bfloat16(), k[:, t].bfloat16(), v[:, t].bfloat16(), (kv, ks))
                 for t in range(case.T)]
         results.append((torch.stack(outs), kv, ks))
+        assert bool(direct) == fast  # the steps after the first launched straight through the compiled kernel
     for a, r in zip(results[1], results[0]):
         assert torch.equal(a, r)
 
