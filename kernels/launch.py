@@ -15,7 +15,8 @@ each argument's dtype and 16-byte alignment (tensors), whether it is 1, divisibl
 key seen for the first time goes through `kernel[grid]` (which compiles if need be) and keeps the compiled kernel
 it returns; later calls with that key launch it directly on the current stream (so CUDA-graph capture works). The
 JIT path is taken whenever the direct one could differ: the interpreter (TRITON_INTERPRET=1), tensors off CUDA,
-torch.compile tracing (which must see Triton launches), a launch hook set (Triton's profiling), or FAST_LAUNCH off.
+torch.compile tracing (which must see Triton launches), a launch hook set (Triton's profiling), Triton before 3.6
+(`direct_launch_supported`), or FAST_LAUNCH off.
 
 Measured on the H200 (session 14, B=8, H=16, K=16, V=64, bf16, eager; the two paths interleaved in one process,
 medians of 6 rounds): host time per Based forward+backward 826 -> 708 µs at T=1024, 1068 -> 870 at T=2048; wall
@@ -23,6 +24,7 @@ time 0.832 -> 0.764 ms and 1.100 -> 1.002 ms (at T=4096 the GPU is the limit eit
 eager decode step (B=1) 25.4 -> 22.4 µs.
 """
 
+import functools
 import inspect
 import os
 
@@ -107,8 +109,23 @@ def _direct_ok(args: tuple) -> bool:
     The interpreter (TRITON_INTERPRET=1) runs on CPU tensors, so the first argument being on CUDA rules it out."""
     if not (FAST_LAUNCH and args and isinstance(args[0], torch.Tensor) and args[0].is_cuda):
         return False
-    runtime = _triton().knobs.runtime
+    triton = _triton()
+    if not direct_launch_supported(triton.__version__):
+        return False
+    runtime = triton.knobs.runtime
     return _unhooked(runtime.launch_enter_hook) and _unhooked(runtime.launch_exit_hook)
+
+
+@functools.lru_cache
+def direct_launch_supported(version: str) -> bool:
+    """Triton versions whose compiled-kernel launcher takes every parameter, constexprs included, in signature order
+    (as their JIT path passes them): 3.6 was checked on the GPU (session 14) and 3.9 reads the same. Triton ≤ 3.2
+    passed only the non-constexpr ones, so older versions keep the JIT path."""
+    try:
+        major, minor = (int(x) for x in version.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (3, 6)
 
 
 def _triton():

@@ -130,3 +130,11 @@ def test_direct_path_only_without_launch_hooks(monkeypatch):
     finally:
         knobs.runtime.launch_enter_hook.remove(print)
     assert not L._unhooked(print)  # a bare callable (older Triton)
+
+
+def test_direct_path_only_on_triton_versions_whose_launcher_takes_every_parameter():
+    from kernels.launch import direct_launch_supported
+
+    assert direct_launch_supported("3.6.0") and direct_launch_supported("3.9.0") and direct_launch_supported("4.0.1")
+    assert not direct_launch_supported("3.2.0") and not direct_launch_supported("3.5.1")
+    assert not direct_launch_supported("nightly")
