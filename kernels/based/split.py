@@ -585,10 +585,8 @@ def _features_walk(x, g, w, scale: float, h0, z0, store_total: bool, reverse: bo
     RP = CONFIG["features_rows"]
     # zc becomes the entering denominator states in place (the chain's first program per sequence)
     launch(_chain_kernel, (cdiv(R, RP), NV, B * H), F, w, hs, h0, hT, zc, z0, zT, T, NC, H=H, V=V, R=R, RP=RP, BV=BV,
-           BC=BC, ZR=ZR, BZ=next_power_of_2(ZR),
-           USE_H0=h0 is not None, STORE_HT=store_total, DOT=dot,
-           STAGES=CONFIG["features_stages"], REVERSE=reverse,
-           num_warps=CONFIG["chain_warps"],
+           BC=BC, ZR=ZR, BZ=next_power_of_2(ZR), USE_H0=h0 is not None, STORE_HT=store_total, DOT=dot,
+           STAGES=CONFIG["features_stages"], REVERSE=reverse, num_warps=CONFIG["chain_warps"],
            maxnreg=CONFIG["features_maxnreg"])
     return hs, zc, hT, zT
 
@@ -658,10 +656,8 @@ def output_pass(q, k, v, hs, zs, scale: float, normalize: bool, dot: int):
     den = torch.empty(B, T, H, device=q.device, dtype=torch.float32) if normalize else None
     G = CONFIG["output_chunks"]
     launch(_output_kernel, (cdiv(NC, G), NV, B * H), q, k, v, o, den, hs, zs, scale, T, NC, H=H, K=K, V=V, BK=16,
-           BV=BV, BC=BC, OP=CONFIG["OP"], NORMALIZE=normalize, DOT=dot,
-           GATHER=CONFIG["gather"], G=G, STAGES=CONFIG["output_stages"],
-           num_warps=CONFIG["output_warps"],
-           maxnreg=CONFIG["output_maxnreg"])
+           BV=BV, BC=BC, OP=CONFIG["OP"], NORMALIZE=normalize, DOT=dot, GATHER=CONFIG["gather"], G=G,
+           STAGES=CONFIG["output_stages"], num_warps=CONFIG["output_warps"], maxnreg=CONFIG["output_maxnreg"])
     return o, den
 
 
