@@ -242,7 +242,7 @@ def split_one(cfg, T=4096):
     ref_grads = torch.autograd.grad(chunk_based(q, k, v)[0], (q, k, v), do)
     split_mod.CONFIG = {**split_mod.CONFIG, **cfg}
     chunk_mod.FORWARD = chunk_mod.BACKWARD = "split"
-    dot = chunk_mod._dot_mode(DT)
+    dot = split_mod.takes_fp16(chunk_mod._fused_forward_dot(DT))  # what chunk_based passes the split kernels
     with torch.no_grad():
         err = ((chunk_based(q, k, v)[0].float() - ref).norm() / ref.norm()).item()
         ms = bench(lambda: chunk_based(q, k, v))

@@ -250,7 +250,9 @@ def _pair_contract(g, x, BK: tl.constexpr, DOT: tl.constexpr, P: tl.constexpr, N
     rep_at, rep_bt = _pair_reps(BK, True, False, P, NP)
     xa = _mm(x, rep_a, DOT)
     xb = _mm(x, rep_b, DOT)
-    PREC: tl.constexpr = 1 if DOT == 2 else DOT  # tf32 operands keep the products' precision in bf16 mode
+    # tf32 operands keep the products' precision in bf16 mode, and their range in fp16 mode (g·x_b is the state times
+    # dO/den times a key: past fp16's 65504 for large inputs, where dq and dk themselves are not)
+    PREC: tl.constexpr = 1 if DOT == 2 or DOT == 4 else DOT
     return 0.5 * (_mm(g * xb, rep_at, PREC) + _mm(g * xa, rep_bt, PREC))
 
 
@@ -802,8 +804,9 @@ class ChunkBasedFunction(torch.autograd.Function):
         NV = cdiv(V, BV)
         o = torch.empty_like(v)
         den = torch.empty(B, T, H, device=q.device, dtype=torch.float32) if normalize else None
-        dot = _dot_mode(q.dtype, K)  # the split forward's, and the backward reuses it (ctx.dot)
-        meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NORMALIZE=normalize, DOT=_fused_forward_dot(q.dtype, K),
+        dot = _dot_mode(q.dtype, K)  # the fused backward's (ctx.dot)
+        split_dot = _fused_forward_dot(q.dtype, K)  # the split kernels' (fp16 operands for fp16 inputs)
+        meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NORMALIZE=normalize, DOT=split_dot,
                     EXPAND=_expand_mode(BK, forward=True), num_warps=num_warps,
                     num_stages=num_stages)
         SEG = _segment_tokens(T, NV * B * H, BC)
@@ -814,15 +817,19 @@ class ChunkBasedFunction(torch.autograd.Function):
         capturing = torch.compiler.is_compiling() or is_capturing(q)
         split_bwd = grad_follows and split_backward_applies(K, V, q.dtype, B * H * T, capturing)
         states = None
-        # auto: fp16 inputs keep the fused forward (fp16 operands) even where the split backward follows, which
-        # then computes the states again (H200, session 14, B·H = 128, forward+backward: T=4096 3.479 ms against
-        # 3.982 with the split forward's tf32 operands, T=16384 13.92 against 15.93)
-        fused_fp16 = meta["DOT"] == DOT_FP16
+        # auto: where the split kernels cannot take fp16 operands (`split.takes_fp16`: settings other than the
+        # default stored features), fp16 inputs keep the fused forward (fp16 operands) even where the split backward
+        # follows, which then computes the states again (H200, session 14, B·H = 128, forward+backward: T=4096 3.479
+        # ms against 3.982 with the split forward's tf32 operands). With fp16 operands in the split kernels (session
+        # 15), fp16 takes the split forward as bf16 does: T=4096 1.324 ms against 1.599 with the fused forward.
+        from kernels.based import split
+
+        fused_fp16 = split_dot == DOT_FP16 and split.takes_fp16(split_dot) != DOT_FP16
         if (FORWARD == "split" and K <= 16) or (FORWARD == "auto" and split_bwd and not fused_fp16):
             from kernels.based.split import split_forward
 
             o, den, hvT, hzT, states = split_forward(q, k, v, hv0, hz0, scale, output_final_state, normalize,
-                                                     dot, return_states=True)
+                                                     split_dot, return_states=True)
             if not (split_bwd and SAVE_STATES):
                 states = None
         elif NS == 1:
@@ -850,7 +857,7 @@ class ChunkBasedFunction(torch.autograd.Function):
             launch(_fwd_kernel, (NV, NS, B * H), q, k, v, o, den, hv_in, hz_in, None, None, scale, T, SEG, USE_H0=True,
                    STORE_HT=False, STATE_ONLY=False, **meta)
         ctx.save_for_backward(q, k, v, o, den, hv0, hz0, *(states or (None, None)))
-        ctx.scale, ctx.normalize, ctx.split_bwd, ctx.dot = scale, normalize, split_bwd, dot
+        ctx.scale, ctx.normalize, ctx.split_bwd, ctx.dot, ctx.split_dot = scale, normalize, split_bwd, dot, split_dot
         return o, hvT, hzT
 
     @staticmethod
@@ -885,7 +892,7 @@ class ChunkBasedFunction(torch.autograd.Function):
 
             dq, dk, dv, dhv0, dhz0 = split_backward(q, k, v, do, den, dden, hv0, hz0, dhvT if use_dht else None,
                                                     dhzT if use_dht else None, ctx.scale, ctx.normalize,
-                                                    ctx.dot, states=None if hs is None else (hs, zs),
+                                                    ctx.split_dot, states=None if hs is None else (hs, zs),
                                                     o=o if split_dden else None)
             return dq.to(q.dtype), dk.to(k.dtype), dv, dhv0, dhz0, None, None, None, None
         store_dh0 = hv0 is not None

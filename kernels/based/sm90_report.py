@@ -66,7 +66,7 @@ def compile_kernel(kind: str, mode: int, BV: int, BC: int, warps: int, stages: i
                  STORE_HS=True, STORE_DS=True, PREFETCH=prefetch, GATHER=gather,
                  DV=kind != "split_dk", DK=kind != "split_dv", G=G, STAGES=chunk_stages, REVERSE=False,
                  USE_X0=states, STORE_XT=states, BW=1024 if kind == "split_prefix" else BV, R=161, RP=64, NPF=2,
-                 USE_G=states, STORE_W=states, ZR=273, BZ=512)
+                 USE_G=states, STORE_W=states, ZR=273, BZ=512, SCALED_W=dot == 4)
     sig = {}
     for name in fn.arg_names:
         if name in const:

@@ -119,6 +119,32 @@ CONFIG = {"BC": 64, "BV": 64, "NP": 2, "OP": 2, "NS": 1, "prefetch": True, "gath
           "features_gather": False, "features_parts": 2, "features_warps": 4, "chain_warps": 4, "fuse_dden": True}
 
 
+def _state_dtype(dot: int) -> torch.dtype:
+    """The stored features and states' dtype: the dots' operand dtype (bf16, fp16), fp32 for tf32 / fp32 dots."""
+    return {2: torch.bfloat16, 4: torch.float16}.get(dot, torch.float32)
+
+
+def takes_fp16(dot: int) -> int:
+    """The split kernels' DOT for `chunk`'s `dot`: fp16 operands (DOT 4) only on the default path of stored features
+    with one segment and no scan (the paths whose kernels scale what they carry into fp16's range, `_chain_kernel`);
+    elsewhere tf32 (DOT 1)."""
+    if dot == 4 and not (CONFIG["features"] and CONFIG["NS"] == 1 and not CONFIG["scan"]):
+        return 1
+    return dot
+
+
+@triton.jit
+def _dout_scale(den, c, T, BC: tl.constexpr, H: tl.constexpr):
+    """The factor that fp16 operands (DOT 4) carry dO/den and its products in for chunk c: the smallest |den| of the
+    chunk's tokens (den at the sequence, [T, H] strides). den grows like the tokens summed, so dO/den falls far below
+    dO and, in fp16, into subnormals and zero; times this factor it is at most dO's size (a min, not the first
+    token's den, since den can vary a lot inside a chunk: large scores make some w huge). Every kernel that scales
+    or unscales computes it from the same values, and a min is exact in any order."""
+    t = c * BC + tl.arange(0, BC)
+    d = tl.load(den + t * H, mask=t < T, other=float("inf"))
+    return tl.maximum(tl.min(tl.abs(d), 0), 1e-30)
+
+
 def _pair_index(BK: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The pair rows j = (d-1)·BK + a, d = 1..BK/2: a_j, b_j = (a_j + d) mod BK, weight w_j and validity (a, b < K)."""
     j = torch.arange(BK * BK // 2, device=device)
@@ -370,7 +396,10 @@ def _output_chunk(q, k, v, o, den, hs, zs, scale, T, NC, i_c, i_b, i_h, i_bh, i_
     for p in tl.static_range(OP):
         S2 = tl.load(h + (1 + 2 * BK + p * JP + offs_j)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
         o2 += _mm(_pairs(qs, BK, DOT, p, OP, False, GATHER), S2, DOT)
-    num = _mm(w, bv, DOT) + S0[None, :] + _mm(qs, S1, DOT) + 0.5 * o2
+    if DOT == 4:  # fp16 operands: hs holds the state over max(n, 1) (`_chain_kernel`)
+        num = _mm(w, bv, DOT) + (S0[None, :] + _mm(qs, S1, DOT) + 0.5 * o2) * tl.maximum(tl.load(z), 1.0)
+    else:
+        num = _mm(w, bv, DOT) + S0[None, :] + _mm(qs, S1, DOT) + 0.5 * o2
     if NORMALIZE:
         Z2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
         d2 = tl.sum(_mm(qs, Z2, 0) * qs, 1)
@@ -505,21 +534,29 @@ def _features_kernel(k, g, F, zc, w, den, wout, o, scale, T, NC, H: tl.constexpr
     Z2 = _mm(kft, _load_k(k, i_c, T, offs_c, offs_k, m_k, H, K, BC).to(tl.float32) * scale * gt[:, None], 0)
     tl.store(zc + 1 + BK + offs_k[:, None] * BK + offs_k[None, :], Z2)
     if STORE_W:
-        tl.store(wout + at, (bw / d[:, None]).to(wout.dtype.element_ty), mask=m_w)
+        bw = bw / d[:, None]
+        if DOT == 4:  # fp16 operands: dO/den times the chunk's own factor (`_dout_scale`), so it stays in range
+            bw = bw * _dout_scale(den + i_b.to(tl.int64) * T * H + i_h, i_c, T, BC, H)
+        tl.store(wout + at, bw.to(wout.dtype.element_ty), mask=m_w)
 
 
 @triton.jit
-def _chain_kernel(F, v, hs, h0, hT, zc, z0, zT, T, NC, H: tl.constexpr, V: tl.constexpr, R: tl.constexpr,
+def _chain_kernel(F, v, hs, h0, hT, zc, z0, zT, den, T, NC, H: tl.constexpr, V: tl.constexpr, R: tl.constexpr,
                   RP: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr, ZR: tl.constexpr, BZ: tl.constexpr,
                   USE_H0: tl.constexpr, STORE_HT: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr,
-                  REVERSE: tl.constexpr = False):
+                  REVERSE: tl.constexpr = False, SCALED_W: tl.constexpr = False):
     """CONFIG["features"]: rows i_p·RP up to (i_p + 1)·RP of sequence i_bh's state, value block i_v, walked over
     the chunks from the features `_features_kernel` stored: hs[i_bh, c] = h0 + Σ_{c' < c} F[:, c'] v[c'] (with
     REVERSE, Σ_{c' > c}: the reverse pass, v = dO/den) and the whole sum in hT (fp32), one load and one dot per
     step, Triton's pipelined loop loading STAGES - 1 chunks ahead. Every row is alike here, so the row parts need
     not follow the layout's orders. The first program of each sequence (row part 0, value block 0) also turns the
     chunks' own denominator sums zc [B·H, NC, ZR] (fp32) into the entering ones in place, from z0, with the whole
-    sum in zT (the other programs' masks are empty): no launch or PyTorch op of its own."""
+    sum in zT (the other programs' masks are empty): no launch or PyTorch op of its own.
+
+    fp16 operands (DOT 4) keep what they carry in fp16's range: the forward walk stores hs[c] / max(n_c, 1), n_c the
+    tokens summed (n0 + c·BC, n0 the initial state's count), as the fused forward reads its state; the reverse walk
+    (SCALED_W) takes dO/den times the chunk's `_dout_scale` from the features kernel and divides it out of each step's
+    dot. Its stored states are sums of dO/den over the later tokens, of dO's own size, and stay unscaled."""
     i_p, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     rows = i_p * RP + tl.arange(0, RP)
@@ -536,12 +573,20 @@ def _chain_kernel(F, v, hs, h0, hT, zc, z0, zT, T, NC, H: tl.constexpr, V: tl.co
     zc += i_bh.to(tl.int64) * NC * ZR
     S = tl.zeros([RP, BV], dtype=tl.float32)
     Z = tl.zeros([BZ], dtype=tl.float32)
+    n0 = 0.0
     if USE_H0:
         S += tl.load(h0 + i_bh.to(tl.int64) * R * V + rows[:, None] * V + offs_v[None, :], mask=m_s, other=0.0)
         Z += tl.load(z0 + i_bh.to(tl.int64) * ZR + offs_z, mask=m_z, other=0.0)
+        n0 = tl.load(z0 + i_bh.to(tl.int64) * ZR)
+    if SCALED_W:
+        den += i_b.to(tl.int64) * T * H + i_h
     for i in tl.range(0, NC, num_stages=STAGES):
         c = NC - 1 - i if REVERSE else i
-        tl.store(hs + c * R * V + rows[:, None] * V + offs_v[None, :], S.to(hs.dtype.element_ty), mask=m_s)
+        if DOT == 4 and not REVERSE:
+            hc = S * (1.0 / tl.maximum(n0 + c * BC, 1.0))
+        else:
+            hc = S
+        tl.store(hs + c * R * V + rows[:, None] * V + offs_v[None, :], hc.to(hs.dtype.element_ty), mask=m_s)
         t = c * BC + offs_c
         m_t = t < T
         f = tl.load(F + rows[:, None] * T + t[None, :], mask=m_r[:, None] & m_t[None, :], other=0.0)
@@ -549,7 +594,10 @@ def _chain_kernel(F, v, hs, h0, hT, zc, z0, zT, T, NC, H: tl.constexpr, V: tl.co
         dz = tl.load(zc + c * ZR + offs_z, mask=m_z, other=0.0)
         tl.store(zc + c * ZR + offs_z, Z, mask=m_z)
         Z += dz
-        S += _mm(f, bv, DOT)
+        if SCALED_W:
+            S += _mm(f, bv, DOT) * (1.0 / _dout_scale(den, c, T, BC, H))
+        else:
+            S += _mm(f, bv, DOT)
     if STORE_HT:
         tl.store(hT + i_bh.to(tl.int64) * R * V + rows[:, None] * V + offs_v[None, :], S, mask=m_s)
         tl.store(zT + i_bh.to(tl.int64) * ZR + offs_z, Z, mask=m_z)
@@ -570,7 +618,7 @@ def _features_walk(x, g, w, scale: float, h0, z0, store_total: bool, reverse: bo
     BC, BV, NV, NC = _blocks(T, V)
     R, ZR = 1 + 2 * BK + BK * BK // 2, 1 + BK + BK * BK
     dev = x.device
-    dt = torch.bfloat16 if dot == 2 else torch.float32
+    dt = _state_dtype(dot)
     F = torch.empty(B * H, R, T, device=dev, dtype=dt)
     zc = torch.empty(B * H, NC, ZR, device=dev, dtype=torch.float32)
     wout = None if den is None else torch.empty(w.shape, device=dev, dtype=dt)
@@ -584,10 +632,11 @@ def _features_walk(x, g, w, scale: float, h0, z0, store_total: bool, reverse: bo
     zT = torch.empty(B * H, ZR, device=dev, dtype=torch.float32) if store_total else None
     RP = CONFIG["features_rows"]
     # zc becomes the entering denominator states in place (the chain's first program per sequence)
-    launch(_chain_kernel, (cdiv(R, RP), NV, B * H), F, w, hs, h0, hT, zc, z0, zT, T, NC, H=H, V=V, R=R, RP=RP, BV=BV,
-           BC=BC, ZR=ZR, BZ=next_power_of_2(ZR), USE_H0=h0 is not None, STORE_HT=store_total, DOT=dot,
-           STAGES=CONFIG["features_stages"], REVERSE=reverse, num_warps=CONFIG["chain_warps"],
-           maxnreg=CONFIG["features_maxnreg"])
+    scaled_w = dot == 4 and den is not None
+    launch(_chain_kernel, (cdiv(R, RP), NV, B * H), F, w, hs, h0, hT, zc, z0, zT, den if scaled_w else None, T, NC,
+           H=H, V=V, R=R, RP=RP, BV=BV, BC=BC, ZR=ZR, BZ=next_power_of_2(ZR), USE_H0=h0 is not None,
+           STORE_HT=store_total, DOT=dot, STAGES=CONFIG["features_stages"], REVERSE=reverse, SCALED_W=scaled_w,
+           num_warps=CONFIG["chain_warps"], maxnreg=CONFIG["features_maxnreg"])
     return hs, zc, hT, zT
 
 
@@ -615,7 +664,7 @@ def state_pass(k, v, hv0, hz0, output_final_state: bool, dot: int):
         z0 = _pad_orders(hz0.reshape(B * H, 1 + K + K * K), K, BK).contiguous()
     if CONFIG["features"]:
         return _features_walk(k, None, v, 1.0, h0, z0, output_final_state, False, dot)
-    hs = torch.empty(B * H, NC, R, V, device=dev, dtype=torch.bfloat16 if dot == 2 else torch.float32)
+    hs = torch.empty(B * H, NC, R, V, device=dev, dtype=_state_dtype(dot))
     zs = torch.empty(B * H, NC, ZR, device=dev, dtype=torch.float32)
     meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NP=NP, NS=NS, DOT=dot, PREFETCH=CONFIG["prefetch"],
                 GATHER=CONFIG["gather"], num_warps=CONFIG["state_warps"],
@@ -665,9 +714,11 @@ def split_forward(q, k, v, hv0, hz0, scale: float, output_final_state: bool, nor
                   return_states: bool = False):
     """o [B, T, H, V], den [B, T, H] fp32 (or None), and the final state (hvT, hzT) in the Taylor-order layout
     of `chunk.py` (or None, None). hv0/hz0: the initial state in that layout, or None. K ≤ 16. With return_states,
-    also (hs, zs), the states entering every chunk (`state_pass`), for `split_backward`."""
+    also (hs, zs), the states entering every chunk (`state_pass`), for `split_backward`. dot: `chunk`'s DOT (4,
+    fp16 operands, becomes tf32 where `takes_fp16` says so)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
+    dot = takes_fp16(dot)
     hs, zs, hT, zT = state_pass(k, v, hv0, hz0, output_final_state, dot)
     o, den = output_pass(q, k, v, hs, zs, scale, normalize, dot)
     hvT = hzT = None
@@ -878,10 +929,24 @@ def _dq_chunk(q, k, v, do, den, dden, dq, hs, zs, scale, T, NC, i_c, i_bh, offs_
     qs = bq.to(tl.float32) * scale
 
     s = _mm(bq, bkt, DOT) * scale  # [BC, BC]
-    dp = _mm(dnum, bvt, DOT) + dd[:, None]
-    ds = tl.where(causal, dp * (1.0 + s), 0.0)
-    S1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
-    dqs = _mm(ds, bk, DOT) + _mm(dnum, S1t, DOT) + _pair_grad(dnum, qs, h, offs_v, m_v, V, BK, OP, DOT)
+    if DOT == 4:
+        # fp16 operands: dO/den and dd (and so ds) times u, the chunk's `_dout_scale`, and hs over max(n, 1)
+        # (`_chain_kernel`); both come out of the fp32 results
+        u = 1.0
+        if NORMALIZE:
+            u = _dout_scale(den, i_c, T, BC, H)
+        dnum = dnum * u
+        dp = _mm(dnum, bvt, DOT) + (dd * u)[:, None]
+        ds = tl.where(causal, dp * (1.0 + s), 0.0)
+        S1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
+        r = tl.maximum(tl.load(z), 1.0) / u
+        dqs = _mm(ds, bk, DOT) * (1.0 / u) + _mm(dnum, S1t, DOT) * r
+        dqs += _pair_grad(dnum, qs, h, offs_v, m_v, V, BK, OP, DOT) * r
+    else:
+        dp = _mm(dnum, bvt, DOT) + dd[:, None]
+        ds = tl.where(causal, dp * (1.0 + s), 0.0)
+        S1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
+        dqs = _mm(ds, bk, DOT) + _mm(dnum, S1t, DOT) + _pair_grad(dnum, qs, h, offs_v, m_v, V, BK, OP, DOT)
     if NORMALIZE:  # dd is zero past the first V block; no branch, so that a pipelined loop loads Z2 ahead
         Z2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
         dqs += dd[:, None] * (tl.load(z + 1 + offs_k)[None, :] + _mm(qs, Z2, 0))
@@ -941,13 +1006,21 @@ def _dkv_chunk(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, i_c, i_bh,
     dnum, dd = _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H, V, BC, NORMALIZE)
     qs = bq.to(tl.float32) * scale
     kf = bk.to(tl.float32)
+    # fp16 operands (DOT 4): dO/den and dd times u, the chunk's `_dout_scale`, divided out of the fp32 results (the
+    # reverse states ds are stored unscaled, `_chain_kernel`)
+    u = 1.0
+    if DOT == 4 and NORMALIZE:
+        u = _dout_scale(den, i_c, T, BC, H)
 
     st = _mm(bk, bqt, DOT) * scale  # [BC keys, BC queries]
     if DV:
         wt = tl.where(causal_t, 1.0 + st + 0.5 * st * st, 0.0)
         D0 = tl.load(h + offs_v, mask=m_v, other=0.0).to(tl.float32)
         D1 = tl.load(h + (1 + offs_k)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
-        bdv = _mm(wt, dnum, DOT) + D0[None, :] + _mm(kf, D1, DOT)
+        if DOT == 4:
+            bdv = _mm(wt, dnum * u, DOT) * (1.0 / u) + D0[None, :] + _mm(kf, D1, DOT)
+        else:
+            bdv = _mm(wt, dnum, DOT) + D0[None, :] + _mm(kf, D1, DOT)
         bdv += 0.5 * _order2_of(kf, h, offs_v, m_v, V, BK, OP, DOT, GATHER)
         tl.store(dv + t[:, None] * H * V + offs_v[None, :], bdv.to(dv.dtype.element_ty),
                  mask=m_t[:, None] & m_v[None, :])
@@ -959,10 +1032,18 @@ def _dkv_chunk(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, i_c, i_bh,
         dnumt = dnumt.to(tl.float32)
         if NORMALIZE:
             dnumt = dnumt / tl.load(den + t * H, mask=m_t, other=1.0)[None, :]
-        dpt = _mm(bv, dnumt, DOT) + dd[None, :]
-        dst = tl.where(causal_t, dpt * (1.0 + st), 0.0)
-        D1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
-        bdk = _mm(dst, qs, DOT) + _mm(bv, D1t, DOT)
+        # (the order of these lines matters on Triton 3.6: with the D1t load first this kernel read shared memory out
+        # of bounds on the H200, compute-sanitizer, session 15)
+        if DOT == 4:
+            dpt = _mm(bv, dnumt * u, DOT) + (dd * u)[None, :]
+            dst = tl.where(causal_t, dpt * (1.0 + st), 0.0)
+            D1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
+            bdk = _mm(dst, qs, DOT) * (1.0 / u) + _mm(bv, D1t, DOT)
+        else:
+            dpt = _mm(bv, dnumt, DOT) + dd[None, :]
+            dst = tl.where(causal_t, dpt * (1.0 + st), 0.0)
+            D1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
+            bdk = _mm(dst, qs, DOT) + _mm(bv, D1t, DOT)
         bdk += _pair_grad(bv, kf, h, offs_v, m_v, V, BK, OP, DOT)
         # the denominator's reverse state, counted once (first V block), weighted by 0 or 1 rather than in a branch
         d2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
@@ -993,7 +1074,7 @@ def reverse_pass(q, do, den, dden, dhvT, dhzT, store_dh0: bool, scale: float, no
             return _features_walk(q, dden, do, scale, dhT, dzT, store_dh0, True, dot, den=den, o=o)
         g = torch.zeros(B, T, H, device=dev, dtype=torch.float32)
         return _features_walk(q, g, do, scale, dhT, dzT, store_dh0, True, dot)
-    ds = torch.empty(B * H, NC, R, V, device=dev, dtype=torch.bfloat16 if dot == 2 else torch.float32)
+    ds = torch.empty(B * H, NC, R, V, device=dev, dtype=_state_dtype(dot))
     dzs = torch.empty(B * H, NC, ZR, device=dev, dtype=torch.float32)
     NS, CPS = _segments(NC)
     meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NP=NP, NS=NS, NORMALIZE=normalize, DOT=dot,
@@ -1064,9 +1145,10 @@ def split_backward(q, k, v, do, den, dden, hv0, hz0, dhvT, dhzT, scale: float, n
     layout (None without an initial state). dhvT/dhzT: the final state's gradient with order 2 symmetrised, or
     None. The arguments are those of chunk.py's backward; states: the forward's (hs, zs) from `split_forward`
     (at the same CONFIG), or None to compute them again; o: the forward's output where `fuses_dden()`, dden then
-    an empty buffer the reverse pass fills."""
+    an empty buffer the reverse pass fills. dot as in `split_forward`."""
     B, T, H, K = q.shape
     V = v.shape[-1]
+    dot = takes_fp16(dot)
     hs, zs = states if states is not None else state_pass(k, v, hv0, hz0, False, dot)[:2]
     ds, dzs, dh0, dz0 = reverse_pass(q, do, den, dden, dhvT, dhzT, hv0 is not None, scale, normalize, dot, o=o)
     dq, dk, dv = chunk_grads(q, k, v, do, den, dden, hs, zs, ds, dzs, scale, normalize, dot)

@@ -84,6 +84,67 @@ def test_fp16_forward_reads_a_large_state_in_range():
         assert rel_error(a, r) <= 1e-2, (name, rel_error(a, r))
 
 
+@pytest.mark.parametrize("case", FP16_CASES, ids=[c.id for c in FP16_CASES])
+def test_fp16_split_kernels_match_naive(case, monkeypatch):
+    """fp16 inputs through the split forward and backward, which take fp16 operands (states over n, dO/den times the
+    chunk's smallest den; `split._chain_kernel`): everything against the naive form in fp16."""
+    from kernels.based import chunk, split
+
+    monkeypatch.setattr(chunk, "FORWARD", "split")
+    monkeypatch.setattr(chunk, "BACKWARD", "split")
+    monkeypatch.setattr(split, "CONFIG", {**split.CONFIG, "BC": 16})
+    seen = []
+    takes = split.takes_fp16
+    monkeypatch.setattr(split, "takes_fp16", lambda dot: seen.append(takes(dot)) or seen[-1])
+    with nan_empty():
+        check_against_naive(chunk_based, case, torch.float16, "cpu")
+    assert seen and set(seen) == {4}  # fp16 operands in every split call
+
+
+def _fp16_split_errors(monkeypatch, k_mul=1.0, v_add=0.0, cot_mul=1.0):
+    """Relative errors against float64 of the split kernels' outputs and gradients for fp16 inputs (T=200)."""
+    from based_cases import run
+
+    from kernels.based import chunk, naive_parallel_based, split
+    from kernels.testing import rel_error
+
+    monkeypatch.setattr(chunk, "FORWARD", "split")
+    monkeypatch.setattr(chunk, "BACKWARD", "split")
+    monkeypatch.setattr(split, "CONFIG", {**split.CONFIG, "BC": 16})
+    case = Case(B=1, T=200, H=1, K=16, V=64)
+    inputs = make_inputs(case, "cpu")
+    with torch.no_grad():
+        inputs[1].mul_(k_mul)
+        inputs[2].add_(v_add)
+    _, _, cot = run(naive_parallel_based, inputs, case, torch.float64)
+    cot = [c * cot_mul for c in cot]
+    ref, ref_grad, _ = run(naive_parallel_based, inputs, case, torch.float64, cot)
+    out, grad, _ = run(chunk_based, inputs, case, torch.float16, cot)
+    names = ("o", "kv", "k_sum", "dq", "dk", "dv", "dkv0", "dk_sum0")
+    # o, dq, dk and dv come out of the kernels in fp16: where fp16 cannot hold them they are inf by rights (dk at the
+    # large inputs), and only the rest is compared
+    return {n: rel_error(a, r) for n, a, r in zip(names, list(out) + list(grad), list(ref) + list(ref_grad))
+            if n not in ("o", "dq", "dk", "dv") or r.abs().max() < torch.finfo(torch.float16).max}
+
+
+def test_fp16_split_backward_keeps_small_gradients(monkeypatch):
+    """dO ≈ 1e-3: dO/den falls to ≈ 1e-6, fp16's subnormals, where it would lose most of its bits (dq 5e-3 off,
+    10× worse); the split kernels carry it times the chunk's smallest den, so every gradient keeps fp16's own
+    precision (≈ 6e-4 here)."""
+    errors = _fp16_split_errors(monkeypatch, cot_mul=1e-3)
+    assert all(e <= 2e-3 for e in errors.values()), errors
+
+
+def test_fp16_split_kernels_keep_a_large_state_in_range(monkeypatch):
+    """Large, biased inputs (k·10, v + 100, dO·10): the state passes fp16's range within 200 tokens, and so does the
+    order-2 contraction in dq (state times dO/den times a key); the split kernels store the states over n and
+    contract with tf32 operands, so everything fp16 can hold (all but dk, whose true values reach 3.7e5) is finite
+    and within 1e-2 of float64 (naive PyTorch in fp16 gives inf for o, kv and dq here)."""
+    errors = _fp16_split_errors(monkeypatch, k_mul=10.0, v_add=100.0, cot_mul=10.0)
+    assert set(errors) == {"o", "kv", "k_sum", "dq", "dv", "dkv0", "dk_sum0"}
+    assert all(e <= 1e-2 for e in errors.values()), errors
+
+
 BATCHED_O2 = [Case(B=1, T=100, H=2, K=16, V=64), Case(B=2, T=37, H=1, K=5, V=40, normalize=False)]
 
 

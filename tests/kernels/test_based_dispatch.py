@@ -69,8 +69,11 @@ def test_auto_forward_is_split_only_for_a_split_backward(monkeypatch):
     assert _which_forward(monkeypatch, torch.bfloat16, requires_grad=True, grad_enabled=False) == "fused"
     assert _which_forward(monkeypatch, torch.bfloat16, requires_grad=False) == "fused"
     assert _which_forward(monkeypatch, torch.float32, requires_grad=True) == "fused"  # fp32: fused backward
-    # fp16: the fused forward's fp16 operands beat the split forward's tf32 ones (the split backward then computes
-    # the states again); with tf32 operands in the fused forward too (FP16_DOT), the split forward as for bf16
+    # fp16: the split forward as for bf16 where the split kernels take fp16 operands (the default settings); where
+    # they would take tf32 ones (here: the features computed inside the walk), the fused forward's fp16 operands win
+    # (the split backward then computes the states again); with tf32 operands everywhere (FP16_DOT), split again
+    assert _which_forward(monkeypatch, torch.float16, requires_grad=True) == "split"
+    monkeypatch.setattr(split, "CONFIG", {**split.CONFIG, "features": False})
     assert _which_forward(monkeypatch, torch.float16, requires_grad=True) == "fused"
     monkeypatch.setattr(chunk, "FP16_DOT", "tf32")
     assert _which_forward(monkeypatch, torch.float16, requires_grad=True) == "split"
@@ -113,10 +116,18 @@ def test_fp32_dot_precision(monkeypatch):
         chunk._dot_mode(torch.float32)
 
 
-def test_fp16_operands_in_the_fused_forward_only(monkeypatch):
-    """fp16 inputs: the fused forward takes fp16 operands (FP16_DOT = "fp16", the default) or tf32 ones on request;
-    the backward and the split kernels keep tf32 (`_dot_mode`); other dtypes are unaffected; anything else is
-    refused in one line."""
+def test_fp16_operands_in_the_fused_forward_and_the_split_kernels(monkeypatch):
+    """fp16 inputs: the fused forward and the split kernels take fp16 operands (FP16_DOT = "fp16", the default) or
+    tf32 ones on request; the fused backward keeps tf32 (`_dot_mode`); other dtypes are unaffected; anything else is
+    refused in one line. The split kernels take fp16 only on their default path (stored features, one segment, no
+    scan), whose kernels scale what they carry into fp16's range."""
+    assert split.takes_fp16(chunk.DOT_FP16) == chunk.DOT_FP16
+    assert split.takes_fp16(chunk.DOT_BF16) == chunk.DOT_BF16
+    for config in ({"features": False}, {"NS": 2}, {"scan": True}):
+        monkeypatch.setattr(split, "CONFIG", {**split.CONFIG, **config})
+        assert split.takes_fp16(chunk.DOT_FP16) == chunk.DOT_TF32
+        assert split.takes_fp16(chunk.DOT_BF16) == chunk.DOT_BF16
+    monkeypatch.undo()
     assert chunk._fused_forward_dot(torch.float16) == chunk.DOT_FP16
     assert chunk._dot_mode(torch.float16) == chunk.DOT_TF32
     assert chunk._fused_forward_dot(torch.bfloat16) == chunk.DOT_BF16
