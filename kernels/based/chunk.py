@@ -17,9 +17,10 @@ the boundaries (`naive.state_to_orders`, `naive.orders_to_state`), in fp32.
 
 Dot precision follows the input dtype: fp32 inputs use three tf32 products per dot ("tf32x3": each operand split
 into a tf32 head and a tf32 tail, the tail·tail product dropped, ≈ fp32's accuracy on the tensor cores; `FP32_DOT`
-= "ieee" gives exact fp32 dots on the vector units instead), bf16 inputs bf16 operands, fp16 inputs tf32 operands
-(fp16's 10-bit mantissa with fp32's range: the order-2 state and the normalised gradient dO/den leave fp16's
-range at long T) except in the fused forward, which takes fp16 operands and reads the state as S/n (FP16_DOT).
+= "ieee" gives exact fp32 dots on the vector units instead), bf16 inputs bf16 operands, fp16 inputs fp16 operands
+(FP16_DOT) in the fused forward, which reads the state as S/n, and in the split kernels (`split.takes_fp16`), which
+scale what they carry into fp16's range, and tf32 operands (fp16's 10-bit mantissa with fp32's range) in the fused
+backward: the order-2 state and the normalised gradient dO/den leave fp16's range at long T unless scaled.
 Accumulation is fp32 throughout.
 """
 
@@ -33,10 +34,12 @@ from kernels.based.naive import orders_to_state, state_to_orders
 from kernels.launch import cdiv, check_devices, is_capturing, launch, next_power_of_2
 
 DOT_IEEE, DOT_TF32, DOT_BF16, DOT_TF32X3, DOT_FP16 = 0, 1, 2, 3, 4
-# The fused forward's dots for fp16 inputs: "fp16" (the default) or "tf32". fp16 operands have tf32's 10-bit mantissa
-# at half the operand bytes and twice the tensor-core rate, but not fp32's range: the state grows with the tokens
-# summed, so the forward reads it at the scale of one token's terms (S/n times n, n = the tokens summed; `_fwd_kernel`).
-# The backward and the split kernels keep tf32 operands for fp16 (dO/den and the reverse states leave fp16's range).
+# The dots for fp16 inputs in the fused forward and the split kernels: "fp16" (the default) or "tf32". fp16 operands
+# have tf32's 10-bit mantissa at half the operand bytes and twice the tensor-core rate, but not fp32's range: the
+# state grows with the tokens summed, so the fused forward reads it at the scale of one token's terms (S/n times n,
+# n = the tokens summed; `_fwd_kernel`), the split kernels store it so, and carry dO/den times each chunk's smallest
+# den (`split._chain_kernel`). The fused backward keeps tf32 operands for fp16. H200, session 15, B=8, H=16, T=4096:
+# fp16 forward+backward 1.320 ms against 3.479 with tf32 operands in the split backward (13.92 -> 5.16 ms at T=16384).
 FP16_DOT = "fp16"
 # The dots of fp32 inputs: "tf32x3" (the default) or "ieee". On the H200 (session 13, B=8, H=16, T=4096) an fp32
 # forward+backward took 68.5 ms with "ieee" dots, 54× the bf16 one, because Triton runs ieee fp32 dots as FMAs on
@@ -84,7 +87,8 @@ def _dot_mode(dtype: torch.dtype, K: int = 16) -> int:
 
 
 def _fused_forward_dot(dtype: torch.dtype, K: int = 16) -> int:
-    """The fused forward's DOT: `_dot_mode`'s, except fp16 operands for fp16 inputs under FP16_DOT = "fp16"."""
+    """The fused forward's and the split kernels' DOT: `_dot_mode`'s, except fp16 operands for fp16 inputs under
+    FP16_DOT = "fp16" (the split kernels take them where `split.takes_fp16` allows)."""
     if FP16_DOT not in ("fp16", "tf32"):
         raise ValueError(f"chunk.FP16_DOT must be 'fp16' or 'tf32', got {FP16_DOT!r}")
     return DOT_FP16 if dtype == torch.float16 and FP16_DOT == "fp16" else _dot_mode(dtype, K)

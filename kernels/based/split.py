@@ -17,9 +17,10 @@ per step on the H200). This split forward separates them:
 
 The state rows use the pair layout of `chunk.py`'s mode 3 (R = 1 + 2·BK + BK²/2 rows: order 0, order 1 [BK],
 the order-2 diagonal [BK], then one row per unordered pair, cyclic, with weights 2 or 1), stored in the dot's
-operand dtype (bf16 for bf16 inputs, where the fused kernel rounds the state to bf16 at every read too; fp32
-otherwise). The denominator's state (n, z1, Z2 [BK, BK]) is kept in fp32, in the Taylor-order layout. States
-cross the boundary in the Taylor-order layout of `chunk.py` ([1 + K + K², V]), converted here in PyTorch.
+operand dtype (bf16 for bf16 inputs, where the fused kernel rounds the state to bf16 at every read too; fp16 for
+fp16 inputs, as S/n with n the tokens summed, see `_chain_kernel`; fp32 otherwise). The denominator's state
+(n, z1, Z2 [BK, BK]) is kept in fp32, in the Taylor-order layout. States cross the boundary in the Taylor-order
+layout of `chunk.py` ([1 + K + K², V]), converted here in PyTorch.
 
 Traffic: the entering states are B·H·(T/BC)·R·V elements, written once and read once: at B=8, H=16, T=4096,
 K=16, V=64, BC=64 in bf16, 169 MB each way (≈ 40 µs at the H200's 4.2 TB/s), against ≈ 30 MB for q, k, v, o.

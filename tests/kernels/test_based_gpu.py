@@ -178,8 +178,8 @@ def test_65536_tokens_bf16():
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.T in (1000, 4096) and c.K <= 16], ids=lambda c: c.id)
 def test_fp16_default_split_backward_matches_naive_gpu(case, monkeypatch):
-    """fp16 where the split backward applies (here forced by a small SPLIT_MIN_WORK): the fused forward with fp16
-    operands, then the split backward computing the states again."""
+    """fp16 where the split backward applies (here forced by a small SPLIT_MIN_WORK): the split forward and backward
+    with fp16 operands (before session 15: the fused forward, then the split backward with tf32 ones)."""
     from kernels.based import chunk
 
     monkeypatch.setattr(chunk, "SPLIT_MIN_WORK", 1)
