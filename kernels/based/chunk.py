@@ -826,9 +826,11 @@ class ChunkBasedFunction(torch.autograd.Function):
         # follows, which then computes the states again (H200, session 14, B·H = 128, forward+backward: T=4096 3.479
         # ms against 3.982 with the split forward's tf32 operands). With fp16 operands in the split kernels (session
         # 15), fp16 takes the split forward as bf16 does: T=4096 1.324 ms against 1.599 with the fused forward.
-        from kernels.based import split
+        fused_fp16 = False
+        if split_dot == DOT_FP16:
+            from kernels.based import split
 
-        fused_fp16 = split_dot == DOT_FP16 and split.takes_fp16(split_dot) != DOT_FP16
+            fused_fp16 = split.takes_fp16(split_dot) != DOT_FP16
         if (FORWARD == "split" and K <= 16) or (FORWARD == "auto" and split_bwd and not fused_fp16):
             from kernels.based.split import split_forward
 
