@@ -328,3 +328,45 @@ def test_under_torch_compile(dtype):
         results[name] = (o, *torch.autograd.grad(o, (qd, kd, vd), do.to(d)))
     for i, name in enumerate(("o", "dq", "dk", "dv")):
         assert_close(f"compiled {name}", results["compiled"][i], results["ref"][i], results["base"][i], dtype)
+
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+# B·H ≥ gluon.MIN_SEQUENCES (128), so that chunk_based takes the Gluon kernel
+GLUON_CASES = [Case(B=2, T=63, H=64, K=16, V=64, initial_state=False), Case(B=2, T=1000, H=64, K=16, V=64),
+               Case(B=1, T=2000, H=128, K=16, V=64, scale=0.3)]
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernel needs a Hopper GPU (sm_90)")
+@pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: c.id)
+def test_gluon_forward_matches_naive_gpu(case, monkeypatch):
+    """A bf16 forward that no gradient follows runs kernels/based/gluon.py: output and final state against float64,
+    by the tolerance rule; the state goes in and comes out in FLA's order."""
+    from kernels.based import gluon
+
+    calls = []
+    real = gluon.gluon_forward
+    monkeypatch.setattr(gluon, "gluon_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v, kv0, ks0 = (x.detach() if x is not None else None for x in make_inputs(case, "cuda"))
+    h0 = (kv0.float(), ks0.float()) if case.initial_state else None
+    args = dict(scale=case.scale, output_final_state=True)
+    ref_o, ref_state = chunked_reference(1024)(q, k, v, initial_state=(kv0, ks0) if h0 else None, **args)
+    bf = [x.bfloat16() for x in (q, k, v)]
+    base_o, base_state = naive_parallel_based(*bf, initial_state=h0, **args)
+    with torch.no_grad(), nan_empty():
+        o, state = chunk_based(*bf, initial_state=h0, **args)
+    assert calls, "chunk_based did not take the Gluon kernel"
+    assert o.dtype == torch.bfloat16 and state[0].dtype == torch.float32
+    for name, a, r, b in zip(("o", "kv", "k_sum"), (o, *state), (ref_o, *ref_state), (base_o, *base_state)):
+        assert_close(f"{case.id} gluon {name}", a, r, b, torch.bfloat16)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernel needs a Hopper GPU (sm_90)")
+def test_gluon_forward_chained_calls_equal_one_gpu():
+    """Two Gluon calls, the first one's final state entering the second, against one call over the whole length."""
+    q, k, v = (torch.randn(2, 3000, 64, d, device="cuda").bfloat16() for d in (16, 16, 64))
+    with torch.no_grad():
+        o, (kv, ks) = chunk_based(q, k, v, output_final_state=True)
+        o1, mid = chunk_based(q[:, :1111], k[:, :1111], v[:, :1111], output_final_state=True)
+        o2, (kv2, ks2) = chunk_based(q[:, 1111:], k[:, 1111:], v[:, 1111:], initial_state=mid, output_final_state=True)
+    assert rel_error(torch.cat([o1, o2], 1), o) < 1e-2
+    assert rel_error(kv2, kv) < 1e-5 and rel_error(ks2, ks) < 1e-5
