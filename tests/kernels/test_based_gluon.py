@@ -48,12 +48,17 @@ def test_applies_only_to_its_case():
 @pytest.mark.skipif(not os.path.exists(os.path.join(BIN, "ptxas")), reason="Triton ships no ptxas here")
 @pytest.mark.parametrize("states", [False, True])
 def test_gluon_forward_compiles_for_sm90(states):
-    """The kernel compiles for sm_90a with warpgroup MMAs, within 255 registers and without spills."""
+    """The kernel compiles for sm_90a: warp-specialised (setmaxnreg per partition), its dots warpgroup MMAs, within
+    the 168 registers per thread that 12 warps leave, and without more than a few spills (Triton 3.6, the H200's:
+    32 bytes; Triton 3.9: 208)."""
+    import re
+
     from kernels.based.sm90_report import compile_gluon_forward, ptxas_report
 
     kernel = compile_gluon_forward(states)
-    assert kernel.asm["ptx"].count("wgmma.mma_async") >= 26
-    report = ptxas_report(kernel.asm["ptx"])
-    used = int(report.split("Used ")[1].split(" registers")[0])
-    assert 0 < used <= 255, report
-    assert "0 bytes spill stores" in report, report
+    ptx = kernel.asm["ptx"]
+    assert "setmaxnreg" in ptx and ptx.count("wgmma.mma_async") >= 26
+    report = ptxas_report(ptx)
+    used = int(re.search(r"Used (\d+) registers", report).group(1))
+    spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+    assert 0 < used <= 168 and spills <= 256, report

@@ -331,7 +331,7 @@ def test_under_torch_compile(dtype):
 
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-# B·H ≥ gluon.MIN_SEQUENCES (128), so that chunk_based takes the Gluon kernel
+# B·H ≥ 128 ≥ gluon.MIN_SEQUENCES, so that chunk_based takes the Gluon kernel at any length
 GLUON_CASES = [Case(B=2, T=63, H=64, K=16, V=64, initial_state=False), Case(B=2, T=1000, H=64, K=16, V=64),
                Case(B=1, T=2000, H=128, K=16, V=64, scale=0.3)]
 
