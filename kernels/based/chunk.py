@@ -64,9 +64,11 @@ FP32_DOT = "tf32x3"
 # instead of two dots with 0/1 matrices; not yet timed).
 FWD_EXPAND = 5
 BWD_EXPAND = 5
-# Forwards that no gradient follows (inference, prefill, torch.no_grad) in bf16 at K=16, V=64 on a Hopper GPU run the
-# Gluon kernel (`kernels/based/gluon.py`: explicit layouts and warpgroup MMAs; `gluon.applies` says where). H200,
-# session 16, B=8, H=16: T=4096 0.250 ms against 0.382 for `_fwd_kernel`. False keeps `_fwd_kernel` everywhere.
+# bf16 forwards at K=16, V=64 on a Hopper GPU run the Gluon kernel (`kernels/based/gluon.py`: explicit layouts,
+# warpgroup MMAs, warp specialisation; `gluon.applies` says where) when no gradient follows, and in training when the
+# split backward follows (it then stores the per-chunk states, as the split forward does). H200, session 16, B=8,
+# H=16, T=4096: forward 0.153 ms against 0.382 for `_fwd_kernel`; forward+backward 1.166 against 1.263. False keeps
+# the Triton kernels everywhere.
 GLUON_FORWARD = True
 
 
@@ -835,7 +837,15 @@ class ChunkBasedFunction(torch.autograd.Function):
             from kernels.based import split
 
             fused_fp16 = split.takes_fp16(split_dot) != DOT_FP16
-        if (FORWARD == "split" and K <= 16) or (FORWARD == "auto" and split_bwd and not fused_fp16):
+        gluon = None
+        if GLUON_FORWARD and FORWARD == "auto" and split_bwd and SAVE_STATES and q.is_cuda:
+            gluon = _gluon_module()
+            gluon = gluon if gluon is not None and gluon.applies(q, v, normalize) else None
+        if gluon is not None:
+            # the Gluon forward, storing the states entering every chunk as the split forward does (H200, session 16)
+            o, den, hvT, hzT, states = gluon.gluon_forward(q, k, v, scale, hv0, hz0, output_final_state,
+                                                           store_states=True)
+        elif (FORWARD == "split" and K <= 16) or (FORWARD == "auto" and split_bwd and not fused_fp16):
             from kernels.based.split import split_forward
 
             o, den, hvT, hzT, states = split_forward(q, k, v, hv0, hz0, scale, output_final_state, normalize,

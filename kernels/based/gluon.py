@@ -1,8 +1,9 @@
 """Based forward as a Gluon kernel for Hopper (sm_90): explicit layouts, shared memory, warpgroup MMAs and warp
 specialisation.
 
-Session 16. `chunk_based` runs it for forwards that no gradient follows (inference, prefill, torch.no_grad) in bf16
-at K = 16, V = 64 (`applies`). One program owns one (batch, head) and all 64 value columns and walks the sequence in
+Session 16. `chunk_based` runs it for bf16 forwards at K = 16, V = 64 (`applies`): those that no gradient follows
+(inference, prefill, torch.no_grad), and in training those the split backward follows, storing the state entering
+every chunk in `split.state_pass`'s layout (`store_states`; the split forward's work, without its three launches). One program owns one (batch, head) and all 64 value columns and walks the sequence in
 chunks of C = 64 tokens, as `chunk._fwd_kernel` does, but in three partitions of 4 warps that run side by side:
 
 - producer 0 (`_producer`, ROLE 0): loads q and k, builds the query features ψ(q) and the chunk's weights
@@ -28,7 +29,8 @@ The query side (q_s = scale·q, rounded to bf16 as in the Triton kernels) weighs
 converted from and to the Taylor-order form in PyTorch.
 
 H200, B=8, H=16, T=4096 (`experiments/LOG.md`, session 16): 0.153 ms, against 0.382 for `_fwd_kernel`; one partition
-doing all of it (8 warps) took 0.250, one producer 0.170.
+doing all of it (8 warps) took 0.250, one producer 0.170. Forward+backward with the states stored: 1.166 ms, against
+1.263 with the split forward.
 """
 
 import torch
@@ -48,6 +50,8 @@ K_ = gl.constexpr(16)  # feature dim
 V_ = gl.constexpr(64)  # value dim
 X_ = gl.constexpr(32)  # extended input width [x, 1, 0...]
 NB = gl.constexpr(3)  # feature blocks of 64
+R_ = gl.constexpr(161)  # rows of split.py's pair-layout state: 1 + 2·16 + 16²/2
+ZR_ = gl.constexpr(273)  # its denominator state: 1 + 16 + 16²
 
 
 @gluon.jit
@@ -79,6 +83,36 @@ def _head_tail(Z, c8):
     hi = Z.to(gl.bfloat16)
     lo = (Z - hi.to(gl.float32)).to(gl.bfloat16)
     return gl.where(c8 == 0, hi, gl.where(c8 == 1, lo, gl.zeros_like(hi)))
+
+
+@gluon.jit
+def _store_pairs(h, St, BLK: gl.constexpr, vo, fo, LO: gl.constexpr):
+    """Block BLK of the transposed state Sᵀ [V, 64] into a state of `split.py`'s pair layout h [R_, V] (bf16): order
+    0, order 1, the diagonal, then pair row j at 33 + j doubled where it stands for both (a, b) and (b, a)
+    (`split.orders_to_pairs`)."""
+    x = gl.convert_layout(St.to(gl.bfloat16), LO)
+    if BLK == 0:
+        row = gl.where(fo < 32, 1 + fo, gl.where(fo == 32, 0, -1))
+        gl.store(h + row * V_ + vo, x, mask=(row >= 0) & (vo >= 0))
+    else:
+        j = fo + 64 * (BLK - 1)
+        gl.store(h + (33 + j) * V_ + vo, x * gl.where(j < 112, 2.0, 1.0).to(gl.bfloat16), mask=(j >= 0) & (vo >= 0))
+
+
+@gluon.jit
+def _store_orders(z, Zb, BLK: gl.constexpr, r8, c8):
+    """Block BLK of z (rows of Zb [64, 8], equal columns) into the Taylor-order denominator state z [ZR_] (n, z1, the
+    full K×K Z2) that `split.py` keeps per chunk."""
+    if BLK == 0:
+        pos = gl.where(r8 < 16, 1 + r8, gl.where(r8 < 32, 17 + (r8 - 16) * 17, gl.where(r8 == 32, 0, -1)))
+        gl.store(z + pos + c8 * 0, Zb, mask=(c8 == 0) & (pos >= 0))
+    else:
+        j = r8 + 64 * (BLK - 1)
+        d = 1 + j // 16
+        a = j % 16
+        b = (a + d) % 16
+        gl.store(z + 17 + a * 16 + b + c8 * 0, Zb, mask=c8 == 0)
+        gl.store(z + 17 + b * 16 + a + c8 * 0, Zb, mask=(c8 == 0) & (d < 8))  # d = 8: the mirror has its own row
 
 
 @gluon.jit
@@ -147,8 +181,9 @@ def _producer(q, k, v, T, scale, H: gl.constexpr, x_s, q16_s, k16_s, ra_s, rb_s,
 
 
 @gluon.jit
-def _consumer(o, h0, z0, hT, zT, i_bh, T, H: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr,
-              psi_s, phi_s, w_s, v_s, zt_s, ones_s, one0_s, ready, free, NSLOT: gl.constexpr):
+def _consumer(o, h0, z0, hT, zT, hs, zs, den_out, i_bh, T, H: gl.constexpr, USE_H0: gl.constexpr,
+              STORE_HT: gl.constexpr, STORE_STATES: gl.constexpr, psi_s, phi_s, w_s, v_s, zt_s, ones_s, one0_s, ready,
+              free, NSLOT: gl.constexpr):
     """The default partition with the state transposed: Sᵀ_blk [V, 64] accumulates vᵀ φ(k) and is the register (A)
     operand of the reads numᵀ = Σ Sᵀ ψ(q)ᵀ + vᵀ wᵀ, so only z goes through shared memory between chunks."""
     ZW: gl.constexpr = 8
@@ -165,6 +200,11 @@ def _consumer(o, h0, z0, hT, zT, i_bh, T, H: gl.constexpr, USE_H0: gl.constexpr,
     cv = gl.arange(0, V_, layout=gl.SliceLayout(0, LV))[None, :]
     vo = gl.arange(0, V_, layout=gl.SliceLayout(1, LO))[:, None]
     to = gl.arange(0, C_, layout=gl.SliceLayout(0, LO))[None, :]
+    tc = gl.arange(0, C_, layout=gl.SliceLayout(0, A64))
+    if STORE_STATES:
+        hs += i_bh.to(gl.int64) * gl.cdiv(T, C_) * (R_ * V_)
+        zs += i_bh.to(gl.int64) * gl.cdiv(T, C_) * ZR_
+        den_out += (i_bh // H).to(gl.int64) * T * H + i_bh % H
     ones_s.store(gl.full([ZW, C_], 1.0, gl.bfloat16, LV))
     one0_s.store(gl.where((rz == 0) & (cv >= 0), 1.0, 0.0).to(gl.bfloat16))  # B = [C, ZW]: column 0 all ones
     if USE_H0:
@@ -207,6 +247,13 @@ def _consumer(o, h0, z0, hT, zT, i_bh, T, H: gl.constexpr, USE_H0: gl.constexpr,
         num = warpgroup_mma(gl.convert_layout(S2.to(gl.bfloat16), AOP), psi_s.index(b + 2).permute((1, 0)), num,
                             is_async=True)
         dd = warpgroup_mma(psi_s.index(b + 2), zt_s.index(2).permute((1, 0)), dd, is_async=True)
+        if STORE_STATES:  # the state entering chunk c, for the split backward (`split.state_pass`'s hs, zs)
+            _store_pairs(hs + c * (R_ * V_), S0, 0, vo, to, LO)
+            _store_pairs(hs + c * (R_ * V_), S1, 1, vo, to, LO)
+            _store_pairs(hs + c * (R_ * V_), S2, 2, vo, to, LO)
+            _store_orders(zs + c * ZR_, Z0, 0, r8, c8)
+            _store_orders(zs + c * ZR_, Z1, 1, r8, c8)
+            _store_orders(zs + c * ZR_, Z2, 2, r8, c8)
         # the reads above hold S's bf16 copies in registers until they complete: wait before updating S
         num, dd = warpgroup_mma_wait(0, deps=[num, dd])
         S0 = warpgroup_mma(vt, phi_s.index(b), S0, is_async=True)
@@ -216,6 +263,8 @@ def _consumer(o, h0, z0, hT, zT, i_bh, T, H: gl.constexpr, USE_H0: gl.constexpr,
         Z1 = warpgroup_mma(phi_s.index(b + 1).permute((1, 0)), ones_s.permute((1, 0)), Z1, is_async=True)
         Z2 = warpgroup_mma(phi_s.index(b + 2).permute((1, 0)), ones_s.permute((1, 0)), Z2, is_async=True)
         den = gl.convert_layout(gl.sum(gl.where(c8 < 2, dd, 0.0), 1), gl.SliceLayout(0, A64))
+        if STORE_STATES:
+            gl.store(den_out + (start + tc) * H, den, mask=(start + tc) < T)
         out = gl.convert_layout((num / den[None, :]).to(gl.bfloat16), LO)
         tt = start + to
         gl.store(o + tt * (H * V_) + vo, out, mask=tt < T)
@@ -239,8 +288,9 @@ def _consumer(o, h0, z0, hT, zT, i_bh, T, H: gl.constexpr, USE_H0: gl.constexpr,
 
 
 @gluon.jit
-def _gluon_fwd_kernel(q, k, v, o, h0, z0, hT, zT, T, scale, H: gl.constexpr, USE_H0: gl.constexpr,
-                      STORE_HT: gl.constexpr, NSLOT: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+def _gluon_fwd_kernel(q, k, v, o, h0, z0, hT, zT, hs, zs, den, T, scale, H: gl.constexpr, USE_H0: gl.constexpr,
+                      STORE_HT: gl.constexpr, STORE_STATES: gl.constexpr, NSLOT: gl.constexpr,
+                      PRODUCER_REGS: gl.constexpr):
     """One program per sequence i_bh: two producer partitions build each chunk's features into one of NSLOT
     shared-memory slots while the default partition (the consumer) runs the chunk before. h0/hT: [B·H, 192, V] and
     z0/zT: [B·H, 192], fp32, the state in this kernel's row order (`feature_rows`)."""
@@ -280,8 +330,8 @@ def _gluon_fwd_kernel(q, k, v, o, h0, z0, hT, zT, T, scale, H: gl.constexpr, USE
         mbarrier.init(ready.index(i), count=2)  # both producers
         mbarrier.init(free.index(i), count=1)
     gl.warp_specialize([
-        (_consumer, (o, h0, z0, hT, zT, i_bh, T, H, USE_H0, STORE_HT, psi_s, phi_s, w_s, v_s, zt_s, ones_s, one0_s,
-                     ready, free, NSLOT)),
+        (_consumer, (o, h0, z0, hT, zT, hs, zs, den, i_bh, T, H, USE_H0, STORE_HT, STORE_STATES, psi_s, phi_s, w_s,
+                     v_s, zt_s, ones_s, one0_s, ready, free, NSLOT)),
         (_producer, (q, k, v, T, scale, H, qx_s, q16_s, k16_s, raq_s, rbq_s, psi_s, w_s, v_s, ready, free, NSLOT, 0)),
         (_producer, (q, k, v, T, scale, H, kx_s, q16_s, k16_s, rak_s, rbk_s, phi_s, w_s, v_s, ready, free, NSLOT, 1)),
     ], [4, 4], [PRODUCER_REGS, PRODUCER_REGS])
@@ -346,8 +396,8 @@ PRODUCER_REGS = 128
 
 def applies(q: torch.Tensor, v: torch.Tensor, normalize: bool) -> bool:
     """This kernel's case: bf16 on a Hopper GPU (sm_90), K = 16, V = 64, normalised, at least MIN_SEQUENCES
-    sequences or at most MAX_SHORT_T tokens, and not inside torch.compile's tracing. The caller checks that no
-    gradient follows (the kernel keeps no states for a backward)."""
+    sequences or at most MAX_SHORT_T tokens, and not inside torch.compile's tracing. The caller decides what follows:
+    no gradient, or the split backward (`chunk.ChunkBasedFunction`, with `store_states`)."""
     B, T, H, K = q.shape
     return (q.is_cuda and q.dtype == torch.bfloat16 and K == 16 and v.shape[-1] == 64 and normalize
             and (B * H >= MIN_SEQUENCES or T <= MAX_SHORT_T) and not torch.compiler.is_compiling()
@@ -355,9 +405,12 @@ def applies(q: torch.Tensor, v: torch.Tensor, normalize: bool) -> bool:
 
 
 def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                  hv0: torch.Tensor | None = None, hz0: torch.Tensor | None = None, output_final_state: bool = False):
-    """Normalised Based attention, bf16, K = 16, V = 64, no gradient. hv0/hz0: the initial state in Taylor-order form
-    (`naive.state_to_orders`) or None. Returns o [B, T, H, V] and the final state in Taylor-order form (or None)."""
+                  hv0: torch.Tensor | None = None, hz0: torch.Tensor | None = None, output_final_state: bool = False,
+                  store_states: bool = False):
+    """Normalised Based attention, bf16, K = 16, V = 64 (the kernel itself has no backward). hv0/hz0: the initial
+    state in Taylor-order form (`naive.state_to_orders`) or None. Returns o [B, T, H, V] and the final state in
+    Taylor-order form (or None, None); with store_states also den [B, T, H] fp32 and (hs, zs), the state entering
+    every chunk in `split.state_pass`'s layout, what `split.split_backward` reads: (o, den, hvT, hzT, (hs, zs))."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if K != 16 or V != 64 or q.dtype != torch.bfloat16:
@@ -365,15 +418,24 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     scale = K ** -0.5 if scale is None else scale
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o = torch.empty_like(v)
-    h0 = z0 = hT = zT = o  # placeholders where unused
+    h0 = z0 = hT = zT = hs = zs = den = o  # placeholders where unused
     if hv0 is not None:
         h0, z0 = to_kernel_rows(hv0.float(), hz0.float())
     if output_final_state:
         hT = torch.empty(B * H, 3 * 64, V, device=q.device, dtype=torch.float32)
         zT = torch.empty(B * H, 3 * 64, device=q.device, dtype=torch.float32)
-    _gluon_fwd_kernel[(B * H,)](q, k, v, o, h0, z0, hT, zT, T, scale, H, USE_H0=hv0 is not None,
-                                STORE_HT=output_final_state, NSLOT=2, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
-    if not output_final_state:
-        return o, None, None
-    hvT, hzT = from_kernel_rows(hT, zT, B, H)
+    if store_states:
+        NC = (T + 63) // 64
+        # rows the kernel does not write (order-2 rows past K, none at K = 16) stay zero
+        hs = torch.empty(B * H, NC, 161, V, device=q.device, dtype=torch.bfloat16)
+        zs = torch.empty(B * H, NC, 273, device=q.device, dtype=torch.float32)
+        den = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
+    _gluon_fwd_kernel[(B * H,)](q, k, v, o, h0, z0, hT, zT, hs, zs, den, T, scale, H, USE_H0=hv0 is not None,
+                                STORE_HT=output_final_state, STORE_STATES=store_states, NSLOT=2,
+                                PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+    hvT = hzT = None
+    if output_final_state:
+        hvT, hzT = from_kernel_rows(hT, zT, B, H)
+    if store_states:
+        return o, den, hvT, hzT, (hs, zs)
     return o, hvT, hzT

@@ -87,15 +87,17 @@ def compile_kernel(kind: str, mode: int, BV: int, BC: int, warps: int, stages: i
 
 def compile_gluon_forward(states: bool = False):
     """kernels/based/gluon.py's forward for sm_90a at H=16 (its default partition of 4 warps and two producers of
-    4), with or without its state in and out."""
+    4), with or without its state in and out and the per-chunk states it stores for the split backward."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from kernels.based import gluon
 
-    sig = {n: "*bf16" for n in "qkvo"} | {n: "*fp32" for n in ("h0", "z0", "hT", "zT")} | {"T": "i32", "scale": "fp32"}
-    sig |= {n: "constexpr" for n in ("H", "USE_H0", "STORE_HT", "NSLOT", "PRODUCER_REGS")}
+    sig = {n: "*bf16" for n in "qkvo"} | {n: "*fp32" for n in ("h0", "z0", "hT", "zT")} | {"hs": "*bf16", "zs": "*fp32"}
+    sig |= {"den": "*fp32", "T": "i32", "scale": "fp32"}
+    sig |= {n: "constexpr" for n in ("H", "USE_H0", "STORE_HT", "STORE_STATES", "NSLOT", "PRODUCER_REGS")}
     src = GluonASTSource(gluon._gluon_fwd_kernel, sig, constexprs={
-        "H": 16, "USE_H0": states, "STORE_HT": states, "NSLOT": 2, "PRODUCER_REGS": gluon.PRODUCER_REGS})
+        "H": 16, "USE_H0": states, "STORE_HT": states, "STORE_STATES": states, "NSLOT": 2,
+        "PRODUCER_REGS": gluon.PRODUCER_REGS})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 

