@@ -3,7 +3,8 @@ specialisation.
 
 Session 16. `chunk_based` runs it for bf16 forwards at K = 16, V = 64 (`applies`): those that no gradient follows
 (inference, prefill, torch.no_grad), and in training those the split backward follows, storing the state entering
-every chunk in `split.state_pass`'s layout (`store_states`; the split forward's work, without its three launches). One program owns one (batch, head) and all 64 value columns and walks the sequence in
+every chunk in `split.state_pass`'s layout (`store_states`; the split forward's work, without its three launches).
+One program owns one (batch, head) and all 64 value columns and walks the sequence in
 chunks of C = 64 tokens, as `chunk._fwd_kernel` does, but in three partitions of 4 warps that run side by side:
 
 - producer 0 (`_producer`, ROLE 0): loads q and k, builds the query features ψ(q) and the chunk's weights
