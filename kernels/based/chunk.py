@@ -67,8 +67,8 @@ BWD_EXPAND = 5
 # bf16 forwards at K=16, V=64 on a Hopper GPU run the Gluon kernel (`kernels/based/gluon.py`: explicit layouts,
 # warpgroup MMAs, warp specialisation; `gluon.applies` says where) when no gradient follows, and in training when the
 # split backward follows (it then stores the per-chunk states, as the split forward does). H200, session 16, B=8,
-# H=16, T=4096: forward 0.153 ms against 0.382 for `_fwd_kernel`; forward+backward 1.166 against 1.263. False keeps
-# the Triton kernels everywhere.
+# H=16, T=4096: forward 0.153 ms against 0.382 for `_fwd_kernel`; forward+backward 1.166 against 1.263. Only under
+# FORWARD = "auto"; False keeps the Triton kernels everywhere.
 GLUON_FORWARD = True
 
 
@@ -974,7 +974,7 @@ def chunk_based(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float 
         hv0, hz0 = hv0.contiguous(), hz0.contiguous()
     grad_follows = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, *(initial_state or ())))
-    if GLUON_FORWARD and not grad_follows and q.is_cuda:
+    if GLUON_FORWARD and FORWARD == "auto" and not grad_follows and q.is_cuda:
         gluon = _gluon_module()
         if gluon is not None and gluon.applies(q, v, normalize):
             o, hvT, hzT = gluon.gluon_forward(q, k, v, scale, hv0, hz0, output_final_state)
