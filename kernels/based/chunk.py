@@ -837,10 +837,7 @@ class ChunkBasedFunction(torch.autograd.Function):
             from kernels.based import split
 
             fused_fp16 = split.takes_fp16(split_dot) != DOT_FP16
-        gluon = None
-        if GLUON_FORWARD and FORWARD == "auto" and split_bwd and SAVE_STATES and q.is_cuda:
-            gluon = _gluon_module()
-            gluon = gluon if gluon is not None and gluon.applies(q, v, normalize) else None
+        gluon = _gluon_for(q, v, normalize) if split_bwd and SAVE_STATES else None
         if gluon is not None:
             # the Gluon forward, storing the states entering every chunk as the split forward does (H200, session 16)
             o, den, hvT, hzT, states = gluon.gluon_forward(q, k, v, scale, hv0, hz0, output_final_state,
@@ -932,13 +929,16 @@ class ChunkBasedFunction(torch.autograd.Function):
         return dq, dk, dv, dhv0, dhz0, None, None, None, None
 
 
-def _gluon_module():
-    """kernels.based.gluon, or None where this Triton has no Gluon (it came with Triton 3.5)."""
+def _gluon_for(q: torch.Tensor, v: torch.Tensor, normalize: bool):
+    """kernels.based.gluon where its forward takes this call (GLUON_FORWARD, FORWARD = "auto" and `gluon.applies`),
+    else None, as where this Triton has no Gluon (it came with Triton 3.5). The caller checks what follows."""
+    if not (GLUON_FORWARD and FORWARD == "auto" and q.is_cuda):
+        return None
     try:
         from kernels.based import gluon
     except ImportError:
         return None
-    return gluon
+    return gluon if gluon.applies(q, v, normalize) else None
 
 
 def chunk_based(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
@@ -974,11 +974,10 @@ def chunk_based(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float 
         hv0, hz0 = hv0.contiguous(), hz0.contiguous()
     grad_follows = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, *(initial_state or ())))
-    if GLUON_FORWARD and FORWARD == "auto" and not grad_follows and q.is_cuda:
-        gluon = _gluon_module()
-        if gluon is not None and gluon.applies(q, v, normalize):
-            o, hvT, hzT = gluon.gluon_forward(q, k, v, scale, hv0, hz0, output_final_state)
-            return o, (orders_to_state(hvT, hzT) if output_final_state else None)
+    gluon = None if grad_follows else _gluon_for(q, v, normalize)
+    if gluon is not None:
+        o, hvT, hzT = gluon.gluon_forward(q, k, v, scale, hv0, hz0, output_final_state)
+        return o, (orders_to_state(hvT, hzT) if output_final_state else None)
     o, hvT, hzT = ChunkBasedFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), hv0, hz0, scale,
                                            output_final_state, normalize, grad_follows)
     final_state = orders_to_state(hvT, hzT) if output_final_state else None

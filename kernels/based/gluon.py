@@ -56,8 +56,9 @@ ZR_ = gl.constexpr(273)  # its denominator state: 1 + 16 + 16²
 
 
 @gluon.jit
-def _factor_mats_one(ra, rb, BLK: gl.constexpr, QUERY: gl.constexpr, L: gl.constexpr):
-    """`_factor_mats` for one side: factor a (with the ½ weights on the query side) and factor b."""
+def _factor_mats(ra, rb, BLK: gl.constexpr, QUERY: gl.constexpr, L: gl.constexpr):
+    """The 0/1 matrices [X_, 64] of feature block BLK for one side: factor a (with the ½ weights of the diagonal and
+    d = 8 on the query side) and factor b, so that feature = (x_ext·ra) ⊙ (x_ext·rb)."""
     r = gl.arange(0, X_, layout=gl.SliceLayout(1, L))[:, None]
     c = gl.arange(0, 64, layout=gl.SliceLayout(0, L))[None, :]
     if BLK == 0:
@@ -127,7 +128,7 @@ def _producer(q, k, v, T, scale, H: gl.constexpr, x_s, q16_s, k16_s, ra_s, rb_s,
     LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     for blk in gl.static_range(NB):
-        _factor_mats_one(ra_s.index(blk), rb_s.index(blk), blk, ROLE == 0, LR)
+        _factor_mats(ra_s.index(blk), rb_s.index(blk), blk, ROLE == 0, LR)
     rx = gl.arange(0, C_, layout=gl.SliceLayout(1, LX))[:, None]
     cx = gl.arange(0, X_, layout=gl.SliceLayout(0, LX))[None, :]
     r16 = gl.arange(0, C_, layout=gl.SliceLayout(1, L16))[:, None]
@@ -294,7 +295,8 @@ def _gluon_fwd_kernel(q, k, v, o, h0, z0, hT, zT, hs, zs, den, T, scale, H: gl.c
                       PRODUCER_REGS: gl.constexpr):
     """One program per sequence i_bh: two producer partitions build each chunk's features into one of NSLOT
     shared-memory slots while the default partition (the consumer) runs the chunk before. h0/hT: [B·H, 192, V] and
-    z0/zT: [B·H, 192], fp32, the state in this kernel's row order (`feature_rows`)."""
+    z0/zT: [B·H, 192], fp32, the state in this kernel's row order (`feature_rows`). With STORE_STATES, hs [B·H, NC,
+    161, V] bf16, zs [B·H, NC, 273] fp32 and den [B, T, H] fp32 receive what `split.split_backward` reads."""
     i_bh = gl.program_id(0)
     i_b = i_bh // H
     i_h = i_bh % H
