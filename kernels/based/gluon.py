@@ -88,6 +88,14 @@ def _head_tail(Z, c8):
 
 
 @gluon.jit
+def _publish_z(zt_s, Z0, Z1, Z2, c8):
+    """z of the three feature blocks into shared memory as the reads take it: [8, 64] each, bf16 head and tail."""
+    zt_s.index(0).store(gl.permute(_head_tail(Z0, c8), (1, 0)))
+    zt_s.index(1).store(gl.permute(_head_tail(Z1, c8), (1, 0)))
+    zt_s.index(2).store(gl.permute(_head_tail(Z2, c8), (1, 0)))
+
+
+@gluon.jit
 def _store_pairs(h, St, BLK: gl.constexpr, vo, fo, LO: gl.constexpr):
     """Block BLK of the transposed state Sᵀ [V, 64] into a state of `split.py`'s pair layout h [R_, V] (bf16): order
     0, order 1, the diagonal, then pair row j at 33 + j doubled where it stands for both (a, b) and (b, a)
@@ -225,9 +233,7 @@ def _consumer(o, h0, z0, hT, zT, hs, zs, den_out, i_bh, T, H: gl.constexpr, USE_
         Z0 = gl.zeros([64, ZW], gl.float32, A8)
         Z1 = gl.zeros([64, ZW], gl.float32, A8)
         Z2 = gl.zeros([64, ZW], gl.float32, A8)
-    zt_s.index(0).store(gl.permute(_head_tail(Z0, c8), (1, 0)))
-    zt_s.index(1).store(gl.permute(_head_tail(Z1, c8), (1, 0)))
-    zt_s.index(2).store(gl.permute(_head_tail(Z2, c8), (1, 0)))
+    _publish_z(zt_s, Z0, Z1, Z2, c8)
     fence_async_shared()
     _barrier()
     for c in range(gl.cdiv(T, C_)):
@@ -273,9 +279,7 @@ def _consumer(o, h0, z0, hT, zT, hs, zs, den_out, i_bh, T, H: gl.constexpr, USE_
         S0, S1, S2, Z0, Z1, Z2 = warpgroup_mma_wait(0, deps=[S0, S1, S2, Z0, Z1, Z2])
         _barrier()
         mbarrier.arrive(free.index(slot))
-        zt_s.index(0).store(gl.permute(_head_tail(Z0, c8), (1, 0)))
-        zt_s.index(1).store(gl.permute(_head_tail(Z1, c8), (1, 0)))
-        zt_s.index(2).store(gl.permute(_head_tail(Z2, c8), (1, 0)))
+        _publish_z(zt_s, Z0, Z1, Z2, c8)  # what the next chunk's denominator reads
         fence_async_shared()
         _barrier()
     if STORE_HT:
