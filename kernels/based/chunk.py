@@ -70,6 +70,10 @@ BWD_EXPAND = 5
 # H=16, T=4096: forward 0.153 ms against 0.382 for `_fwd_kernel`; forward+backward 1.166 against 1.263. Only under
 # FORWARD = "auto"; False keeps the Triton kernels everywhere.
 GLUON_FORWARD = True
+# Where the Gluon forward takes a training step, its backward is the Gluon pair (`kernels/based/gluon_backward.py`,
+# session 17: dq chunk-parallel, dk/dv in a reverse walk with the reverse state on chip). False: the split backward
+# after the Gluon forward, as in session 16.
+GLUON_BACKWARD = True
 
 
 def _expand_mode(BK: int, forward: bool) -> int:
@@ -837,11 +841,16 @@ class ChunkBasedFunction(torch.autograd.Function):
             from kernels.based import split
 
             fused_fp16 = split.takes_fp16(split_dot) != DOT_FP16
-        gluon = _gluon_for(q, v, normalize) if split_bwd and SAVE_STATES else None
+        # the Gluon forward where it applies: with the Gluon backward after it (session 17), storing the states
+        # entering every chunk in its rows; without (GLUON_BACKWARD = False), where the split backward follows, storing
+        # them as the split forward does (session 16)
+        gluon = _gluon_for(q, v, normalize) if grad_follows else None
+        gluon_bwd = gluon is not None and GLUON_BACKWARD and BACKWARD == "auto"
+        if not (gluon_bwd or (split_bwd and SAVE_STATES)):
+            gluon = None
         if gluon is not None:
-            # the Gluon forward, storing the states entering every chunk as the split forward does (H200, session 16)
             o, den, hvT, hzT, states = gluon.gluon_forward(q, k, v, scale, hv0, hz0, output_final_state,
-                                                           store_states=True)
+                                                           store_states="rows" if gluon_bwd else "pairs")
         elif (FORWARD == "split" and K <= 16) or (FORWARD == "auto" and split_bwd and not fused_fp16):
             from kernels.based.split import split_forward
 
@@ -875,11 +884,18 @@ class ChunkBasedFunction(torch.autograd.Function):
                    STORE_HT=False, STATE_ONLY=False, **meta)
         ctx.save_for_backward(q, k, v, o, den, hv0, hz0, *(states or (None, None)))
         ctx.scale, ctx.normalize, ctx.split_bwd, ctx.dot, ctx.split_dot = scale, normalize, split_bwd, dot, split_dot
+        ctx.gluon_bwd = gluon_bwd
         return o, hvT, hzT
 
     @staticmethod
     def backward(ctx, do, dhvT, dhzT):
         q, k, v, o, den, hv0, hz0, hs, zs = ctx.saved_tensors
+        if ctx.gluon_bwd:
+            from kernels.based.gluon_backward import gluon_backward
+
+            dq, dk, dv, dhv0, dhz0 = gluon_backward(q, k, v, o, do, den, hs, zs, ctx.scale, dhvT, dhzT,
+                                                    need_dh0=hv0 is not None)
+            return dq, dk, dv, dhv0, dhz0, None, None, None, None
         B, T, H, K = q.shape
         V = v.shape[-1]
         F = 1 + K + K * K

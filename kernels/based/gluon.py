@@ -110,6 +110,13 @@ def _store_pairs(h, St, BLK: gl.constexpr, vo, fo, LO: gl.constexpr):
 
 
 @gluon.jit
+def _store_rows(h, St, BLK: gl.constexpr, vo, fo, LO: gl.constexpr):
+    """Block BLK of the transposed state Sᵀ [V, 64] into a state of this kernel's rows h [192, V] (bf16), what
+    `gluon_backward` reads."""
+    gl.store(h + (BLK * 64 + fo) * V_ + vo, gl.convert_layout(St.to(gl.bfloat16), LO))
+
+
+@gluon.jit
 def _store_orders(z, Zb, BLK: gl.constexpr, r8, c8):
     """Block BLK of z (rows of Zb [64, 8], equal columns) into the Taylor-order denominator state z [ZR_] (n, z1, the
     full K×K Z2) that `split.py` keeps per chunk."""
@@ -211,9 +218,13 @@ def _consumer(o, h0, z0, hT, zT, hs, zs, den_out, i_bh, T, H: gl.constexpr, USE_
     vo = gl.arange(0, V_, layout=gl.SliceLayout(1, LO))[:, None]
     to = gl.arange(0, C_, layout=gl.SliceLayout(0, LO))[None, :]
     tc = gl.arange(0, C_, layout=gl.SliceLayout(0, A64))
-    if STORE_STATES:
+    if STORE_STATES == 1:
         hs += i_bh.to(gl.int64) * gl.cdiv(T, C_) * (R_ * V_)
         zs += i_bh.to(gl.int64) * gl.cdiv(T, C_) * ZR_
+    elif STORE_STATES == 2:
+        hs += i_bh.to(gl.int64) * gl.cdiv(T, C_) * (NB * 64 * V_)
+        zs += i_bh.to(gl.int64) * gl.cdiv(T, C_) * (NB * 64)
+    if STORE_STATES:
         den_out += (i_bh // H).to(gl.int64) * T * H + i_bh % H
     ones_s.store(gl.full([ZW, C_], 1.0, gl.bfloat16, LV))
     one0_s.store(gl.where((rz == 0) & (cv >= 0), 1.0, 0.0).to(gl.bfloat16))  # B = [C, ZW]: column 0 all ones
@@ -255,13 +266,20 @@ def _consumer(o, h0, z0, hT, zT, hs, zs, den_out, i_bh, T, H: gl.constexpr, USE_
         num = warpgroup_mma(gl.convert_layout(S2.to(gl.bfloat16), AOP), psi_s.index(b + 2).permute((1, 0)), num,
                             is_async=True)
         dd = warpgroup_mma(psi_s.index(b + 2), zt_s.index(2).permute((1, 0)), dd, is_async=True)
-        if STORE_STATES:  # the state entering chunk c, for the split backward (`split.state_pass`'s hs, zs)
+        if STORE_STATES == 1:  # the state entering chunk c, for the split backward (`split.state_pass`'s hs, zs)
             _store_pairs(hs + c * (R_ * V_), S0, 0, vo, to, LO)
             _store_pairs(hs + c * (R_ * V_), S1, 1, vo, to, LO)
             _store_pairs(hs + c * (R_ * V_), S2, 2, vo, to, LO)
             _store_orders(zs + c * ZR_, Z0, 0, r8, c8)
             _store_orders(zs + c * ZR_, Z1, 1, r8, c8)
             _store_orders(zs + c * ZR_, Z2, 2, r8, c8)
+        elif STORE_STATES == 2:  # the same in this kernel's rows, for `gluon_backward`
+            _store_rows(hs + c * (NB * 64 * V_), S0, 0, vo, to, LO)
+            _store_rows(hs + c * (NB * 64 * V_), S1, 1, vo, to, LO)
+            _store_rows(hs + c * (NB * 64 * V_), S2, 2, vo, to, LO)
+            gl.store(zs + c * (NB * 64) + r8 + c8 * 0, Z0, mask=c8 == 0)
+            gl.store(zs + c * (NB * 64) + 64 + r8 + c8 * 0, Z1, mask=c8 == 0)
+            gl.store(zs + c * (NB * 64) + 128 + r8 + c8 * 0, Z2, mask=c8 == 0)
         # the reads above hold S's bf16 copies in registers until they complete: wait before updating S
         num, dd = warpgroup_mma_wait(0, deps=[num, dd])
         S0 = warpgroup_mma(vt, phi_s.index(b), S0, is_async=True)
@@ -413,11 +431,13 @@ def applies(q: torch.Tensor, v: torch.Tensor, normalize: bool) -> bool:
 
 def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                   hv0: torch.Tensor | None = None, hz0: torch.Tensor | None = None, output_final_state: bool = False,
-                  store_states: bool = False):
+                  store_states: str | None = None):
     """Normalised Based attention, bf16, K = 16, V = 64 (the kernel itself has no backward). hv0/hz0: the initial
     state in Taylor-order form (`naive.state_to_orders`) or None. Returns o [B, T, H, V] and the final state in
-    Taylor-order form (or None, None); with store_states also den [B, T, H] fp32 and (hs, zs), the state entering
-    every chunk in `split.state_pass`'s layout, what `split.split_backward` reads: (o, den, hvT, hzT, (hs, zs))."""
+    Taylor-order form (or None, None). With store_states it also returns den [B, T, H] fp32 and (hs, zs), the state
+    entering every chunk, as (o, den, hvT, hzT, (hs, zs)): "rows", in this kernel's rows (hs [B·H, NC, 192, V] bf16,
+    zs [B·H, NC, 192] fp32), what `gluon_backward.gluon_backward` reads; "pairs", in `split.state_pass`'s layout, what
+    `split.split_backward` reads."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if K != 16 or V != 64 or q.dtype != torch.bfloat16:
@@ -431,15 +451,19 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     if output_final_state:
         hT = torch.empty(B * H, 3 * 64, V, device=q.device, dtype=torch.float32)
         zT = torch.empty(B * H, 3 * 64, device=q.device, dtype=torch.float32)
+    if store_states not in (None, "rows", "pairs"):
+        raise ValueError(f"store_states must be None, 'rows' or 'pairs', got {store_states!r}")
     if store_states:
         NC = (T + 63) // 64
+        rows, zrows = (3 * 64, 3 * 64) if store_states == "rows" else (161, 273)
         # rows the kernel does not write (order-2 rows past K, none at K = 16) stay zero
-        hs = torch.empty(B * H, NC, 161, V, device=q.device, dtype=torch.bfloat16)
-        zs = torch.empty(B * H, NC, 273, device=q.device, dtype=torch.float32)
+        hs = torch.empty(B * H, NC, rows, V, device=q.device, dtype=torch.bfloat16)
+        zs = torch.empty(B * H, NC, zrows, device=q.device, dtype=torch.float32)
         den = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
+    mode = {None: 0, "pairs": 1, "rows": 2}[store_states]
     _gluon_fwd_kernel[(B * H,)](q, k, v, o, h0, z0, hT, zT, hs, zs, den, T, scale, H, USE_H0=hv0 is not None,
-                                STORE_HT=output_final_state, STORE_STATES=store_states, NSLOT=2,
-                                PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+                                STORE_HT=output_final_state, STORE_STATES=mode, NSLOT=2, PRODUCER_REGS=PRODUCER_REGS,
+                                num_warps=4)
     hvT = hzT = None
     if output_final_state:
         hvT, hzT = from_kernel_rows(hT, zT, B, H)

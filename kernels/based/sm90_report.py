@@ -96,8 +96,28 @@ def compile_gluon_forward(states: bool = False):
     sig |= {"den": "*fp32", "T": "i32", "scale": "fp32"}
     sig |= {n: "constexpr" for n in ("H", "USE_H0", "STORE_HT", "STORE_STATES", "NSLOT", "PRODUCER_REGS")}
     src = GluonASTSource(gluon._gluon_fwd_kernel, sig, constexprs={
-        "H": 16, "USE_H0": states, "STORE_HT": states, "STORE_STATES": states, "NSLOT": 2,
+        "H": 16, "USE_H0": bool(states), "STORE_HT": bool(states), "STORE_STATES": int(states), "NSLOT": 2,
         "PRODUCER_REGS": gluon.PRODUCER_REGS})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+def compile_gluon_backward(kind: str = "dkv", states: bool = False):
+    """kernels/based/gluon_backward.py's kernels for sm_90a at H=16: "dq" (one program per chunk) or "dkv" (the
+    reverse walk: a producer of 4 warps beside the default partition of 4), with or without the state gradients."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from kernels.based import gluon_backward as gb
+
+    sig = {n: "*bf16" for n in ("q", "k", "v", "do", "o")} | {"den": "*fp32", "mats": "*bf16", "hw": "*fp32"}
+    if kind == "dq":
+        sig |= {"hs": "*bf16", "zs": "*fp32", "dq": "*bf16", "T": "i32", "scale": "fp32", "H": "constexpr"}
+        src = GluonASTSource(gb._dq_kernel, sig, constexprs={"H": 16})
+    else:
+        sig |= {"dk": "*bf16", "dv": "*bf16"} | {n: "*fp32" for n in ("dhT", "dzT", "dh0", "dz0")}
+        sig |= {"T": "i32", "scale": "fp32"}
+        sig |= {n: "constexpr" for n in ("H", "USE_DHT", "STORE_DH0", "NSLOT", "PRODUCER_REGS")}
+        src = GluonASTSource(gb._dkv_kernel, sig, constexprs={"H": 16, "USE_DHT": states, "STORE_DH0": states,
+                                                               "NSLOT": 2, "PRODUCER_REGS": gb.PRODUCER_REGS})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 

@@ -62,3 +62,95 @@ def test_gluon_forward_compiles_for_sm90(states):
     used = int(re.search(r"Used (\d+) registers", report).group(1))
     spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
     assert 0 < used <= 168 and spills <= 512, report
+
+
+def _emulated_backward(q, k, v, h0, z0, do, dh, dz, scale):
+    """float64 PyTorch of what kernels/based/gluon_backward.py's two kernels compute, step for step and with their
+    constants (`factor_matrices`, `query_weights`), for one sequence: q, k [T, 16], v, do [T, V], the initial state
+    and the final state's gradient in the kernel's rows. Returns o, dq, dk, dv and the initial state's gradient."""
+    from kernels.based import gluon_backward as gb
+
+    T, C = q.shape[0], 64
+    A, Bm = gb.factor_matrices().double()
+    hw = gb.query_weights().double()
+    one = torch.ones(T, 1, dtype=torch.float64)
+    xq = torch.cat([q * scale, one, q.new_zeros(T, 15)], 1)
+    xk = torch.cat([k, one, k.new_zeros(T, 15)], 1)
+    fa = lambda x, b: x @ A[b]  # noqa: E731
+    fb = lambda x, b: x @ Bm[b]  # noqa: E731
+    psi = torch.cat([hw[64 * b: 64 * b + 64] * fa(xq, b) * fb(xq, b) for b in range(3)], 1)
+    phi = torch.cat([fa(xk, b) * fb(xk, b) for b in range(3)], 1)
+    # the states entering each chunk (the forward's stored hs, zs) and the output
+    hs, zs, num, den = [], [], torch.zeros_like(v), v.new_zeros(T)
+    h, z = h0.clone(), z0.clone()
+    for c0 in range(0, T, C):
+        sl = slice(c0, min(c0 + C, T))
+        hs.append(h.clone())
+        zs.append(z.clone())
+        a1 = xq[sl] @ xk[sl].T
+        w = torch.tril((a1 * a1 + 1) / 2)
+        num[sl] = w @ v[sl] + psi[sl] @ h
+        den[sl] = w.sum(1) + psi[sl] @ z
+        h, z = h + phi[sl].T @ v[sl], z + phi[sl].sum(0)
+    o = num / den[:, None]
+    g, e = do / den[:, None], -(do * o).sum(1) / den
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for i, c0 in enumerate(range(0, T, C)):  # _dq_kernel, one chunk each
+        sl = slice(c0, min(c0 + C, T))
+        ds = torch.tril((g[sl] @ v[sl].T + e[sl, None]) * (xq[sl] @ xk[sl].T))
+        acc = ds @ xk[sl]
+        for b in range(3):
+            bs = slice(64 * b, 64 * b + 64)
+            gp = (g[sl] @ hs[i][bs].T + e[sl, None] * zs[i][bs]) * hw[bs]
+            acc = acc + (gp * fb(xq[sl], b)) @ A[b].T + (gp * fa(xq[sl], b)) @ Bm[b].T
+        dq[sl] = scale * acc[:, :16]
+    dS, dZ = dh.clone(), dz.clone()
+    for c0 in reversed(range(0, T, C)):  # _dkv_kernel, from the last chunk
+        sl = slice(c0, min(c0 + C, T))
+        a1 = xq[sl] @ xk[sl].T
+        w = torch.tril((a1 * a1 + 1) / 2)
+        ds = torch.tril((g[sl] @ v[sl].T + e[sl, None]) * a1)
+        dv[sl] = w.T @ g[sl] + phi[sl] @ dS
+        acc = ds.T @ xq[sl]
+        for b in range(3):
+            bs = slice(64 * b, 64 * b + 64)
+            gf = v[sl] @ dS[bs].T + dZ[bs]
+            acc = acc + (gf * fb(xk[sl], b)) @ A[b].T + (gf * fa(xk[sl], b)) @ Bm[b].T
+        dk[sl] = acc[:, :16]
+        dS, dZ = dS + psi[sl].T @ g[sl], dZ + psi[sl].T @ e[sl]
+    return o, dq, dk, dv, dS, dZ
+
+
+def test_gluon_backward_algebra_matches_autograd():
+    """The Gluon backward's algorithm (its constants, the factor-matrix Jacobians, 1 + s from the extended inputs,
+    the reverse walk, the state-gradient row maps) in float64 against autograd of the naive form: 3 chunks, the last
+    partial, an initial state and a final-state gradient."""
+    gb = pytest.importorskip("kernels.based.gluon_backward")
+    from kernels.based import naive_parallel_based
+
+    g = torch.Generator().manual_seed(0)
+    B, T, H, K, V, scale = 1, 150, 2, 16, 8, 0.3
+    q, k, v, do = (torch.randn(B, T, H, d, generator=g, dtype=torch.float64) for d in (K, K, V, V))
+    prev = torch.randn(B, 8, H, K, generator=g, dtype=torch.float64)
+    _, (kv0, ks0) = naive_parallel_based(prev, prev, torch.randn(B, 8, H, V, generator=g, dtype=torch.float64),
+                                         output_final_state=True)
+    dkvT, dksT = torch.randn_like(kv0), torch.randn_like(ks0)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, kv0, ks0)]
+    o, (kvT, ksT) = naive_parallel_based(*leaves[:3], scale=scale, initial_state=tuple(leaves[3:]),
+                                         output_final_state=True)
+    ref = torch.autograd.grad((o * do).sum() + (kvT * dkvT).sum() + (ksT * dksT).sum(), leaves)
+    # the final state's gradient in Taylor-order form, then in the kernel's rows (as gluon_backward takes it)
+    hvT, hzT = (torch.zeros(B, H, 1 + K + K * K, *s, dtype=torch.float64, requires_grad=True) for s in ((V,), ()))
+    dhvT, dhzT = torch.autograd.grad(orders_to_state(hvT, hzT), (hvT, hzT), (dkvT, dksT))
+    dh, dz = gb.state_grad_to_rows(dhvT, dhzT)
+    h0, z0 = gluon.to_kernel_rows(*state_to_orders(kv0, ks0))
+    outs = [_emulated_backward(q[0, :, n], k[0, :, n], v[0, :, n], h0[n], z0[n], do[0, :, n], dh[n], dz[n], scale)
+            for n in range(H)]
+    torch.testing.assert_close(torch.stack([x[0] for x in outs], 1)[None], o.detach())
+    for i, name in ((1, "dq"), (2, "dk"), (3, "dv")):
+        torch.testing.assert_close(torch.stack([x[i] for x in outs], 1)[None], ref[i - 1], msg=name)
+    dhv0, dhz0 = gb.rows_grad_to_state(torch.stack([x[4] for x in outs]), torch.stack([x[5] for x in outs]), B, H)
+    s0 = [x.detach().clone().requires_grad_() for x in (kv0, ks0)]
+    d0 = torch.autograd.grad(state_to_orders(*s0), s0, (dhv0, dhz0))
+    torch.testing.assert_close(d0[0], ref[3], msg="dkv0")
+    torch.testing.assert_close(d0[1], ref[4], msg="dk_sum0")

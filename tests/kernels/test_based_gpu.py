@@ -378,16 +378,22 @@ TRAIN_CASES = [Case(B=1, T=T, H=2, K=16, V=64) for T in (63, 1000, 4096)] + [
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel needs a Hopper GPU (sm_90)")
 @pytest.mark.parametrize("case", TRAIN_CASES, ids=lambda c: c.id)
-def test_gluon_forward_in_training_matches_naive_gpu(case, monkeypatch):
-    """Training's forward in bf16: the Gluon kernel, storing the state entering every chunk (and den) for the split
-    backward (chunk.SPLIT_MIN_WORK = 0 takes the split backward at these small sizes). Output, final state and every
-    gradient by the tolerance rule, with every stored buffer NaN-poisoned first."""
-    from kernels.based import chunk, gluon
+@pytest.mark.parametrize("backward", ["gluon", "split"])
+def test_gluon_training_matches_naive_gpu(case, backward, monkeypatch):
+    """Training in bf16 through the Gluon forward, which stores the state entering every chunk (and den) for the
+    backward after it: the Gluon backward (kernels/based/gluon_backward.py, the default), or with
+    chunk.GLUON_BACKWARD = False the split backward (chunk.SPLIT_MIN_WORK = 0 takes it at these small sizes). Output,
+    final state and every gradient, the initial state's included, by the tolerance rule, with every output and stored
+    buffer NaN-poisoned first."""
+    from kernels.based import chunk, gluon, gluon_backward
 
     monkeypatch.setattr(chunk, "SPLIT_MIN_WORK", 0)
+    monkeypatch.setattr(chunk, "GLUON_BACKWARD", backward == "gluon")
     calls = []
-    real = gluon.gluon_forward
+    real, real_bwd = gluon.gluon_forward, gluon_backward.gluon_backward
     monkeypatch.setattr(gluon, "gluon_forward", lambda *a, **kw: calls.append(kw.get("store_states")) or real(*a, **kw))
+    monkeypatch.setattr(gluon_backward, "gluon_backward", lambda *a, **kw: calls.append("bwd") or real_bwd(*a, **kw))
     with nan_empty():
         check_against_naive(chunk_based, case, torch.bfloat16, "cuda")
-    assert True in calls, "training did not take the Gluon forward"
+    expected = ["rows", "bwd"] if backward == "gluon" else ["pairs"]
+    assert calls == expected, f"training took {calls}, expected {expected}"

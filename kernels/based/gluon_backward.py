@@ -1,0 +1,439 @@
+"""Based backward as Gluon kernels for Hopper (sm_90), the twin of `gluon.py`'s forward (session 17).
+
+The forward (`gluon.gluon_forward(..., store_states=True)`) leaves three things behind: the output o, its
+denominator den, and the state entering every chunk in this module's row order (`gluon.feature_rows`: 192 rows,
+3 blocks of 64 features), hs [B·H, NC, 192, V] in bf16 and zs [B·H, NC, 192] in fp32. With g = dO/den and
+e = −(dO·o)/den (the normalisation's chain rule) the gradient is that of Σ_i g_i·num_i + e_i·den_i, and two kernels
+take it:
+
+- `_dq_kernel`, one program per (chunk, sequence), fully parallel: dq of chunk c needs only the chunk and the state
+  entering it. dψ(q) = g Sᵀ + e zᵀ (S from hs), then through the feature map (below), plus the chunk's own part
+  ds·k with ds = (g vᵀ + e) ⊙ (1 + s), causal.
+- `_dkv_kernel`, one program per sequence, walking the chunks backwards with the reverse state dS = Σ_{later i}
+  ψ(q_i) g_iᵀ [192, V] (fp32 accumulators) and dz = Σ ψ(q_i) e_i: dv = φ(k) dS + wᵀ g, dφ(k) = v dSᵀ + dz, dk through
+  the feature map plus dsᵀ q_s. A producer partition (4 warps) builds each chunk's inputs, w, ds and ψ(q) into one of
+  two shared-memory slots while the consumer (4 warps) runs the chunk before, as the forward does.
+
+The feature map. Each feature is a product of two factors, f = h ⊙ (x_ext·A) ⊙ (x_ext·B), with x_ext = [x, 1, 0…]
+[C, 32], A and B 0/1 matrices [32, 64] per block (`factor_matrices`, the forward's `_factor_mats`), and h the query
+side's ½ weights (1 on the key side). So the Jacobian is two more MMAs per block:
+
+    dx_ext = (G_f ⊙ h ⊙ (x_ext·B))·Aᵀ + (G_f ⊙ h ⊙ (x_ext·A))·Bᵀ
+
+and 1 + s = x_ext(q_s)·x_ext(k)ᵀ (the appended ones meet), so w = ((1+s)² + 1)/2 comes from one K = 32 MMA.
+"""
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
+
+from kernels.based.gluon import _barrier, feature_rows
+
+C_ = gl.constexpr(64)  # tokens per chunk
+K_ = gl.constexpr(16)  # feature dim
+V_ = gl.constexpr(64)  # value dim
+X_ = gl.constexpr(32)  # extended input width [x, 1, 0...]
+NB = gl.constexpr(3)  # feature blocks of 64
+F_ = gl.constexpr(192)  # state rows
+
+
+@gluon.jit
+def _load_mats(mats, ra_s, rb_s):
+    """The factor matrices A, B ([2, NB, X_, 64] bf16 in global memory) into shared memory."""
+    LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    r = gl.arange(0, X_, layout=gl.SliceLayout(1, LR))[:, None]
+    c = gl.arange(0, 64, layout=gl.SliceLayout(0, LR))[None, :]
+    for b in gl.static_range(NB):
+        ra_s.index(b).store(gl.load(mats + (b * X_ + r) * 64 + c))
+        rb_s.index(b).store(gl.load(mats + ((NB + b) * X_ + r) * 64 + c))
+
+
+@gluon.jit
+def _load_chunk(q, k, v, do, o, den, start, T, scale, H: gl.constexpr):
+    """A chunk's inputs in registers: x_ext of q_s and of k [C, 32] (bf16), v [C, V] (bf16), g = dO/den (bf16) and
+    e = −(dO·o)/den [C] (fp32). Rows past T are zero (k's appended one too; q's stays, harmless: g = e = 0 there)."""
+    LX: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    LV: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    rx = gl.arange(0, C_, layout=gl.SliceLayout(1, LX))[:, None]
+    cx = gl.arange(0, X_, layout=gl.SliceLayout(0, LX))[None, :]
+    rv = gl.arange(0, C_, layout=gl.SliceLayout(1, LV))[:, None]
+    cv = gl.arange(0, V_, layout=gl.SliceLayout(0, LV))[None, :]
+    tx = start + rx
+    tv = start + rv
+    one = gl.where(cx == K_, 1.0, 0.0)
+    xq = gl.load(q + tx * (H * K_) + cx, mask=(tx < T) & (cx < K_), other=0.0).to(gl.float32) * scale + one
+    xk = gl.load(k + tx * (H * K_) + cx, mask=(tx < T) & (cx < K_), other=0.0).to(gl.float32) + gl.where(
+        tx < T, one, 0.0)
+    vv = gl.load(v + tv * (H * V_) + cv, mask=tv < T, other=0.0)
+    dd = gl.load(do + tv * (H * V_) + cv, mask=tv < T, other=0.0).to(gl.float32)
+    oo = gl.load(o + tv * (H * V_) + cv, mask=tv < T, other=0.0).to(gl.float32)
+    dn = gl.load(den + (start + gl.arange(0, C_, layout=gl.SliceLayout(1, LV))) * H,
+                 mask=(start + gl.arange(0, C_, layout=gl.SliceLayout(1, LV))) < T, other=1.0)
+    g = dd / dn[:, None]
+    e = -gl.sum(dd * oo, 1) / dn
+    # x_ext of q_s: q_s rounded to bf16 first, as the forward's features take it
+    return xq.to(gl.bfloat16), xk.to(gl.bfloat16), vv, g.to(gl.bfloat16), e
+
+
+@gluon.jit
+def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, T, scale, H: gl.constexpr):
+    """dq of chunk program_id(0) of sequence program_id(1): the chunk's own part and the read of the state entering
+    it (hs, zs), through the query feature map."""
+    c = gl.program_id(0)
+    i_bh = gl.program_id(1)
+    NC = gl.cdiv(T, C_)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    start = c * C_
+    q += i_b.to(gl.int64) * T * H * K_ + i_h * K_
+    k += i_b.to(gl.int64) * T * H * K_ + i_h * K_
+    dq += i_b.to(gl.int64) * T * H * K_ + i_h * K_
+    v += i_b.to(gl.int64) * T * H * V_ + i_h * V_
+    do += i_b.to(gl.int64) * T * H * V_ + i_h * V_
+    o += i_b.to(gl.int64) * T * H * V_ + i_h * V_
+    den += i_b.to(gl.int64) * T * H + i_h
+    hs += (i_bh.to(gl.int64) * NC + c) * (F_ * V_)
+    zs += (i_bh.to(gl.int64) * NC + c) * F_
+    LV: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    A32: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 16])
+    OP32: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=A32, k_width=2)
+    sl32: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_, X_], gl.bfloat16)
+    slr: gl.constexpr = gl.NVMMASharedLayout.get_default_for([X_, 64], gl.bfloat16)
+    sl64: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    xq_s = gl.allocate_shared_memory(gl.bfloat16, [C_, X_], sl32)
+    xk_s = gl.allocate_shared_memory(gl.bfloat16, [C_, X_], sl32)
+    v_s = gl.allocate_shared_memory(gl.bfloat16, [C_, V_], sl64)
+    g_s = gl.allocate_shared_memory(gl.bfloat16, [C_, V_], sl64)
+    h_s = gl.allocate_shared_memory(gl.bfloat16, [NB, 64, V_], sl64)
+    ra_s = gl.allocate_shared_memory(gl.bfloat16, [NB, X_, 64], slr)
+    rb_s = gl.allocate_shared_memory(gl.bfloat16, [NB, X_, 64], slr)
+    _load_mats(mats, ra_s, rb_s)
+    xq, xk, vv, g, e = _load_chunk(q, k, v, do, o, den, start, T, scale, H)
+    xq_s.store(xq)
+    xk_s.store(xk)
+    v_s.store(vv)
+    g_s.store(g)
+    rf = gl.arange(0, 64, layout=gl.SliceLayout(1, LV))[:, None]
+    cv = gl.arange(0, V_, layout=gl.SliceLayout(0, LV))[None, :]
+    for b in gl.static_range(NB):
+        h_s.index(b).store(gl.load(hs + (b * 64 + rf) * V_ + cv))
+    fence_async_shared()
+    _barrier()
+    ri = gl.arange(0, C_, layout=gl.SliceLayout(1, A64))[:, None]
+    cj = gl.arange(0, 64, layout=gl.SliceLayout(0, A64))
+    er = gl.convert_layout(e, gl.SliceLayout(1, A64))[:, None]
+    z64 = gl.zeros([C_, 64], gl.float32, A64)
+    a1 = warpgroup_mma(xq_s, xk_s.permute((1, 0)), z64, use_acc=False)  # 1 + s
+    dp = warpgroup_mma(g_s, v_s.permute((1, 0)), z64, use_acc=False)  # g_i·v_j
+    ds = gl.where(ri >= cj[None, :], (dp + er) * a1, 0.0)
+    acc = warpgroup_mma(gl.convert_layout(ds.to(gl.bfloat16), OP32), xk_s, gl.zeros([C_, X_], gl.float32, A32),
+                        use_acc=False)
+    for b in gl.static_range(NB):
+        zb = gl.load(zs + b * 64 + cj)[None, :]
+        hb = gl.load(hw + b * 64 + cj)[None, :]
+        gp = warpgroup_mma(g_s, h_s.index(b).permute((1, 0)), z64, use_acc=False)  # g Sᵀ
+        gp = (gp + er * zb) * hb
+        xb = warpgroup_mma(xq_s, rb_s.index(b), z64, use_acc=False)
+        acc = warpgroup_mma(gl.convert_layout((gp * xb).to(gl.bfloat16), OP32), ra_s.index(b).permute((1, 0)), acc)
+        xa = warpgroup_mma(xq_s, ra_s.index(b), z64, use_acc=False)
+        acc = warpgroup_mma(gl.convert_layout((gp * xa).to(gl.bfloat16), OP32), rb_s.index(b).permute((1, 0)), acc)
+    r32 = gl.arange(0, C_, layout=gl.SliceLayout(1, A32))[:, None]
+    c32 = gl.arange(0, X_, layout=gl.SliceLayout(0, A32))[None, :]
+    t32 = start + r32
+    gl.store(dq + t32 * (H * K_) + c32, (acc * scale).to(dq.dtype.element_ty), mask=(t32 < T) & (c32 < K_))
+
+
+@gluon.jit
+def _producer(q, k, v, do, o, den, T, scale, H: gl.constexpr, mats, hw, xq_s, xk_s, v_s, g_s, e_s, w_s, ds_s, psi_s,
+              ra_s, rb_s, ready, free, NSLOT: gl.constexpr):
+    """The worker partition (4 warps): for each chunk from the last, its inputs, e (as a bf16 head and tail), w,
+    ds and ψ(q) into the slot the consumer reads next."""
+    LE: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
+    A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    ri = gl.arange(0, C_, layout=gl.SliceLayout(1, A64))[:, None]
+    cj = gl.arange(0, 64, layout=gl.SliceLayout(0, A64))
+    c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, LE))[None, :]
+    z64 = gl.zeros([C_, 64], gl.float32, A64)
+    _load_mats(mats, ra_s, rb_s)
+    NC = gl.cdiv(T, C_)
+    nxq, nxk, nv, ng, ne = _load_chunk(q, k, v, do, o, den, (NC - 1) * C_, T, scale, H)
+    for i in range(NC):
+        c = NC - 1 - i
+        slot = i % NSLOT
+        xq, xk, vv, g, e = nxq, nxk, nv, ng, ne
+        if c > 0:
+            nxq, nxk, nv, ng, ne = _load_chunk(q, k, v, do, o, den, (c - 1) * C_, T, scale, H)
+        mbarrier.wait(free.index(slot), ((i // NSLOT) & 1) ^ 1)  # the consumer is done with this slot
+        xq_s.index(slot).store(xq)
+        xk_s.index(slot).store(xk)
+        v_s.index(slot).store(vv)
+        g_s.index(slot).store(g)
+        el = gl.convert_layout(e, gl.SliceLayout(1, LE))[:, None]
+        ehi = el.to(gl.bfloat16)
+        elo = (el - ehi.to(gl.float32)).to(gl.bfloat16)
+        e_s.index(slot).store(gl.where(c8 == 0, ehi, gl.where(c8 == 1, elo, gl.zeros_like(ehi))))
+        fence_async_shared()
+        _barrier()
+        a1 = warpgroup_mma(xq_s.index(slot), xk_s.index(slot).permute((1, 0)), z64, use_acc=False)  # 1 + s
+        dp = warpgroup_mma(g_s.index(slot), v_s.index(slot).permute((1, 0)), z64, use_acc=False)
+        er = gl.convert_layout(e, gl.SliceLayout(1, A64))[:, None]
+        causal = ri >= cj[None, :]
+        w_s.index(slot).store(gl.where(causal, 0.5 * (a1 * a1 + 1.0), 0.0).to(gl.bfloat16))
+        ds_s.index(slot).store(gl.where(causal, (dp + er) * a1, 0.0).to(gl.bfloat16))
+        for b in gl.static_range(NB):
+            fa = warpgroup_mma(xq_s.index(slot), ra_s.index(b), z64, use_acc=False)
+            fb = warpgroup_mma(xq_s.index(slot), rb_s.index(b), z64, use_acc=False)
+            hb = gl.load(hw + b * 64 + cj)[None, :]
+            psi_s.index(slot * NB + b).store((fa * fb * hb).to(gl.bfloat16))
+        fence_async_shared()
+        _barrier()
+        mbarrier.arrive(ready.index(slot))
+
+
+@gluon.jit
+def _consumer(dk, dv, dhT, dzT, dh0, dz0, i_bh, T, H: gl.constexpr, USE_DHT: gl.constexpr, STORE_DH0: gl.constexpr,
+              mats, xq_s, xk_s, v_s, g_s, e_s, w_s, ds_s, psi_s, ra_s, rb_s, dS_s, ready, free, NSLOT: gl.constexpr):
+    """The default partition (4 warps): holds dS (fp32, [64, V] per feature block) and dz, and per chunk computes
+    dv = wᵀ g + Σ φ dS, dk = dsᵀ q_s + (the feature map's Jacobian of v dSᵀ + dz), then adds the chunk's queries to
+    dS and dz and publishes dS in bf16 for the next chunk's reads."""
+    LO: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    A32: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 16])
+    A8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
+    OP64: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=A64, k_width=2)
+    OP32: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=A32, k_width=2)
+    rs = gl.arange(0, 64, layout=gl.SliceLayout(1, A64))[:, None]  # rows of dS: features
+    cs = gl.arange(0, V_, layout=gl.SliceLayout(0, A64))[None, :]  # its columns: values
+    c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, A8))[None, :]
+    r8 = gl.arange(0, 64, layout=gl.SliceLayout(1, A8))[:, None]
+    ro = gl.arange(0, C_, layout=gl.SliceLayout(1, LO))[:, None]
+    co = gl.arange(0, V_, layout=gl.SliceLayout(0, LO))[None, :]
+    r32 = gl.arange(0, C_, layout=gl.SliceLayout(1, A32))[:, None]
+    c32 = gl.arange(0, X_, layout=gl.SliceLayout(0, A32))[None, :]
+    z64 = gl.zeros([C_, 64], gl.float32, A64)
+    if USE_DHT:
+        dhT += i_bh.to(gl.int64) * (F_ * V_)
+        dzT += i_bh.to(gl.int64) * F_
+        S0 = gl.load(dhT + rs * V_ + cs)
+        S1 = gl.load(dhT + (64 + rs) * V_ + cs)
+        S2 = gl.load(dhT + (128 + rs) * V_ + cs)
+        Z0 = gl.load(dzT + r8 + c8 * 0, mask=c8 == 0, other=0.0)
+        Z1 = gl.load(dzT + 64 + r8 + c8 * 0, mask=c8 == 0, other=0.0)
+        Z2 = gl.load(dzT + 128 + r8 + c8 * 0, mask=c8 == 0, other=0.0)
+    else:
+        S0 = gl.zeros([64, V_], gl.float32, A64)
+        S1 = gl.zeros([64, V_], gl.float32, A64)
+        S2 = gl.zeros([64, V_], gl.float32, A64)
+        Z0 = gl.zeros([64, 8], gl.float32, A8)
+        Z1 = gl.zeros([64, 8], gl.float32, A8)
+        Z2 = gl.zeros([64, 8], gl.float32, A8)
+    _load_mats(mats, ra_s, rb_s)
+    dS_s.index(0).store(S0.to(gl.bfloat16))
+    dS_s.index(1).store(S1.to(gl.bfloat16))
+    dS_s.index(2).store(S2.to(gl.bfloat16))
+    fence_async_shared()
+    _barrier()
+    NC = gl.cdiv(T, C_)
+    for i in range(NC):
+        c = NC - 1 - i
+        start = c * C_
+        slot = i % NSLOT
+        mbarrier.wait(ready.index(slot), (i // NSLOT) & 1)
+        xk = xk_s.index(slot)
+        # dv = wᵀ g + Σ_b φ_b dS_b
+        acc = warpgroup_mma(w_s.index(slot).permute((1, 0)), g_s.index(slot), z64, use_acc=False)
+        for b in gl.static_range(NB):
+            fa = warpgroup_mma(xk, ra_s.index(b), z64, use_acc=False)
+            fb = warpgroup_mma(xk, rb_s.index(b), z64, use_acc=False)
+            acc = warpgroup_mma(gl.convert_layout((fa * fb).to(gl.bfloat16), OP64), dS_s.index(b), acc)
+        t = start + ro
+        gl.store(dv + t * (H * V_) + co, gl.convert_layout(acc.to(gl.bfloat16), LO), mask=t < T)
+        # dk = dsᵀ q_s + Σ_b [(G_b ⊙ x·B_b)·A_bᵀ + (G_b ⊙ x·A_b)·B_bᵀ], G_b = v dS_bᵀ + dz_b
+        dka = warpgroup_mma(ds_s.index(slot).permute((1, 0)), xq_s.index(slot), gl.zeros([C_, X_], gl.float32, A32),
+                            use_acc=False)
+        for b in gl.static_range(NB):
+            if b == 0:
+                zb = Z0
+            elif b == 1:
+                zb = Z1
+            else:
+                zb = Z2
+            zb = gl.convert_layout(gl.sum(gl.where(c8 < 2, zb, 0.0), 1), gl.SliceLayout(0, A64))  # head + tail
+            gf = warpgroup_mma(v_s.index(slot), dS_s.index(b).permute((1, 0)), z64, use_acc=False) + zb[None, :]
+            fb = warpgroup_mma(xk, rb_s.index(b), z64, use_acc=False)
+            dka = warpgroup_mma(gl.convert_layout((gf * fb).to(gl.bfloat16), OP32), ra_s.index(b).permute((1, 0)),
+                                dka)
+            fa = warpgroup_mma(xk, ra_s.index(b), z64, use_acc=False)
+            dka = warpgroup_mma(gl.convert_layout((gf * fa).to(gl.bfloat16), OP32), rb_s.index(b).permute((1, 0)),
+                                dka)
+        t32 = start + r32
+        gl.store(dk + t32 * (H * K_) + c32, dka.to(dk.dtype.element_ty), mask=(t32 < T) & (c32 < K_))
+        # the chunk's queries into the reverse state: dS_b += ψ_bᵀ g, dz_b += ψ_bᵀ e
+        gs = g_s.index(slot)
+        es = e_s.index(slot)
+        S0 = warpgroup_mma(psi_s.index(slot * NB).permute((1, 0)), gs, S0)
+        S1 = warpgroup_mma(psi_s.index(slot * NB + 1).permute((1, 0)), gs, S1)
+        S2 = warpgroup_mma(psi_s.index(slot * NB + 2).permute((1, 0)), gs, S2)
+        # dz in fp32 accumulators [64, 8]: column 0 sums ψ·e's bf16 head, column 1 its tail
+        Z0 = warpgroup_mma(psi_s.index(slot * NB).permute((1, 0)), es, Z0)
+        Z1 = warpgroup_mma(psi_s.index(slot * NB + 1).permute((1, 0)), es, Z1)
+        Z2 = warpgroup_mma(psi_s.index(slot * NB + 2).permute((1, 0)), es, Z2)
+        _barrier()
+        mbarrier.arrive(free.index(slot))
+        dS_s.index(0).store(S0.to(gl.bfloat16))
+        dS_s.index(1).store(S1.to(gl.bfloat16))
+        dS_s.index(2).store(S2.to(gl.bfloat16))
+        fence_async_shared()
+        _barrier()
+    if STORE_DH0:
+        dh0 += i_bh.to(gl.int64) * (F_ * V_)
+        dz0 += i_bh.to(gl.int64) * F_
+        gl.store(dh0 + rs * V_ + cs, S0)
+        gl.store(dh0 + (64 + rs) * V_ + cs, S1)
+        gl.store(dh0 + (128 + rs) * V_ + cs, S2)
+        gl.store(dz0 + r8 + c8 * 0, gl.sum(gl.where(c8 < 2, Z0, 0.0), 1)[:, None] + 0.0 * Z0, mask=c8 == 0)
+        gl.store(dz0 + 64 + r8 + c8 * 0, gl.sum(gl.where(c8 < 2, Z1, 0.0), 1)[:, None] + 0.0 * Z1, mask=c8 == 0)
+        gl.store(dz0 + 128 + r8 + c8 * 0, gl.sum(gl.where(c8 < 2, Z2, 0.0), 1)[:, None] + 0.0 * Z2, mask=c8 == 0)
+
+
+@gluon.jit
+def _dkv_kernel(q, k, v, do, o, den, mats, hw, dk, dv, dhT, dzT, dh0, dz0, T, scale, H: gl.constexpr,
+                USE_DHT: gl.constexpr, STORE_DH0: gl.constexpr, NSLOT: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """One program per sequence, walking its chunks from the last: dk, dv, and the gradient of the initial state."""
+    i_bh = gl.program_id(0)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    q += i_b.to(gl.int64) * T * H * K_ + i_h * K_
+    k += i_b.to(gl.int64) * T * H * K_ + i_h * K_
+    dk += i_b.to(gl.int64) * T * H * K_ + i_h * K_
+    v += i_b.to(gl.int64) * T * H * V_ + i_h * V_
+    do += i_b.to(gl.int64) * T * H * V_ + i_h * V_
+    o += i_b.to(gl.int64) * T * H * V_ + i_h * V_
+    dv += i_b.to(gl.int64) * T * H * V_ + i_h * V_
+    den += i_b.to(gl.int64) * T * H + i_h
+    sl32: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_, X_], gl.bfloat16)
+    slr: gl.constexpr = gl.NVMMASharedLayout.get_default_for([X_, 64], gl.bfloat16)
+    sl64: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    sl8: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_, 8], gl.bfloat16)
+    xq_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, X_], sl32)
+    xk_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, X_], sl32)
+    v_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, V_], sl64)
+    g_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, V_], sl64)
+    e_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, 8], sl8)
+    w_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, C_], sl64)
+    ds_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, C_], sl64)
+    psi_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT * NB, C_, 64], sl64)
+    # the factor matrices, one copy per partition (each loads its own)
+    ra_s = gl.allocate_shared_memory(gl.bfloat16, [NB, X_, 64], slr)
+    rb_s = gl.allocate_shared_memory(gl.bfloat16, [NB, X_, 64], slr)
+    pa_s = gl.allocate_shared_memory(gl.bfloat16, [NB, X_, 64], slr)
+    pb_s = gl.allocate_shared_memory(gl.bfloat16, [NB, X_, 64], slr)
+    dS_s = gl.allocate_shared_memory(gl.bfloat16, [NB, 64, V_], sl64)
+    ready = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NSLOT):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(free.index(s), count=1)
+    gl.warp_specialize([
+        (_consumer, (dk, dv, dhT, dzT, dh0, dz0, i_bh, T, H, USE_DHT, STORE_DH0, mats, xq_s, xk_s, v_s, g_s, e_s, w_s,
+                     ds_s, psi_s, ra_s, rb_s, dS_s, ready, free, NSLOT)),
+        (_producer, (q, k, v, do, o, den, T, scale, H, mats, hw, xq_s, xk_s, v_s, g_s, e_s, w_s, ds_s, psi_s, pa_s,
+                     pb_s, ready, free, NSLOT)),
+    ], [4], [PRODUCER_REGS])
+
+
+# Registers per thread of the producer partition (setmaxnreg); the consumer gets what is left.
+PRODUCER_REGS = 200
+
+
+def factor_matrices(device=None) -> torch.Tensor:
+    """[2, 3, 32, 64] bf16: the 0/1 matrices A (index 0) and B (index 1) of each feature block, so that feature f of
+    block b is (x_ext·A_b)_f · (x_ext·B_b)_f with x_ext = [x, 1, 0…] (the forward's `_factor_mats`, key side)."""
+    m = torch.zeros(2, 3, 32, 64)
+    for c in range(64):  # block 0: x_a (a < 16), x_a², the constant
+        if c < 32:
+            m[0, 0, c % 16, c] = 1
+            m[1, 0, 16 if c < 16 else c - 16, c] = 1
+        elif c == 32:
+            m[0, 0, 16, c] = m[1, 0, 16, c] = 1
+    for j in range(128):  # blocks 1, 2: the pairs x_a·x_b, b = (a + d) mod 16
+        a, d = j % 16, 1 + j // 16
+        m[0, 1 + j // 64, a, j % 64] = 1
+        m[1, 1 + j // 64, (a + d) % 16, j % 64] = 1
+    return m.to(device=device, dtype=torch.bfloat16)
+
+
+def query_weights(device=None) -> torch.Tensor:
+    """[192] fp32: the query side's feature weights h (½ on the diagonal x_a² and on the pairs d = 8, which the key
+    side holds twice), so that Σ_f h_f ψ_f(q) φ_f(k) = 1 + s + s²/2."""
+    h = torch.ones(192)
+    h[16:32] = 0.5
+    h[64 + 112: 64 + 128] = 0.5
+    return h.to(device=device)
+
+
+_CONSTANTS = {}
+
+
+def _constants(device):
+    if device not in _CONSTANTS:
+        _CONSTANTS[device] = (factor_matrices(device).contiguous(), query_weights(device).contiguous())
+    return _CONSTANTS[device]
+
+
+def state_grad_to_rows(dhv: torch.Tensor, dhz: torch.Tensor):
+    """The gradient of a final state in Taylor-order form (dhv [B, H, 1+K+K², V], dhz [B, H, 1+K+K²], not
+    symmetrised) -> the gradient of the kernel's rows [B·H, 192, V], [B·H, 192] (`gluon.from_kernel_rows` gathers,
+    so its transpose sums the order rows reading each kernel row)."""
+    from kernels.based.gluon import order_rows
+
+    B, H, F, V = dhv.shape
+    idx = torch.tensor(order_rows(16), device=dhv.device)
+    dt = torch.promote_types(dhv.dtype, torch.float32)
+    rows = dhv.new_zeros(B * H, 192, V, dtype=dt).index_add_(1, idx, dhv.reshape(B * H, F, V).to(dt))
+    zrows = dhz.new_zeros(B * H, 192, dtype=dt).index_add_(1, idx, dhz.reshape(B * H, F).to(dt))
+    return rows.contiguous(), zrows.contiguous()
+
+
+def rows_grad_to_state(dh: torch.Tensor, dz: torch.Tensor, B: int, H: int):
+    """The gradient of the kernel's initial rows -> that of the Taylor-order initial state (`gluon.to_kernel_rows`
+    gathers row feature_rows[r] into row r, so its transpose sums back; the zero rows are dropped)."""
+    F = 1 + 16 + 16 * 16
+    idx = torch.tensor(feature_rows(16), device=dh.device)
+    keep = idx >= 0
+    V = dh.shape[-1]
+    dhv = dh.new_zeros(B * H, F, V).index_add_(1, idx[keep], dh[:, keep])
+    dhz = dz.new_zeros(B * H, F).index_add_(1, idx[keep], dz[:, keep])
+    return dhv.reshape(B, H, F, V), dhz.reshape(B, H, F)
+
+
+def gluon_backward(q, k, v, o, do, den, hs, zs, scale, dhvT=None, dhzT=None, need_dh0=False):
+    """The gradient of `gluon.gluon_forward(..., store_states=True)`: q, k, v, o, do [B, T, H, ·] (bf16), den [B, T, H]
+    fp32, (hs, zs) the stored states (this module's rows). dhvT/dhzT: the final state's gradient in Taylor-order form
+    (or None). Returns dq, dk, dv (bf16) and, with need_dh0, the initial state's gradient in Taylor-order form."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    NC = (T + 63) // 64
+    mats, hw = _constants(q.device)
+    do = do.contiguous()
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    dhT = dzT = dh0 = dz0 = dq  # placeholders where unused
+    use_dht = dhvT is not None or dhzT is not None
+    if use_dht:
+        dhvT = torch.zeros(B, H, 273, V, device=q.device) if dhvT is None else dhvT
+        dhzT = torch.zeros(B, H, 273, device=q.device) if dhzT is None else dhzT
+        dhT, dzT = state_grad_to_rows(dhvT, dhzT)
+    if need_dh0:
+        dh0 = torch.empty(B * H, 192, V, device=q.device, dtype=torch.float32)
+        dz0 = torch.empty(B * H, 192, device=q.device, dtype=torch.float32)
+    _dq_kernel[(NC, B * H)](q, k, v, do, o, den, hs, zs, mats, hw, dq, T, scale, H, num_warps=4)
+    _dkv_kernel[(B * H,)](q, k, v, do, o, den, mats, hw, dk, dv, dhT, dzT, dh0, dz0, T, scale, H, USE_DHT=use_dht,
+                          STORE_DH0=need_dh0, NSLOT=2, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+    dhv0 = dhz0 = None
+    if need_dh0:
+        dhv0, dhz0 = rows_grad_to_state(dh0, dz0, B, H)
+    return dq, dk, dv, dhv0, dhz0
