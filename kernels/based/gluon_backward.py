@@ -26,7 +26,13 @@ and 1 + s = x_ext(q_s)·x_ext(k)ᵀ (the appended ones meet), so w = ((1+s)² + 
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from kernels.based.gluon import _barrier, feature_rows
 
@@ -77,24 +83,21 @@ def _load_chunk(q, k, v, do, o, den, start, T, scale, H: gl.constexpr):
 
 
 @gluon.jit
-def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, T, scale, H: gl.constexpr):
-    """dq of chunk program_id(0) of sequence program_id(1): the chunk's own part and the read of the state entering
-    it (hs, zs), through the query feature map."""
-    c = gl.program_id(0)
-    i_bh = gl.program_id(1)
-    NC = gl.cdiv(T, C_)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    start = c * C_
-    q += i_b.to(gl.int64) * T * H * K_ + i_h * K_
-    k += i_b.to(gl.int64) * T * H * K_ + i_h * K_
-    dq += i_b.to(gl.int64) * T * H * K_ + i_h * K_
-    v += i_b.to(gl.int64) * T * H * V_ + i_h * V_
-    do += i_b.to(gl.int64) * T * H * V_ + i_h * V_
-    o += i_b.to(gl.int64) * T * H * V_ + i_h * V_
-    den += i_b.to(gl.int64) * T * H + i_h
-    hs += (i_bh.to(gl.int64) * NC + c) * (F_ * V_)
-    zs += (i_bh.to(gl.int64) * NC + c) * F_
+def _copy_state(h_s, buf, hs, idx, rf, cv, pred):
+    """Start copying the state entering chunk idx (hs [B·H·NC, F_, V] bf16) into h_s[buf·NB …] (cp.async, one
+    commit group; nothing is copied where pred is false)."""
+    src = hs + idx.to(gl.int64) * (F_ * V_)
+    for b in gl.static_range(NB):
+        async_copy.async_copy_global_to_shared(h_s.index(buf * NB + b), src + (b * 64 + rf) * V_ + cv,
+                                               mask=pred & (rf >= 0))
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, T, scale, BH, H: gl.constexpr):
+    """dq, chunk by chunk: each program takes chunks pid, pid + grid, … (of all sequences; NC per sequence) and for
+    each computes the chunk's own part and the read of the state entering it (hs, zs), through the query feature
+    map. The factor matrices are loaded once per program."""
     LV: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     A32: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 16])
@@ -106,43 +109,68 @@ def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, T, scale, H: gl.conste
     xk_s = gl.allocate_shared_memory(gl.bfloat16, [C_, X_], sl32)
     v_s = gl.allocate_shared_memory(gl.bfloat16, [C_, V_], sl64)
     g_s = gl.allocate_shared_memory(gl.bfloat16, [C_, V_], sl64)
-    h_s = gl.allocate_shared_memory(gl.bfloat16, [NB, 64, V_], sl64)
+    h_s = gl.allocate_shared_memory(gl.bfloat16, [2 * NB, 64, V_], sl64)  # two chunks' states: this one and the next
     ra_s = gl.allocate_shared_memory(gl.bfloat16, [NB, X_, 64], slr)
     rb_s = gl.allocate_shared_memory(gl.bfloat16, [NB, X_, 64], slr)
     _load_mats(mats, ra_s, rb_s)
-    xq, xk, vv, g, e = _load_chunk(q, k, v, do, o, den, start, T, scale, H)
-    xq_s.store(xq)
-    xk_s.store(xk)
-    v_s.store(vv)
-    g_s.store(g)
     rf = gl.arange(0, 64, layout=gl.SliceLayout(1, LV))[:, None]
     cv = gl.arange(0, V_, layout=gl.SliceLayout(0, LV))[None, :]
-    for b in gl.static_range(NB):
-        h_s.index(b).store(gl.load(hs + (b * 64 + rf) * V_ + cv))
-    fence_async_shared()
-    _barrier()
     ri = gl.arange(0, C_, layout=gl.SliceLayout(1, A64))[:, None]
     cj = gl.arange(0, 64, layout=gl.SliceLayout(0, A64))
-    er = gl.convert_layout(e, gl.SliceLayout(1, A64))[:, None]
-    z64 = gl.zeros([C_, 64], gl.float32, A64)
-    a1 = warpgroup_mma(xq_s, xk_s.permute((1, 0)), z64, use_acc=False)  # 1 + s
-    dp = warpgroup_mma(g_s, v_s.permute((1, 0)), z64, use_acc=False)  # g_i·v_j
-    ds = gl.where(ri >= cj[None, :], (dp + er) * a1, 0.0)
-    acc = warpgroup_mma(gl.convert_layout(ds.to(gl.bfloat16), OP32), xk_s, gl.zeros([C_, X_], gl.float32, A32),
-                        use_acc=False)
-    for b in gl.static_range(NB):
-        zb = gl.load(zs + b * 64 + cj)[None, :]
-        hb = gl.load(hw + b * 64 + cj)[None, :]
-        gp = warpgroup_mma(g_s, h_s.index(b).permute((1, 0)), z64, use_acc=False)  # g Sᵀ
-        gp = (gp + er * zb) * hb
-        xb = warpgroup_mma(xq_s, rb_s.index(b), z64, use_acc=False)
-        acc = warpgroup_mma(gl.convert_layout((gp * xb).to(gl.bfloat16), OP32), ra_s.index(b).permute((1, 0)), acc)
-        xa = warpgroup_mma(xq_s, ra_s.index(b), z64, use_acc=False)
-        acc = warpgroup_mma(gl.convert_layout((gp * xa).to(gl.bfloat16), OP32), rb_s.index(b).permute((1, 0)), acc)
     r32 = gl.arange(0, C_, layout=gl.SliceLayout(1, A32))[:, None]
     c32 = gl.arange(0, X_, layout=gl.SliceLayout(0, A32))[None, :]
-    t32 = start + r32
-    gl.store(dq + t32 * (H * K_) + c32, (acc * scale).to(dq.dtype.element_ty), mask=(t32 < T) & (c32 < K_))
+    z64 = gl.zeros([C_, 64], gl.float32, A64)
+    NC = gl.cdiv(T, C_)
+    total = NC * BH
+    step = gl.num_programs(0)
+    first = gl.program_id(0)
+    _copy_state(h_s, 0, hs, first, rf, cv, first < total)
+    it = 0
+    for idx in range(first, total, step):
+        buf = it % 2
+        _copy_state(h_s, 1 - buf, hs, idx + step, rf, cv, idx + step < total)  # the next chunk's, in flight
+        it += 1
+        c = idx % NC
+        i_bh = idx // NC
+        i_b = i_bh // H
+        i_h = i_bh % H
+        start = c * C_
+        ok = i_b.to(gl.int64) * T * H * K_ + i_h * K_
+        ov = i_b.to(gl.int64) * T * H * V_ + i_h * V_
+        xq, xk, vv, g, e = _load_chunk(q + ok, k + ok, v + ov, do + ov, o + ov, den + i_b.to(gl.int64) * T * H + i_h,
+                                       start, T, scale, H)
+        _barrier()  # the previous chunk's MMAs are done with the buffers
+        xq_s.store(xq)
+        xk_s.store(xk)
+        v_s.store(vv)
+        g_s.store(g)
+        async_copy.wait_group(1)  # this chunk's state has landed (the next one's may still be in flight)
+        fence_async_shared()
+        _barrier()
+        er = gl.convert_layout(e, gl.SliceLayout(1, A64))[:, None]
+        a1 = warpgroup_mma(xq_s, xk_s.permute((1, 0)), z64, use_acc=False, is_async=True)  # 1 + s
+        dp = warpgroup_mma(g_s, v_s.permute((1, 0)), z64, use_acc=False, is_async=True)  # g_i·v_j
+        a1, dp = warpgroup_mma_wait(0, deps=[a1, dp])
+        ds = gl.where(ri >= cj[None, :], (dp + er) * a1, 0.0)
+        acc = warpgroup_mma(gl.convert_layout(ds.to(gl.bfloat16), OP32), xk_s, gl.zeros([C_, X_], gl.float32, A32),
+                            use_acc=False)
+        for b in gl.static_range(NB):
+            gp = warpgroup_mma(g_s, h_s.index(buf * NB + b).permute((1, 0)), z64, use_acc=False, is_async=True)
+            xb = warpgroup_mma(xq_s, rb_s.index(b), z64, use_acc=False, is_async=True)
+            if b < 2:  # blocks 1 and 2 share factor a (x_a, a = j mod 16)
+                xa = warpgroup_mma(xq_s, ra_s.index(b), z64, use_acc=False, is_async=True)
+                gp, xb, xa = warpgroup_mma_wait(0, deps=[gp, xb, xa])
+            else:
+                gp, xb = warpgroup_mma_wait(0, deps=[gp, xb])
+            zb = gl.load(zs + idx.to(gl.int64) * F_ + b * 64 + cj)[None, :]
+            hb = gl.load(hw + b * 64 + cj)[None, :]
+            gp = (gp + er * zb) * hb
+            acc = warpgroup_mma(gl.convert_layout((gp * xb).to(gl.bfloat16), OP32), ra_s.index(b).permute((1, 0)),
+                                acc)
+            acc = warpgroup_mma(gl.convert_layout((gp * xa).to(gl.bfloat16), OP32), rb_s.index(b).permute((1, 0)),
+                                acc)
+        t32 = start + r32
+        gl.store(dq + ok + t32 * (H * K_) + c32, (acc * scale).to(dq.dtype.element_ty), mask=(t32 < T) & (c32 < K_))
 
 
 @gluon.jit
@@ -374,7 +402,16 @@ def query_weights(device=None) -> torch.Tensor:
     return h.to(device=device)
 
 
+# dq's programs per SM (each loops over chunks, the next chunk's state in flight; 2 fit by shared memory)
+DQ_PROGRAMS_PER_SM = 2
 _CONSTANTS = {}
+_SMS = {}
+
+
+def _sm_count(device) -> int:
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
 
 
 def _constants(device):
@@ -430,7 +467,8 @@ def gluon_backward(q, k, v, o, do, den, hs, zs, scale, dhvT=None, dhzT=None, nee
     if need_dh0:
         dh0 = torch.empty(B * H, 192, V, device=q.device, dtype=torch.float32)
         dz0 = torch.empty(B * H, 192, device=q.device, dtype=torch.float32)
-    _dq_kernel[(NC, B * H)](q, k, v, do, o, den, hs, zs, mats, hw, dq, T, scale, H, num_warps=4)
+    grid = min(NC * B * H, DQ_PROGRAMS_PER_SM * _sm_count(q.device))
+    _dq_kernel[(grid,)](q, k, v, do, o, den, hs, zs, mats, hw, dq, T, scale, B * H, H, num_warps=4)
     _dkv_kernel[(B * H,)](q, k, v, do, o, den, mats, hw, dk, dv, dhT, dzT, dh0, dz0, T, scale, H, USE_DHT=use_dht,
                           STORE_DH0=need_dh0, NSLOT=2, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     dhv0 = dhz0 = None

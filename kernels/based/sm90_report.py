@@ -110,14 +110,18 @@ def compile_gluon_backward(kind: str = "dkv", states: bool = False):
 
     sig = {n: "*bf16" for n in ("q", "k", "v", "do", "o")} | {"den": "*fp32", "mats": "*bf16", "hw": "*fp32"}
     if kind == "dq":
-        sig |= {"hs": "*bf16", "zs": "*fp32", "dq": "*bf16", "T": "i32", "scale": "fp32", "H": "constexpr"}
-        src = GluonASTSource(gb._dq_kernel, sig, constexprs={"H": 16})
+        sig |= {"hs": "*bf16", "zs": "*fp32", "dq": "*bf16", "T": "i32", "scale": "fp32", "BH": "i32",
+                "H": "constexpr"}
+        fn, constexprs = gb._dq_kernel, {"H": 16}
     else:
         sig |= {"dk": "*bf16", "dv": "*bf16"} | {n: "*fp32" for n in ("dhT", "dzT", "dh0", "dz0")}
         sig |= {"T": "i32", "scale": "fp32"}
         sig |= {n: "constexpr" for n in ("H", "USE_DHT", "STORE_DH0", "NSLOT", "PRODUCER_REGS")}
-        src = GluonASTSource(gb._dkv_kernel, sig, constexprs={"H": 16, "USE_DHT": states, "STORE_DH0": states,
-                                                               "NSLOT": 2, "PRODUCER_REGS": gb.PRODUCER_REGS})
+        fn, constexprs = gb._dkv_kernel, {"H": 16, "USE_DHT": states, "STORE_DH0": states, "NSLOT": 2,
+                                          "PRODUCER_REGS": gb.PRODUCER_REGS}
+    # pointers 16-byte aligned, as a launch from PyTorch tensors specialises them
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*")}
+    src = GluonASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
