@@ -174,162 +174,232 @@ def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, T, scale, BH, H: gl.co
 
 
 @gluon.jit
-def _producer(q, k, v, do, o, den, T, scale, H: gl.constexpr, mats, hw, xq_s, xk_s, v_s, g_s, e_s, w_s, ds_s, psi_s,
-              ra_s, rb_s, ready, free, NSLOT: gl.constexpr):
-    """The worker partition (4 warps): for each chunk from the last, its inputs, e (as a bf16 head and tail), w,
-    ds and ψ(q) into the slot the consumer reads next."""
+def _producer(q, k, v, do, o, den, dzT, dz0, i_bh, T, scale, H: gl.constexpr, USE_DHT: gl.constexpr,
+              STORE_DH0: gl.constexpr, mats, hw, xq_s, xk_s, v_s, g_s, e_s, psi_s, phi_s, dz_s, ra_s, rb_s, mats_ready,
+              ready, free, NSLOT: gl.constexpr):
+    """Worker partition 0 (4 warps): loads the factor matrices for all three partitions, then for each chunk from
+    the last stores its inputs, e (as a bf16 head and tail), ψ(q), φ(k) and the reverse denominator state dz (which
+    it keeps: dz_b += ψ_bᵀ e, fp32 accumulators [64, 8], column 0 for e's head and 1 for its tail) into the slot the
+    others read next."""
     LE: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-    ri = gl.arange(0, C_, layout=gl.SliceLayout(1, A64))[:, None]
     cj = gl.arange(0, 64, layout=gl.SliceLayout(0, A64))
     c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, LE))[None, :]
+    A8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
+    r8 = gl.arange(0, 64, layout=gl.SliceLayout(1, A8))[:, None]
+    z8 = gl.arange(0, 8, layout=gl.SliceLayout(0, A8))[None, :]
     z64 = gl.zeros([C_, 64], gl.float32, A64)
+    if USE_DHT:
+        dzT += i_bh.to(gl.int64) * F_
+        Z0 = gl.load(dzT + r8 + z8 * 0, mask=z8 == 0, other=0.0)
+        Z1 = gl.load(dzT + 64 + r8 + z8 * 0, mask=z8 == 0, other=0.0)
+        Z2 = gl.load(dzT + 128 + r8 + z8 * 0, mask=z8 == 0, other=0.0)
+    else:
+        Z0 = gl.zeros([64, 8], gl.float32, A8)
+        Z1 = gl.zeros([64, 8], gl.float32, A8)
+        Z2 = gl.zeros([64, 8], gl.float32, A8)
     _load_mats(mats, ra_s, rb_s)
+    fence_async_shared()
+    _barrier()
+    mbarrier.arrive(mats_ready)
     NC = gl.cdiv(T, C_)
     nxq, nxk, nv, ng, ne = _load_chunk(q, k, v, do, o, den, (NC - 1) * C_, T, scale, H)
     for i in range(NC):
         c = NC - 1 - i
         slot = i % NSLOT
-        xq, xk, vv, g, e = nxq, nxk, nv, ng, ne
-        if c > 0:
-            nxq, nxk, nv, ng, ne = _load_chunk(q, k, v, do, o, den, (c - 1) * C_, T, scale, H)
-        mbarrier.wait(free.index(slot), ((i // NSLOT) & 1) ^ 1)  # the consumer is done with this slot
-        xq_s.index(slot).store(xq)
-        xk_s.index(slot).store(xk)
-        v_s.index(slot).store(vv)
-        g_s.index(slot).store(g)
-        el = gl.convert_layout(e, gl.SliceLayout(1, LE))[:, None]
+        mbarrier.wait(free.index(slot), ((i // NSLOT) & 1) ^ 1)  # both readers are done with this slot
+        xq_s.index(slot).store(nxq)
+        xk_s.index(slot).store(nxk)
+        v_s.index(slot).store(nv)
+        g_s.index(slot).store(ng)
+        el = gl.convert_layout(ne, gl.SliceLayout(1, LE))[:, None]
         ehi = el.to(gl.bfloat16)
         elo = (el - ehi.to(gl.float32)).to(gl.bfloat16)
         e_s.index(slot).store(gl.where(c8 == 0, ehi, gl.where(c8 == 1, elo, gl.zeros_like(ehi))))
+        dz_s.index(slot * NB).store(_zsum(Z0))  # dz of the later chunks, what this chunk's dk reads
+        dz_s.index(slot * NB + 1).store(_zsum(Z1))
+        dz_s.index(slot * NB + 2).store(_zsum(Z2))
         fence_async_shared()
         _barrier()
-        a1 = warpgroup_mma(xq_s.index(slot), xk_s.index(slot).permute((1, 0)), z64, use_acc=False)  # 1 + s
-        dp = warpgroup_mma(g_s.index(slot), v_s.index(slot).permute((1, 0)), z64, use_acc=False)
-        er = gl.convert_layout(e, gl.SliceLayout(1, A64))[:, None]
-        causal = ri >= cj[None, :]
-        w_s.index(slot).store(gl.where(causal, 0.5 * (a1 * a1 + 1.0), 0.0).to(gl.bfloat16))
-        ds_s.index(slot).store(gl.where(causal, (dp + er) * a1, 0.0).to(gl.bfloat16))
         for b in gl.static_range(NB):
-            fa = warpgroup_mma(xq_s.index(slot), ra_s.index(b), z64, use_acc=False)
-            fb = warpgroup_mma(xq_s.index(slot), rb_s.index(b), z64, use_acc=False)
+            fb = warpgroup_mma(xq_s.index(slot), rb_s.index(b), z64, use_acc=False, is_async=True)
+            if b < 2:  # blocks 1 and 2 share factor a
+                fa = warpgroup_mma(xq_s.index(slot), ra_s.index(b), z64, use_acc=False, is_async=True)
+                fb, fa = warpgroup_mma_wait(0, deps=[fb, fa])
+            else:
+                fb = warpgroup_mma_wait(0, deps=[fb])
             hb = gl.load(hw + b * 64 + cj)[None, :]
             psi_s.index(slot * NB + b).store((fa * fb * hb).to(gl.bfloat16))
+        for b in gl.static_range(NB):
+            fb = warpgroup_mma(xk_s.index(slot), rb_s.index(b), z64, use_acc=False, is_async=True)
+            if b < 2:
+                fa = warpgroup_mma(xk_s.index(slot), ra_s.index(b), z64, use_acc=False, is_async=True)
+                fb, fa = warpgroup_mma_wait(0, deps=[fb, fa])
+            else:
+                fb = warpgroup_mma_wait(0, deps=[fb])
+            phi_s.index(slot * NB + b).store((fa * fb).to(gl.bfloat16))
         fence_async_shared()
         _barrier()
         mbarrier.arrive(ready.index(slot))
+        if c > 0:  # the next chunk's inputs, in flight while the others run this one
+            nxq, nxk, nv, ng, ne = _load_chunk(q, k, v, do, o, den, (c - 1) * C_, T, scale, H)
+        es = e_s.index(slot)
+        Z0 = warpgroup_mma(psi_s.index(slot * NB).permute((1, 0)), es, Z0, is_async=True)
+        Z1 = warpgroup_mma(psi_s.index(slot * NB + 1).permute((1, 0)), es, Z1, is_async=True)
+        Z2 = warpgroup_mma(psi_s.index(slot * NB + 2).permute((1, 0)), es, Z2, is_async=True)
+        Z0, Z1, Z2 = warpgroup_mma_wait(0, deps=[Z0, Z1, Z2])
+    if STORE_DH0:
+        dz0 += i_bh.to(gl.int64) * F_
+        rz = gl.arange(0, 64, layout=gl.SliceLayout(1, A8))
+        gl.store(dz0 + rz, _zsum(Z0))
+        gl.store(dz0 + 64 + rz, _zsum(Z1))
+        gl.store(dz0 + 128 + rz, _zsum(Z2))
 
 
 @gluon.jit
-def _consumer(dk, dv, dhT, dzT, dh0, dz0, i_bh, T, H: gl.constexpr, USE_DHT: gl.constexpr, STORE_DH0: gl.constexpr,
-              mats, xq_s, xk_s, v_s, g_s, e_s, w_s, ds_s, psi_s, ra_s, rb_s, dS_s, ready, free, NSLOT: gl.constexpr):
-    """The default partition (4 warps): holds dS (fp32, [64, V] per feature block) and dz, and per chunk computes
-    dv = wᵀ g + Σ φ dS, dk = dsᵀ q_s + (the feature map's Jacobian of v dSᵀ + dz), then adds the chunk's queries to
-    dS and dz and publishes dS in bf16 for the next chunk's reads."""
-    LO: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+def _dk_partition(dk, T, H: gl.constexpr, xq_s, xk_s, v_s, g_s, e_s, ra_s, rb_s, dS_s, dz_s, mats_ready, ready, free,
+                  ds_ready, ds_free, NSLOT: gl.constexpr):
+    """Worker partition 1 (4 warps), stateless: per chunk dk = dsᵀ q_s + Σ_b [(G_b ⊙ x·B_b)·A_bᵀ + (G_b ⊙ x·A_b)·B_bᵀ]
+    with G_b = v dS_bᵀ + dz_b, reading the reverse state that the consumer published for this chunk."""
+    LE: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     A32: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 16])
-    A8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
-    OP64: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=A64, k_width=2)
     OP32: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=A32, k_width=2)
-    rs = gl.arange(0, 64, layout=gl.SliceLayout(1, A64))[:, None]  # rows of dS: features
-    cs = gl.arange(0, V_, layout=gl.SliceLayout(0, A64))[None, :]  # its columns: values
-    c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, A8))[None, :]
-    r8 = gl.arange(0, 64, layout=gl.SliceLayout(1, A8))[:, None]
-    ro = gl.arange(0, C_, layout=gl.SliceLayout(1, LO))[:, None]
-    co = gl.arange(0, V_, layout=gl.SliceLayout(0, LO))[None, :]
+    rj = gl.arange(0, C_, layout=gl.SliceLayout(1, A64))[:, None]
+    ci = gl.arange(0, C_, layout=gl.SliceLayout(0, A64))[None, :]
+    ce = gl.arange(0, 8, layout=gl.SliceLayout(0, LE))[None, :]
     r32 = gl.arange(0, C_, layout=gl.SliceLayout(1, A32))[:, None]
     c32 = gl.arange(0, X_, layout=gl.SliceLayout(0, A32))[None, :]
     z64 = gl.zeros([C_, 64], gl.float32, A64)
+    mbarrier.wait(mats_ready, 0)
+    NC = gl.cdiv(T, C_)
+    for i in range(NC):
+        c = NC - 1 - i
+        slot = i % NSLOT
+        buf = i % 2
+        mbarrier.wait(ready.index(slot), (i // NSLOT) & 1)
+        xk = xk_s.index(slot)
+        # the chunk's own part: dsᵀ [j, i] = ((g_i·v_j) + e_i)(1 + s_ij), i ≥ j
+        at = warpgroup_mma(xk, xq_s.index(slot).permute((1, 0)), z64, use_acc=False, is_async=True)  # (1 + s)ᵀ
+        dpt = warpgroup_mma(v_s.index(slot), g_s.index(slot).permute((1, 0)), z64, use_acc=False, is_async=True)
+        eh = e_s.index(slot).load(LE).to(gl.float32)
+        e = gl.convert_layout(gl.sum(gl.where(ce < 2, eh, 0.0), 1), gl.SliceLayout(0, A64))[None, :]
+        at, dpt = warpgroup_mma_wait(0, deps=[at, dpt])
+        dst = gl.where(ci >= rj, (dpt + e) * at, 0.0).to(gl.bfloat16)
+        acc = warpgroup_mma(gl.convert_layout(dst, OP32), xq_s.index(slot), gl.zeros([C_, X_], gl.float32, A32),
+                            use_acc=False)
+        # the later chunks' part, through the key feature map
+        mbarrier.wait(ds_ready.index(buf), (i // 2) & 1)
+        for b in gl.static_range(NB):
+            gf = warpgroup_mma(v_s.index(slot), dS_s.index(buf * NB + b).permute((1, 0)), z64, use_acc=False,
+                               is_async=True)
+            fb = warpgroup_mma(xk, rb_s.index(b), z64, use_acc=False, is_async=True)
+            if b < 2:  # blocks 1 and 2 share factor a
+                fa = warpgroup_mma(xk, ra_s.index(b), z64, use_acc=False, is_async=True)
+                gf, fb, fa = warpgroup_mma_wait(0, deps=[gf, fb, fa])
+            else:
+                gf, fb = warpgroup_mma_wait(0, deps=[gf, fb])
+            zb = dz_s.index(slot * NB + b).load(gl.SliceLayout(0, A64))
+            if b == NB - 1:  # every read of this dS buffer is done
+                _barrier()
+                mbarrier.arrive(ds_free.index(buf))
+            gf = gf + zb[None, :]
+            acc = warpgroup_mma(gl.convert_layout((gf * fb).to(gl.bfloat16), OP32), ra_s.index(b).permute((1, 0)),
+                                acc, is_async=True)
+            acc = warpgroup_mma(gl.convert_layout((gf * fa).to(gl.bfloat16), OP32), rb_s.index(b).permute((1, 0)),
+                                acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+        _barrier()
+        mbarrier.arrive(free.index(slot))
+        t32 = c * C_ + r32
+        gl.store(dk + t32 * (H * K_) + c32, acc.to(dk.dtype.element_ty), mask=(t32 < T) & (c32 < K_))
+
+
+@gluon.jit
+def _zsum(Z):
+    """dz's accumulators [64, 8] -> dz [64]: column 0 (ψ·e's bf16 head) plus column 1 (its tail)."""
+    c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, Z.type.layout))[None, :]
+    return gl.sum(gl.where(c8 < 2, Z, 0.0), 1)
+
+
+@gluon.jit
+def _publish(dS_s, buf, S0, S1, S2):
+    """The reverse state into dS buffer buf, in bf16 for the MMAs."""
+    dS_s.index(buf * NB).store(S0.to(gl.bfloat16))
+    dS_s.index(buf * NB + 1).store(S1.to(gl.bfloat16))
+    dS_s.index(buf * NB + 2).store(S2.to(gl.bfloat16))
+    fence_async_shared()
+    _barrier()
+
+
+@gluon.jit
+def _consumer(dv, dhT, dh0, i_bh, T, H: gl.constexpr, USE_DHT: gl.constexpr, STORE_DH0: gl.constexpr, xq_s, xk_s,
+              g_s, psi_s, phi_s, dS_s, mats_ready, ready, free, ds_ready, ds_free, NSLOT: gl.constexpr):
+    """The default partition (4 warps): holds the reverse state dS (fp32, [64, V] per feature block); per chunk
+    dv = wᵀ g + Σ_b φ_b dS_b, then dS_b += ψ_bᵀ g, published in bf16 (double-buffered) for the next chunk's reads
+    here and in the dk partition."""
+    LO: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    OP64: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=A64, k_width=2)
+    rs = gl.arange(0, 64, layout=gl.SliceLayout(1, A64))[:, None]  # rows of dS: features; of wᵀ: keys j
+    cs = gl.arange(0, V_, layout=gl.SliceLayout(0, A64))[None, :]  # its columns: values; of wᵀ: queries i
+    ro = gl.arange(0, C_, layout=gl.SliceLayout(1, LO))[:, None]
+    co = gl.arange(0, V_, layout=gl.SliceLayout(0, LO))[None, :]
+    z64 = gl.zeros([C_, 64], gl.float32, A64)
     if USE_DHT:
         dhT += i_bh.to(gl.int64) * (F_ * V_)
-        dzT += i_bh.to(gl.int64) * F_
         S0 = gl.load(dhT + rs * V_ + cs)
         S1 = gl.load(dhT + (64 + rs) * V_ + cs)
         S2 = gl.load(dhT + (128 + rs) * V_ + cs)
-        Z0 = gl.load(dzT + r8 + c8 * 0, mask=c8 == 0, other=0.0)
-        Z1 = gl.load(dzT + 64 + r8 + c8 * 0, mask=c8 == 0, other=0.0)
-        Z2 = gl.load(dzT + 128 + r8 + c8 * 0, mask=c8 == 0, other=0.0)
     else:
         S0 = gl.zeros([64, V_], gl.float32, A64)
         S1 = gl.zeros([64, V_], gl.float32, A64)
         S2 = gl.zeros([64, V_], gl.float32, A64)
-        Z0 = gl.zeros([64, 8], gl.float32, A8)
-        Z1 = gl.zeros([64, 8], gl.float32, A8)
-        Z2 = gl.zeros([64, 8], gl.float32, A8)
-    _load_mats(mats, ra_s, rb_s)
-    dS_s.index(0).store(S0.to(gl.bfloat16))
-    dS_s.index(1).store(S1.to(gl.bfloat16))
-    dS_s.index(2).store(S2.to(gl.bfloat16))
-    fence_async_shared()
-    _barrier()
+    _publish(dS_s, 0, S0, S1, S2)
+    mbarrier.arrive(ds_ready.index(0))
+    mbarrier.wait(mats_ready, 0)
     NC = gl.cdiv(T, C_)
     for i in range(NC):
         c = NC - 1 - i
-        start = c * C_
         slot = i % NSLOT
+        buf = i % 2
         mbarrier.wait(ready.index(slot), (i // NSLOT) & 1)
-        xk = xk_s.index(slot)
-        # dv = wᵀ g + Σ_b φ_b dS_b
-        acc = warpgroup_mma(w_s.index(slot).permute((1, 0)), g_s.index(slot), z64, use_acc=False)
-        for b in gl.static_range(NB):
-            fa = warpgroup_mma(xk, ra_s.index(b), z64, use_acc=False)
-            fb = warpgroup_mma(xk, rb_s.index(b), z64, use_acc=False)
-            acc = warpgroup_mma(gl.convert_layout((fa * fb).to(gl.bfloat16), OP64), dS_s.index(b), acc)
-        t = start + ro
-        gl.store(dv + t * (H * V_) + co, gl.convert_layout(acc.to(gl.bfloat16), LO), mask=t < T)
-        # dk = dsᵀ q_s + Σ_b [(G_b ⊙ x·B_b)·A_bᵀ + (G_b ⊙ x·A_b)·B_bᵀ], G_b = v dS_bᵀ + dz_b
-        dka = warpgroup_mma(ds_s.index(slot).permute((1, 0)), xq_s.index(slot), gl.zeros([C_, X_], gl.float32, A32),
-                            use_acc=False)
-        for b in gl.static_range(NB):
-            if b == 0:
-                zb = Z0
-            elif b == 1:
-                zb = Z1
-            else:
-                zb = Z2
-            zb = gl.convert_layout(gl.sum(gl.where(c8 < 2, zb, 0.0), 1), gl.SliceLayout(0, A64))  # head + tail
-            gf = warpgroup_mma(v_s.index(slot), dS_s.index(b).permute((1, 0)), z64, use_acc=False) + zb[None, :]
-            fb = warpgroup_mma(xk, rb_s.index(b), z64, use_acc=False)
-            dka = warpgroup_mma(gl.convert_layout((gf * fb).to(gl.bfloat16), OP32), ra_s.index(b).permute((1, 0)),
-                                dka)
-            fa = warpgroup_mma(xk, ra_s.index(b), z64, use_acc=False)
-            dka = warpgroup_mma(gl.convert_layout((gf * fa).to(gl.bfloat16), OP32), rb_s.index(b).permute((1, 0)),
-                                dka)
-        t32 = start + r32
-        gl.store(dk + t32 * (H * K_) + c32, dka.to(dk.dtype.element_ty), mask=(t32 < T) & (c32 < K_))
-        # the chunk's queries into the reverse state: dS_b += ψ_bᵀ g, dz_b += ψ_bᵀ e
         gs = g_s.index(slot)
-        es = e_s.index(slot)
-        S0 = warpgroup_mma(psi_s.index(slot * NB).permute((1, 0)), gs, S0)
-        S1 = warpgroup_mma(psi_s.index(slot * NB + 1).permute((1, 0)), gs, S1)
-        S2 = warpgroup_mma(psi_s.index(slot * NB + 2).permute((1, 0)), gs, S2)
-        # dz in fp32 accumulators [64, 8]: column 0 sums ψ·e's bf16 head, column 1 its tail
-        Z0 = warpgroup_mma(psi_s.index(slot * NB).permute((1, 0)), es, Z0)
-        Z1 = warpgroup_mma(psi_s.index(slot * NB + 1).permute((1, 0)), es, Z1)
-        Z2 = warpgroup_mma(psi_s.index(slot * NB + 2).permute((1, 0)), es, Z2)
+        # dv = wᵀ g + Σ_b φ_b dS_b, wᵀ [j, i] = ((1 + s_ij)² + 1)/2 for i ≥ j
+        at = warpgroup_mma(xk_s.index(slot), xq_s.index(slot).permute((1, 0)), z64, use_acc=False)  # (1 + s)ᵀ
+        wt = gl.where(cs >= rs, 0.5 * (at * at + 1.0), 0.0).to(gl.bfloat16)
+        wt = gl.convert_layout(wt, OP64)
+        acc = warpgroup_mma(wt, gs, z64, use_acc=False, is_async=True)
+        acc = warpgroup_mma(phi_s.index(slot * NB), dS_s.index(buf * NB), acc, is_async=True)
+        acc = warpgroup_mma(phi_s.index(slot * NB + 1), dS_s.index(buf * NB + 1), acc, is_async=True)
+        acc = warpgroup_mma(phi_s.index(slot * NB + 2), dS_s.index(buf * NB + 2), acc, is_async=True)
+        acc, wt = warpgroup_mma_wait(0, deps=[acc, wt])
+        t = c * C_ + ro
+        gl.store(dv + t * (H * V_) + co, gl.convert_layout(acc.to(gl.bfloat16), LO), mask=t < T)
+        # the chunk's queries into the reverse state: dS_b += ψ_bᵀ g
+        S0 = warpgroup_mma(psi_s.index(slot * NB).permute((1, 0)), gs, S0, is_async=True)
+        S1 = warpgroup_mma(psi_s.index(slot * NB + 1).permute((1, 0)), gs, S1, is_async=True)
+        S2 = warpgroup_mma(psi_s.index(slot * NB + 2).permute((1, 0)), gs, S2, is_async=True)
+        S0, S1, S2 = warpgroup_mma_wait(0, deps=[S0, S1, S2])
         _barrier()
         mbarrier.arrive(free.index(slot))
-        dS_s.index(0).store(S0.to(gl.bfloat16))
-        dS_s.index(1).store(S1.to(gl.bfloat16))
-        dS_s.index(2).store(S2.to(gl.bfloat16))
-        fence_async_shared()
-        _barrier()
+        if i > 0:  # the dk partition has read the other buffer (at chunk i - 1)
+            mbarrier.wait(ds_free.index(1 - buf), ((i - 1) // 2) & 1)
+        _publish(dS_s, 1 - buf, S0, S1, S2)
+        mbarrier.arrive(ds_ready.index(1 - buf))
     if STORE_DH0:
         dh0 += i_bh.to(gl.int64) * (F_ * V_)
-        dz0 += i_bh.to(gl.int64) * F_
         gl.store(dh0 + rs * V_ + cs, S0)
         gl.store(dh0 + (64 + rs) * V_ + cs, S1)
         gl.store(dh0 + (128 + rs) * V_ + cs, S2)
-        gl.store(dz0 + r8 + c8 * 0, gl.sum(gl.where(c8 < 2, Z0, 0.0), 1)[:, None] + 0.0 * Z0, mask=c8 == 0)
-        gl.store(dz0 + 64 + r8 + c8 * 0, gl.sum(gl.where(c8 < 2, Z1, 0.0), 1)[:, None] + 0.0 * Z1, mask=c8 == 0)
-        gl.store(dz0 + 128 + r8 + c8 * 0, gl.sum(gl.where(c8 < 2, Z2, 0.0), 1)[:, None] + 0.0 * Z2, mask=c8 == 0)
 
 
 @gluon.jit
 def _dkv_kernel(q, k, v, do, o, den, mats, hw, dk, dv, dhT, dzT, dh0, dz0, T, scale, H: gl.constexpr,
-                USE_DHT: gl.constexpr, STORE_DH0: gl.constexpr, NSLOT: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """One program per sequence, walking its chunks from the last: dk, dv, and the gradient of the initial state."""
+                USE_DHT: gl.constexpr, STORE_DH0: gl.constexpr, NSLOT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                DK_REGS: gl.constexpr):
+    """One program per sequence, walking its chunks from the last in three partitions: the producer, the consumer
+    (dv and the reverse state) and the dk partition. Also the initial state's gradient (STORE_DH0)."""
     i_bh = gl.program_id(0)
     i_b = i_bh // H
     i_h = i_bh % H
@@ -345,35 +415,45 @@ def _dkv_kernel(q, k, v, do, o, den, mats, hw, dk, dv, dhT, dzT, dh0, dz0, T, sc
     slr: gl.constexpr = gl.NVMMASharedLayout.get_default_for([X_, 64], gl.bfloat16)
     sl64: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     sl8: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_, 8], gl.bfloat16)
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    # the slots: a chunk's inputs, e, ψ(q), φ(k) and dz of the chunks after it
     xq_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, X_], sl32)
     xk_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, X_], sl32)
     v_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, V_], sl64)
     g_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, V_], sl64)
     e_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, 8], sl8)
-    w_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, C_], sl64)
-    ds_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, C_], sl64)
     psi_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT * NB, C_, 64], sl64)
-    # the factor matrices, one copy per partition (each loads its own)
+    phi_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT * NB, C_, 64], sl64)
     ra_s = gl.allocate_shared_memory(gl.bfloat16, [NB, X_, 64], slr)
     rb_s = gl.allocate_shared_memory(gl.bfloat16, [NB, X_, 64], slr)
-    pa_s = gl.allocate_shared_memory(gl.bfloat16, [NB, X_, 64], slr)
-    pb_s = gl.allocate_shared_memory(gl.bfloat16, [NB, X_, 64], slr)
-    dS_s = gl.allocate_shared_memory(gl.bfloat16, [NB, 64, V_], sl64)
+    dz_s = gl.allocate_shared_memory(gl.float32, [NSLOT * NB, 64], plain)
+    # the reverse state, two buffers, in bf16
+    dS_s = gl.allocate_shared_memory(gl.bfloat16, [2 * NB, 64, V_], sl64)
+    mats_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(mats_ready, count=1)
     for s in gl.static_range(NSLOT):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(free.index(s), count=1)
+        mbarrier.init(free.index(s), count=2)  # the consumer and the dk partition
+    for s in gl.static_range(2):
+        mbarrier.init(ds_ready.index(s), count=1)
+        mbarrier.init(ds_free.index(s), count=1)
     gl.warp_specialize([
-        (_consumer, (dk, dv, dhT, dzT, dh0, dz0, i_bh, T, H, USE_DHT, STORE_DH0, mats, xq_s, xk_s, v_s, g_s, e_s, w_s,
-                     ds_s, psi_s, ra_s, rb_s, dS_s, ready, free, NSLOT)),
-        (_producer, (q, k, v, do, o, den, T, scale, H, mats, hw, xq_s, xk_s, v_s, g_s, e_s, w_s, ds_s, psi_s, pa_s,
-                     pb_s, ready, free, NSLOT)),
-    ], [4], [PRODUCER_REGS])
+        (_consumer, (dv, dhT, dh0, i_bh, T, H, USE_DHT, STORE_DH0, xq_s, xk_s, g_s, psi_s, phi_s, dS_s, mats_ready,
+                     ready, free, ds_ready, ds_free, NSLOT)),
+        (_producer, (q, k, v, do, o, den, dzT, dz0, i_bh, T, scale, H, USE_DHT, STORE_DH0, mats, hw, xq_s, xk_s, v_s,
+                     g_s, e_s, psi_s, phi_s, dz_s, ra_s, rb_s, mats_ready, ready, free, NSLOT)),
+        (_dk_partition, (dk, T, H, xq_s, xk_s, v_s, g_s, e_s, ra_s, rb_s, dS_s, dz_s, mats_ready, ready, free,
+                         ds_ready, ds_free, NSLOT)),
+    ], [4, 4], [PRODUCER_REGS, DK_REGS])
 
 
-# Registers per thread of the producer partition (setmaxnreg); the consumer gets what is left.
-PRODUCER_REGS = 200
+# Registers per thread of the dk/dv walk's worker partitions (setmaxnreg); the consumer gets what is left of 512.
+PRODUCER_REGS = 168
+DK_REGS = 168
 
 
 def factor_matrices(device=None) -> torch.Tensor:
@@ -470,7 +550,7 @@ def gluon_backward(q, k, v, o, do, den, hs, zs, scale, dhvT=None, dhzT=None, nee
     grid = min(NC * B * H, DQ_PROGRAMS_PER_SM * _sm_count(q.device))
     _dq_kernel[(grid,)](q, k, v, do, o, den, hs, zs, mats, hw, dq, T, scale, B * H, H, num_warps=4)
     _dkv_kernel[(B * H,)](q, k, v, do, o, den, mats, hw, dk, dv, dhT, dzT, dh0, dz0, T, scale, H, USE_DHT=use_dht,
-                          STORE_DH0=need_dh0, NSLOT=2, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+                          STORE_DH0=need_dh0, NSLOT=2, PRODUCER_REGS=PRODUCER_REGS, DK_REGS=DK_REGS, num_warps=4)
     dhv0 = dhz0 = None
     if need_dh0:
         dhv0, dhz0 = rows_grad_to_state(dh0, dz0, B, H)

@@ -116,9 +116,9 @@ def compile_gluon_backward(kind: str = "dkv", states: bool = False):
     else:
         sig |= {"dk": "*bf16", "dv": "*bf16"} | {n: "*fp32" for n in ("dhT", "dzT", "dh0", "dz0")}
         sig |= {"T": "i32", "scale": "fp32"}
-        sig |= {n: "constexpr" for n in ("H", "USE_DHT", "STORE_DH0", "NSLOT", "PRODUCER_REGS")}
+        sig |= {n: "constexpr" for n in ("H", "USE_DHT", "STORE_DH0", "NSLOT", "PRODUCER_REGS", "DK_REGS")}
         fn, constexprs = gb._dkv_kernel, {"H": 16, "USE_DHT": states, "STORE_DH0": states, "NSLOT": 2,
-                                          "PRODUCER_REGS": gb.PRODUCER_REGS}
+                                          "PRODUCER_REGS": gb.PRODUCER_REGS, "DK_REGS": gb.DK_REGS}
     # pointers 16-byte aligned, as a launch from PyTorch tensors specialises them
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*")}
     src = GluonASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
