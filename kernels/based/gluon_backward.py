@@ -76,8 +76,9 @@ def _load_chunk(q, k, v, do, o, den, start, T, scale, H: gl.constexpr):
     oo = gl.load(o + tv * (H * V_) + cv, mask=tv < T, other=0.0).to(gl.float32)
     dn = gl.load(den + (start + gl.arange(0, C_, layout=gl.SliceLayout(1, LV))) * H,
                  mask=(start + gl.arange(0, C_, layout=gl.SliceLayout(1, LV))) < T, other=1.0)
-    g = dd / dn[:, None]
-    e = -gl.sum(dd * oo, 1) / dn
+    rn = 1.0 / dn  # one division per row, then products
+    g = dd * rn[:, None]
+    e = -gl.sum(dd * oo, 1) * rn
     # x_ext of q_s: q_s rounded to bf16 first, as the forward's features take it
     return xq.to(gl.bfloat16), xk.to(gl.bfloat16), vv, g.to(gl.bfloat16), e
 
@@ -174,30 +175,15 @@ def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, T, scale, BH, H: gl.co
 
 
 @gluon.jit
-def _producer(q, k, v, do, o, den, dzT, dz0, i_bh, T, scale, H: gl.constexpr, USE_DHT: gl.constexpr,
-              STORE_DH0: gl.constexpr, mats, hw, xq_s, xk_s, v_s, g_s, e_s, psi_s, phi_s, dz_s, ra_s, rb_s, mats_ready,
-              ready, free, NSLOT: gl.constexpr):
+def _producer(q, k, v, do, o, den, T, scale, H: gl.constexpr, mats, hw, xq_s, xk_s, v_s, g_s, e_s, psi_s, phi_s,
+              ra_s, rb_s, mats_ready, ready, free, NSLOT: gl.constexpr):
     """Worker partition 0 (4 warps): loads the factor matrices for all three partitions, then for each chunk from
-    the last stores its inputs, e (as a bf16 head and tail), ψ(q), φ(k) and the reverse denominator state dz (which
-    it keeps: dz_b += ψ_bᵀ e, fp32 accumulators [64, 8], column 0 for e's head and 1 for its tail) into the slot the
-    others read next."""
+    the last stores its inputs, e (as a bf16 head and tail), ψ(q) and φ(k) into the slot the others read next."""
     LE: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     cj = gl.arange(0, 64, layout=gl.SliceLayout(0, A64))
     c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, LE))[None, :]
-    A8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
-    r8 = gl.arange(0, 64, layout=gl.SliceLayout(1, A8))[:, None]
-    z8 = gl.arange(0, 8, layout=gl.SliceLayout(0, A8))[None, :]
     z64 = gl.zeros([C_, 64], gl.float32, A64)
-    if USE_DHT:
-        dzT += i_bh.to(gl.int64) * F_
-        Z0 = gl.load(dzT + r8 + z8 * 0, mask=z8 == 0, other=0.0)
-        Z1 = gl.load(dzT + 64 + r8 + z8 * 0, mask=z8 == 0, other=0.0)
-        Z2 = gl.load(dzT + 128 + r8 + z8 * 0, mask=z8 == 0, other=0.0)
-    else:
-        Z0 = gl.zeros([64, 8], gl.float32, A8)
-        Z1 = gl.zeros([64, 8], gl.float32, A8)
-        Z2 = gl.zeros([64, 8], gl.float32, A8)
     _load_mats(mats, ra_s, rb_s)
     fence_async_shared()
     _barrier()
@@ -207,18 +193,18 @@ def _producer(q, k, v, do, o, den, dzT, dz0, i_bh, T, scale, H: gl.constexpr, US
     for i in range(NC):
         c = NC - 1 - i
         slot = i % NSLOT
+        xq, xk, vv, g, e = nxq, nxk, nv, ng, ne
+        if c > 0:  # the next chunk's inputs, in flight while this one is built and run
+            nxq, nxk, nv, ng, ne = _load_chunk(q, k, v, do, o, den, (c - 1) * C_, T, scale, H)
         mbarrier.wait(free.index(slot), ((i // NSLOT) & 1) ^ 1)  # both readers are done with this slot
-        xq_s.index(slot).store(nxq)
-        xk_s.index(slot).store(nxk)
-        v_s.index(slot).store(nv)
-        g_s.index(slot).store(ng)
-        el = gl.convert_layout(ne, gl.SliceLayout(1, LE))[:, None]
+        xq_s.index(slot).store(xq)
+        xk_s.index(slot).store(xk)
+        v_s.index(slot).store(vv)
+        g_s.index(slot).store(g)
+        el = gl.convert_layout(e, gl.SliceLayout(1, LE))[:, None]
         ehi = el.to(gl.bfloat16)
         elo = (el - ehi.to(gl.float32)).to(gl.bfloat16)
         e_s.index(slot).store(gl.where(c8 == 0, ehi, gl.where(c8 == 1, elo, gl.zeros_like(ehi))))
-        dz_s.index(slot * NB).store(_zsum(Z0))  # dz of the later chunks, what this chunk's dk reads
-        dz_s.index(slot * NB + 1).store(_zsum(Z1))
-        dz_s.index(slot * NB + 2).store(_zsum(Z2))
         fence_async_shared()
         _barrier()
         for b in gl.static_range(NB):
@@ -241,19 +227,6 @@ def _producer(q, k, v, do, o, den, dzT, dz0, i_bh, T, scale, H: gl.constexpr, US
         fence_async_shared()
         _barrier()
         mbarrier.arrive(ready.index(slot))
-        if c > 0:  # the next chunk's inputs, in flight while the others run this one
-            nxq, nxk, nv, ng, ne = _load_chunk(q, k, v, do, o, den, (c - 1) * C_, T, scale, H)
-        es = e_s.index(slot)
-        Z0 = warpgroup_mma(psi_s.index(slot * NB).permute((1, 0)), es, Z0, is_async=True)
-        Z1 = warpgroup_mma(psi_s.index(slot * NB + 1).permute((1, 0)), es, Z1, is_async=True)
-        Z2 = warpgroup_mma(psi_s.index(slot * NB + 2).permute((1, 0)), es, Z2, is_async=True)
-        Z0, Z1, Z2 = warpgroup_mma_wait(0, deps=[Z0, Z1, Z2])
-    if STORE_DH0:
-        dz0 += i_bh.to(gl.int64) * F_
-        rz = gl.arange(0, 64, layout=gl.SliceLayout(1, A8))
-        gl.store(dz0 + rz, _zsum(Z0))
-        gl.store(dz0 + 64 + rz, _zsum(Z1))
-        gl.store(dz0 + 128 + rz, _zsum(Z2))
 
 
 @gluon.jit
@@ -299,7 +272,7 @@ def _dk_partition(dk, T, H: gl.constexpr, xq_s, xk_s, v_s, g_s, e_s, ra_s, rb_s,
                 gf, fb, fa = warpgroup_mma_wait(0, deps=[gf, fb, fa])
             else:
                 gf, fb = warpgroup_mma_wait(0, deps=[gf, fb])
-            zb = dz_s.index(slot * NB + b).load(gl.SliceLayout(0, A64))
+            zb = dz_s.index(buf * NB + b).load(gl.SliceLayout(0, A64))
             if b == NB - 1:  # every read of this dS buffer is done
                 _barrier()
                 mbarrier.arrive(ds_free.index(buf))
@@ -323,39 +296,54 @@ def _zsum(Z):
 
 
 @gluon.jit
-def _publish(dS_s, buf, S0, S1, S2):
-    """The reverse state into dS buffer buf, in bf16 for the MMAs."""
+def _publish(dS_s, dz_s, buf, S0, S1, S2, Z0, Z1, Z2):
+    """The reverse state into buffer buf: dS in bf16 for the MMAs, dz in fp32."""
     dS_s.index(buf * NB).store(S0.to(gl.bfloat16))
     dS_s.index(buf * NB + 1).store(S1.to(gl.bfloat16))
     dS_s.index(buf * NB + 2).store(S2.to(gl.bfloat16))
+    dz_s.index(buf * NB).store(_zsum(Z0))
+    dz_s.index(buf * NB + 1).store(_zsum(Z1))
+    dz_s.index(buf * NB + 2).store(_zsum(Z2))
     fence_async_shared()
     _barrier()
 
 
 @gluon.jit
-def _consumer(dv, dhT, dh0, i_bh, T, H: gl.constexpr, USE_DHT: gl.constexpr, STORE_DH0: gl.constexpr, xq_s, xk_s,
-              g_s, psi_s, phi_s, dS_s, mats_ready, ready, free, ds_ready, ds_free, NSLOT: gl.constexpr):
-    """The default partition (4 warps): holds the reverse state dS (fp32, [64, V] per feature block); per chunk
-    dv = wᵀ g + Σ_b φ_b dS_b, then dS_b += ψ_bᵀ g, published in bf16 (double-buffered) for the next chunk's reads
-    here and in the dk partition."""
+def _consumer(dv, dhT, dzT, dh0, dz0, i_bh, T, H: gl.constexpr, USE_DHT: gl.constexpr, STORE_DH0: gl.constexpr,
+              xq_s, xk_s, g_s, e_s, psi_s, phi_s, dS_s, dz_s, mats_ready, ready, free, ds_ready, ds_free,
+              NSLOT: gl.constexpr):
+    """The default partition (4 warps): holds the reverse state, dS (fp32, [64, V] per feature block) and dz (fp32
+    accumulators [64, 8] per block: column 0 sums ψ·e's bf16 head, column 1 its tail); per chunk dv = wᵀ g +
+    Σ_b φ_b dS_b, then dS_b += ψ_bᵀ g and dz_b += ψ_bᵀ e, published
+    (double-buffered: dS in bf16, dz in fp32) for the next chunk's reads here and in the dk partition."""
     LO: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    A8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
     OP64: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=A64, k_width=2)
     rs = gl.arange(0, 64, layout=gl.SliceLayout(1, A64))[:, None]  # rows of dS: features; of wᵀ: keys j
     cs = gl.arange(0, V_, layout=gl.SliceLayout(0, A64))[None, :]  # its columns: values; of wᵀ: queries i
+    c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, A8))[None, :]
+    r8 = gl.arange(0, 64, layout=gl.SliceLayout(1, A8))[:, None]
     ro = gl.arange(0, C_, layout=gl.SliceLayout(1, LO))[:, None]
     co = gl.arange(0, V_, layout=gl.SliceLayout(0, LO))[None, :]
     z64 = gl.zeros([C_, 64], gl.float32, A64)
     if USE_DHT:
         dhT += i_bh.to(gl.int64) * (F_ * V_)
+        dzT += i_bh.to(gl.int64) * F_
         S0 = gl.load(dhT + rs * V_ + cs)
         S1 = gl.load(dhT + (64 + rs) * V_ + cs)
         S2 = gl.load(dhT + (128 + rs) * V_ + cs)
+        Z0 = gl.load(dzT + r8 + c8 * 0, mask=c8 == 0, other=0.0)
+        Z1 = gl.load(dzT + 64 + r8 + c8 * 0, mask=c8 == 0, other=0.0)
+        Z2 = gl.load(dzT + 128 + r8 + c8 * 0, mask=c8 == 0, other=0.0)
     else:
         S0 = gl.zeros([64, V_], gl.float32, A64)
         S1 = gl.zeros([64, V_], gl.float32, A64)
         S2 = gl.zeros([64, V_], gl.float32, A64)
-    _publish(dS_s, 0, S0, S1, S2)
+        Z0 = gl.zeros([64, 8], gl.float32, A8)
+        Z1 = gl.zeros([64, 8], gl.float32, A8)
+        Z2 = gl.zeros([64, 8], gl.float32, A8)
+    _publish(dS_s, dz_s, 0, S0, S1, S2, Z0, Z1, Z2)
     mbarrier.arrive(ds_ready.index(0))
     mbarrier.wait(mats_ready, 0)
     NC = gl.cdiv(T, C_)
@@ -376,22 +364,31 @@ def _consumer(dv, dhT, dh0, i_bh, T, H: gl.constexpr, USE_DHT: gl.constexpr, STO
         acc, wt = warpgroup_mma_wait(0, deps=[acc, wt])
         t = c * C_ + ro
         gl.store(dv + t * (H * V_) + co, gl.convert_layout(acc.to(gl.bfloat16), LO), mask=t < T)
-        # the chunk's queries into the reverse state: dS_b += ψ_bᵀ g
+        # the chunk's queries into the reverse state: dS_b += ψ_bᵀ g, dz_b += ψ_bᵀ e
+        es = e_s.index(slot)
         S0 = warpgroup_mma(psi_s.index(slot * NB).permute((1, 0)), gs, S0, is_async=True)
         S1 = warpgroup_mma(psi_s.index(slot * NB + 1).permute((1, 0)), gs, S1, is_async=True)
         S2 = warpgroup_mma(psi_s.index(slot * NB + 2).permute((1, 0)), gs, S2, is_async=True)
-        S0, S1, S2 = warpgroup_mma_wait(0, deps=[S0, S1, S2])
+        Z0 = warpgroup_mma(psi_s.index(slot * NB).permute((1, 0)), es, Z0, is_async=True)
+        Z1 = warpgroup_mma(psi_s.index(slot * NB + 1).permute((1, 0)), es, Z1, is_async=True)
+        Z2 = warpgroup_mma(psi_s.index(slot * NB + 2).permute((1, 0)), es, Z2, is_async=True)
+        S0, S1, S2, Z0, Z1, Z2 = warpgroup_mma_wait(0, deps=[S0, S1, S2, Z0, Z1, Z2])
         _barrier()
         mbarrier.arrive(free.index(slot))
         if i > 0:  # the dk partition has read the other buffer (at chunk i - 1)
             mbarrier.wait(ds_free.index(1 - buf), ((i - 1) // 2) & 1)
-        _publish(dS_s, 1 - buf, S0, S1, S2)
+        _publish(dS_s, dz_s, 1 - buf, S0, S1, S2, Z0, Z1, Z2)
         mbarrier.arrive(ds_ready.index(1 - buf))
     if STORE_DH0:
         dh0 += i_bh.to(gl.int64) * (F_ * V_)
+        dz0 += i_bh.to(gl.int64) * F_
         gl.store(dh0 + rs * V_ + cs, S0)
         gl.store(dh0 + (64 + rs) * V_ + cs, S1)
         gl.store(dh0 + (128 + rs) * V_ + cs, S2)
+        rz = gl.arange(0, 64, layout=gl.SliceLayout(1, A8))
+        gl.store(dz0 + rz, _zsum(Z0))
+        gl.store(dz0 + 64 + rz, _zsum(Z1))
+        gl.store(dz0 + 128 + rz, _zsum(Z2))
 
 
 @gluon.jit
@@ -416,7 +413,7 @@ def _dkv_kernel(q, k, v, do, o, den, mats, hw, dk, dv, dhT, dzT, dh0, dz0, T, sc
     sl64: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     sl8: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_, 8], gl.bfloat16)
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    # the slots: a chunk's inputs, e, ψ(q), φ(k) and dz of the chunks after it
+    # the slots: a chunk's inputs, e, ψ(q) and φ(k)
     xq_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, X_], sl32)
     xk_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, X_], sl32)
     v_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, V_], sl64)
@@ -426,9 +423,9 @@ def _dkv_kernel(q, k, v, do, o, den, mats, hw, dk, dv, dhT, dzT, dh0, dz0, T, sc
     phi_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT * NB, C_, 64], sl64)
     ra_s = gl.allocate_shared_memory(gl.bfloat16, [NB, X_, 64], slr)
     rb_s = gl.allocate_shared_memory(gl.bfloat16, [NB, X_, 64], slr)
-    dz_s = gl.allocate_shared_memory(gl.float32, [NSLOT * NB, 64], plain)
-    # the reverse state, two buffers, in bf16
+    # the reverse state, two buffers: dS in bf16, dz in fp32
     dS_s = gl.allocate_shared_memory(gl.bfloat16, [2 * NB, 64, V_], sl64)
+    dz_s = gl.allocate_shared_memory(gl.float32, [2 * NB, 64], plain)
     mats_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
@@ -442,10 +439,10 @@ def _dkv_kernel(q, k, v, do, o, den, mats, hw, dk, dv, dhT, dzT, dh0, dz0, T, sc
         mbarrier.init(ds_ready.index(s), count=1)
         mbarrier.init(ds_free.index(s), count=1)
     gl.warp_specialize([
-        (_consumer, (dv, dhT, dh0, i_bh, T, H, USE_DHT, STORE_DH0, xq_s, xk_s, g_s, psi_s, phi_s, dS_s, mats_ready,
-                     ready, free, ds_ready, ds_free, NSLOT)),
-        (_producer, (q, k, v, do, o, den, dzT, dz0, i_bh, T, scale, H, USE_DHT, STORE_DH0, mats, hw, xq_s, xk_s, v_s,
-                     g_s, e_s, psi_s, phi_s, dz_s, ra_s, rb_s, mats_ready, ready, free, NSLOT)),
+        (_consumer, (dv, dhT, dzT, dh0, dz0, i_bh, T, H, USE_DHT, STORE_DH0, xq_s, xk_s, g_s, e_s, psi_s, phi_s,
+                     dS_s, dz_s, mats_ready, ready, free, ds_ready, ds_free, NSLOT)),
+        (_producer, (q, k, v, do, o, den, T, scale, H, mats, hw, xq_s, xk_s, v_s, g_s, e_s, psi_s, phi_s, ra_s, rb_s,
+                     mats_ready, ready, free, NSLOT)),
         (_dk_partition, (dk, T, H, xq_s, xk_s, v_s, g_s, e_s, ra_s, rb_s, dS_s, dz_s, mats_ready, ready, free,
                          ds_ready, ds_free, NSLOT)),
     ], [4, 4], [PRODUCER_REGS, DK_REGS])
