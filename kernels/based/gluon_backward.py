@@ -6,13 +6,17 @@ denominator den, and the state entering every chunk in this module's row order (
 e = −(dO·o)/den (the normalisation's chain rule) the gradient is that of Σ_i g_i·num_i + e_i·den_i, and two kernels
 take it:
 
-- `_dq_kernel`, one program per (chunk, sequence), fully parallel: dq of chunk c needs only the chunk and the state
-  entering it. dψ(q) = g Sᵀ + e zᵀ (S from hs), then through the feature map (below), plus the chunk's own part
-  ds·k with ds = (g vᵀ + e) ⊙ (1 + s), causal.
+- `_dq_kernel`, fully parallel over chunks (each program loops over chunks, the next one's state copied in flight):
+  dq of chunk c needs only the chunk and the state entering it. dψ(q) = g Sᵀ + e zᵀ (S from hs), then through the
+  feature map (below), plus the chunk's own part ds·k with ds = (g vᵀ + e) ⊙ (1 + s), causal. It also stores g and
+  e for the walk.
 - `_dkv_kernel`, one program per sequence, walking the chunks backwards with the reverse state dS = Σ_{later i}
-  ψ(q_i) g_iᵀ [192, V] (fp32 accumulators) and dz = Σ ψ(q_i) e_i: dv = φ(k) dS + wᵀ g, dφ(k) = v dSᵀ + dz, dk through
-  the feature map plus dsᵀ q_s. A producer partition (4 warps) builds each chunk's inputs, w, ds and ψ(q) into one of
-  two shared-memory slots while the consumer (4 warps) runs the chunk before, as the forward does.
+  ψ(q_i) g_iᵀ [192, V] and dz = Σ ψ(q_i) e_i, in three partitions of 4 warps: the producer loads each chunk and
+  builds ψ(q) into one of two shared-memory slots; the consumer holds dS and dz (fp32 accumulators), adds each
+  chunk's queries and publishes them (double-buffered, dS in bf16), then computes dv = φ(k) dS + wᵀ g; the dk
+  partition computes dk = the feature map's Jacobian of dφ(k) = v dSᵀ + dz, plus dsᵀ q_s, and on the way φ(k) for
+  the consumer. ptxas holds every partition to 168 registers (65536 / 384 threads), which is what sets this split:
+  dS alone takes 96.
 
 The feature map. Each feature is a product of two factors, f = h ⊙ (x_ext·A) ⊙ (x_ext·B), with x_ext = [x, 1, 0…]
 [C, 32], A and B 0/1 matrices [32, 64] per block (`factor_matrices`, the forward's `_factor_mats`), and h the query
@@ -56,31 +60,53 @@ def _load_mats(mats, ra_s, rb_s):
 
 
 @gluon.jit
-def _load_chunk(q, k, v, do, o, den, start, T, scale, H: gl.constexpr):
-    """A chunk's inputs in registers: x_ext of q_s and of k [C, 32] (bf16), v [C, V] (bf16), g = dO/den (bf16) and
-    e = −(dO·o)/den [C] (fp32). Rows past T are zero (k's appended one too; q's stays, harmless: g = e = 0 there)."""
+def _load_x(q, k, start, T, scale, H: gl.constexpr):
+    """A chunk's x_ext of q_s and of k [C, 32] (bf16; q_s rounded to bf16 first, as the forward's features take it).
+    Rows past T are zero, k's appended one too (q's stays, harmless: g = e = 0 there)."""
     LX: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-    LV: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     rx = gl.arange(0, C_, layout=gl.SliceLayout(1, LX))[:, None]
     cx = gl.arange(0, X_, layout=gl.SliceLayout(0, LX))[None, :]
-    rv = gl.arange(0, C_, layout=gl.SliceLayout(1, LV))[:, None]
-    cv = gl.arange(0, V_, layout=gl.SliceLayout(0, LV))[None, :]
     tx = start + rx
-    tv = start + rv
     one = gl.where(cx == K_, 1.0, 0.0)
     xq = gl.load(q + tx * (H * K_) + cx, mask=(tx < T) & (cx < K_), other=0.0).to(gl.float32) * scale + one
     xk = gl.load(k + tx * (H * K_) + cx, mask=(tx < T) & (cx < K_), other=0.0).to(gl.float32) + gl.where(
         tx < T, one, 0.0)
+    return xq.to(gl.bfloat16), xk.to(gl.bfloat16)
+
+
+@gluon.jit
+def _load_vge(v, do, o, den, start, T, H: gl.constexpr, g_out, e_out, STORE_GE: gl.constexpr):
+    """A chunk's v [C, V] (bf16), g = dO/den (bf16) and e = −(dO·o)/den [C] (fp32); with STORE_GE also g and e into
+    g_out [B, T, H, V] and e_out [B, T, H] (at this sequence's offsets), for the dk/dv walk."""
+    LV: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    rv = gl.arange(0, C_, layout=gl.SliceLayout(1, LV))[:, None]
+    cv = gl.arange(0, V_, layout=gl.SliceLayout(0, LV))[None, :]
+    tv = start + rv
+    tr = start + gl.arange(0, C_, layout=gl.SliceLayout(1, LV))
     vv = gl.load(v + tv * (H * V_) + cv, mask=tv < T, other=0.0)
     dd = gl.load(do + tv * (H * V_) + cv, mask=tv < T, other=0.0).to(gl.float32)
     oo = gl.load(o + tv * (H * V_) + cv, mask=tv < T, other=0.0).to(gl.float32)
-    dn = gl.load(den + (start + gl.arange(0, C_, layout=gl.SliceLayout(1, LV))) * H,
-                 mask=(start + gl.arange(0, C_, layout=gl.SliceLayout(1, LV))) < T, other=1.0)
-    rn = 1.0 / dn  # one division per row, then products
-    g = dd * rn[:, None]
+    rn = 1.0 / gl.load(den + tr * H, mask=tr < T, other=1.0)  # one division per row, then products
+    g = (dd * rn[:, None]).to(gl.bfloat16)
     e = -gl.sum(dd * oo, 1) * rn
-    # x_ext of q_s: q_s rounded to bf16 first, as the forward's features take it
-    return xq.to(gl.bfloat16), xk.to(gl.bfloat16), vv, g.to(gl.bfloat16), e
+    if STORE_GE:
+        gl.store(g_out + tv * (H * V_) + cv, g, mask=tv < T)
+        gl.store(e_out + tr * H, e, mask=tr < T)
+    return vv, g, e
+
+
+@gluon.jit
+def _load_vg(v, g_in, e_in, start, T, H: gl.constexpr):
+    """A chunk's v and g [C, V] (bf16) and e [C] (fp32), as `_load_vge` computed and stored them."""
+    LV: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    rv = gl.arange(0, C_, layout=gl.SliceLayout(1, LV))[:, None]
+    cv = gl.arange(0, V_, layout=gl.SliceLayout(0, LV))[None, :]
+    tv = start + rv
+    tr = start + gl.arange(0, C_, layout=gl.SliceLayout(1, LV))
+    vv = gl.load(v + tv * (H * V_) + cv, mask=tv < T, other=0.0)
+    g = gl.load(g_in + tv * (H * V_) + cv, mask=tv < T, other=0.0)
+    e = gl.load(e_in + tr * H, mask=tr < T, other=0.0)
+    return vv, g, e
 
 
 @gluon.jit
@@ -95,10 +121,11 @@ def _copy_state(h_s, buf, hs, idx, rf, cv, pred):
 
 
 @gluon.jit
-def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, T, scale, BH, H: gl.constexpr):
+def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, g_out, e_out, T, scale, BH, H: gl.constexpr):
     """dq, chunk by chunk: each program takes chunks pid, pid + grid, … (of all sequences; NC per sequence) and for
     each computes the chunk's own part and the read of the state entering it (hs, zs), through the query feature
-    map. The factor matrices are loaded once per program."""
+    map. The factor matrices are loaded once per program. Also stores g = dO/den and e = −(dO·o)/den, which the
+    dk/dv walk reads instead of dO, o and den."""
     LV: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     A32: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 16])
@@ -138,8 +165,9 @@ def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, T, scale, BH, H: gl.co
         start = c * C_
         ok = i_b.to(gl.int64) * T * H * K_ + i_h * K_
         ov = i_b.to(gl.int64) * T * H * V_ + i_h * V_
-        xq, xk, vv, g, e = _load_chunk(q + ok, k + ok, v + ov, do + ov, o + ov, den + i_b.to(gl.int64) * T * H + i_h,
-                                       start, T, scale, H)
+        od = i_b.to(gl.int64) * T * H + i_h
+        xq, xk = _load_x(q + ok, k + ok, start, T, scale, H)
+        vv, g, e = _load_vge(v + ov, do + ov, o + ov, den + od, start, T, H, g_out + ov, e_out + od, True)
         _barrier()  # the previous chunk's MMAs are done with the buffers
         xq_s.store(xq)
         xk_s.store(xk)
@@ -175,10 +203,20 @@ def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, T, scale, BH, H: gl.co
 
 
 @gluon.jit
-def _producer(q, k, v, do, o, den, T, scale, H: gl.constexpr, mats, hw, xq_s, xk_s, v_s, g_s, e_s, psi_s, phi_s,
-              ra_s, rb_s, mats_ready, ready, free, NSLOT: gl.constexpr):
+def _copy_vg(v_s, g_s, slot, v, g, start, T, H: gl.constexpr, rv, cv):
+    """Start copying a chunk's v and g [C, V] (bf16) into their slot (cp.async, one commit group; rows past T zero)."""
+    t = start + rv
+    async_copy.async_copy_global_to_shared(v_s.index(slot), v + t * (H * V_) + cv, mask=(t < T) & (cv >= 0))
+    async_copy.async_copy_global_to_shared(g_s.index(slot), g + t * (H * V_) + cv, mask=(t < T) & (cv >= 0))
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _producer(q, k, v, g_in, e_in, T, scale, H: gl.constexpr, mats, hw, xq_s, xk_s, v_s, g_s, e_s, psi_s, ra_s, rb_s,
+              mats_ready, ready, free, NSLOT: gl.constexpr):
     """Worker partition 0 (4 warps): loads the factor matrices for all three partitions, then for each chunk from
-    the last stores its inputs, e (as a bf16 head and tail), ψ(q) and φ(k) into the slot the others read next."""
+    the last stores its inputs, e (as a bf16 head and tail) and ψ(q) into the slot the others read next. The slot of
+    the chunk after is taken as soon as it is free, so its v and g copies fly while this chunk is built."""
     LE: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     cj = gl.arange(0, 64, layout=gl.SliceLayout(0, A64))
@@ -189,19 +227,30 @@ def _producer(q, k, v, do, o, den, T, scale, H: gl.constexpr, mats, hw, xq_s, xk
     _barrier()
     mbarrier.arrive(mats_ready)
     NC = gl.cdiv(T, C_)
-    nxq, nxk, nv, ng, ne = _load_chunk(q, k, v, do, o, den, (NC - 1) * C_, T, scale, H)
+    LV: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    rv = gl.arange(0, C_, layout=gl.SliceLayout(1, LV))[:, None]
+    cv = gl.arange(0, V_, layout=gl.SliceLayout(0, LV))[None, :]
+    tr = gl.arange(0, C_, layout=gl.SliceLayout(1, LE))
+    # v and g go straight into their slot (cp.async, one chunk ahead); q, k and e through registers
+    _copy_vg(v_s, g_s, 0, v, g_in, (NC - 1) * C_, T, H, rv, cv)
+    nxq, nxk = _load_x(q, k, (NC - 1) * C_, T, scale, H)
+    ne = gl.load(e_in + ((NC - 1) * C_ + tr) * H, mask=((NC - 1) * C_ + tr) < T, other=0.0)
     for i in range(NC):
         c = NC - 1 - i
         slot = i % NSLOT
-        xq, xk, vv, g, e = nxq, nxk, nv, ng, ne
-        if c > 0:  # the next chunk's inputs, in flight while this one is built and run
-            nxq, nxk, nv, ng, ne = _load_chunk(q, k, v, do, o, den, (c - 1) * C_, T, scale, H)
-        mbarrier.wait(free.index(slot), ((i // NSLOT) & 1) ^ 1)  # both readers are done with this slot
+        xq, xk, e = nxq, nxk, ne
+        if c > 0:  # the next chunk: its v and g into the other slot once both readers are done with it
+            nxt = (i + 1) % NSLOT
+            mbarrier.wait(free.index(nxt), (((i + 1) // NSLOT) & 1) ^ 1)
+            _copy_vg(v_s, g_s, nxt, v, g_in, (c - 1) * C_, T, H, rv, cv)
+            nxq, nxk = _load_x(q, k, (c - 1) * C_, T, scale, H)
+            ne = gl.load(e_in + ((c - 1) * C_ + tr) * H, mask=((c - 1) * C_ + tr) < T, other=0.0)
+            async_copy.wait_group(1)  # this chunk's v and g have landed
+        else:
+            async_copy.wait_group(0)
         xq_s.index(slot).store(xq)
         xk_s.index(slot).store(xk)
-        v_s.index(slot).store(vv)
-        g_s.index(slot).store(g)
-        el = gl.convert_layout(e, gl.SliceLayout(1, LE))[:, None]
+        el = e[:, None]
         ehi = el.to(gl.bfloat16)
         elo = (el - ehi.to(gl.float32)).to(gl.bfloat16)
         e_s.index(slot).store(gl.where(c8 == 0, ehi, gl.where(c8 == 1, elo, gl.zeros_like(ehi))))
@@ -216,24 +265,17 @@ def _producer(q, k, v, do, o, den, T, scale, H: gl.constexpr, mats, hw, xq_s, xk
                 fb = warpgroup_mma_wait(0, deps=[fb])
             hb = gl.load(hw + b * 64 + cj)[None, :]
             psi_s.index(slot * NB + b).store((fa * fb * hb).to(gl.bfloat16))
-        for b in gl.static_range(NB):
-            fb = warpgroup_mma(xk_s.index(slot), rb_s.index(b), z64, use_acc=False, is_async=True)
-            if b < 2:
-                fa = warpgroup_mma(xk_s.index(slot), ra_s.index(b), z64, use_acc=False, is_async=True)
-                fb, fa = warpgroup_mma_wait(0, deps=[fb, fa])
-            else:
-                fb = warpgroup_mma_wait(0, deps=[fb])
-            phi_s.index(slot * NB + b).store((fa * fb).to(gl.bfloat16))
         fence_async_shared()
         _barrier()
         mbarrier.arrive(ready.index(slot))
 
 
 @gluon.jit
-def _dk_partition(dk, T, H: gl.constexpr, xq_s, xk_s, v_s, g_s, e_s, ra_s, rb_s, dS_s, dz_s, mats_ready, ready, free,
-                  ds_ready, ds_free, NSLOT: gl.constexpr):
+def _dk_partition(dk, T, H: gl.constexpr, xq_s, xk_s, v_s, g_s, e_s, phi_s, ra_s, rb_s, dS_s, dz_s, mats_ready, ready,
+                  free, phi_ready, ds_ready, ds_free, NSLOT: gl.constexpr):
     """Worker partition 1 (4 warps), stateless: per chunk dk = dsᵀ q_s + Σ_b [(G_b ⊙ x·B_b)·A_bᵀ + (G_b ⊙ x·A_b)·B_bᵀ]
-    with G_b = v dS_bᵀ + dz_b, reading the reverse state that the consumer published for this chunk."""
+    with G_b = v dS_bᵀ + dz_b, reading the reverse state that the consumer published for this chunk; on the way it
+    stores the key features φ_b = (x·A_b) ⊙ (x·B_b) for the consumer's dv."""
     LE: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     A32: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 16])
@@ -273,9 +315,12 @@ def _dk_partition(dk, T, H: gl.constexpr, xq_s, xk_s, v_s, g_s, e_s, ra_s, rb_s,
             else:
                 gf, fb = warpgroup_mma_wait(0, deps=[gf, fb])
             zb = dz_s.index(buf * NB + b).load(gl.SliceLayout(0, A64))
-            if b == NB - 1:  # every read of this dS buffer is done
+            phi_s.index(slot * NB + b).store((fa * fb).to(gl.bfloat16))
+            if b == NB - 1:  # every read of this dS buffer is done, and φ is written
+                fence_async_shared()
                 _barrier()
                 mbarrier.arrive(ds_free.index(buf))
+                mbarrier.arrive(phi_ready.index(slot))
             gf = gf + zb[None, :]
             acc = warpgroup_mma(gl.convert_layout((gf * fb).to(gl.bfloat16), OP32), ra_s.index(b).permute((1, 0)),
                                 acc, is_async=True)
@@ -310,12 +355,13 @@ def _publish(dS_s, dz_s, buf, S0, S1, S2, Z0, Z1, Z2):
 
 @gluon.jit
 def _consumer(dv, dhT, dzT, dh0, dz0, i_bh, T, H: gl.constexpr, USE_DHT: gl.constexpr, STORE_DH0: gl.constexpr,
-              xq_s, xk_s, g_s, e_s, psi_s, phi_s, dS_s, dz_s, mats_ready, ready, free, ds_ready, ds_free,
+              xq_s, xk_s, g_s, e_s, psi_s, phi_s, dS_s, dz_s, mats_ready, ready, free, phi_ready, ds_ready, ds_free,
               NSLOT: gl.constexpr):
     """The default partition (4 warps): holds the reverse state, dS (fp32, [64, V] per feature block) and dz (fp32
     accumulators [64, 8] per block: column 0 sums ψ·e's bf16 head, column 1 its tail); per chunk dv = wᵀ g +
-    Σ_b φ_b dS_b, then dS_b += ψ_bᵀ g and dz_b += ψ_bᵀ e, published
-    (double-buffered: dS in bf16, dz in fp32) for the next chunk's reads here and in the dk partition."""
+    Σ_b φ_b dS_b (φ from the dk partition), after dS_b += ψ_bᵀ g and dz_b +=
+    ψ_bᵀ e are published (double-buffered: dS in bf16, dz in fp32) for the next chunk's reads here and in the dk
+    partition."""
     LO: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     A8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
@@ -353,18 +399,8 @@ def _consumer(dv, dhT, dzT, dh0, dz0, i_bh, T, H: gl.constexpr, USE_DHT: gl.cons
         buf = i % 2
         mbarrier.wait(ready.index(slot), (i // NSLOT) & 1)
         gs = g_s.index(slot)
-        # dv = wᵀ g + Σ_b φ_b dS_b, wᵀ [j, i] = ((1 + s_ij)² + 1)/2 for i ≥ j
-        at = warpgroup_mma(xk_s.index(slot), xq_s.index(slot).permute((1, 0)), z64, use_acc=False)  # (1 + s)ᵀ
-        wt = gl.where(cs >= rs, 0.5 * (at * at + 1.0), 0.0).to(gl.bfloat16)
-        wt = gl.convert_layout(wt, OP64)
-        acc = warpgroup_mma(wt, gs, z64, use_acc=False, is_async=True)
-        acc = warpgroup_mma(phi_s.index(slot * NB), dS_s.index(buf * NB), acc, is_async=True)
-        acc = warpgroup_mma(phi_s.index(slot * NB + 1), dS_s.index(buf * NB + 1), acc, is_async=True)
-        acc = warpgroup_mma(phi_s.index(slot * NB + 2), dS_s.index(buf * NB + 2), acc, is_async=True)
-        acc, wt = warpgroup_mma_wait(0, deps=[acc, wt])
-        t = c * C_ + ro
-        gl.store(dv + t * (H * V_) + co, gl.convert_layout(acc.to(gl.bfloat16), LO), mask=t < T)
-        # the chunk's queries into the reverse state: dS_b += ψ_bᵀ g, dz_b += ψ_bᵀ e
+        # the chunk's queries into the reverse state: dS_b += ψ_bᵀ g, dz_b += ψ_bᵀ e, published first (the dk
+        # partition's next chunk waits on it); buffer buf keeps the state before this chunk, for dv below
         es = e_s.index(slot)
         S0 = warpgroup_mma(psi_s.index(slot * NB).permute((1, 0)), gs, S0, is_async=True)
         S1 = warpgroup_mma(psi_s.index(slot * NB + 1).permute((1, 0)), gs, S1, is_async=True)
@@ -373,12 +409,24 @@ def _consumer(dv, dhT, dzT, dh0, dz0, i_bh, T, H: gl.constexpr, USE_DHT: gl.cons
         Z1 = warpgroup_mma(psi_s.index(slot * NB + 1).permute((1, 0)), es, Z1, is_async=True)
         Z2 = warpgroup_mma(psi_s.index(slot * NB + 2).permute((1, 0)), es, Z2, is_async=True)
         S0, S1, S2, Z0, Z1, Z2 = warpgroup_mma_wait(0, deps=[S0, S1, S2, Z0, Z1, Z2])
-        _barrier()
-        mbarrier.arrive(free.index(slot))
         if i > 0:  # the dk partition has read the other buffer (at chunk i - 1)
             mbarrier.wait(ds_free.index(1 - buf), ((i - 1) // 2) & 1)
         _publish(dS_s, dz_s, 1 - buf, S0, S1, S2, Z0, Z1, Z2)
         mbarrier.arrive(ds_ready.index(1 - buf))
+        # dv = wᵀ g + Σ_b φ_b dS_b, wᵀ [j, i] = ((1 + s_ij)² + 1)/2 for i ≥ j
+        at = warpgroup_mma(xk_s.index(slot), xq_s.index(slot).permute((1, 0)), z64, use_acc=False)  # (1 + s)ᵀ
+        wt = gl.where(cs >= rs, 0.5 * (at * at + 1.0), 0.0).to(gl.bfloat16)
+        wt = gl.convert_layout(wt, OP64)
+        acc = warpgroup_mma(wt, gs, z64, use_acc=False, is_async=True)
+        mbarrier.wait(phi_ready.index(slot), (i // NSLOT) & 1)  # φ, from the dk partition
+        acc = warpgroup_mma(phi_s.index(slot * NB), dS_s.index(buf * NB), acc, is_async=True)
+        acc = warpgroup_mma(phi_s.index(slot * NB + 1), dS_s.index(buf * NB + 1), acc, is_async=True)
+        acc = warpgroup_mma(phi_s.index(slot * NB + 2), dS_s.index(buf * NB + 2), acc, is_async=True)
+        acc, wt = warpgroup_mma_wait(0, deps=[acc, wt])
+        _barrier()
+        mbarrier.arrive(free.index(slot))
+        t = c * C_ + ro
+        gl.store(dv + t * (H * V_) + co, gl.convert_layout(acc.to(gl.bfloat16), LO), mask=t < T)
     if STORE_DH0:
         dh0 += i_bh.to(gl.int64) * (F_ * V_)
         dz0 += i_bh.to(gl.int64) * F_
@@ -392,7 +440,7 @@ def _consumer(dv, dhT, dzT, dh0, dz0, i_bh, T, H: gl.constexpr, USE_DHT: gl.cons
 
 
 @gluon.jit
-def _dkv_kernel(q, k, v, do, o, den, mats, hw, dk, dv, dhT, dzT, dh0, dz0, T, scale, H: gl.constexpr,
+def _dkv_kernel(q, k, v, g, e, mats, hw, dk, dv, dhT, dzT, dh0, dz0, T, scale, H: gl.constexpr,
                 USE_DHT: gl.constexpr, STORE_DH0: gl.constexpr, NSLOT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                 DK_REGS: gl.constexpr):
     """One program per sequence, walking its chunks from the last in three partitions: the producer, the consumer
@@ -404,16 +452,15 @@ def _dkv_kernel(q, k, v, do, o, den, mats, hw, dk, dv, dhT, dzT, dh0, dz0, T, sc
     k += i_b.to(gl.int64) * T * H * K_ + i_h * K_
     dk += i_b.to(gl.int64) * T * H * K_ + i_h * K_
     v += i_b.to(gl.int64) * T * H * V_ + i_h * V_
-    do += i_b.to(gl.int64) * T * H * V_ + i_h * V_
-    o += i_b.to(gl.int64) * T * H * V_ + i_h * V_
+    g += i_b.to(gl.int64) * T * H * V_ + i_h * V_
     dv += i_b.to(gl.int64) * T * H * V_ + i_h * V_
-    den += i_b.to(gl.int64) * T * H + i_h
+    e += i_b.to(gl.int64) * T * H + i_h
     sl32: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_, X_], gl.bfloat16)
     slr: gl.constexpr = gl.NVMMASharedLayout.get_default_for([X_, 64], gl.bfloat16)
     sl64: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     sl8: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_, 8], gl.bfloat16)
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    # the slots: a chunk's inputs, e, ψ(q) and φ(k)
+    # the slots: a chunk's inputs, e and ψ(q) (the producer's), φ(k) (the dk partition's)
     xq_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, X_], sl32)
     xk_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, X_], sl32)
     v_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, V_], sl64)
@@ -429,22 +476,24 @@ def _dkv_kernel(q, k, v, do, o, den, mats, hw, dk, dv, dhT, dzT, dh0, dz0, T, sc
     mats_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
+    phi_ready = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(mats_ready, count=1)
     for s in gl.static_range(NSLOT):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(free.index(s), count=2)  # the consumer and the dk partition
+        mbarrier.init(phi_ready.index(s), count=1)
     for s in gl.static_range(2):
         mbarrier.init(ds_ready.index(s), count=1)
         mbarrier.init(ds_free.index(s), count=1)
     gl.warp_specialize([
         (_consumer, (dv, dhT, dzT, dh0, dz0, i_bh, T, H, USE_DHT, STORE_DH0, xq_s, xk_s, g_s, e_s, psi_s, phi_s,
-                     dS_s, dz_s, mats_ready, ready, free, ds_ready, ds_free, NSLOT)),
-        (_producer, (q, k, v, do, o, den, T, scale, H, mats, hw, xq_s, xk_s, v_s, g_s, e_s, psi_s, phi_s, ra_s, rb_s,
-                     mats_ready, ready, free, NSLOT)),
-        (_dk_partition, (dk, T, H, xq_s, xk_s, v_s, g_s, e_s, ra_s, rb_s, dS_s, dz_s, mats_ready, ready, free,
-                         ds_ready, ds_free, NSLOT)),
+                     dS_s, dz_s, mats_ready, ready, free, phi_ready, ds_ready, ds_free, NSLOT)),
+        (_producer, (q, k, v, g, e, T, scale, H, mats, hw, xq_s, xk_s, v_s, g_s, e_s, psi_s, ra_s, rb_s, mats_ready,
+                     ready, free, NSLOT)),
+        (_dk_partition, (dk, T, H, xq_s, xk_s, v_s, g_s, e_s, phi_s, ra_s, rb_s, dS_s, dz_s, mats_ready, ready, free,
+                         phi_ready, ds_ready, ds_free, NSLOT)),
     ], [4, 4], [PRODUCER_REGS, DK_REGS])
 
 
@@ -545,8 +594,10 @@ def gluon_backward(q, k, v, o, do, den, hs, zs, scale, dhvT=None, dhzT=None, nee
         dh0 = torch.empty(B * H, 192, V, device=q.device, dtype=torch.float32)
         dz0 = torch.empty(B * H, 192, device=q.device, dtype=torch.float32)
     grid = min(NC * B * H, DQ_PROGRAMS_PER_SM * _sm_count(q.device))
-    _dq_kernel[(grid,)](q, k, v, do, o, den, hs, zs, mats, hw, dq, T, scale, B * H, H, num_warps=4)
-    _dkv_kernel[(B * H,)](q, k, v, do, o, den, mats, hw, dk, dv, dhT, dzT, dh0, dz0, T, scale, H, USE_DHT=use_dht,
+    g = torch.empty_like(do)  # dO/den, bf16, and −(dO·o)/den, fp32: written by dq's kernel, read by the walk
+    e = torch.empty_like(den)
+    _dq_kernel[(grid,)](q, k, v, do, o, den, hs, zs, mats, hw, dq, g, e, T, scale, B * H, H, num_warps=4)
+    _dkv_kernel[(B * H,)](q, k, v, g, e, mats, hw, dk, dv, dhT, dzT, dh0, dz0, T, scale, H, USE_DHT=use_dht,
                           STORE_DH0=need_dh0, NSLOT=2, PRODUCER_REGS=PRODUCER_REGS, DK_REGS=DK_REGS, num_warps=4)
     dhv0 = dhz0 = None
     if need_dh0:
