@@ -12,11 +12,10 @@ take it:
   e for the walk.
 - `_dkv_kernel`, one program per sequence, walking the chunks backwards with the reverse state dS = Σ_{later i}
   ψ(q_i) g_iᵀ [192, V] and dz = Σ ψ(q_i) e_i, in three partitions of 4 warps: the producer loads each chunk and
-  builds ψ(q) into one of two shared-memory slots; the consumer holds dS and dz (fp32 accumulators), adds each
+  builds ψ(q) and φ(k) into one of two shared-memory slots; the consumer holds dS and dz (fp32 accumulators), adds each
   chunk's queries and publishes them (double-buffered, dS in bf16), then computes dv = φ(k) dS + wᵀ g; the dk
-  partition computes dk = the feature map's Jacobian of dφ(k) = v dSᵀ + dz, plus dsᵀ q_s, and on the way φ(k) for
-  the consumer. ptxas holds every partition to 168 registers (65536 / 384 threads), which is what sets this split:
-  dS alone takes 96.
+  partition computes dk = the feature map's Jacobian of dφ(k) = v dSᵀ + dz, plus dsᵀ q_s. ptxas holds every
+  partition to 168 registers (65536 / 384 threads), which is what sets this split: dS alone takes 96.
 
 The feature map. Each feature is a product of two factors, f = h ⊙ (x_ext·A) ⊙ (x_ext·B), with x_ext = [x, 1, 0…]
 [C, 32], A and B 0/1 matrices [32, 64] per block (`factor_matrices`, the forward's `_factor_mats`), and h the query
@@ -212,11 +211,12 @@ def _copy_vg(v_s, g_s, slot, v, g, start, T, H: gl.constexpr, rv, cv):
 
 
 @gluon.jit
-def _producer(q, k, v, g_in, e_in, T, scale, H: gl.constexpr, mats, hw, xq_s, xk_s, v_s, g_s, e_s, psi_s, ra_s, rb_s,
-              mats_ready, ready, free, NSLOT: gl.constexpr):
+def _producer(q, k, v, g_in, e_in, T, scale, H: gl.constexpr, mats, hw, xq_s, xk_s, v_s, g_s, e_s, psi_s, phi_s,
+              ra_s, rb_s, mats_ready, ready, free, NSLOT: gl.constexpr):
     """Worker partition 0 (4 warps): loads the factor matrices for all three partitions, then for each chunk from
-    the last stores its inputs, e (as a bf16 head and tail) and ψ(q) into the slot the others read next. The slot of
-    the chunk after is taken as soon as it is free, so its v and g copies fly while this chunk is built."""
+    the last stores its inputs, e (as a bf16 head and tail), ψ(q) and φ(k) into the slot the others read next. Once
+    a chunk is handed over, the producer waits for the other slot to be free and starts the next chunk's v and g
+    copies into it (cp.async), which fly while that chunk's features are built."""
     LE: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     cj = gl.arange(0, 64, layout=gl.SliceLayout(0, A64))
@@ -238,19 +238,9 @@ def _producer(q, k, v, g_in, e_in, T, scale, H: gl.constexpr, mats, hw, xq_s, xk
     for i in range(NC):
         c = NC - 1 - i
         slot = i % NSLOT
-        xq, xk, e = nxq, nxk, ne
-        if c > 0:  # the next chunk: its v and g into the other slot once both readers are done with it
-            nxt = (i + 1) % NSLOT
-            mbarrier.wait(free.index(nxt), (((i + 1) // NSLOT) & 1) ^ 1)
-            _copy_vg(v_s, g_s, nxt, v, g_in, (c - 1) * C_, T, H, rv, cv)
-            nxq, nxk = _load_x(q, k, (c - 1) * C_, T, scale, H)
-            ne = gl.load(e_in + ((c - 1) * C_ + tr) * H, mask=((c - 1) * C_ + tr) < T, other=0.0)
-            async_copy.wait_group(1)  # this chunk's v and g have landed
-        else:
-            async_copy.wait_group(0)
-        xq_s.index(slot).store(xq)
-        xk_s.index(slot).store(xk)
-        el = e[:, None]
+        xq_s.index(slot).store(nxq)
+        xk_s.index(slot).store(nxk)
+        el = ne[:, None]
         ehi = el.to(gl.bfloat16)
         elo = (el - ehi.to(gl.float32)).to(gl.bfloat16)
         e_s.index(slot).store(gl.where(c8 == 0, ehi, gl.where(c8 == 1, elo, gl.zeros_like(ehi))))
@@ -265,17 +255,31 @@ def _producer(q, k, v, g_in, e_in, T, scale, H: gl.constexpr, mats, hw, xq_s, xk
                 fb = warpgroup_mma_wait(0, deps=[fb])
             hb = gl.load(hw + b * 64 + cj)[None, :]
             psi_s.index(slot * NB + b).store((fa * fb * hb).to(gl.bfloat16))
+        for b in gl.static_range(NB):
+            fb = warpgroup_mma(xk_s.index(slot), rb_s.index(b), z64, use_acc=False, is_async=True)
+            if b < 2:
+                fa = warpgroup_mma(xk_s.index(slot), ra_s.index(b), z64, use_acc=False, is_async=True)
+                fb, fa = warpgroup_mma_wait(0, deps=[fb, fa])
+            else:
+                fb = warpgroup_mma_wait(0, deps=[fb])
+            phi_s.index(slot * NB + b).store((fa * fb).to(gl.bfloat16))
+        async_copy.wait_group(0)  # this chunk's v and g have landed
         fence_async_shared()
         _barrier()
         mbarrier.arrive(ready.index(slot))
+        if c > 0:  # the next chunk: its v and g into the other slot once both readers are done with it
+            nxt = (i + 1) % NSLOT
+            mbarrier.wait(free.index(nxt), (((i + 1) // NSLOT) & 1) ^ 1)
+            _copy_vg(v_s, g_s, nxt, v, g_in, (c - 1) * C_, T, H, rv, cv)
+            nxq, nxk = _load_x(q, k, (c - 1) * C_, T, scale, H)
+            ne = gl.load(e_in + ((c - 1) * C_ + tr) * H, mask=((c - 1) * C_ + tr) < T, other=0.0)
 
 
 @gluon.jit
-def _dk_partition(dk, T, H: gl.constexpr, xq_s, xk_s, v_s, g_s, e_s, phi_s, ra_s, rb_s, dS_s, dz_s, mats_ready, ready,
-                  free, phi_ready, ds_ready, ds_free, NSLOT: gl.constexpr):
+def _dk_partition(dk, T, H: gl.constexpr, xq_s, xk_s, v_s, g_s, e_s, ra_s, rb_s, dS_s, dz_s, mats_ready, ready, free,
+                  ds_ready, ds_free, NSLOT: gl.constexpr):
     """Worker partition 1 (4 warps), stateless: per chunk dk = dsᵀ q_s + Σ_b [(G_b ⊙ x·B_b)·A_bᵀ + (G_b ⊙ x·A_b)·B_bᵀ]
-    with G_b = v dS_bᵀ + dz_b, reading the reverse state that the consumer published for this chunk; on the way it
-    stores the key features φ_b = (x·A_b) ⊙ (x·B_b) for the consumer's dv."""
+    with G_b = v dS_bᵀ + dz_b, reading the reverse state that the consumer published for this chunk."""
     LE: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     A32: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 16])
@@ -315,12 +319,9 @@ def _dk_partition(dk, T, H: gl.constexpr, xq_s, xk_s, v_s, g_s, e_s, phi_s, ra_s
             else:
                 gf, fb = warpgroup_mma_wait(0, deps=[gf, fb])
             zb = dz_s.index(buf * NB + b).load(gl.SliceLayout(0, A64))
-            phi_s.index(slot * NB + b).store((fa * fb).to(gl.bfloat16))
-            if b == NB - 1:  # every read of this dS buffer is done, and φ is written
-                fence_async_shared()
+            if b == NB - 1:  # every read of this dS buffer is done
                 _barrier()
                 mbarrier.arrive(ds_free.index(buf))
-                mbarrier.arrive(phi_ready.index(slot))
             gf = gf + zb[None, :]
             acc = warpgroup_mma(gl.convert_layout((gf * fb).to(gl.bfloat16), OP32), ra_s.index(b).permute((1, 0)),
                                 acc, is_async=True)
@@ -355,11 +356,11 @@ def _publish(dS_s, dz_s, buf, S0, S1, S2, Z0, Z1, Z2):
 
 @gluon.jit
 def _consumer(dv, dhT, dzT, dh0, dz0, i_bh, T, H: gl.constexpr, USE_DHT: gl.constexpr, STORE_DH0: gl.constexpr,
-              xq_s, xk_s, g_s, e_s, psi_s, phi_s, dS_s, dz_s, mats_ready, ready, free, phi_ready, ds_ready, ds_free,
+              xq_s, xk_s, g_s, e_s, psi_s, phi_s, dS_s, dz_s, mats_ready, ready, free, ds_ready, ds_free,
               NSLOT: gl.constexpr):
     """The default partition (4 warps): holds the reverse state, dS (fp32, [64, V] per feature block) and dz (fp32
     accumulators [64, 8] per block: column 0 sums ψ·e's bf16 head, column 1 its tail); per chunk dv = wᵀ g +
-    Σ_b φ_b dS_b (φ from the dk partition), after dS_b += ψ_bᵀ g and dz_b +=
+    Σ_b φ_b dS_b, after dS_b += ψ_bᵀ g and dz_b +=
     ψ_bᵀ e are published (double-buffered: dS in bf16, dz in fp32) for the next chunk's reads here and in the dk
     partition."""
     LO: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
@@ -418,7 +419,6 @@ def _consumer(dv, dhT, dzT, dh0, dz0, i_bh, T, H: gl.constexpr, USE_DHT: gl.cons
         wt = gl.where(cs >= rs, 0.5 * (at * at + 1.0), 0.0).to(gl.bfloat16)
         wt = gl.convert_layout(wt, OP64)
         acc = warpgroup_mma(wt, gs, z64, use_acc=False, is_async=True)
-        mbarrier.wait(phi_ready.index(slot), (i // NSLOT) & 1)  # φ, from the dk partition
         acc = warpgroup_mma(phi_s.index(slot * NB), dS_s.index(buf * NB), acc, is_async=True)
         acc = warpgroup_mma(phi_s.index(slot * NB + 1), dS_s.index(buf * NB + 1), acc, is_async=True)
         acc = warpgroup_mma(phi_s.index(slot * NB + 2), dS_s.index(buf * NB + 2), acc, is_async=True)
@@ -460,7 +460,7 @@ def _dkv_kernel(q, k, v, g, e, mats, hw, dk, dv, dhT, dzT, dh0, dz0, T, scale, H
     sl64: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     sl8: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_, 8], gl.bfloat16)
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    # the slots: a chunk's inputs, e and ψ(q) (the producer's), φ(k) (the dk partition's)
+    # the slots: a chunk's inputs, e, ψ(q) and φ(k)
     xq_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, X_], sl32)
     xk_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, X_], sl32)
     v_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, V_], sl64)
@@ -476,24 +476,22 @@ def _dkv_kernel(q, k, v, g, e, mats, hw, dk, dv, dhT, dzT, dh0, dz0, T, scale, H
     mats_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
-    phi_ready = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(mats_ready, count=1)
     for s in gl.static_range(NSLOT):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(free.index(s), count=2)  # the consumer and the dk partition
-        mbarrier.init(phi_ready.index(s), count=1)
     for s in gl.static_range(2):
         mbarrier.init(ds_ready.index(s), count=1)
         mbarrier.init(ds_free.index(s), count=1)
     gl.warp_specialize([
         (_consumer, (dv, dhT, dzT, dh0, dz0, i_bh, T, H, USE_DHT, STORE_DH0, xq_s, xk_s, g_s, e_s, psi_s, phi_s,
-                     dS_s, dz_s, mats_ready, ready, free, phi_ready, ds_ready, ds_free, NSLOT)),
-        (_producer, (q, k, v, g, e, T, scale, H, mats, hw, xq_s, xk_s, v_s, g_s, e_s, psi_s, ra_s, rb_s, mats_ready,
-                     ready, free, NSLOT)),
-        (_dk_partition, (dk, T, H, xq_s, xk_s, v_s, g_s, e_s, phi_s, ra_s, rb_s, dS_s, dz_s, mats_ready, ready, free,
-                         phi_ready, ds_ready, ds_free, NSLOT)),
+                     dS_s, dz_s, mats_ready, ready, free, ds_ready, ds_free, NSLOT)),
+        (_producer, (q, k, v, g, e, T, scale, H, mats, hw, xq_s, xk_s, v_s, g_s, e_s, psi_s, phi_s, ra_s, rb_s,
+                     mats_ready, ready, free, NSLOT)),
+        (_dk_partition, (dk, T, H, xq_s, xk_s, v_s, g_s, e_s, ra_s, rb_s, dS_s, dz_s, mats_ready, ready, free,
+                         ds_ready, ds_free, NSLOT)),
     ], [4, 4], [PRODUCER_REGS, DK_REGS])
 
 
