@@ -397,3 +397,20 @@ def test_gluon_training_matches_naive_gpu(case, backward, monkeypatch):
         check_against_naive(chunk_based, case, torch.bfloat16, "cuda")
     expected = ["rows", "bwd"] if backward == "gluon" else ["pairs"]
     assert calls == expected, f"training took {calls}, expected {expected}"
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernel needs a Hopper GPU (sm_90)")
+def test_gluon_training_16384_tokens_gpu(monkeypatch):
+    """The Gluon forward and backward over 16384 tokens (256 chunks each way; `gluon.MAX_SHORT_T` raised so that two
+    sequences take it), every gradient by the tolerance rule against the chunked float64 reference."""
+    from kernels.based import chunk, gluon, gluon_backward
+
+    monkeypatch.setattr(gluon, "MAX_SHORT_T", 16384)
+    calls = []
+    real_bwd = gluon_backward.gluon_backward
+    monkeypatch.setattr(gluon_backward, "gluon_backward", lambda *a, **kw: calls.append(1) or real_bwd(*a, **kw))
+    assert chunk.GLUON_BACKWARD
+    case = Case(B=1, T=16384, H=2, K=16, V=64)
+    with nan_empty():
+        check_against_naive(chunk_based, case, torch.bfloat16, "cuda", reference=_reference(case))
+    assert calls, "training did not take the Gluon backward"
