@@ -387,8 +387,15 @@ def order_rows(K: int = 16) -> list[int]:
     return out
 
 
+_INDEX = {}
+
+
 def _index(K: int, device, inverse: bool) -> torch.Tensor:
-    return torch.tensor(order_rows(K) if inverse else feature_rows(K), device=device)
+    """The row map on `device`, made once (so that calls under CUDA-graph capture copy nothing from the host)."""
+    key = (K, str(device), inverse)
+    if key not in _INDEX:
+        _INDEX[key] = torch.tensor(order_rows(K) if inverse else feature_rows(K), device=device)
+    return _INDEX[key]
 
 
 def to_kernel_rows(hv: torch.Tensor, hz: torch.Tensor):

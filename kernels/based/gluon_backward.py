@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from kernels.based.gluon import _barrier, feature_rows
+from kernels.based.gluon import _barrier, _index
 
 # cp.async from global to shared memory: async_copy_global_to_shared in Triton 3.5-3.6 (the H200's), async_load
 # from 3.7 on (where the old name raises)
@@ -550,14 +550,19 @@ def _constants(device):
     return _CONSTANTS[device]
 
 
+def _kept_rows(device) -> torch.Tensor:
+    """The kernel rows that hold a Taylor-order row (all but block 0's zero rows), on `device`, made once."""
+    if ("kept", device) not in _CONSTANTS:
+        _CONSTANTS[("kept", device)] = torch.nonzero(_index(16, device, False) >= 0).flatten()
+    return _CONSTANTS[("kept", device)]
+
+
 def state_grad_to_rows(dhv: torch.Tensor, dhz: torch.Tensor):
     """The gradient of a final state in Taylor-order form (dhv [B, H, 1+K+K², V], dhz [B, H, 1+K+K²], not
     symmetrised) -> the gradient of the kernel's rows [B·H, 192, V], [B·H, 192] (`gluon.from_kernel_rows` gathers,
     so its transpose sums the order rows reading each kernel row)."""
-    from kernels.based.gluon import order_rows
-
     B, H, F, V = dhv.shape
-    idx = torch.tensor(order_rows(16), device=dhv.device)
+    idx = _index(16, dhv.device, True)
     dt = torch.promote_types(dhv.dtype, torch.float32)
     rows = dhv.new_zeros(B * H, 192, V, dtype=dt).index_add_(1, idx, dhv.reshape(B * H, F, V).to(dt))
     zrows = dhz.new_zeros(B * H, 192, dtype=dt).index_add_(1, idx, dhz.reshape(B * H, F).to(dt))
@@ -568,8 +573,8 @@ def rows_grad_to_state(dh: torch.Tensor, dz: torch.Tensor, B: int, H: int):
     """The gradient of the kernel's initial rows -> that of the Taylor-order initial state (`gluon.to_kernel_rows`
     gathers row feature_rows[r] into row r, so its transpose sums back; the zero rows are dropped)."""
     F = 1 + 16 + 16 * 16
-    idx = torch.tensor(feature_rows(16), device=dh.device)
-    keep = idx >= 0
+    idx = _index(16, dh.device, False)
+    keep = _kept_rows(dh.device)
     V = dh.shape[-1]
     dhv = dh.new_zeros(B * H, F, V).index_add_(1, idx[keep], dh[:, keep])
     dhz = dz.new_zeros(B * H, F).index_add_(1, idx[keep], dz[:, keep])

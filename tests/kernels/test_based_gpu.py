@@ -263,16 +263,25 @@ def test_decode_in_cuda_graph(dtype):
     assert_close(f"decode {dtype} k_sum", state[1], ref_ks, base_ks, dtype)
 
 
-def test_forward_backward_in_cuda_graph(monkeypatch):
-    """A forward+backward captured in a CUDA graph and replayed: "auto" takes the split kernels under capture even
-    below SPLIT_MIN_WORK (eagerly it stays fused there), and output and gradients pass the rule against float64."""
-    from kernels.based import chunk, split
+@pytest.mark.parametrize("path", ["triton", "gluon"])
+def test_forward_backward_in_cuda_graph(path, monkeypatch):
+    """A forward+backward captured in a CUDA graph and replayed, output and gradients by the rule against float64.
+    triton (the Gluon kernels off): "auto" takes the split kernels under capture even below SPLIT_MIN_WORK (eagerly
+    it stays fused there). gluon (Hopper): the Gluon forward and backward, eagerly and under capture."""
+    from kernels.based import chunk, gluon_backward, split
 
+    if path == "gluon" and not HOPPER:
+        pytest.skip("the Gluon kernels need a Hopper GPU (sm_90)")
     monkeypatch.setattr(chunk, "FORWARD", "auto")
     monkeypatch.setattr(chunk, "BACKWARD", "auto")
+    monkeypatch.setattr(chunk, "GLUON_FORWARD", path == "gluon")
     taken = []
-    split_backward = split.split_backward
-    monkeypatch.setattr(split, "split_backward", lambda *a, **kw: taken.append(1) or split_backward(*a, **kw))
+    if path == "gluon":
+        real = gluon_backward.gluon_backward
+        monkeypatch.setattr(gluon_backward, "gluon_backward", lambda *a, **kw: taken.append(1) or real(*a, **kw))
+    else:
+        split_backward = split.split_backward
+        monkeypatch.setattr(split, "split_backward", lambda *a, **kw: taken.append(1) or split_backward(*a, **kw))
     dt = torch.bfloat16
     case = Case(B=1, T=300, H=2, K=16, V=64)
     assert case.B * case.H * case.T < chunk.SPLIT_MIN_WORK
@@ -291,7 +300,7 @@ def test_forward_backward_in_cuda_graph(monkeypatch):
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compile both paths outside the capture
         chunk_based(qs, ks, vs)[0].backward(dos)
-        assert not taken  # eagerly, below SPLIT_MIN_WORK: fused
+        assert bool(taken) == (path == "gluon")  # eagerly, below SPLIT_MIN_WORK: fused, or the Gluon kernels
         with monkeypatch.context() as m:
             m.setattr(chunk, "SPLIT_MIN_WORK", 1)
             chunk_based(qs, ks, vs)[0].backward(dos)
