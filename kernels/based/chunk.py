@@ -65,14 +65,14 @@ FP32_DOT = "tf32x3"
 FWD_EXPAND = 5
 BWD_EXPAND = 5
 # bf16 forwards at K=16, V=64 on a Hopper GPU run the Gluon kernel (`kernels/based/gluon.py`: explicit layouts,
-# warpgroup MMAs, warp specialisation; `gluon.applies` says where) when no gradient follows, and in training when the
-# split backward follows (it then stores the per-chunk states, as the split forward does). H200, session 16, B=8,
-# H=16, T=4096: forward 0.153 ms against 0.382 for `_fwd_kernel`; forward+backward 1.166 against 1.263. Only under
-# FORWARD = "auto"; False keeps the Triton kernels everywhere.
+# warpgroup MMAs, warp specialisation; `gluon.applies` says where), with or without a gradient following. H200,
+# session 16, B=8, H=16, T=4096: forward 0.153 ms against 0.382 for `_fwd_kernel`. Only under FORWARD = "auto";
+# False keeps the Triton kernels everywhere.
 GLUON_FORWARD = True
 # Where the Gluon forward takes a training step, its backward is the Gluon pair (`kernels/based/gluon_backward.py`,
-# session 17: dq chunk-parallel, dk/dv in a reverse walk with the reverse state on chip). False: the split backward
-# after the Gluon forward, as in session 16.
+# session 17: dq chunk-parallel, dk/dv in a reverse walk with the reverse state on chip; only under BACKWARD =
+# "auto"): forward+backward 0.750 ms at the shape above. False: the Gluon forward only where the split backward
+# follows it, storing the states that backward reads (session 16: 1.166 ms).
 GLUON_BACKWARD = True
 
 

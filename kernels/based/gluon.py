@@ -2,8 +2,9 @@
 specialisation.
 
 Session 16. `chunk_based` runs it for bf16 forwards at K = 16, V = 64 (`applies`): those that no gradient follows
-(inference, prefill, torch.no_grad), and in training those the split backward follows, storing the state entering
-every chunk in `split.state_pass`'s layout (`store_states`; the split forward's work, without its three launches).
+(inference, prefill, torch.no_grad), and in training, storing the state entering every chunk (`store_states`) for
+the backward after it: in this kernel's rows for `gluon_backward.py` (session 17, the default), or in
+`split.state_pass`'s layout for the split backward (`chunk.GLUON_BACKWARD = False`).
 One program owns one (batch, head) and all 64 value columns and walks the sequence in
 chunks of C = 64 tokens, as `chunk._fwd_kernel` does, but in three partitions of 4 warps that run side by side:
 
@@ -30,8 +31,8 @@ The query side (q_s = scale·q, rounded to bf16 as in the Triton kernels) weighs
 converted from and to the Taylor-order form in PyTorch.
 
 H200, B=8, H=16, T=4096 (`experiments/LOG.md`, session 16): 0.153 ms, against 0.382 for `_fwd_kernel`; one partition
-doing all of it (8 warps) took 0.250, one producer 0.170. Forward+backward with the states stored: 1.166 ms, against
-1.263 with the split forward.
+doing all of it (8 warps) took 0.250, one producer 0.170. Forward+backward with the states stored for the split
+backward: 1.166 ms, against 1.263 with the split forward; with the Gluon backward (session 17): 0.750.
 """
 
 import torch
@@ -429,7 +430,7 @@ PRODUCER_REGS = 128
 def applies(q: torch.Tensor, v: torch.Tensor, normalize: bool) -> bool:
     """This kernel's case: bf16 on a Hopper GPU (sm_90), K = 16, V = 64, normalised, at least MIN_SEQUENCES
     sequences or at most MAX_SHORT_T tokens, and not inside torch.compile's tracing. The caller decides what follows:
-    no gradient, or the split backward (`chunk.ChunkBasedFunction`, with `store_states`)."""
+    no gradient, or a backward (`chunk.ChunkBasedFunction`, with `store_states`)."""
     B, T, H, K = q.shape
     return (q.is_cuda and q.dtype == torch.bfloat16 and K == 16 and v.shape[-1] == 64 and normalize
             and (B * H >= MIN_SEQUENCES or T <= MAX_SHORT_T) and not torch.compiler.is_compiling()
