@@ -111,10 +111,10 @@ def _store_pairs(h, St, BLK: gl.constexpr, vo, fo, LO: gl.constexpr):
 
 
 @gluon.jit
-def _store_rows(h, St, BLK: gl.constexpr, ra, ca):
-    """Block BLK of the transposed state Sᵀ [V, 64] into a transposed state of this kernel's rows hᵀ [V, 192] (bf16),
-    what `gluon_backward` reads, straight from the MMA layout (no layout change on the consumer's path)."""
-    gl.store(h + ra * (NB * 64) + BLK * 64 + ca, St.to(gl.bfloat16))
+def _store_rows(h, St, BLK: gl.constexpr, vo, fo, LO: gl.constexpr):
+    """Block BLK of the transposed state Sᵀ [V, 64] into a state of this kernel's rows h [192, V] (bf16), what
+    `gluon_backward` reads."""
+    gl.store(h + (BLK * 64 + fo) * V_ + vo, gl.convert_layout(St.to(gl.bfloat16), LO))
 
 
 @gluon.jit
@@ -275,9 +275,9 @@ def _consumer(o, h0, z0, hT, zT, hs, zs, den_out, i_bh, T, H: gl.constexpr, USE_
             _store_orders(zs + c * ZR_, Z1, 1, r8, c8)
             _store_orders(zs + c * ZR_, Z2, 2, r8, c8)
         elif STORE_STATES == 2:  # the same in this kernel's rows, for `gluon_backward`
-            _store_rows(hs + c * (NB * 64 * V_), S0, 0, ra, ca)
-            _store_rows(hs + c * (NB * 64 * V_), S1, 1, ra, ca)
-            _store_rows(hs + c * (NB * 64 * V_), S2, 2, ra, ca)
+            _store_rows(hs + c * (NB * 64 * V_), S0, 0, vo, to, LO)
+            _store_rows(hs + c * (NB * 64 * V_), S1, 1, vo, to, LO)
+            _store_rows(hs + c * (NB * 64 * V_), S2, 2, vo, to, LO)
             gl.store(zs + c * (NB * 64) + r8 + c8 * 0, Z0, mask=c8 == 0)
             gl.store(zs + c * (NB * 64) + 64 + r8 + c8 * 0, Z1, mask=c8 == 0)
             gl.store(zs + c * (NB * 64) + 128 + r8 + c8 * 0, Z2, mask=c8 == 0)
@@ -318,9 +318,8 @@ def _gluon_fwd_kernel(q, k, v, o, h0, z0, hT, zT, hs, zs, den, T, scale, H: gl.c
                       PRODUCER_REGS: gl.constexpr):
     """One program per sequence i_bh: two producer partitions build each chunk's features into one of NSLOT
     shared-memory slots while the default partition (the consumer) runs the chunk before. h0/hT: [B·H, 192, V] and
-    z0/zT: [B·H, 192], fp32, the state in this kernel's row order (`feature_rows`). With STORE_STATES = 1, hs [B·H,
-    NC, 161, V] bf16, zs [B·H, NC, 273] fp32 and den [B, T, H] fp32 receive what `split.split_backward` reads; with
-    STORE_STATES = 2, hs [B·H, NC, V, 192] (transposed rows) and zs [B·H, NC, 192], what `gluon_backward` reads."""
+    z0/zT: [B·H, 192], fp32, the state in this kernel's row order (`feature_rows`). With STORE_STATES, hs [B·H, NC,
+    161, V] bf16, zs [B·H, NC, 273] fp32 and den [B, T, H] fp32 receive what `split.split_backward` reads."""
     i_bh = gl.program_id(0)
     i_b = i_bh // H
     i_h = i_bh % H
@@ -444,9 +443,9 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     """Normalised Based attention, bf16, K = 16, V = 64 (the kernel itself has no backward). hv0/hz0: the initial
     state in Taylor-order form (`naive.state_to_orders`) or None. Returns o [B, T, H, V] and the final state in
     Taylor-order form (or None, None). With store_states it also returns den [B, T, H] fp32 and (hs, zs), the state
-    entering every chunk, as (o, den, hvT, hzT, (hs, zs)): "rows", in this kernel's rows, transposed (hs [B·H, NC,
-    V, 192] bf16, zs [B·H, NC, 192] fp32), what `gluon_backward.gluon_backward` reads; "pairs", in
-    `split.state_pass`'s layout, what `split.split_backward` reads."""
+    entering every chunk, as (o, den, hvT, hzT, (hs, zs)): "rows", in this kernel's rows (hs [B·H, NC, 192, V] bf16,
+    zs [B·H, NC, 192] fp32), what `gluon_backward.gluon_backward` reads; "pairs", in `split.state_pass`'s layout, what
+    `split.split_backward` reads."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if K != 16 or V != 64 or q.dtype != torch.bfloat16:
@@ -464,10 +463,9 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
         raise ValueError(f"store_states must be None, 'rows' or 'pairs', got {store_states!r}")
     if store_states:
         NC = (T + 63) // 64
+        rows, zrows = (3 * 64, 3 * 64) if store_states == "rows" else (161, 273)
         # rows the kernel does not write (order-2 rows past K, none at K = 16) stay zero
-        shape = (V, 3 * 64) if store_states == "rows" else (161, V)
-        zrows = 3 * 64 if store_states == "rows" else 273
-        hs = torch.empty(B * H, NC, *shape, device=q.device, dtype=torch.bfloat16)
+        hs = torch.empty(B * H, NC, rows, V, device=q.device, dtype=torch.bfloat16)
         zs = torch.empty(B * H, NC, zrows, device=q.device, dtype=torch.float32)
         den = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
     mode = {None: 0, "pairs": 1, "rows": 2}[store_states]

@@ -1,8 +1,8 @@
 """Based backward as Gluon kernels for Hopper (sm_90), the twin of `gluon.py`'s forward (session 17).
 
-The forward (`gluon.gluon_forward(..., store_states="rows")`) leaves three things behind: the output o, its
-denominator den, and the state entering every chunk in its row order (`gluon.feature_rows`: 192 rows, 3 blocks of
-64 features), transposed, hs [B·H, NC, V, 192] in bf16, and zs [B·H, NC, 192] in fp32. With g = dO/den and
+The forward (`gluon.gluon_forward(..., store_states=True)`) leaves three things behind: the output o, its
+denominator den, and the state entering every chunk in this module's row order (`gluon.feature_rows`: 192 rows,
+3 blocks of 64 features), hs [B·H, NC, 192, V] in bf16 and zs [B·H, NC, 192] in fp32. With g = dO/den and
 e = −(dO·o)/den (the normalisation's chain rule) the gradient is that of Σ_i g_i·num_i + e_i·den_i, and two kernels
 take it:
 
@@ -114,11 +114,11 @@ def _load_vg(v, g_in, e_in, start, T, H: gl.constexpr):
 
 @gluon.jit
 def _copy_state(h_s, buf, hs, idx, rf, cv, pred):
-    """Start copying the state entering chunk idx (hs [B·H·NC, V, F_] bf16, transposed) into h_s[buf·NB …], block b
-    as Sᵀ_b [V, 64] (cp.async, one commit group; nothing is copied where pred is false)."""
+    """Start copying the state entering chunk idx (hs [B·H·NC, F_, V] bf16) into h_s[buf·NB …] (cp.async, one
+    commit group; nothing is copied where pred is false)."""
     src = hs + idx.to(gl.int64) * (F_ * V_)
     for b in gl.static_range(NB):
-        _cp_async(h_s.index(buf * NB + b), src + rf * F_ + b * 64 + cv,
+        _cp_async(h_s.index(buf * NB + b), src + (b * 64 + rf) * V_ + cv,
                                                mask=pred & (rf >= 0))
     async_copy.commit_group()
 
@@ -187,7 +187,7 @@ def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, g_out, e_out, T, scale
         acc = warpgroup_mma(gl.convert_layout(ds.to(gl.bfloat16), OP32), xk_s, gl.zeros([C_, X_], gl.float32, A32),
                             use_acc=False)
         for b in gl.static_range(NB):
-            gp = warpgroup_mma(g_s, h_s.index(buf * NB + b), z64, use_acc=False, is_async=True)  # g Sᵀ
+            gp = warpgroup_mma(g_s, h_s.index(buf * NB + b).permute((1, 0)), z64, use_acc=False, is_async=True)
             xb = warpgroup_mma(xq_s, rb_s.index(b), z64, use_acc=False, is_async=True)
             if b < 2:  # blocks 1 and 2 share factor a (x_a, a = j mod 16)
                 xa = warpgroup_mma(xq_s, ra_s.index(b), z64, use_acc=False, is_async=True)
@@ -582,10 +582,9 @@ def rows_grad_to_state(dh: torch.Tensor, dz: torch.Tensor, B: int, H: int):
 
 
 def gluon_backward(q, k, v, o, do, den, hs, zs, scale, dhvT=None, dhzT=None, need_dh0=False):
-    """The gradient of `gluon.gluon_forward(..., store_states="rows")`: q, k, v, o, do [B, T, H, ·] (bf16), den
-    [B, T, H] fp32, (hs, zs) the stored states (the forward's rows). dhvT/dhzT: the final state's gradient in
-    Taylor-order form (or None). Returns dq, dk, dv (bf16) and, with need_dh0, the initial state's gradient in
-    Taylor-order form."""
+    """The gradient of `gluon.gluon_forward(..., store_states=True)`: q, k, v, o, do [B, T, H, ·] (bf16), den [B, T, H]
+    fp32, (hs, zs) the stored states (this module's rows). dhvT/dhzT: the final state's gradient in Taylor-order form
+    (or None). Returns dq, dk, dv (bf16) and, with need_dh0, the initial state's gradient in Taylor-order form."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     NC = (T + 63) // 64
