@@ -318,8 +318,9 @@ def _gluon_fwd_kernel(q, k, v, o, h0, z0, hT, zT, hs, zs, den, T, scale, H: gl.c
                       PRODUCER_REGS: gl.constexpr):
     """One program per sequence i_bh: two producer partitions build each chunk's features into one of NSLOT
     shared-memory slots while the default partition (the consumer) runs the chunk before. h0/hT: [B·H, 192, V] and
-    z0/zT: [B·H, 192], fp32, the state in this kernel's row order (`feature_rows`). With STORE_STATES, hs [B·H, NC,
-    161, V] bf16, zs [B·H, NC, 273] fp32 and den [B, T, H] fp32 receive what `split.split_backward` reads."""
+    z0/zT: [B·H, 192], fp32, the state in this kernel's row order (`feature_rows`). With STORE_STATES = 1, hs [B·H,
+    NC, 161, V] bf16, zs [B·H, NC, 273] fp32 and den [B, T, H] fp32 receive what `split.split_backward` reads; with
+    STORE_STATES = 2, hs [B·H, NC, 192, V] and zs [B·H, NC, 192], what `gluon_backward` reads."""
     i_bh = gl.program_id(0)
     i_b = i_bh // H
     i_h = i_bh % H

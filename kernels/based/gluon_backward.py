@@ -1,6 +1,6 @@
 """Based backward as Gluon kernels for Hopper (sm_90), the twin of `gluon.py`'s forward (session 17).
 
-The forward (`gluon.gluon_forward(..., store_states=True)`) leaves three things behind: the output o, its
+The forward (`gluon.gluon_forward(..., store_states="rows")`) leaves three things behind: the output o, its
 denominator den, and the state entering every chunk in this module's row order (`gluon.feature_rows`: 192 rows,
 3 blocks of 64 features), hs [B·H, NC, 192, V] in bf16 and zs [B·H, NC, 192] in fp32. With g = dO/den and
 e = −(dO·o)/den (the normalisation's chain rule) the gradient is that of Σ_i g_i·num_i + e_i·den_i, and two kernels
@@ -582,9 +582,10 @@ def rows_grad_to_state(dh: torch.Tensor, dz: torch.Tensor, B: int, H: int):
 
 
 def gluon_backward(q, k, v, o, do, den, hs, zs, scale, dhvT=None, dhzT=None, need_dh0=False):
-    """The gradient of `gluon.gluon_forward(..., store_states=True)`: q, k, v, o, do [B, T, H, ·] (bf16), den [B, T, H]
-    fp32, (hs, zs) the stored states (this module's rows). dhvT/dhzT: the final state's gradient in Taylor-order form
-    (or None). Returns dq, dk, dv (bf16) and, with need_dh0, the initial state's gradient in Taylor-order form."""
+    """The gradient of `gluon.gluon_forward(..., store_states="rows")`: q, k, v, o, do [B, T, H, ·] (bf16), den
+    [B, T, H] fp32, (hs, zs) the stored states (the forward's rows). dhvT/dhzT: the final state's gradient in
+    Taylor-order form (or None). Returns dq, dk, dv (bf16) and, with need_dh0, the initial state's gradient in
+    Taylor-order form."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     NC = (T + 63) // 64
