@@ -99,20 +99,6 @@ def _load_vge(v, do, o, den, start, T, H: gl.constexpr, g_out, e_out, STORE_GE: 
 
 
 @gluon.jit
-def _load_vg(v, g_in, e_in, start, T, H: gl.constexpr):
-    """A chunk's v and g [C, V] (bf16) and e [C] (fp32), as `_load_vge` computed and stored them."""
-    LV: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-    rv = gl.arange(0, C_, layout=gl.SliceLayout(1, LV))[:, None]
-    cv = gl.arange(0, V_, layout=gl.SliceLayout(0, LV))[None, :]
-    tv = start + rv
-    tr = start + gl.arange(0, C_, layout=gl.SliceLayout(1, LV))
-    vv = gl.load(v + tv * (H * V_) + cv, mask=tv < T, other=0.0)
-    g = gl.load(g_in + tv * (H * V_) + cv, mask=tv < T, other=0.0)
-    e = gl.load(e_in + tr * H, mask=tr < T, other=0.0)
-    return vv, g, e
-
-
-@gluon.jit
 def _copy_state(h_s, buf, hs, idx, rf, cv, pred):
     """Start copying the state entering chunk idx (hs [B·H·NC, F_, V] bf16) into h_s[buf·NB …] (cp.async, one
     commit group; nothing is copied where pred is false)."""
