@@ -842,8 +842,8 @@ class ChunkBasedFunction(torch.autograd.Function):
 
             fused_fp16 = split.takes_fp16(split_dot) != DOT_FP16
         # the Gluon forward where it applies: with the Gluon backward after it (session 17), storing the states
-        # entering every chunk in its rows; without (GLUON_BACKWARD = False), where the split backward follows, storing
-        # them as the split forward does (session 16)
+        # entering every second chunk in its rows (session 18); without (GLUON_BACKWARD = False), where the split
+        # backward follows, storing every chunk's as the split forward does (session 16)
         gluon = _gluon_for(q, v, normalize) if grad_follows else None
         gluon_bwd = gluon is not None and GLUON_BACKWARD and BACKWARD == "auto"
         if not (gluon_bwd or (split_bwd and SAVE_STATES)):

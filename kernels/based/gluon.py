@@ -2,7 +2,7 @@
 specialisation.
 
 Session 16. `chunk_based` runs it for bf16 forwards at K = 16, V = 64 (`applies`): those that no gradient follows
-(inference, prefill, torch.no_grad), and in training, storing the state entering every chunk (`store_states`) for
+(inference, prefill, torch.no_grad), and in training, storing the states entering chunks (`store_states`) for
 the backward after it: in this kernel's rows for `gluon_backward.py` (session 17, the default), or in
 `split.state_pass`'s layout for the split backward (`chunk.GLUON_BACKWARD = False`).
 One program owns one (batch, head) and all 64 value columns and walks the sequence in
@@ -223,8 +223,8 @@ def _consumer(o, h0, z0, hT, zT, hs, zs, den_out, i_bh, T, H: gl.constexpr, USE_
         hs += i_bh.to(gl.int64) * gl.cdiv(T, C_) * (R_ * V_)
         zs += i_bh.to(gl.int64) * gl.cdiv(T, C_) * ZR_
     elif STORE_STATES == 2:
-        hs += i_bh.to(gl.int64) * gl.cdiv(T, C_) * (NB * 64 * V_)
-        zs += i_bh.to(gl.int64) * gl.cdiv(T, C_) * (NB * 64)
+        hs += i_bh.to(gl.int64) * gl.cdiv(T, 2 * C_) * (NB * 64 * V_)
+        zs += i_bh.to(gl.int64) * gl.cdiv(T, 2 * C_) * (NB * 64)
     if STORE_STATES:
         den_out += (i_bh // H).to(gl.int64) * T * H + i_bh % H
     ones_s.store(gl.full([ZW, C_], 1.0, gl.bfloat16, LV))
@@ -274,13 +274,16 @@ def _consumer(o, h0, z0, hT, zT, hs, zs, den_out, i_bh, T, H: gl.constexpr, USE_
             _store_orders(zs + c * ZR_, Z0, 0, r8, c8)
             _store_orders(zs + c * ZR_, Z1, 1, r8, c8)
             _store_orders(zs + c * ZR_, Z2, 2, r8, c8)
-        elif STORE_STATES == 2:  # the same in this kernel's rows, for `gluon_backward`
-            _store_rows(hs + c * (NB * 64 * V_), S0, 0, vo, to, LO)
-            _store_rows(hs + c * (NB * 64 * V_), S1, 1, vo, to, LO)
-            _store_rows(hs + c * (NB * 64 * V_), S2, 2, vo, to, LO)
-            gl.store(zs + c * (NB * 64) + r8 + c8 * 0, Z0, mask=c8 == 0)
-            gl.store(zs + c * (NB * 64) + 64 + r8 + c8 * 0, Z1, mask=c8 == 0)
-            gl.store(zs + c * (NB * 64) + 128 + r8 + c8 * 0, Z2, mask=c8 == 0)
+        elif STORE_STATES == 2:  # in this kernel's rows, every second chunk's: what `gluon_backward` reads
+            if c % 2 == 0:
+                hc = hs + (c // 2) * (NB * 64 * V_)
+                zc = zs + (c // 2) * (NB * 64)
+                _store_rows(hc, S0, 0, vo, to, LO)
+                _store_rows(hc, S1, 1, vo, to, LO)
+                _store_rows(hc, S2, 2, vo, to, LO)
+                gl.store(zc + r8 + c8 * 0, Z0, mask=c8 == 0)
+                gl.store(zc + 64 + r8 + c8 * 0, Z1, mask=c8 == 0)
+                gl.store(zc + 128 + r8 + c8 * 0, Z2, mask=c8 == 0)
         # the reads above hold S's bf16 copies in registers until they complete: wait before updating S
         num, dd = warpgroup_mma_wait(0, deps=[num, dd])
         S0 = warpgroup_mma(vt, phi_s.index(b), S0, is_async=True)
@@ -320,7 +323,8 @@ def _gluon_fwd_kernel(q, k, v, o, h0, z0, hT, zT, hs, zs, den, T, scale, H: gl.c
     shared-memory slots while the default partition (the consumer) runs the chunk before. h0/hT: [B·H, 192, V] and
     z0/zT: [B·H, 192], fp32, the state in this kernel's row order (`feature_rows`). With STORE_STATES = 1, hs [B·H,
     NC, 161, V] bf16, zs [B·H, NC, 273] fp32 and den [B, T, H] fp32 receive what `split.split_backward` reads; with
-    STORE_STATES = 2, hs [B·H, NC, 192, V] and zs [B·H, NC, 192], what `gluon_backward` reads."""
+    STORE_STATES = 2, hs [B·H, NQ, 192, V] and zs [B·H, NQ, 192] (NQ = ⌈T/128⌉: the state entering every second
+    chunk), what `gluon_backward` reads."""
     i_bh = gl.program_id(0)
     i_b = i_bh // H
     i_h = i_bh % H
@@ -444,9 +448,9 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     """Normalised Based attention, bf16, K = 16, V = 64 (the kernel itself has no backward). hv0/hz0: the initial
     state in Taylor-order form (`naive.state_to_orders`) or None. Returns o [B, T, H, V] and the final state in
     Taylor-order form (or None, None). With store_states it also returns den [B, T, H] fp32 and (hs, zs), the state
-    entering every chunk, as (o, den, hvT, hzT, (hs, zs)): "rows", in this kernel's rows (hs [B·H, NC, 192, V] bf16,
-    zs [B·H, NC, 192] fp32), what `gluon_backward.gluon_backward` reads; "pairs", in `split.state_pass`'s layout, what
-    `split.split_backward` reads."""
+    entering chunks, as (o, den, hvT, hzT, (hs, zs)): "rows", every second chunk's in this kernel's rows (hs [B·H, NQ,
+    192, V] bf16, zs [B·H, NQ, 192] fp32, NQ = ⌈T/128⌉), what `gluon_backward.gluon_backward` reads; "pairs", every
+    chunk's in `split.state_pass`'s layout, what `split.split_backward` reads."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if K != 16 or V != 64 or q.dtype != torch.bfloat16:
@@ -463,7 +467,7 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     if store_states not in (None, "rows", "pairs"):
         raise ValueError(f"store_states must be None, 'rows' or 'pairs', got {store_states!r}")
     if store_states:
-        NC = (T + 63) // 64
+        NC = (T + 127) // 128 if store_states == "rows" else (T + 63) // 64  # rows: every second chunk's state
         rows, zrows = (3 * 64, 3 * 64) if store_states == "rows" else (161, 273)
         # rows the kernel does not write (order-2 rows past K, none at K = 16) stay zero
         hs = torch.empty(B * H, NC, rows, V, device=q.device, dtype=torch.bfloat16)

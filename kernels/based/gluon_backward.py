@@ -1,15 +1,16 @@
 """Based backward as Gluon kernels for Hopper (sm_90), the twin of `gluon.py`'s forward (session 17).
 
 The forward (`gluon.gluon_forward(..., store_states="rows")`) leaves three things behind: the output o, its
-denominator den, and the state entering every chunk in this module's row order (`gluon.feature_rows`: 192 rows,
-3 blocks of 64 features), hs [B·H, NC, 192, V] in bf16 and zs [B·H, NC, 192] in fp32. With g = dO/den and
+denominator den, and the state entering every second chunk (tokens 0, 128, 256, …) in this module's row order
+(`gluon.feature_rows`: 192 rows, 3 blocks of 64 features), hs [B·H, NQ, 192, V] in bf16 and zs [B·H, NQ, 192] in
+fp32, NQ = ⌈T/128⌉ (session 18: half the states of one per chunk, which cost the forward 0.04 ms). With g = dO/den and
 e = −(dO·o)/den (the normalisation's chain rule) the gradient is that of Σ_i g_i·num_i + e_i·den_i, and two kernels
 take it:
 
-- `_dq_kernel`, fully parallel over chunks (each program loops over chunks, the next one's state copied in flight):
-  dq of chunk c needs only the chunk and the state entering it. dψ(q) = g Sᵀ + e zᵀ (S from hs), then through the
-  feature map (below), plus the chunk's own part ds·k with ds = (g vᵀ + e) ⊙ (1 + s), causal. It also stores g and
-  e for the walk.
+- `_dq_kernel`, fully parallel over steps of two chunks (each program loops over steps, the next one's state copied
+  in flight): dq of a step's chunks needs only the step and the state entering it. dψ(q) = g Sᵀ + e zᵀ (S from hs),
+  then through the feature map (below), plus the step's own part ds·k with ds = (g vᵀ + e) ⊙ (1 + s), causal: the
+  chunk's own keys, and for the second chunk the first one's too. It also stores g and e for the walk.
 - `_dkv_kernel`, one program per sequence, walking the chunks backwards with the reverse state dS = Σ_{later i}
   ψ(q_i) g_iᵀ [192, V] and dz = Σ ψ(q_i) e_i, in three partitions of 4 warps: the producer loads each chunk and
   builds ψ(q) and φ(k) into one of two shared-memory slots; the consumer holds dS and dz (fp32 accumulators), adds each
@@ -49,12 +50,14 @@ V_ = gl.constexpr(64)  # value dim
 X_ = gl.constexpr(32)  # extended input width [x, 1, 0...]
 NB = gl.constexpr(3)  # feature blocks of 64
 F_ = gl.constexpr(192)  # state rows
+DQ_CHUNK = 128  # tokens per step of the dq kernel: the forward stores every second chunk's entering state
+DQ_ = gl.constexpr(DQ_CHUNK)
 
 
 @gluon.jit
-def _load_mats(mats, ra_s, rb_s):
-    """The factor matrices A, B ([2, NB, X_, 64] bf16 in global memory) into shared memory."""
-    LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+def _load_mats(mats, ra_s, rb_s, WARPS: gl.constexpr):
+    """The factor matrices A, B ([2, NB, X_, 64] bf16 in global memory) into shared memory, by WARPS warps."""
+    LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     r = gl.arange(0, X_, layout=gl.SliceLayout(1, LR))[:, None]
     c = gl.arange(0, 64, layout=gl.SliceLayout(0, LR))[None, :]
     for b in gl.static_range(NB):
@@ -63,11 +66,11 @@ def _load_mats(mats, ra_s, rb_s):
 
 
 @gluon.jit
-def _load_x(q, k, start, T, scale, H: gl.constexpr):
-    """A chunk's x_ext of q_s and of k [C, 32] (bf16; q_s rounded to bf16 first, as the forward's features take it).
-    Rows past T are zero, k's appended one too (q's stays, harmless: g = e = 0 there)."""
-    LX: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-    rx = gl.arange(0, C_, layout=gl.SliceLayout(1, LX))[:, None]
+def _load_x(q, k, start, T, scale, H: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr):
+    """ROWS tokens' x_ext of q_s and of k [ROWS, 32] (bf16; q_s rounded to bf16 first, as the forward's features take
+    it), by WARPS warps. Rows past T are zero, k's appended one too (q's stays, harmless: g = e = 0 there)."""
+    LX: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0])
+    rx = gl.arange(0, ROWS, layout=gl.SliceLayout(1, LX))[:, None]
     cx = gl.arange(0, X_, layout=gl.SliceLayout(0, LX))[None, :]
     tx = start + rx
     one = gl.where(cx == K_, 1.0, 0.0)
@@ -100,7 +103,7 @@ def _load_vge(v, do, o, den, start, T, H: gl.constexpr, g_out, e_out, STORE_GE: 
 
 @gluon.jit
 def _copy_state(h_s, buf, hs, idx, rf, cv, pred):
-    """Start copying the state entering chunk idx (hs [B·H·NC, F_, V] bf16) into h_s[buf·NB …] (cp.async, one
+    """Start copying the state entering step idx (hs [B·H·NQ, F_, V] bf16) into h_s[buf·NB …] (cp.async, one
     commit group; nothing is copied where pred is false)."""
     src = hs + idx.to(gl.int64) * (F_ * V_)
     for b in gl.static_range(NB):
@@ -111,10 +114,11 @@ def _copy_state(h_s, buf, hs, idx, rf, cv, pred):
 
 @gluon.jit
 def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, g_out, e_out, T, scale, BH, H: gl.constexpr):
-    """dq, chunk by chunk: each program takes chunks pid, pid + grid, … (of all sequences; NC per sequence) and for
-    each computes the chunk's own part and the read of the state entering it (hs, zs), through the query feature
-    map. The factor matrices are loaded once per program. Also stores g = dO/den and e = −(dO·o)/den, which the
-    dk/dv walk reads instead of dO, o and den."""
+    """dq, a step of two chunks at a time (the forward stores the state entering every second chunk): each program
+    takes steps pid, pid + grid, … (of all sequences; NQ per sequence) and for each of its chunks computes the
+    chunk's own part, the second chunk's read of the first one's keys (unmasked, as in the chunk's own part) and the
+    read of the step's entering state (hs, zs), through the query feature map. The factor matrices are loaded once
+    per program. Also stores g = dO/den and e = −(dO·o)/den, which the dk/dv walk reads instead of dO, o and den."""
     LV: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     A32: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 16])
@@ -123,13 +127,13 @@ def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, g_out, e_out, T, scale
     slr: gl.constexpr = gl.NVMMASharedLayout.get_default_for([X_, 64], gl.bfloat16)
     sl64: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     xq_s = gl.allocate_shared_memory(gl.bfloat16, [C_, X_], sl32)
-    xk_s = gl.allocate_shared_memory(gl.bfloat16, [C_, X_], sl32)
-    v_s = gl.allocate_shared_memory(gl.bfloat16, [C_, V_], sl64)
+    xk_s = gl.allocate_shared_memory(gl.bfloat16, [2, C_, X_], sl32)  # the step's two chunks' keys and values
+    v_s = gl.allocate_shared_memory(gl.bfloat16, [2, C_, V_], sl64)
     g_s = gl.allocate_shared_memory(gl.bfloat16, [C_, V_], sl64)
-    h_s = gl.allocate_shared_memory(gl.bfloat16, [2 * NB, 64, V_], sl64)  # two chunks' states: this one and the next
+    h_s = gl.allocate_shared_memory(gl.bfloat16, [2 * NB, 64, V_], sl64)  # two steps' states: this one and the next
     ra_s = gl.allocate_shared_memory(gl.bfloat16, [NB, X_, 64], slr)
     rb_s = gl.allocate_shared_memory(gl.bfloat16, [NB, X_, 64], slr)
-    _load_mats(mats, ra_s, rb_s)
+    _load_mats(mats, ra_s, rb_s, 4)
     rf = gl.arange(0, 64, layout=gl.SliceLayout(1, LV))[:, None]
     cv = gl.arange(0, V_, layout=gl.SliceLayout(0, LV))[None, :]
     ri = gl.arange(0, C_, layout=gl.SliceLayout(1, A64))[:, None]
@@ -137,58 +141,66 @@ def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, g_out, e_out, T, scale
     r32 = gl.arange(0, C_, layout=gl.SliceLayout(1, A32))[:, None]
     c32 = gl.arange(0, X_, layout=gl.SliceLayout(0, A32))[None, :]
     z64 = gl.zeros([C_, 64], gl.float32, A64)
-    NC = gl.cdiv(T, C_)
-    total = NC * BH
+    NQ = gl.cdiv(T, DQ_)
+    total = NQ * BH
     step = gl.num_programs(0)
     first = gl.program_id(0)
     _copy_state(h_s, 0, hs, first, rf, cv, first < total)
     it = 0
     for idx in range(first, total, step):
         buf = it % 2
-        _copy_state(h_s, 1 - buf, hs, idx + step, rf, cv, idx + step < total)  # the next chunk's, in flight
+        _copy_state(h_s, 1 - buf, hs, idx + step, rf, cv, idx + step < total)  # the next step's, in flight
         it += 1
-        c = idx % NC
-        i_bh = idx // NC
+        i_bh = idx // NQ
         i_b = i_bh // H
         i_h = i_bh % H
-        start = c * C_
         ok = i_b.to(gl.int64) * T * H * K_ + i_h * K_
         ov = i_b.to(gl.int64) * T * H * V_ + i_h * V_
         od = i_b.to(gl.int64) * T * H + i_h
-        xq, xk = _load_x(q + ok, k + ok, start, T, scale, H)
-        vv, g, e = _load_vge(v + ov, do + ov, o + ov, den + od, start, T, H, g_out + ov, e_out + od, True)
-        _barrier()  # the previous chunk's MMAs are done with the buffers
-        xq_s.store(xq)
-        xk_s.store(xk)
-        v_s.store(vv)
-        g_s.store(g)
-        async_copy.wait_group(1)  # this chunk's state has landed (the next one's may still be in flight)
-        fence_async_shared()
-        _barrier()
-        er = gl.convert_layout(e, gl.SliceLayout(1, A64))[:, None]
-        a1 = warpgroup_mma(xq_s, xk_s.permute((1, 0)), z64, use_acc=False, is_async=True)  # 1 + s
-        dp = warpgroup_mma(g_s, v_s.permute((1, 0)), z64, use_acc=False, is_async=True)  # g_i·v_j
-        a1, dp = warpgroup_mma_wait(0, deps=[a1, dp])
-        ds = gl.where(ri >= cj[None, :], (dp + er) * a1, 0.0)
-        acc = warpgroup_mma(gl.convert_layout(ds.to(gl.bfloat16), OP32), xk_s, gl.zeros([C_, X_], gl.float32, A32),
-                            use_acc=False)
-        for b in gl.static_range(NB):
-            gp = warpgroup_mma(g_s, h_s.index(buf * NB + b).permute((1, 0)), z64, use_acc=False, is_async=True)
-            xb = warpgroup_mma(xq_s, rb_s.index(b), z64, use_acc=False, is_async=True)
-            if b < 2:  # blocks 1 and 2 share factor a (x_a, a = j mod 16)
-                xa = warpgroup_mma(xq_s, ra_s.index(b), z64, use_acc=False, is_async=True)
-                gp, xb, xa = warpgroup_mma_wait(0, deps=[gp, xb, xa])
-            else:
-                gp, xb = warpgroup_mma_wait(0, deps=[gp, xb])
-            zb = gl.load(zs + idx.to(gl.int64) * F_ + b * 64 + cj)[None, :]
-            hb = gl.load(hw + b * 64 + cj)[None, :]
-            gp = (gp + er * zb) * hb
-            acc = warpgroup_mma(gl.convert_layout((gp * xb).to(gl.bfloat16), OP32), ra_s.index(b).permute((1, 0)),
-                                acc)
-            acc = warpgroup_mma(gl.convert_layout((gp * xa).to(gl.bfloat16), OP32), rb_s.index(b).permute((1, 0)),
-                                acc)
-        t32 = start + r32
-        gl.store(dq + ok + t32 * (H * K_) + c32, (acc * scale).to(dq.dtype.element_ty), mask=(t32 < T) & (c32 < K_))
+        for jc in gl.static_range(2):
+            start = (idx % NQ) * DQ_ + jc * C_
+            if start < T:
+                xq, xk = _load_x(q + ok, k + ok, start, T, scale, H, C_, 4)
+                vv, g, e = _load_vge(v + ov, do + ov, o + ov, den + od, start, T, H, g_out + ov, e_out + od, True)
+                _barrier()  # the previous chunk's MMAs are done with the buffers
+                xq_s.store(xq)
+                xk_s.index(jc).store(xk)
+                v_s.index(jc).store(vv)
+                g_s.store(g)
+                if jc == 0:
+                    async_copy.wait_group(1)  # this step's state has landed (the next one's may still be in flight)
+                fence_async_shared()
+                _barrier()
+                er = gl.convert_layout(e, gl.SliceLayout(1, A64))[:, None]
+                acc = gl.zeros([C_, X_], gl.float32, A32)
+                for j in gl.static_range(jc + 1):  # the first chunk's keys (for the second: all of them), then own
+                    a1 = warpgroup_mma(xq_s, xk_s.index(j).permute((1, 0)), z64, use_acc=False, is_async=True)
+                    dp = warpgroup_mma(g_s, v_s.index(j).permute((1, 0)), z64, use_acc=False, is_async=True)
+                    a1, dp = warpgroup_mma_wait(0, deps=[a1, dp])  # 1 + s, g_i·v_j
+                    if j == jc:
+                        ds = gl.where(ri >= cj[None, :], (dp + er) * a1, 0.0)
+                    else:
+                        ds = (dp + er) * a1
+                    acc = warpgroup_mma(gl.convert_layout(ds.to(gl.bfloat16), OP32), xk_s.index(j), acc)
+                for b in gl.static_range(NB):
+                    gp = warpgroup_mma(g_s, h_s.index(buf * NB + b).permute((1, 0)), z64, use_acc=False,
+                                       is_async=True)
+                    xb = warpgroup_mma(xq_s, rb_s.index(b), z64, use_acc=False, is_async=True)
+                    if b < 2:  # blocks 1 and 2 share factor a (x_a, a = j mod 16)
+                        xa = warpgroup_mma(xq_s, ra_s.index(b), z64, use_acc=False, is_async=True)
+                        gp, xb, xa = warpgroup_mma_wait(0, deps=[gp, xb, xa])
+                    else:
+                        gp, xb = warpgroup_mma_wait(0, deps=[gp, xb])
+                    zb = gl.load(zs + idx.to(gl.int64) * F_ + b * 64 + cj)[None, :]
+                    hb = gl.load(hw + b * 64 + cj)[None, :]
+                    gp = (gp + er * zb) * hb
+                    acc = warpgroup_mma(gl.convert_layout((gp * xb).to(gl.bfloat16), OP32),
+                                        ra_s.index(b).permute((1, 0)), acc)
+                    acc = warpgroup_mma(gl.convert_layout((gp * xa).to(gl.bfloat16), OP32),
+                                        rb_s.index(b).permute((1, 0)), acc)
+                t32 = start + r32
+                gl.store(dq + ok + t32 * (H * K_) + c32, (acc * scale).to(dq.dtype.element_ty),
+                         mask=(t32 < T) & (c32 < K_))
 
 
 @gluon.jit
@@ -212,7 +224,7 @@ def _producer(q, k, v, g_in, e_in, T, scale, H: gl.constexpr, mats, hw, xq_s, xk
     cj = gl.arange(0, 64, layout=gl.SliceLayout(0, A64))
     c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, LE))[None, :]
     z64 = gl.zeros([C_, 64], gl.float32, A64)
-    _load_mats(mats, ra_s, rb_s)
+    _load_mats(mats, ra_s, rb_s, 4)
     fence_async_shared()
     _barrier()
     mbarrier.arrive(mats_ready)
@@ -223,7 +235,7 @@ def _producer(q, k, v, g_in, e_in, T, scale, H: gl.constexpr, mats, hw, xq_s, xk
     tr = gl.arange(0, C_, layout=gl.SliceLayout(1, LE))
     # v and g go straight into their slot (cp.async, one chunk ahead); q, k and e through registers
     _copy_vg(v_s, g_s, 0, v, g_in, (NC - 1) * C_, T, H, rv, cv)
-    nxq, nxk = _load_x(q, k, (NC - 1) * C_, T, scale, H)
+    nxq, nxk = _load_x(q, k, (NC - 1) * C_, T, scale, H, C_, 4)
     ne = gl.load(e_in + ((NC - 1) * C_ + tr) * H, mask=((NC - 1) * C_ + tr) < T, other=0.0)
     for i in range(NC):
         c = NC - 1 - i
@@ -257,12 +269,13 @@ def _producer(q, k, v, g_in, e_in, T, scale, H: gl.constexpr, mats, hw, xq_s, xk
         fence_async_shared()
         _barrier()
         mbarrier.arrive(ready.index(slot))
-        if c > 0:  # the next chunk: its v and g into the other slot once both readers are done with it
+        if c > 0:  # the next chunk: q, k and e into registers at once, v and g into the other slot once both
+            # readers are done with it
+            nxq, nxk = _load_x(q, k, (c - 1) * C_, T, scale, H, C_, 4)
+            ne = gl.load(e_in + ((c - 1) * C_ + tr) * H, mask=((c - 1) * C_ + tr) < T, other=0.0)
             nxt = (i + 1) % NSLOT
             mbarrier.wait(free.index(nxt), (((i + 1) // NSLOT) & 1) ^ 1)
             _copy_vg(v_s, g_s, nxt, v, g_in, (c - 1) * C_, T, H, rv, cv)
-            nxq, nxk = _load_x(q, k, (c - 1) * C_, T, scale, H)
-            ne = gl.load(e_in + ((c - 1) * C_ + tr) * H, mask=((c - 1) * C_ + tr) < T, other=0.0)
 
 
 @gluon.jit
@@ -518,7 +531,7 @@ def query_weights(device=None) -> torch.Tensor:
     return h.to(device=device)
 
 
-# dq's programs per SM (each loops over chunks, the next chunk's state in flight; 2 fit by shared memory)
+# dq's programs per SM (each loops over steps of two chunks, the next step's state in flight; 2 fit by shared memory)
 DQ_PROGRAMS_PER_SM = 2
 _CONSTANTS = {}
 _SMS = {}
@@ -569,12 +582,11 @@ def rows_grad_to_state(dh: torch.Tensor, dz: torch.Tensor, B: int, H: int):
 
 def gluon_backward(q, k, v, o, do, den, hs, zs, scale, dhvT=None, dhzT=None, need_dh0=False):
     """The gradient of `gluon.gluon_forward(..., store_states="rows")`: q, k, v, o, do [B, T, H, ·] (bf16), den
-    [B, T, H] fp32, (hs, zs) the stored states (the forward's rows). dhvT/dhzT: the final state's gradient in
-    Taylor-order form (or None). Returns dq, dk, dv (bf16) and, with need_dh0, the initial state's gradient in
-    Taylor-order form."""
+    [B, T, H] fp32, (hs, zs) the stored states (the forward's rows, every second chunk's). dhvT/dhzT: the final
+    state's gradient in Taylor-order form (or None). Returns dq, dk, dv (bf16) and, with need_dh0, the initial
+    state's gradient in Taylor-order form."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    NC = (T + 63) // 64
     mats, hw = _constants(q.device)
     do = do.contiguous()
     dq = torch.empty_like(q)
@@ -589,7 +601,7 @@ def gluon_backward(q, k, v, o, do, den, hs, zs, scale, dhvT=None, dhzT=None, nee
     if need_dh0:
         dh0 = torch.empty(B * H, 192, V, device=q.device, dtype=torch.float32)
         dz0 = torch.empty(B * H, 192, device=q.device, dtype=torch.float32)
-    grid = min(NC * B * H, DQ_PROGRAMS_PER_SM * _sm_count(q.device))
+    grid = min((T + 127) // 128 * B * H, DQ_PROGRAMS_PER_SM * _sm_count(q.device))
     g = torch.empty_like(do)  # dO/den, bf16, and −(dO·o)/den, fp32: written by dq's kernel, read by the walk
     e = torch.empty_like(den)
     _dq_kernel[(grid,)](q, k, v, do, o, den, hs, zs, mats, hw, dq, g, e, T, scale, B * H, H, num_warps=4)

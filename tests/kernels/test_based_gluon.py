@@ -95,13 +95,13 @@ def _emulated_backward(q, k, v, h0, z0, do, dh, dz, scale):
     o = num / den[:, None]
     g, e = do / den[:, None], -(do * o).sum(1) / den
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for i, c0 in enumerate(range(0, T, C)):  # _dq_kernel, one chunk each
-        sl = slice(c0, min(c0 + C, T))
+    for i, c0 in enumerate(range(0, T, gb.DQ_CHUNK)):  # _dq_kernel, two chunks a step: the forward stores every
+        sl = slice(c0, min(c0 + gb.DQ_CHUNK, T))  # second chunk's entering state
         ds = torch.tril((g[sl] @ v[sl].T + e[sl, None]) * (xq[sl] @ xk[sl].T))
         acc = ds @ xk[sl]
         for b in range(3):
             bs = slice(64 * b, 64 * b + 64)
-            gp = (g[sl] @ hs[i][bs].T + e[sl, None] * zs[i][bs]) * hw[bs]
+            gp = (g[sl] @ hs[2 * i][bs].T + e[sl, None] * zs[2 * i][bs]) * hw[bs]
             acc = acc + (gp * fb(xq[sl], b)) @ A[b].T + (gp * fa(xq[sl], b)) @ Bm[b].T
         dq[sl] = scale * acc[:, :16]
     dS, dZ = dh.clone(), dz.clone()
@@ -161,7 +161,8 @@ def test_gluon_backward_algebra_matches_autograd():
 def test_gluon_backward_compiles_for_sm90(kind, states):
     """The backward kernels compile for sm_90a with warpgroup MMAs and at most a few spills. The dk/dv walk is
     warp-specialised (setmaxnreg) within 168 registers per thread; Triton 3.6 (the H200's) spills 160 bytes (280 with
-    the state gradients), 3.9 92 / 152; with 64 producer registers, 1,024 (3.9). dq runs 4 warps, no spills."""
+    the state gradients), 3.9 92 / 152; with 64 producer registers, 1,024 (3.9). dq runs 4 warps at 255 registers;
+    its step of two chunks spills 64 bytes with 3.6, 24 with 3.9."""
     import re
 
     from kernels.based.sm90_report import compile_gluon_backward, ptxas_report
@@ -174,5 +175,5 @@ def test_gluon_backward_compiles_for_sm90(kind, states):
         assert "setmaxnreg" in ptx and ptx.count("wgmma.mma_async") >= 100
         assert 0 < used <= 168 and spills <= 512, report
     else:
-        assert ptx.count("wgmma.mma_async") >= 50
-        assert 0 < used <= 255 and spills == 0, report
+        assert ptx.count("wgmma.mma_async") >= 100
+        assert 0 < used <= 255 and spills <= 128, report

@@ -381,8 +381,9 @@ def test_gluon_forward_chained_calls_equal_one_gpu():
     assert rel_error(kv2, kv) < 1e-5 and rel_error(ks2, ks) < 1e-5
 
 
+# T = 900: 15 chunks, so the Gluon dq kernel's last 128-token step holds one partial chunk
 TRAIN_CASES = [Case(B=1, T=T, H=2, K=16, V=64) for T in (63, 1000, 4096)] + [
-    Case(B=2, T=1000, H=2, K=16, V=64, scale=0.3, initial_state=False)]
+    Case(B=2, T=900, H=2, K=16, V=64, scale=0.3, initial_state=False)]
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel needs a Hopper GPU (sm_90)")
