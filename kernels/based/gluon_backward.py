@@ -369,7 +369,6 @@ def _consumer(dv, dhT, dzT, dh0, dz0, i_bh, T, H: gl.constexpr, USE_DHT: gl.cons
     LO: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     A8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
-    OP64: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=A64, k_width=2)
     rs = gl.arange(0, 64, layout=gl.SliceLayout(1, A64))[:, None]  # rows of dS: features; of wᵀ: keys j
     cs = gl.arange(0, V_, layout=gl.SliceLayout(0, A64))[None, :]  # its columns: values; of wᵀ: queries i
     c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, A8))[None, :]
@@ -420,12 +419,17 @@ def _consumer(dv, dhT, dzT, dh0, dz0, i_bh, T, H: gl.constexpr, USE_DHT: gl.cons
         # dv = wᵀ g + Σ_b φ_b dS_b, wᵀ [j, i] = ((1 + s_ij)² + 1)/2 for i ≥ j
         at = warpgroup_mma(xk_s.index(slot), xq_s.index(slot).permute((1, 0)), z64, use_acc=False)  # (1 + s)ᵀ
         wt = gl.where(cs >= rs, 0.5 * (at * at + 1.0), 0.0).to(gl.bfloat16)
-        wt = gl.convert_layout(wt, OP64)
-        acc = warpgroup_mma(wt, gs, z64, use_acc=False, is_async=True)
+        # wᵀ through shared memory, into the slot's first ψ block (the updates above were its last reader): as a
+        # register operand it kept ptxas short of registers for the MMAs in flight, which it then serialised
+        wt_s = psi_s.index(slot * NB)
+        wt_s.store(wt)
+        fence_async_shared()
+        _barrier()
+        acc = warpgroup_mma(wt_s, gs, z64, use_acc=False, is_async=True)
         acc = warpgroup_mma(phi_s.index(slot * NB), dS_s.index(buf * NB), acc, is_async=True)
         acc = warpgroup_mma(phi_s.index(slot * NB + 1), dS_s.index(buf * NB + 1), acc, is_async=True)
         acc = warpgroup_mma(phi_s.index(slot * NB + 2), dS_s.index(buf * NB + 2), acc, is_async=True)
-        acc, wt = warpgroup_mma_wait(0, deps=[acc, wt])
+        acc = warpgroup_mma_wait(0, deps=[acc])
         _barrier()
         mbarrier.arrive(free.index(slot))
         t = c * C_ + ro

@@ -160,8 +160,8 @@ def test_gluon_backward_algebra_matches_autograd():
 @pytest.mark.parametrize("kind, states", [("dq", False), ("dkv", False), ("dkv", True)])
 def test_gluon_backward_compiles_for_sm90(kind, states):
     """The backward kernels compile for sm_90a with warpgroup MMAs and at most a few spills. The dk/dv walk is
-    warp-specialised (setmaxnreg) within 168 registers per thread; Triton 3.6 (the H200's) spills 160 bytes (280 with
-    the state gradients), 3.9 92 / 152; with 64 producer registers, 1,024 (3.9). dq runs 4 warps at 255 registers;
+    warp-specialised (setmaxnreg) within 168 registers per thread; Triton 3.6 (the H200's) spills 136 bytes (268 with
+    the state gradients), 3.9 52 / 148; with 64 producer registers, 1,024 (3.9). dq runs 4 warps at 255 registers;
     its step of two chunks spills 64 bytes with 3.6, 24 with 3.9."""
     import re
 
@@ -174,6 +174,9 @@ def test_gluon_backward_compiles_for_sm90(kind, states):
     if kind == "dkv":
         assert "setmaxnreg" in ptx and ptx.count("wgmma.mma_async") >= 100
         assert 0 < used <= 168 and spills <= 512, report
+        # ptxas warning C7512: short of registers for the MMAs in flight, it makes them synchronous (the walk's
+        # consumer until session 18 kept wᵀ in registers as an operand: 0.274 ms against 0.267)
+        assert "serialized" not in report, report
     else:
         assert ptx.count("wgmma.mma_async") >= 100
         assert 0 < used <= 255 and spills <= 128, report
