@@ -55,9 +55,9 @@ DQ_ = gl.constexpr(DQ_CHUNK)
 
 
 @gluon.jit
-def _load_mats(mats, ra_s, rb_s, WARPS: gl.constexpr):
-    """The factor matrices A, B ([2, NB, X_, 64] bf16 in global memory) into shared memory, by WARPS warps."""
-    LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+def _load_mats(mats, ra_s, rb_s):
+    """The factor matrices A, B ([2, NB, X_, 64] bf16 in global memory) into shared memory."""
+    LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     r = gl.arange(0, X_, layout=gl.SliceLayout(1, LR))[:, None]
     c = gl.arange(0, 64, layout=gl.SliceLayout(0, LR))[None, :]
     for b in gl.static_range(NB):
@@ -66,11 +66,11 @@ def _load_mats(mats, ra_s, rb_s, WARPS: gl.constexpr):
 
 
 @gluon.jit
-def _load_x(q, k, start, T, scale, H: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr):
-    """ROWS tokens' x_ext of q_s and of k [ROWS, 32] (bf16; q_s rounded to bf16 first, as the forward's features take
-    it), by WARPS warps. Rows past T are zero, k's appended one too (q's stays, harmless: g = e = 0 there)."""
-    LX: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0])
-    rx = gl.arange(0, ROWS, layout=gl.SliceLayout(1, LX))[:, None]
+def _load_x(q, k, start, T, scale, H: gl.constexpr):
+    """A chunk's x_ext of q_s and of k [C, 32] (bf16; q_s rounded to bf16 first, as the forward's features take it).
+    Rows past T are zero, k's appended one too (q's stays, harmless: g = e = 0 there)."""
+    LX: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    rx = gl.arange(0, C_, layout=gl.SliceLayout(1, LX))[:, None]
     cx = gl.arange(0, X_, layout=gl.SliceLayout(0, LX))[None, :]
     tx = start + rx
     one = gl.where(cx == K_, 1.0, 0.0)
@@ -133,7 +133,7 @@ def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, g_out, e_out, T, scale
     h_s = gl.allocate_shared_memory(gl.bfloat16, [2 * NB, 64, V_], sl64)  # two steps' states: this one and the next
     ra_s = gl.allocate_shared_memory(gl.bfloat16, [NB, X_, 64], slr)
     rb_s = gl.allocate_shared_memory(gl.bfloat16, [NB, X_, 64], slr)
-    _load_mats(mats, ra_s, rb_s, 4)
+    _load_mats(mats, ra_s, rb_s)
     rf = gl.arange(0, 64, layout=gl.SliceLayout(1, LV))[:, None]
     cv = gl.arange(0, V_, layout=gl.SliceLayout(0, LV))[None, :]
     ri = gl.arange(0, C_, layout=gl.SliceLayout(1, A64))[:, None]
@@ -160,7 +160,7 @@ def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, g_out, e_out, T, scale
         for jc in gl.static_range(2):
             start = (idx % NQ) * DQ_ + jc * C_
             if start < T:
-                xq, xk = _load_x(q + ok, k + ok, start, T, scale, H, C_, 4)
+                xq, xk = _load_x(q + ok, k + ok, start, T, scale, H)
                 vv, g, e = _load_vge(v + ov, do + ov, o + ov, den + od, start, T, H, g_out + ov, e_out + od, True)
                 _barrier()  # the previous chunk's MMAs are done with the buffers
                 xq_s.store(xq)
@@ -173,7 +173,7 @@ def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, g_out, e_out, T, scale
                 _barrier()
                 er = gl.convert_layout(e, gl.SliceLayout(1, A64))[:, None]
                 acc = gl.zeros([C_, X_], gl.float32, A32)
-                for j in gl.static_range(jc + 1):  # the first chunk's keys (for the second: all of them), then own
+                for j in gl.static_range(jc + 1):  # keys of the step's chunks up to this one (causal for its own)
                     a1 = warpgroup_mma(xq_s, xk_s.index(j).permute((1, 0)), z64, use_acc=False, is_async=True)
                     dp = warpgroup_mma(g_s, v_s.index(j).permute((1, 0)), z64, use_acc=False, is_async=True)
                     a1, dp = warpgroup_mma_wait(0, deps=[a1, dp])  # 1 + s, g_i·v_j
@@ -224,7 +224,7 @@ def _producer(q, k, v, g_in, e_in, T, scale, H: gl.constexpr, mats, hw, xq_s, xk
     cj = gl.arange(0, 64, layout=gl.SliceLayout(0, A64))
     c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, LE))[None, :]
     z64 = gl.zeros([C_, 64], gl.float32, A64)
-    _load_mats(mats, ra_s, rb_s, 4)
+    _load_mats(mats, ra_s, rb_s)
     fence_async_shared()
     _barrier()
     mbarrier.arrive(mats_ready)
@@ -235,7 +235,7 @@ def _producer(q, k, v, g_in, e_in, T, scale, H: gl.constexpr, mats, hw, xq_s, xk
     tr = gl.arange(0, C_, layout=gl.SliceLayout(1, LE))
     # v and g go straight into their slot (cp.async, one chunk ahead); q, k and e through registers
     _copy_vg(v_s, g_s, 0, v, g_in, (NC - 1) * C_, T, H, rv, cv)
-    nxq, nxk = _load_x(q, k, (NC - 1) * C_, T, scale, H, C_, 4)
+    nxq, nxk = _load_x(q, k, (NC - 1) * C_, T, scale, H)
     ne = gl.load(e_in + ((NC - 1) * C_ + tr) * H, mask=((NC - 1) * C_ + tr) < T, other=0.0)
     for i in range(NC):
         c = NC - 1 - i
@@ -271,7 +271,7 @@ def _producer(q, k, v, g_in, e_in, T, scale, H: gl.constexpr, mats, hw, xq_s, xk
         mbarrier.arrive(ready.index(slot))
         if c > 0:  # the next chunk: q, k and e into registers at once, v and g into the other slot once both
             # readers are done with it
-            nxq, nxk = _load_x(q, k, (c - 1) * C_, T, scale, H, C_, 4)
+            nxq, nxk = _load_x(q, k, (c - 1) * C_, T, scale, H)
             ne = gl.load(e_in + ((c - 1) * C_ + tr) * H, mask=((c - 1) * C_ + tr) < T, other=0.0)
             nxt = (i + 1) % NSLOT
             mbarrier.wait(free.index(nxt), (((i + 1) // NSLOT) & 1) ^ 1)
@@ -605,7 +605,7 @@ def gluon_backward(q, k, v, o, do, den, hs, zs, scale, dhvT=None, dhzT=None, nee
     if need_dh0:
         dh0 = torch.empty(B * H, 192, V, device=q.device, dtype=torch.float32)
         dz0 = torch.empty(B * H, 192, device=q.device, dtype=torch.float32)
-    grid = min((T + 127) // 128 * B * H, DQ_PROGRAMS_PER_SM * _sm_count(q.device))
+    grid = min(-(-T // DQ_CHUNK) * B * H, DQ_PROGRAMS_PER_SM * _sm_count(q.device))
     g = torch.empty_like(do)  # dO/den, bf16, and −(dO·o)/den, fp32: written by dq's kernel, read by the walk
     e = torch.empty_like(den)
     _dq_kernel[(grid,)](q, k, v, do, o, den, hs, zs, mats, hw, dq, g, e, T, scale, B * H, H, num_warps=4)
