@@ -295,7 +295,7 @@ def _consumer(o, h0, z0, hT, zT, hs, zs, den_out, i_bh, T, H: gl.constexpr, USE_
         den = gl.convert_layout(gl.sum(gl.where(c8 < 2, dd, 0.0), 1), gl.SliceLayout(0, A64))
         if STORE_STATES:
             gl.store(den_out + (start + tc) * H, den, mask=(start + tc) < T)
-        out = gl.convert_layout((num / den[None, :]).to(gl.bfloat16), LO)
+        out = gl.convert_layout((num * (1.0 / den)[None, :]).to(gl.bfloat16), LO)  # one division per column
         tt = start + to
         gl.store(o + tt * (H * V_) + vo, out, mask=tt < T)
         S0, S1, S2, Z0, Z1, Z2 = warpgroup_mma_wait(0, deps=[S0, S1, S2, Z0, Z1, Z2])
