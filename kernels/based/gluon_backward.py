@@ -7,9 +7,10 @@ fp32, NQ = ⌈T/128⌉ (session 18: half the states of one per chunk, which cost
 e = −(dO·o)/den (the normalisation's chain rule) the gradient is that of Σ_i g_i·num_i + e_i·den_i, and two kernels
 take it:
 
-- `_dq_kernel`, fully parallel over steps of two chunks (each program loops over steps, the next one's state copied
-  in flight): dq of a step's chunks needs only the step and the state entering it. dψ(q) = g Sᵀ + e zᵀ (S from hs),
-  then through the feature map (below), plus the step's own part ds·k with ds = (g vᵀ + e) ⊙ (1 + s), causal: the
+- `_dq_kernel`, fully parallel over steps of two chunks (each program loops over steps; every chunk's inputs and
+  the next step's state are copied into shared memory while the chunk before computes): dq of a step's chunks
+  needs only the step and the state entering it. dψ(q) = g Sᵀ + e zᵀ (S from hs), then through the feature map
+  (below), plus the step's own part ds·k with ds = (g vᵀ + e) ⊙ (1 + s), causal: the
   chunk's own keys, and for the second chunk the first one's too. It also stores g and e for the walk.
 - `_dkv_kernel`, one program per sequence, walking the chunks backwards with the reverse state dS = Σ_{later i}
   ψ(q_i) g_iᵀ [192, V] and dz = Σ ψ(q_i) e_i, in three partitions of 4 warps: the producer loads each chunk and
@@ -81,34 +82,64 @@ def _load_x(q, k, start, T, scale, H: gl.constexpr):
 
 
 @gluon.jit
-def _load_vge(v, do, o, den, start, T, H: gl.constexpr, g_out, e_out, STORE_GE: gl.constexpr):
-    """A chunk's v [C, V] (bf16), g = dO/den (bf16) and e = −(dO·o)/den [C] (fp32); with STORE_GE also g and e into
-    g_out [B, T, H, V] and e_out [B, T, H] (at this sequence's offsets), for the dk/dv walk."""
+def _stage_chunk(q, k, v, do, o, den, qst, dost, ost, dnst, xk_dst, v_dst, start, T, H: gl.constexpr, pred):
+    """Start copying a chunk's inputs into shared memory (cp.async, one commit group): q into qst and k into xk_dst
+    ([C, 32], zero past column 16: k's appended one stays out, the own part adds it to s), v into v_dst, dO and o into
+    dost and ost, den into dnst [C]. Rows past T, and everything where pred is false, are zero."""
+    LX: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     LV: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    rx = gl.arange(0, C_, layout=gl.SliceLayout(1, LX))[:, None]
+    cx = gl.arange(0, X_, layout=gl.SliceLayout(0, LX))[None, :]
+    rv = gl.arange(0, C_, layout=gl.SliceLayout(1, LV))[:, None]
+    cv = gl.arange(0, V_, layout=gl.SliceLayout(0, LV))[None, :]
+    tx = start + rx
+    tv = start + rv
+    mx = pred & (tx < T) & (cx < K_)
+    mv = pred & (tv < T) & (cv >= 0)
+    _cp_async(qst, q + tx * (H * K_) + cx, mask=mx)
+    _cp_async(xk_dst, k + tx * (H * K_) + cx, mask=mx)
+    _cp_async(v_dst, v + tv * (H * V_) + cv, mask=mv)
+    _cp_async(dost, do + tv * (H * V_) + cv, mask=mv)
+    _cp_async(ost, o + tv * (H * V_) + cv, mask=mv)
+    LD: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    td = start + gl.arange(0, C_, layout=LD)
+    _cp_async(dnst, den + td * H, mask=pred & (td < T))
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _ge_from_stage(qst, dost, ost, dnst, start, T, scale, H: gl.constexpr, g_out, e_out):
+    """From a staged chunk: x_ext of q_s [C, 32] (bf16; q_s rounded to bf16 first, as the forward's features take
+    it), g = dO/den (bf16) and e = −(dO·o)/den [C] (fp32), zero past T; g and e also go to g_out [B, T, H, V] and
+    e_out [B, T, H] (at this sequence's offsets) for the dk/dv walk."""
+    LX: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    LV: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    cx = gl.arange(0, X_, layout=gl.SliceLayout(0, LX))[None, :]
     rv = gl.arange(0, C_, layout=gl.SliceLayout(1, LV))[:, None]
     cv = gl.arange(0, V_, layout=gl.SliceLayout(0, LV))[None, :]
     tv = start + rv
     tr = start + gl.arange(0, C_, layout=gl.SliceLayout(1, LV))
-    vv = gl.load(v + tv * (H * V_) + cv, mask=tv < T, other=0.0)
-    dd = gl.load(do + tv * (H * V_) + cv, mask=tv < T, other=0.0).to(gl.float32)
-    oo = gl.load(o + tv * (H * V_) + cv, mask=tv < T, other=0.0).to(gl.float32)
-    rn = 1.0 / gl.load(den + tr * H, mask=tr < T, other=1.0)  # one division per row, then products
+    xq = (qst.load(LX).to(gl.float32) * scale + gl.where(cx == K_, 1.0, 0.0)).to(gl.bfloat16)
+    dd = dost.load(LV).to(gl.float32)
+    oo = ost.load(LV).to(gl.float32)
+    rn = gl.where(tr < T, 1.0 / dnst.load(gl.SliceLayout(1, LV)), 0.0)  # one division per row, then products
     g = (dd * rn[:, None]).to(gl.bfloat16)
     e = -gl.sum(dd * oo, 1) * rn
-    if STORE_GE:
-        gl.store(g_out + tv * (H * V_) + cv, g, mask=tv < T)
-        gl.store(e_out + tr * H, e, mask=tr < T)
-    return vv, g, e
+    gl.store(g_out + tv * (H * V_) + cv, g, mask=tv < T)
+    gl.store(e_out + tr * H, e, mask=tr < T)
+    return xq, g, e
 
 
 @gluon.jit
-def _copy_state(h_s, buf, hs, idx, rf, cv, pred):
-    """Start copying the state entering step idx (hs [B·H·NQ, F_, V] bf16) into h_s[buf·NB …] (cp.async, one
-    commit group; nothing is copied where pred is false)."""
+def _copy_state(h_s, z_s, hs, zs, idx, rf, cv, pred):
+    """Start copying the state entering step idx (hs [B·H·NQ, F_, V] bf16, zs [B·H·NQ, F_] fp32) into h_s and z_s
+    (cp.async, one commit group; nothing is copied where pred is false)."""
+    LD: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    rz = gl.arange(0, 64, layout=LD)
     src = hs + idx.to(gl.int64) * (F_ * V_)
     for b in gl.static_range(NB):
-        _cp_async(h_s.index(buf * NB + b), src + (b * 64 + rf) * V_ + cv,
-                                               mask=pred & (rf >= 0))
+        _cp_async(h_s.index(b), src + (b * 64 + rf) * V_ + cv, mask=pred & (rf >= 0))
+        _cp_async(z_s.slice(b * 64, 64), zs + idx.to(gl.int64) * F_ + b * 64 + rz, mask=pred & (rz >= 0))
     async_copy.commit_group()
 
 
@@ -118,7 +149,10 @@ def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, g_out, e_out, T, scale
     takes steps pid, pid + grid, … (of all sequences; NQ per sequence) and for each of its chunks computes the
     chunk's own part, the second chunk's read of the first one's keys (unmasked, as in the chunk's own part) and the
     read of the step's entering state (hs, zs), through the query feature map. The factor matrices are loaded once
-    per program. Also stores g = dO/den and e = −(dO·o)/den, which the dk/dv walk reads instead of dO, o and den."""
+    per program. Also stores g = dO/den and e = −(dO·o)/den, which the dk/dv walk reads instead of dO, o and den.
+
+    Loads run one chunk ahead (session 19): each chunk's q, k, v, dO and o are copied into shared memory (cp.async)
+    while the chunk before computes, the next step's state once this step's reads of it are done."""
     LV: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     A32: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 16])
@@ -130,12 +164,20 @@ def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, g_out, e_out, T, scale
     xk_s = gl.allocate_shared_memory(gl.bfloat16, [2, C_, X_], sl32)  # the step's two chunks' keys and values
     v_s = gl.allocate_shared_memory(gl.bfloat16, [2, C_, V_], sl64)
     g_s = gl.allocate_shared_memory(gl.bfloat16, [C_, V_], sl64)
-    h_s = gl.allocate_shared_memory(gl.bfloat16, [2 * NB, 64, V_], sl64)  # two steps' states: this one and the next
+    h_s = gl.allocate_shared_memory(gl.bfloat16, [NB, 64, V_], sl64)  # the step's entering state
+    qst = gl.allocate_shared_memory(gl.bfloat16, [C_, X_], sl32)  # the next chunk's q, dO and o, in flight
+    dost = gl.allocate_shared_memory(gl.bfloat16, [C_, V_], sl64)
+    ost = gl.allocate_shared_memory(gl.bfloat16, [C_, V_], sl64)
+    dnst = gl.allocate_shared_memory(gl.float32, [C_], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    z_s = gl.allocate_shared_memory(gl.float32, [256], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))  # its z
+    hw_s = gl.allocate_shared_memory(gl.float32, [256], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     ra_s = gl.allocate_shared_memory(gl.bfloat16, [NB, X_, 64], slr)
     rb_s = gl.allocate_shared_memory(gl.bfloat16, [NB, X_, 64], slr)
     _load_mats(mats, ra_s, rb_s)
     rf = gl.arange(0, 64, layout=gl.SliceLayout(1, LV))[:, None]
     cv = gl.arange(0, V_, layout=gl.SliceLayout(0, LV))[None, :]
+    for b in gl.static_range(NB):  # the query side's feature weights
+        hw_s.slice(b * 64, 64).store(gl.load(hw + b * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, LV))))
     ri = gl.arange(0, C_, layout=gl.SliceLayout(1, A64))[:, None]
     cj = gl.arange(0, 64, layout=gl.SliceLayout(0, A64))
     r32 = gl.arange(0, C_, layout=gl.SliceLayout(1, A32))[:, None]
@@ -145,62 +187,78 @@ def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, g_out, e_out, T, scale
     total = NQ * BH
     step = gl.num_programs(0)
     first = gl.program_id(0)
-    _copy_state(h_s, 0, hs, first, rf, cv, first < total)
-    it = 0
+    # commit groups, in order: chunk (idx, 0)'s inputs, step idx's state, chunk (idx, 1)'s inputs, …
+    nb = first // NQ
+    _stage_chunk(q + ((nb // H).to(gl.int64) * T * H * K_ + (nb % H) * K_),
+                        k + ((nb // H).to(gl.int64) * T * H * K_ + (nb % H) * K_),
+                        v + ((nb // H).to(gl.int64) * T * H * V_ + (nb % H) * V_),
+                        do + ((nb // H).to(gl.int64) * T * H * V_ + (nb % H) * V_),
+                        o + ((nb // H).to(gl.int64) * T * H * V_ + (nb % H) * V_),
+                        den + ((nb // H).to(gl.int64) * T * H + nb % H), qst, dost, ost, dnst, xk_s.index(0),
+                        v_s.index(0), (first % NQ) * DQ_, T, H, first < total)
+    _copy_state(h_s, z_s, hs, zs, first, rf, cv, first < total)
     for idx in range(first, total, step):
-        buf = it % 2
-        _copy_state(h_s, 1 - buf, hs, idx + step, rf, cv, idx + step < total)  # the next step's, in flight
-        it += 1
         i_bh = idx // NQ
-        i_b = i_bh // H
-        i_h = i_bh % H
-        ok = i_b.to(gl.int64) * T * H * K_ + i_h * K_
-        ov = i_b.to(gl.int64) * T * H * V_ + i_h * V_
-        od = i_b.to(gl.int64) * T * H + i_h
-        for jc in gl.static_range(2):
+        ok = (i_bh // H).to(gl.int64) * T * H * K_ + (i_bh % H) * K_
+        ov = (i_bh // H).to(gl.int64) * T * H * V_ + (i_bh % H) * V_
+        od = (i_bh // H).to(gl.int64) * T * H + i_bh % H
+        nxt = idx + step
+        nb = nxt // NQ
+        okn = (nb // H).to(gl.int64) * T * H * K_ + (nb % H) * K_
+        ovn = (nb // H).to(gl.int64) * T * H * V_ + (nb % H) * V_
+        odn = (nb // H).to(gl.int64) * T * H + nb % H
+        for jc in gl.static_range(2):  # a step's second chunk past T runs on zeros and stores nothing
             start = (idx % NQ) * DQ_ + jc * C_
-            if start < T:
-                xq, xk = _load_x(q + ok, k + ok, start, T, scale, H)
-                vv, g, e = _load_vge(v + ov, do + ov, o + ov, den + od, start, T, H, g_out + ov, e_out + od, True)
-                _barrier()  # the previous chunk's MMAs are done with the buffers
-                xq_s.store(xq)
-                xk_s.index(jc).store(xk)
-                v_s.index(jc).store(vv)
-                g_s.store(g)
-                if jc == 0:
-                    async_copy.wait_group(1)  # this step's state has landed (the next one's may still be in flight)
+            async_copy.wait_group(1 - jc)  # this chunk's inputs have landed (the step's state may still fly)
+            _barrier()
+            xq, g, e = _ge_from_stage(qst, dost, ost, dnst, start, T, scale, H, g_out + ov, e_out + od)
+            xq_s.store(xq)
+            g_s.store(g)
+            fence_async_shared()
+            _barrier()  # the stage is read: the next chunk's inputs may come in
+            if jc == 0:  # the step's second chunk, into buffers 1
+                _stage_chunk(q + ok, k + ok, v + ov, do + ov, o + ov, den + od, qst, dost, ost, dnst,
+                                    xk_s.index(1), v_s.index(1), start + C_, T, H, True)
+            er = gl.convert_layout(e, gl.SliceLayout(1, A64))[:, None]
+            acc = gl.zeros([C_, X_], gl.float32, A32)
+            for j in gl.static_range(jc + 1):  # keys of the step's chunks up to this one (causal for its own)
+                a1 = warpgroup_mma(xq_s, xk_s.index(j).permute((1, 0)), z64, use_acc=False, is_async=True)
+                dp = warpgroup_mma(g_s, v_s.index(j).permute((1, 0)), z64, use_acc=False, is_async=True)
+                a1, dp = warpgroup_mma_wait(0, deps=[a1, dp])  # s, g_i·v_j
+                if j == jc:
+                    ds = gl.where(ri >= cj[None, :], (dp + er) * (a1 + 1.0), 0.0)
+                else:
+                    ds = (dp + er) * (a1 + 1.0)
+                acc = warpgroup_mma(gl.convert_layout(ds.to(gl.bfloat16), OP32), xk_s.index(j), acc)
+                if jc == 1 and j == 0:  # buffers 0 are free: the next step's first chunk comes in
+                    _barrier()
+                    _stage_chunk(q + okn, k + okn, v + ovn, do + ovn, o + ovn, den + odn, qst, dost, ost, dnst,
+                                        xk_s.index(0), v_s.index(0), (nxt % NQ) * DQ_, T, H, nxt < total)
+            if jc == 0:
+                async_copy.wait_group(1)  # the step's state has landed (the second chunk's inputs may still fly)
                 fence_async_shared()
                 _barrier()
-                er = gl.convert_layout(e, gl.SliceLayout(1, A64))[:, None]
-                acc = gl.zeros([C_, X_], gl.float32, A32)
-                for j in gl.static_range(jc + 1):  # keys of the step's chunks up to this one (causal for its own)
-                    a1 = warpgroup_mma(xq_s, xk_s.index(j).permute((1, 0)), z64, use_acc=False, is_async=True)
-                    dp = warpgroup_mma(g_s, v_s.index(j).permute((1, 0)), z64, use_acc=False, is_async=True)
-                    a1, dp = warpgroup_mma_wait(0, deps=[a1, dp])  # 1 + s, g_i·v_j
-                    if j == jc:
-                        ds = gl.where(ri >= cj[None, :], (dp + er) * a1, 0.0)
-                    else:
-                        ds = (dp + er) * a1
-                    acc = warpgroup_mma(gl.convert_layout(ds.to(gl.bfloat16), OP32), xk_s.index(j), acc)
-                for b in gl.static_range(NB):
-                    gp = warpgroup_mma(g_s, h_s.index(buf * NB + b).permute((1, 0)), z64, use_acc=False,
-                                       is_async=True)
-                    xb = warpgroup_mma(xq_s, rb_s.index(b), z64, use_acc=False, is_async=True)
-                    if b < 2:  # blocks 1 and 2 share factor a (x_a, a = j mod 16)
-                        xa = warpgroup_mma(xq_s, ra_s.index(b), z64, use_acc=False, is_async=True)
-                        gp, xb, xa = warpgroup_mma_wait(0, deps=[gp, xb, xa])
-                    else:
-                        gp, xb = warpgroup_mma_wait(0, deps=[gp, xb])
-                    zb = gl.load(zs + idx.to(gl.int64) * F_ + b * 64 + cj)[None, :]
-                    hb = gl.load(hw + b * 64 + cj)[None, :]
-                    gp = (gp + er * zb) * hb
-                    acc = warpgroup_mma(gl.convert_layout((gp * xb).to(gl.bfloat16), OP32),
-                                        ra_s.index(b).permute((1, 0)), acc)
-                    acc = warpgroup_mma(gl.convert_layout((gp * xa).to(gl.bfloat16), OP32),
-                                        rb_s.index(b).permute((1, 0)), acc)
-                t32 = start + r32
-                gl.store(dq + ok + t32 * (H * K_) + c32, (acc * scale).to(dq.dtype.element_ty),
-                         mask=(t32 < T) & (c32 < K_))
+            for b in gl.static_range(NB):
+                gp = warpgroup_mma(g_s, h_s.index(b).permute((1, 0)), z64, use_acc=False, is_async=True)
+                xb = warpgroup_mma(xq_s, rb_s.index(b), z64, use_acc=False, is_async=True)
+                if b < 2:  # blocks 1 and 2 share factor a (x_a, a = j mod 16)
+                    xa = warpgroup_mma(xq_s, ra_s.index(b), z64, use_acc=False, is_async=True)
+                    gp, xb, xa = warpgroup_mma_wait(0, deps=[gp, xb, xa])
+                else:
+                    gp, xb = warpgroup_mma_wait(0, deps=[gp, xb])
+                zb = z_s.slice(b * 64, 64).load(gl.SliceLayout(0, A64))[None, :]
+                hb = hw_s.slice(b * 64, 64).load(gl.SliceLayout(0, A64))[None, :]
+                gp = (gp + er * zb) * hb
+                acc = warpgroup_mma(gl.convert_layout((gp * xb).to(gl.bfloat16), OP32),
+                                    ra_s.index(b).permute((1, 0)), acc)
+                acc = warpgroup_mma(gl.convert_layout((gp * xa).to(gl.bfloat16), OP32),
+                                    rb_s.index(b).permute((1, 0)), acc)
+            if jc == 1:  # this step's reads of its state are done: the next step's comes in
+                _barrier()
+                _copy_state(h_s, z_s, hs, zs, idx + step, rf, cv, idx + step < total)
+            t32 = start + r32
+            gl.store(dq + ok + t32 * (H * K_) + c32, (acc * scale).to(dq.dtype.element_ty),
+                     mask=(t32 < T) & (c32 < K_))
 
 
 @gluon.jit

@@ -162,7 +162,8 @@ def test_gluon_backward_compiles_for_sm90(kind, states):
     """The backward kernels compile for sm_90a with warpgroup MMAs and at most a few spills. The dk/dv walk is
     warp-specialised (setmaxnreg) within 168 registers per thread; Triton 3.6 (the H200's) spills 136 bytes (268 with
     the state gradients), 3.9 52 / 148; with 64 producer registers, 1,024 (3.9). dq runs 4 warps at 255 registers;
-    its step of two chunks spills 64 bytes with 3.6, 24 with 3.9."""
+    its step of two chunks, with its inputs copied one chunk ahead (session 19), spills 184 bytes with 3.6, 256 with
+    3.9."""
     import re
 
     from kernels.based.sm90_report import compile_gluon_backward, ptxas_report
@@ -178,5 +179,5 @@ def test_gluon_backward_compiles_for_sm90(kind, states):
         # consumer until session 18 kept wᵀ in registers as an operand: 0.274 ms against 0.267)
         assert "serialized" not in report, report
     else:
-        assert ptx.count("wgmma.mma_async") >= 100
-        assert 0 < used <= 255 and spills <= 128, report
+        assert ptx.count("wgmma.mma_async") >= 100 and ptx.count("cp.async.cg.shared.global") >= 48
+        assert 0 < used <= 255 and spills <= 384, report
