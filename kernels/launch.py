@@ -79,6 +79,8 @@ def _arg_key(x):
         return int, x == 1, x % 16 == 0, _INT32[0] <= x < _INT32[1], 0 <= x < 2**63
     if isinstance(x, float):
         return float
+    if hasattr(x, "base") and hasattr(x, "block_shape") and hasattr(x, "layout"):  # a host TMA descriptor (Gluon)
+        return "tensordesc", x.base.dtype, tuple(x.block_shape), x.layout, len(x.shape), x.padding
     return type(x), x  # anything else by value (hashable, or the lookup raises and the JIT path is taken)
 
 

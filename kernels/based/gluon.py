@@ -41,12 +41,19 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from kernels.launch import launch
 
 # the partition-wide barrier: gl.thread_barrier in Triton 3.5-3.6 (the H200's), gl.barrier from 3.7 on
 _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+# a TMA store from shared memory: tma.async_copy_shared_to_global in Triton 3.5-3.6, tma.async_store later (where the
+# old name raises)
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 C_ = gl.constexpr(64)  # tokens per chunk
 K_ = gl.constexpr(16)  # feature dim
 V_ = gl.constexpr(64)  # value dim
@@ -108,13 +115,6 @@ def _store_pairs(h, St, BLK: gl.constexpr, vo, fo, LO: gl.constexpr):
     else:
         j = fo + 64 * (BLK - 1)
         gl.store(h + (33 + j) * V_ + vo, x * gl.where(j < 112, 2.0, 1.0).to(gl.bfloat16), mask=(j >= 0) & (vo >= 0))
-
-
-@gluon.jit
-def _store_rows(h, St, BLK: gl.constexpr, vo, fo, LO: gl.constexpr):
-    """Block BLK of the transposed state Sᵀ [V, 64] into a state of this kernel's rows h [192, V] (bf16), what
-    `gluon_backward` reads."""
-    gl.store(h + (BLK * 64 + fo) * V_ + vo, gl.convert_layout(St.to(gl.bfloat16), LO))
 
 
 @gluon.jit
@@ -199,9 +199,9 @@ def _producer(q, k, v, T, scale, H: gl.constexpr, x_s, q16_s, k16_s, ra_s, rb_s,
 
 
 @gluon.jit
-def _consumer(o, h0, z0, hT, zT, hs, zs, den_out, i_bh, T, H: gl.constexpr, USE_H0: gl.constexpr,
-              STORE_HT: gl.constexpr, STORE_STATES: gl.constexpr, psi_s, phi_s, w_s, v_s, zt_s, ones_s, one0_s, ready,
-              free, NSLOT: gl.constexpr):
+def _consumer(o, h0, z0, hT, zT, hs, hs_desc, zs, den_out, i_bh, T, H: gl.constexpr, USE_H0: gl.constexpr,
+              STORE_HT: gl.constexpr, STORE_STATES: gl.constexpr, psi_s, phi_s, w_s, v_s, zt_s, ones_s, one0_s, hst_s,
+              ready, free, NSLOT: gl.constexpr):
     """The default partition with the state transposed: Sᵀ_blk [V, 64] accumulates vᵀ φ(k) and is the register (A)
     operand of the reads numᵀ = Σ Sᵀ ψ(q)ᵀ + vᵀ wᵀ, so only z goes through shared memory between chunks."""
     ZW: gl.constexpr = 8
@@ -223,7 +223,6 @@ def _consumer(o, h0, z0, hT, zT, hs, zs, den_out, i_bh, T, H: gl.constexpr, USE_
         hs += i_bh.to(gl.int64) * gl.cdiv(T, C_) * (R_ * V_)
         zs += i_bh.to(gl.int64) * gl.cdiv(T, C_) * ZR_
     elif STORE_STATES == 2:
-        hs += i_bh.to(gl.int64) * gl.cdiv(T, 2 * C_) * (NB * 64 * V_)
         zs += i_bh.to(gl.int64) * gl.cdiv(T, 2 * C_) * (NB * 64)
     if STORE_STATES:
         den_out += (i_bh // H).to(gl.int64) * T * H + i_bh % H
@@ -275,12 +274,19 @@ def _consumer(o, h0, z0, hT, zT, hs, zs, den_out, i_bh, T, H: gl.constexpr, USE_
             _store_orders(zs + c * ZR_, Z1, 1, r8, c8)
             _store_orders(zs + c * ZR_, Z2, 2, r8, c8)
         elif STORE_STATES == 2:  # in this kernel's rows, every second chunk's: what `gluon_backward` reads
-            if c % 2 == 0:
-                hc = hs + (c // 2) * (NB * 64 * V_)
+            if c % 2 == 0:  # Sᵀ as the MMAs hold it, through shared memory and a TMA store (hs: [B·H·NQ·V, 192])
+                tma.store_wait(0)  # the copies of two chunks ago have left the buffers
+                _barrier()
+                hst_s.index(0).store(S0.to(gl.bfloat16))
+                hst_s.index(1).store(S1.to(gl.bfloat16))
+                hst_s.index(2).store(S2.to(gl.bfloat16))
+                fence_async_shared()
+                _barrier()
+                row = (i_bh * gl.cdiv(T, 2 * C_) + c // 2) * V_
+                _tma_store(hs_desc, [row, 0], hst_s.index(0))
+                _tma_store(hs_desc, [row, 64], hst_s.index(1))
+                _tma_store(hs_desc, [row, 128], hst_s.index(2))
                 zc = zs + (c // 2) * (NB * 64)
-                _store_rows(hc, S0, 0, vo, to, LO)
-                _store_rows(hc, S1, 1, vo, to, LO)
-                _store_rows(hc, S2, 2, vo, to, LO)
                 gl.store(zc + r8 + c8 * 0, Z0, mask=c8 == 0)
                 gl.store(zc + 64 + r8 + c8 * 0, Z1, mask=c8 == 0)
                 gl.store(zc + 128 + r8 + c8 * 0, Z2, mask=c8 == 0)
@@ -304,6 +310,8 @@ def _consumer(o, h0, z0, hT, zT, hs, zs, den_out, i_bh, T, H: gl.constexpr, USE_
         _publish_z(zt_s, Z0, Z1, Z2, c8)  # what the next chunk's denominator reads
         fence_async_shared()
         _barrier()
+    if STORE_STATES == 2:
+        tma.store_wait(0)
     if STORE_HT:
         hT += i_bh.to(gl.int64) * (NB * 64 * V_)
         zT += i_bh.to(gl.int64) * (NB * 64)
@@ -316,15 +324,15 @@ def _consumer(o, h0, z0, hT, zT, hs, zs, den_out, i_bh, T, H: gl.constexpr, USE_
 
 
 @gluon.jit
-def _gluon_fwd_kernel(q, k, v, o, h0, z0, hT, zT, hs, zs, den, T, scale, H: gl.constexpr, USE_H0: gl.constexpr,
+def _gluon_fwd_kernel(q, k, v, o, h0, z0, hT, zT, hs, hs_desc, zs, den, T, scale, H: gl.constexpr, USE_H0: gl.constexpr,
                       STORE_HT: gl.constexpr, STORE_STATES: gl.constexpr, NSLOT: gl.constexpr,
                       PRODUCER_REGS: gl.constexpr):
     """One program per sequence i_bh: two producer partitions build each chunk's features into one of NSLOT
     shared-memory slots while the default partition (the consumer) runs the chunk before. h0/hT: [B·H, 192, V] and
     z0/zT: [B·H, 192], fp32, the state in this kernel's row order (`feature_rows`). With STORE_STATES = 1, hs [B·H,
     NC, 161, V] bf16, zs [B·H, NC, 273] fp32 and den [B, T, H] fp32 receive what `split.split_backward` reads; with
-    STORE_STATES = 2, hs [B·H, NQ, 192, V] and zs [B·H, NQ, 192] (NQ = ⌈T/128⌉: the state entering every second
-    chunk), what `gluon_backward` reads."""
+    STORE_STATES = 2, zs [B·H, NQ, 192] and, through hs_desc (TMA stores), hs [B·H, NQ, V, 192] (NQ = ⌈T/128⌉: the
+    state entering every second chunk, transposed), what `gluon_backward` reads."""
     i_bh = gl.program_id(0)
     i_b = i_bh // H
     i_h = i_bh % H
@@ -355,14 +363,15 @@ def _gluon_fwd_kernel(q, k, v, o, h0, z0, hT, zT, hs, zs, den, T, scale, H: gl.c
     zt_s = gl.allocate_shared_memory(gl.bfloat16, [NB, 8, 64], sl8)
     ones_s = gl.allocate_shared_memory(gl.bfloat16, [8, C_], sl8)
     one0_s = gl.allocate_shared_memory(gl.bfloat16, [8, C_], sl8)
+    hst_s = gl.allocate_shared_memory(gl.bfloat16, [NB if STORE_STATES == 2 else 1, V_, 64], sl64)  # states out
     ready = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NSLOT):
         mbarrier.init(ready.index(i), count=2)  # both producers
         mbarrier.init(free.index(i), count=1)
     gl.warp_specialize([
-        (_consumer, (o, h0, z0, hT, zT, hs, zs, den, i_bh, T, H, USE_H0, STORE_HT, STORE_STATES, psi_s, phi_s, w_s,
-                     v_s, zt_s, ones_s, one0_s, ready, free, NSLOT)),
+        (_consumer, (o, h0, z0, hT, zT, hs, hs_desc, zs, den, i_bh, T, H, USE_H0, STORE_HT, STORE_STATES, psi_s,
+                     phi_s, w_s, v_s, zt_s, ones_s, one0_s, hst_s, ready, free, NSLOT)),
         (_producer, (q, k, v, T, scale, H, qx_s, q16_s, k16_s, raq_s, rbq_s, psi_s, w_s, v_s, ready, free, NSLOT, 0)),
         (_producer, (q, k, v, T, scale, H, kx_s, q16_s, k16_s, rak_s, rbk_s, phi_s, w_s, v_s, ready, free, NSLOT, 1)),
     ], [4, 4], [PRODUCER_REGS, PRODUCER_REGS])
@@ -432,6 +441,22 @@ MAX_SHORT_T = 4096  # below MIN_SEQUENCES sequences, up to this length
 PRODUCER_REGS = 128
 
 
+_STATES_BLOCK = [64, 64]
+_STATES_LAYOUT = gl.NVMMASharedLayout.get_default_for(_STATES_BLOCK, gl.bfloat16)
+_NO_STATES = {}
+
+
+def _states_descriptor(hs: torch.Tensor | None, device) -> TensorDescriptor:
+    """The TMA descriptor of the stored states hs [B·H, NQ, V, 192] seen as [B·H·NQ·V, 192] in [V, 64] tiles; where
+    none are stored, one over a small buffer made once per device (the kernel takes a descriptor either way)."""
+    if hs is None:
+        if device not in _NO_STATES:
+            buf = torch.empty(64, 3 * 64, device=device, dtype=torch.bfloat16)
+            _NO_STATES[device] = TensorDescriptor.from_tensor(buf, _STATES_BLOCK, _STATES_LAYOUT)
+        return _NO_STATES[device]
+    return TensorDescriptor.from_tensor(hs.view(-1, hs.shape[-1]), _STATES_BLOCK, _STATES_LAYOUT)
+
+
 def applies(q: torch.Tensor, v: torch.Tensor, normalize: bool) -> bool:
     """This kernel's case: bf16 on a Hopper GPU (sm_90), K = 16, V = 64, normalised, at least MIN_SEQUENCES
     sequences or at most MAX_SHORT_T tokens, and not inside torch.compile's tracing. The caller decides what follows:
@@ -449,8 +474,8 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     state in Taylor-order form (`naive.state_to_orders`) or None. Returns o [B, T, H, V] and the final state in
     Taylor-order form (or None, None). With store_states it also returns den [B, T, H] fp32 and (hs, zs), the state
     entering chunks, as (o, den, hvT, hzT, (hs, zs)): "rows", every second chunk's in this kernel's rows (hs [B·H, NQ,
-    192, V] bf16, zs [B·H, NQ, 192] fp32, NQ = ⌈T/128⌉), what `gluon_backward.gluon_backward` reads; "pairs", every
-    chunk's in `split.state_pass`'s layout, what `split.split_backward` reads."""
+    V, 192] bf16, transposed, zs [B·H, NQ, 192] fp32, NQ = ⌈T/128⌉), what `gluon_backward.gluon_backward` reads;
+    "pairs", every chunk's in `split.state_pass`'s layout, what `split.split_backward` reads."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if K != 16 or V != 64 or q.dtype != torch.bfloat16:
@@ -468,15 +493,18 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
         raise ValueError(f"store_states must be None, 'rows' or 'pairs', got {store_states!r}")
     if store_states:
         NC = (T + 127) // 128 if store_states == "rows" else (T + 63) // 64  # rows: every second chunk's state
-        rows, zrows = (3 * 64, 3 * 64) if store_states == "rows" else (161, 273)
-        # rows the kernel does not write (order-2 rows past K, none at K = 16) stay zero
-        hs = torch.empty(B * H, NC, rows, V, device=q.device, dtype=torch.bfloat16)
-        zs = torch.empty(B * H, NC, zrows, device=q.device, dtype=torch.float32)
+        if store_states == "rows":  # transposed, [V, 192] per state, written by TMA stores
+            hs = torch.empty(B * H, NC, V, 3 * 64, device=q.device, dtype=torch.bfloat16)
+            zs = torch.empty(B * H, NC, 3 * 64, device=q.device, dtype=torch.float32)
+        else:  # rows the kernel does not write (order-2 rows past K, none at K = 16) stay zero
+            hs = torch.empty(B * H, NC, 161, V, device=q.device, dtype=torch.bfloat16)
+            zs = torch.empty(B * H, NC, 273, device=q.device, dtype=torch.float32)
         den = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
     mode = {None: 0, "pairs": 1, "rows": 2}[store_states]
-    _gluon_fwd_kernel[(B * H,)](q, k, v, o, h0, z0, hT, zT, hs, zs, den, T, scale, H, USE_H0=hv0 is not None,
-                                STORE_HT=output_final_state, STORE_STATES=mode, NSLOT=2, PRODUCER_REGS=PRODUCER_REGS,
-                                num_warps=4)
+    hs_desc = _states_descriptor(hs if mode == 2 else None, q.device)
+    launch(_gluon_fwd_kernel, (B * H,), q, k, v, o, h0, z0, hT, zT, hs, hs_desc, zs, den, T, scale, H,
+           USE_H0=hv0 is not None, STORE_HT=output_final_state, STORE_STATES=mode, NSLOT=2,
+           PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     hvT = hzT = None
     if output_final_state:
         hvT, hzT = from_kernel_rows(hT, zT, B, H)

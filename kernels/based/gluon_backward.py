@@ -2,10 +2,10 @@
 
 The forward (`gluon.gluon_forward(..., store_states="rows")`) leaves three things behind: the output o, its
 denominator den, and the state entering every second chunk (tokens 0, 128, 256, …) in this module's row order
-(`gluon.feature_rows`: 192 rows, 3 blocks of 64 features), hs [B·H, NQ, 192, V] in bf16 and zs [B·H, NQ, 192] in
-fp32, NQ = ⌈T/128⌉ (session 18: half the states of one per chunk, which cost the forward 0.04 ms). With g = dO/den and
-e = −(dO·o)/den (the normalisation's chain rule) the gradient is that of Σ_i g_i·num_i + e_i·den_i, and two kernels
-take it:
+(`gluon.feature_rows`: 192 rows, 3 blocks of 64 features), hs [B·H, NQ, V, 192] in bf16 (transposed, as the
+forward's MMAs hold it) and zs [B·H, NQ, 192] in fp32, NQ = ⌈T/128⌉ (session 18: half the states of one per chunk,
+which cost the forward 0.04 ms). With g = dO/den and e = −(dO·o)/den (the normalisation's chain rule) the gradient
+is that of Σ_i g_i·num_i + e_i·den_i, and two kernels take it:
 
 - `_dq_kernel`, fully parallel over steps of two chunks (each program loops over steps; every chunk's inputs and
   the next step's state are copied into shared memory while the chunk before computes): dq of a step's chunks
@@ -40,6 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from kernels.based.gluon import _barrier, _index
+from kernels.launch import launch
 
 # cp.async from global to shared memory: async_copy_global_to_shared in Triton 3.5-3.6 (the H200's), async_load
 # from 3.7 on (where the old name raises)
@@ -132,13 +133,13 @@ def _ge_from_stage(qst, dost, ost, dnst, start, T, scale, H: gl.constexpr, g_out
 
 @gluon.jit
 def _copy_state(h_s, z_s, hs, zs, idx, rf, cv, pred):
-    """Start copying the state entering step idx (hs [B·H·NQ, F_, V] bf16, zs [B·H·NQ, F_] fp32) into h_s and z_s
-    (cp.async, one commit group; nothing is copied where pred is false)."""
+    """Start copying the state entering step idx (hs [B·H·NQ, V, F_] bf16, transposed; zs [B·H·NQ, F_] fp32) into
+    h_s ([V, 64] per feature block) and z_s (cp.async, one commit group; nothing is copied where pred is false)."""
     LD: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     rz = gl.arange(0, 64, layout=LD)
     src = hs + idx.to(gl.int64) * (F_ * V_)
     for b in gl.static_range(NB):
-        _cp_async(h_s.index(b), src + (b * 64 + rf) * V_ + cv, mask=pred & (rf >= 0))
+        _cp_async(h_s.index(b), src + rf * F_ + b * 64 + cv, mask=pred & (rf >= 0))
         _cp_async(z_s.slice(b * 64, 64), zs + idx.to(gl.int64) * F_ + b * 64 + rz, mask=pred & (rz >= 0))
     async_copy.commit_group()
 
@@ -164,7 +165,7 @@ def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, g_out, e_out, T, scale
     xk_s = gl.allocate_shared_memory(gl.bfloat16, [2, C_, X_], sl32)  # the step's two chunks' keys and values
     v_s = gl.allocate_shared_memory(gl.bfloat16, [2, C_, V_], sl64)
     g_s = gl.allocate_shared_memory(gl.bfloat16, [C_, V_], sl64)
-    h_s = gl.allocate_shared_memory(gl.bfloat16, [NB, 64, V_], sl64)  # the step's entering state
+    h_s = gl.allocate_shared_memory(gl.bfloat16, [NB, V_, 64], sl64)  # the step's entering state, Sᵀ
     qst = gl.allocate_shared_memory(gl.bfloat16, [C_, X_], sl32)  # the next chunk's q, dO and o, in flight
     dost = gl.allocate_shared_memory(gl.bfloat16, [C_, V_], sl64)
     ost = gl.allocate_shared_memory(gl.bfloat16, [C_, V_], sl64)
@@ -239,7 +240,7 @@ def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, g_out, e_out, T, scale
                 fence_async_shared()
                 _barrier()
             for b in gl.static_range(NB):
-                gp = warpgroup_mma(g_s, h_s.index(b).permute((1, 0)), z64, use_acc=False, is_async=True)
+                gp = warpgroup_mma(g_s, h_s.index(b), z64, use_acc=False, is_async=True)
                 xb = warpgroup_mma(xq_s, rb_s.index(b), z64, use_acc=False, is_async=True)
                 if b < 2:  # blocks 1 and 2 share factor a (x_a, a = j mod 16)
                     xa = warpgroup_mma(xq_s, ra_s.index(b), z64, use_acc=False, is_async=True)
@@ -666,9 +667,9 @@ def gluon_backward(q, k, v, o, do, den, hs, zs, scale, dhvT=None, dhzT=None, nee
     grid = min(-(-T // DQ_CHUNK) * B * H, DQ_PROGRAMS_PER_SM * _sm_count(q.device))
     g = torch.empty_like(do)  # dO/den, bf16, and −(dO·o)/den, fp32: written by dq's kernel, read by the walk
     e = torch.empty_like(den)
-    _dq_kernel[(grid,)](q, k, v, do, o, den, hs, zs, mats, hw, dq, g, e, T, scale, B * H, H, num_warps=4)
-    _dkv_kernel[(B * H,)](q, k, v, g, e, mats, hw, dk, dv, dhT, dzT, dh0, dz0, T, scale, H, USE_DHT=use_dht,
-                          STORE_DH0=need_dh0, NSLOT=2, PRODUCER_REGS=PRODUCER_REGS, DK_REGS=DK_REGS, num_warps=4)
+    launch(_dq_kernel, (grid,), q, k, v, do, o, den, hs, zs, mats, hw, dq, g, e, T, scale, B * H, H, num_warps=4)
+    launch(_dkv_kernel, (B * H,), q, k, v, g, e, mats, hw, dk, dv, dhT, dzT, dh0, dz0, T, scale, H, USE_DHT=use_dht,
+           STORE_DH0=need_dh0, NSLOT=2, PRODUCER_REGS=PRODUCER_REGS, DK_REGS=DK_REGS, num_warps=4)
     dhv0 = dhz0 = None
     if need_dh0:
         dhv0, dhz0 = rows_grad_to_state(dh0, dz0, B, H)

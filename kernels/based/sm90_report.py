@@ -85,16 +85,23 @@ def compile_kernel(kind: str, mode: int, BV: int, BC: int, warps: int, stages: i
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def compile_gluon_forward(states: bool = False):
+def compile_gluon_forward(states: int = 0):
     """kernels/based/gluon.py's forward for sm_90a at H=16 (its default partition of 4 warps and two producers of
-    4), with or without its state in and out and the per-chunk states it stores for the split backward."""
+    4), with or without its state in and out and the states it stores for a backward (`states`: 0 none, 1 every
+    chunk's for the split backward, 2 every second chunk's for the Gluon backward; 1 and 2 also take the state in
+    and out)."""
+    import torch
     from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
 
     from kernels.based import gluon
 
     sig = {n: "*bf16" for n in "qkvo"} | {n: "*fp32" for n in ("h0", "z0", "hT", "zT")} | {"hs": "*bf16", "zs": "*fp32"}
     sig |= {"den": "*fp32", "T": "i32", "scale": "fp32"}
-    sig |= {n: "constexpr" for n in ("H", "USE_H0", "STORE_HT", "STORE_STATES", "NSLOT", "PRODUCER_REGS")}
+    # the stored states' TMA descriptor (its type only: a descriptor over a host buffer of the states' tile layout)
+    sig["hs_desc"] = mangle_type(gluon.TensorDescriptor.from_tensor(
+        torch.empty(64, 3 * 64, dtype=torch.bfloat16), gluon._STATES_BLOCK, gluon._STATES_LAYOUT))
+    sig = {n: sig.get(n, "constexpr") for n in gluon._gluon_fwd_kernel.arg_names}
     src = GluonASTSource(gluon._gluon_fwd_kernel, sig, constexprs={
         "H": 16, "USE_H0": bool(states), "STORE_HT": bool(states), "STORE_STATES": int(states), "NSLOT": 2,
         "PRODUCER_REGS": gluon.PRODUCER_REGS})

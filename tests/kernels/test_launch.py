@@ -1,5 +1,6 @@
 """kernels/launch.py: its plain-Python cdiv and next_power_of_2 equal Triton's, and the device checks."""
 
+import pytest
 import triton
 
 from kernels.launch import cdiv, next_power_of_2
@@ -55,6 +56,25 @@ def test_launch_key_separates_what_triton_specializes_on():
     base = key(aligned, 32, BV=32)
     assert len({base, *different}) == len(different) + 1
     assert key(aligned, 32) != launch_key((aligned, 32), {}, 1)  # the device
+
+
+def test_launch_key_of_tma_descriptors():
+    """Gluon's host TMA descriptors (the Gluon forward's stored states) key on what their type says (dtype, block,
+    shared layout, rank, padding), not on their address or size, which the launcher reads on every launch."""
+    import torch
+
+    hopper = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from triton.experimental.gluon import language as gl
+
+    from kernels.launch import launch_key
+
+    def desc(t, block):
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16)
+        return launch_key((hopper.TensorDescriptor.from_tensor(t, block, layout),), {}, 0)
+
+    a, b = torch.zeros(128, 192, dtype=torch.bfloat16), torch.zeros(256, 192, dtype=torch.bfloat16)
+    assert desc(a, [64, 64]) == desc(b, [64, 64])
+    assert len({desc(a, [64, 64]), desc(a, [64, 32]), desc(a.half(), [64, 64])}) == 3
 
 
 class _FakeCompiled:
