@@ -80,7 +80,8 @@ def _arg_key(x):
     if isinstance(x, float):
         return float
     if hasattr(x, "base") and hasattr(x, "block_shape") and hasattr(x, "layout"):  # a host TMA descriptor (Gluon)
-        return "tensordesc", x.base.dtype, tuple(x.block_shape), x.layout, len(x.shape), x.padding
+        # its shared layout by repr: Triton 3.6's NVMMASharedLayout holds a list, so it does not hash
+        return "tensordesc", x.base.dtype, tuple(x.block_shape), repr(x.layout), len(x.shape), x.padding
     return type(x), x  # anything else by value (hashable, or the lookup raises and the JIT path is taken)
 
 
