@@ -83,6 +83,14 @@ def _load_x(q, k, start, T, scale, H: gl.constexpr):
 
 
 @gluon.jit
+def _offsets(i_bh, T, H: gl.constexpr):
+    """Where sequence i_bh (= batch·H + head) starts in q, k [B, T, H, K], in v, dO, o [B, T, H, V] and in den
+    [B, T, H] (elements)."""
+    i_b = (i_bh // H).to(gl.int64)
+    return i_b * T * H * K_ + (i_bh % H) * K_, i_b * T * H * V_ + (i_bh % H) * V_, i_b * T * H + i_bh % H
+
+
+@gluon.jit
 def _stage_chunk(q, k, v, do, o, den, qst, dost, ost, dnst, xk_dst, v_dst, start, T, H: gl.constexpr, pred):
     """Start copying a chunk's inputs into shared memory (cp.async, one commit group): q into qst and k into xk_dst
     ([C, 32], zero past column 16: k's appended one stays out, the own part adds it to s), v into v_dst, dO and o into
@@ -189,25 +197,14 @@ def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, g_out, e_out, T, scale
     step = gl.num_programs(0)
     first = gl.program_id(0)
     # commit groups, in order: chunk (idx, 0)'s inputs, step idx's state, chunk (idx, 1)'s inputs, …
-    nb = first // NQ
-    _stage_chunk(q + ((nb // H).to(gl.int64) * T * H * K_ + (nb % H) * K_),
-                        k + ((nb // H).to(gl.int64) * T * H * K_ + (nb % H) * K_),
-                        v + ((nb // H).to(gl.int64) * T * H * V_ + (nb % H) * V_),
-                        do + ((nb // H).to(gl.int64) * T * H * V_ + (nb % H) * V_),
-                        o + ((nb // H).to(gl.int64) * T * H * V_ + (nb % H) * V_),
-                        den + ((nb // H).to(gl.int64) * T * H + nb % H), qst, dost, ost, dnst, xk_s.index(0),
-                        v_s.index(0), (first % NQ) * DQ_, T, H, first < total)
+    ok, ov, od = _offsets(first // NQ, T, H)
+    _stage_chunk(q + ok, k + ok, v + ov, do + ov, o + ov, den + od, qst, dost, ost, dnst, xk_s.index(0), v_s.index(0),
+                 (first % NQ) * DQ_, T, H, first < total)
     _copy_state(h_s, z_s, hs, zs, first, rf, cv, first < total)
     for idx in range(first, total, step):
-        i_bh = idx // NQ
-        ok = (i_bh // H).to(gl.int64) * T * H * K_ + (i_bh % H) * K_
-        ov = (i_bh // H).to(gl.int64) * T * H * V_ + (i_bh % H) * V_
-        od = (i_bh // H).to(gl.int64) * T * H + i_bh % H
+        ok, ov, od = _offsets(idx // NQ, T, H)
         nxt = idx + step
-        nb = nxt // NQ
-        okn = (nb // H).to(gl.int64) * T * H * K_ + (nb % H) * K_
-        ovn = (nb // H).to(gl.int64) * T * H * V_ + (nb % H) * V_
-        odn = (nb // H).to(gl.int64) * T * H + nb % H
+        okn, ovn, odn = _offsets(nxt // NQ, T, H)
         for jc in gl.static_range(2):  # a step's second chunk past T runs on zeros and stores nothing
             start = (idx % NQ) * DQ_ + jc * C_
             async_copy.wait_group(1 - jc)  # this chunk's inputs have landed (the step's state may still fly)
@@ -219,7 +216,7 @@ def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, g_out, e_out, T, scale
             _barrier()  # the stage is read: the next chunk's inputs may come in
             if jc == 0:  # the step's second chunk, into buffers 1
                 _stage_chunk(q + ok, k + ok, v + ov, do + ov, o + ov, den + od, qst, dost, ost, dnst,
-                                    xk_s.index(1), v_s.index(1), start + C_, T, H, True)
+                             xk_s.index(1), v_s.index(1), start + C_, T, H, True)
             er = gl.convert_layout(e, gl.SliceLayout(1, A64))[:, None]
             acc = gl.zeros([C_, X_], gl.float32, A32)
             for j in gl.static_range(jc + 1):  # keys of the step's chunks up to this one (causal for its own)
