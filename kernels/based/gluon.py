@@ -64,6 +64,14 @@ ZR_ = gl.constexpr(273)  # its denominator state: 1 + 16 + 16²
 
 
 @gluon.jit
+def _offsets(i_bh, T, H: gl.constexpr):
+    """Where sequence i_bh (= batch·H + head) starts in q, k [B, T, H, K], in v, dO, o [B, T, H, V] and in den
+    [B, T, H] (elements)."""
+    i_b = (i_bh // H).to(gl.int64)
+    return i_b * T * H * K_ + (i_bh % H) * K_, i_b * T * H * V_ + (i_bh % H) * V_, i_b * T * H + i_bh % H
+
+
+@gluon.jit
 def _factor_mats(ra, rb, BLK: gl.constexpr, QUERY: gl.constexpr, L: gl.constexpr):
     """The 0/1 matrices [X_, 64] of feature block BLK for one side: factor a (with the ½ weights of the diagonal and
     d = 8 on the query side) and factor b, so that feature = (x_ext·ra) ⊙ (x_ext·rb)."""
@@ -334,12 +342,11 @@ def _gluon_fwd_kernel(q, k, v, o, h0, z0, hT, zT, hs, hs_desc, zs, den, T, scale
     STORE_STATES = 2, zs [B·H, NQ, 192] and, through hs_desc (TMA stores), hs [B·H, NQ, V, 192] (NQ = ⌈T/128⌉: the
     state entering every second chunk, transposed), what `gluon_backward` reads."""
     i_bh = gl.program_id(0)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    q += i_b.to(gl.int64) * T * H * K_ + i_h * K_
-    k += i_b.to(gl.int64) * T * H * K_ + i_h * K_
-    v += i_b.to(gl.int64) * T * H * V_ + i_h * V_
-    o += i_b.to(gl.int64) * T * H * V_ + i_h * V_
+    ok, ov, _ = _offsets(i_bh, T, H)
+    q += ok
+    k += ok
+    v += ov
+    o += ov
     sl16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_, K_], gl.bfloat16)
     sl32: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_, X_], gl.bfloat16)
     slr: gl.constexpr = gl.NVMMASharedLayout.get_default_for([X_, 64], gl.bfloat16)

@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from kernels.based.gluon import _barrier, _index
+from kernels.based.gluon import _barrier, _index, _offsets
 from kernels.launch import launch
 
 # cp.async from global to shared memory: async_copy_global_to_shared in Triton 3.5-3.6 (the H200's), async_load
@@ -80,14 +80,6 @@ def _load_x(q, k, start, T, scale, H: gl.constexpr):
     xk = gl.load(k + tx * (H * K_) + cx, mask=(tx < T) & (cx < K_), other=0.0).to(gl.float32) + gl.where(
         tx < T, one, 0.0)
     return xq.to(gl.bfloat16), xk.to(gl.bfloat16)
-
-
-@gluon.jit
-def _offsets(i_bh, T, H: gl.constexpr):
-    """Where sequence i_bh (= batch·H + head) starts in q, k [B, T, H, K], in v, dO, o [B, T, H, V] and in den
-    [B, T, H] (elements)."""
-    i_b = (i_bh // H).to(gl.int64)
-    return i_b * T * H * K_ + (i_bh % H) * K_, i_b * T * H * V_ + (i_bh % H) * V_, i_b * T * H + i_bh % H
 
 
 @gluon.jit
@@ -509,15 +501,14 @@ def _dkv_kernel(q, k, v, g, e, mats, hw, dk, dv, dhT, dzT, dh0, dz0, T, scale, H
     """One program per sequence, walking its chunks from the last in three partitions: the producer, the consumer
     (dv and the reverse state) and the dk partition. Also the initial state's gradient (STORE_DH0)."""
     i_bh = gl.program_id(0)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    q += i_b.to(gl.int64) * T * H * K_ + i_h * K_
-    k += i_b.to(gl.int64) * T * H * K_ + i_h * K_
-    dk += i_b.to(gl.int64) * T * H * K_ + i_h * K_
-    v += i_b.to(gl.int64) * T * H * V_ + i_h * V_
-    g += i_b.to(gl.int64) * T * H * V_ + i_h * V_
-    dv += i_b.to(gl.int64) * T * H * V_ + i_h * V_
-    e += i_b.to(gl.int64) * T * H + i_h
+    ok, ov, od = _offsets(i_bh, T, H)
+    q += ok
+    k += ok
+    dk += ok
+    v += ov
+    g += ov
+    dv += ov
+    e += od
     sl32: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_, X_], gl.bfloat16)
     slr: gl.constexpr = gl.NVMMASharedLayout.get_default_for([X_, 64], gl.bfloat16)
     sl64: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
