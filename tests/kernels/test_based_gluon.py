@@ -50,8 +50,8 @@ def test_applies_only_to_its_case():
 def test_gluon_forward_compiles_for_sm90(states):
     """The kernel compiles for sm_90a: warp-specialised (setmaxnreg per partition), its dots warpgroup MMAs, within
     the 168 registers per thread that 12 warps leave, and without more than a few spills (Triton 3.6, the H200's:
-    32 bytes, 164 with every chunk's states stored for the split backward, 32 with every second chunk's for the Gluon
-    backward; Triton 3.9: 208 / 272 / 56; 64 producer registers: 1676). The Gluon backward's states leave through
+    none in any of the three modes since the features take K = 16 MMAs (session 20; 32 / 164 / 32 bytes before);
+    Triton 3.9: 96 / 176 / 20). The Gluon backward's states leave through
     TMA stores (session 19: through a layout change and plain stores they cost 0.015 ms more at T=4096)."""
     import re
 
