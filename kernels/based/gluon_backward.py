@@ -19,13 +19,17 @@ is that of Σ_i g_i·num_i + e_i·den_i, and two kernels take it:
   partition computes dk = the feature map's Jacobian of dφ(k) = v dSᵀ + dz, plus dsᵀ q_s. ptxas holds every
   partition to 168 registers (65536 / 384 threads), which is what sets this split: dS alone takes 96.
 
-The feature map. Each feature is a product of two factors, f = h ⊙ (x_ext·A) ⊙ (x_ext·B), with x_ext = [x, 1, 0…]
-[C, 32], A and B 0/1 matrices [32, 64] per block (`factor_matrices`, the forward's `_factor_mats`), and h the query
-side's ½ weights (1 on the key side). So the Jacobian is two more MMAs per block:
+The feature map. Each feature is a product of two factors, f = h ⊙ (x·A) ⊙ (x·B), with x [C, 16] (q_s or k), A and B
+0/1 matrices [16, 64] per block (`factor_matrices`, the forward's `_factor_mats`), and h the query side's ½ weights
+(1 on the key side); in block 0 the order-1 features are x·A alone (columns 0-15, where B is zero) and column 32 is
+the constant 1 (0 past T on the key side), both added in registers (`_block0`). So the Jacobian is two more MMAs per
+block:
 
-    dx_ext = (G_f ⊙ h ⊙ (x_ext·B))·Aᵀ + (G_f ⊙ h ⊙ (x_ext·A))·Bᵀ
+    dx = (G_f ⊙ h ⊙ (x·B + u))·Aᵀ + (G_f ⊙ h ⊙ (x·A))·Bᵀ,   u = 1 in block 0's columns 0-15, else 0
 
-and 1 + s = x_ext(q_s)·x_ext(k)ᵀ (the appended ones meet), so w = ((1+s)² + 1)/2 comes from one K = 32 MMA.
+and w = ((1+s)² + 1)/2 with s = q_s·kᵀ from one K = 16 MMA. (Until session 20 the inputs carried an appended one,
+x_ext = [x, 1, 0…] [C, 32], which made the order-1 features, the constant and the 1 of 1 + s: K = 32 in the feature
+MMAs and N = 32 in the Jacobians, twice the work.)
 """
 
 import torch
@@ -49,7 +53,6 @@ _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_glo
 C_ = gl.constexpr(64)  # tokens per chunk
 K_ = gl.constexpr(16)  # feature dim
 V_ = gl.constexpr(64)  # value dim
-X_ = gl.constexpr(32)  # extended input width [x, 1, 0...]
 NB = gl.constexpr(3)  # feature blocks of 64
 F_ = gl.constexpr(192)  # state rows
 DQ_CHUNK = 128  # tokens per step of the dq kernel: the forward stores every second chunk's entering state
@@ -58,44 +61,48 @@ DQ_ = gl.constexpr(DQ_CHUNK)
 
 @gluon.jit
 def _load_mats(mats, ra_s, rb_s):
-    """The factor matrices A, B ([2, NB, X_, 64] bf16 in global memory) into shared memory."""
+    """The factor matrices A, B ([2, NB, K_, 64] bf16 in global memory) into shared memory."""
     LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    r = gl.arange(0, X_, layout=gl.SliceLayout(1, LR))[:, None]
+    r = gl.arange(0, K_, layout=gl.SliceLayout(1, LR))[:, None]
     c = gl.arange(0, 64, layout=gl.SliceLayout(0, LR))[None, :]
     for b in gl.static_range(NB):
-        ra_s.index(b).store(gl.load(mats + (b * X_ + r) * 64 + c))
-        rb_s.index(b).store(gl.load(mats + ((NB + b) * X_ + r) * 64 + c))
+        ra_s.index(b).store(gl.load(mats + (b * K_ + r) * 64 + c))
+        rb_s.index(b).store(gl.load(mats + ((NB + b) * K_ + r) * 64 + c))
+
+
+@gluon.jit
+def _block0(f, fa, c, one):
+    """Block 0's features from the product f = fa ⊙ fb of its factors: + fa in columns 0-15 (the order-1 features x_a,
+    where fb is zero) and the constant 1 in column 32 where `one` holds (c: the columns [1, 64], in f's layout)."""
+    return f + gl.where(c < 16, fa, 0.0) + gl.where((c == 32) & one, 1.0, 0.0)
 
 
 @gluon.jit
 def _load_x(q, k, start, T, scale, H: gl.constexpr):
-    """A chunk's x_ext of q_s and of k [C, 32] (bf16; q_s rounded to bf16 first, as the forward's features take it).
-    Rows past T are zero, k's appended one too (q's stays, harmless: g = e = 0 there)."""
-    LX: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    """A chunk's q_s (bf16, rounded as the forward's features take it) and k [C, 16]; rows past T are zero."""
+    LX: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
     rx = gl.arange(0, C_, layout=gl.SliceLayout(1, LX))[:, None]
-    cx = gl.arange(0, X_, layout=gl.SliceLayout(0, LX))[None, :]
+    cx = gl.arange(0, K_, layout=gl.SliceLayout(0, LX))[None, :]
     tx = start + rx
-    one = gl.where(cx == K_, 1.0, 0.0)
-    xq = gl.load(q + tx * (H * K_) + cx, mask=(tx < T) & (cx < K_), other=0.0).to(gl.float32) * scale + one
-    xk = gl.load(k + tx * (H * K_) + cx, mask=(tx < T) & (cx < K_), other=0.0).to(gl.float32) + gl.where(
-        tx < T, one, 0.0)
-    return xq.to(gl.bfloat16), xk.to(gl.bfloat16)
+    xq = gl.load(q + tx * (H * K_) + cx, mask=(tx < T) & (cx >= 0), other=0.0).to(gl.float32) * scale
+    xk = gl.load(k + tx * (H * K_) + cx, mask=(tx < T) & (cx >= 0), other=0.0)
+    return xq.to(gl.bfloat16), xk
 
 
 @gluon.jit
 def _stage_chunk(q, k, v, do, o, den, qst, dost, ost, dnst, xk_dst, v_dst, start, T, H: gl.constexpr, pred):
     """Start copying a chunk's inputs into shared memory (cp.async, one commit group): q into qst and k into xk_dst
-    ([C, 32], zero past column 16: k's appended one stays out, the own part adds it to s), v into v_dst, dO and o into
-    dost and ost, den into dnst [C]. Rows past T, and everything where pred is false, are zero."""
-    LX: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    [C, 16], v into v_dst, dO and o into dost and ost, den into dnst [C]. Rows past T, and everything where pred is
+    false, are zero."""
+    LX: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
     LV: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     rx = gl.arange(0, C_, layout=gl.SliceLayout(1, LX))[:, None]
-    cx = gl.arange(0, X_, layout=gl.SliceLayout(0, LX))[None, :]
+    cx = gl.arange(0, K_, layout=gl.SliceLayout(0, LX))[None, :]
     rv = gl.arange(0, C_, layout=gl.SliceLayout(1, LV))[:, None]
     cv = gl.arange(0, V_, layout=gl.SliceLayout(0, LV))[None, :]
     tx = start + rx
     tv = start + rv
-    mx = pred & (tx < T) & (cx < K_)
+    mx = pred & (tx < T) & (cx >= 0)
     mv = pred & (tv < T) & (cv >= 0)
     _cp_async(qst, q + tx * (H * K_) + cx, mask=mx)
     _cp_async(xk_dst, k + tx * (H * K_) + cx, mask=mx)
@@ -110,17 +117,16 @@ def _stage_chunk(q, k, v, do, o, den, qst, dost, ost, dnst, xk_dst, v_dst, start
 
 @gluon.jit
 def _ge_from_stage(qst, dost, ost, dnst, start, T, scale, H: gl.constexpr, g_out, e_out):
-    """From a staged chunk: x_ext of q_s [C, 32] (bf16; q_s rounded to bf16 first, as the forward's features take
-    it), g = dO/den (bf16) and e = −(dO·o)/den [C] (fp32), zero past T; g and e also go to g_out [B, T, H, V] and
-    e_out [B, T, H] (at this sequence's offsets) for the dk/dv walk."""
-    LX: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    """From a staged chunk: q_s [C, 16] (bf16; rounded as the forward's features take it), g = dO/den (bf16) and
+    e = −(dO·o)/den [C] (fp32), zero past T; g and e also go to g_out [B, T, H, V] and e_out [B, T, H] (at this
+    sequence's offsets) for the dk/dv walk."""
+    LX: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
     LV: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-    cx = gl.arange(0, X_, layout=gl.SliceLayout(0, LX))[None, :]
     rv = gl.arange(0, C_, layout=gl.SliceLayout(1, LV))[:, None]
     cv = gl.arange(0, V_, layout=gl.SliceLayout(0, LV))[None, :]
     tv = start + rv
     tr = start + gl.arange(0, C_, layout=gl.SliceLayout(1, LV))
-    xq = (qst.load(LX).to(gl.float32) * scale + gl.where(cx == K_, 1.0, 0.0)).to(gl.bfloat16)
+    xq = (qst.load(LX).to(gl.float32) * scale).to(gl.bfloat16)
     dd = dost.load(LV).to(gl.float32)
     oo = ost.load(LV).to(gl.float32)
     rn = gl.where(tr < T, 1.0 / dnst.load(gl.SliceLayout(1, LV)), 0.0)  # one division per row, then products
@@ -156,24 +162,24 @@ def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, g_out, e_out, T, scale
     while the chunk before computes, the next step's state once this step's reads of it are done."""
     LV: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-    A32: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 16])
-    OP32: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=A32, k_width=2)
-    sl32: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_, X_], gl.bfloat16)
-    slr: gl.constexpr = gl.NVMMASharedLayout.get_default_for([X_, 64], gl.bfloat16)
+    A16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
+    OP16: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=A16, k_width=2)
+    sl16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_, K_], gl.bfloat16)
+    slr: gl.constexpr = gl.NVMMASharedLayout.get_default_for([K_, 64], gl.bfloat16)
     sl64: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
-    xq_s = gl.allocate_shared_memory(gl.bfloat16, [C_, X_], sl32)
-    xk_s = gl.allocate_shared_memory(gl.bfloat16, [2, C_, X_], sl32)  # the step's two chunks' keys and values
+    xq_s = gl.allocate_shared_memory(gl.bfloat16, [C_, K_], sl16)
+    xk_s = gl.allocate_shared_memory(gl.bfloat16, [2, C_, K_], sl16)  # the step's two chunks' keys and values
     v_s = gl.allocate_shared_memory(gl.bfloat16, [2, C_, V_], sl64)
     g_s = gl.allocate_shared_memory(gl.bfloat16, [C_, V_], sl64)
     h_s = gl.allocate_shared_memory(gl.bfloat16, [NB, V_, 64], sl64)  # the step's entering state, Sᵀ
-    qst = gl.allocate_shared_memory(gl.bfloat16, [C_, X_], sl32)  # the next chunk's q, dO and o, in flight
+    qst = gl.allocate_shared_memory(gl.bfloat16, [C_, K_], sl16)  # the next chunk's q, dO and o, in flight
     dost = gl.allocate_shared_memory(gl.bfloat16, [C_, V_], sl64)
     ost = gl.allocate_shared_memory(gl.bfloat16, [C_, V_], sl64)
     dnst = gl.allocate_shared_memory(gl.float32, [C_], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     z_s = gl.allocate_shared_memory(gl.float32, [256], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))  # its z
     hw_s = gl.allocate_shared_memory(gl.float32, [256], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    ra_s = gl.allocate_shared_memory(gl.bfloat16, [NB, X_, 64], slr)
-    rb_s = gl.allocate_shared_memory(gl.bfloat16, [NB, X_, 64], slr)
+    ra_s = gl.allocate_shared_memory(gl.bfloat16, [NB, K_, 64], slr)
+    rb_s = gl.allocate_shared_memory(gl.bfloat16, [NB, K_, 64], slr)
     _load_mats(mats, ra_s, rb_s)
     rf = gl.arange(0, 64, layout=gl.SliceLayout(1, LV))[:, None]
     cv = gl.arange(0, V_, layout=gl.SliceLayout(0, LV))[None, :]
@@ -181,8 +187,9 @@ def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, g_out, e_out, T, scale
         hw_s.slice(b * 64, 64).store(gl.load(hw + b * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, LV))))
     ri = gl.arange(0, C_, layout=gl.SliceLayout(1, A64))[:, None]
     cj = gl.arange(0, 64, layout=gl.SliceLayout(0, A64))
-    r32 = gl.arange(0, C_, layout=gl.SliceLayout(1, A32))[:, None]
-    c32 = gl.arange(0, X_, layout=gl.SliceLayout(0, A32))[None, :]
+    r16 = gl.arange(0, C_, layout=gl.SliceLayout(1, A16))[:, None]
+    c16 = gl.arange(0, K_, layout=gl.SliceLayout(0, A16))[None, :]
+    u0 = gl.where(cj[None, :] < 16, 1.0, 0.0)  # block 0's order-1 columns, whose second factor is 1
     z64 = gl.zeros([C_, 64], gl.float32, A64)
     NQ = gl.cdiv(T, DQ_)
     total = NQ * BH
@@ -210,7 +217,7 @@ def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, g_out, e_out, T, scale
                 _stage_chunk(q + ok, k + ok, v + ov, do + ov, o + ov, den + od, qst, dost, ost, dnst,
                              xk_s.index(1), v_s.index(1), start + C_, T, H, True)
             er = gl.convert_layout(e, gl.SliceLayout(1, A64))[:, None]
-            acc = gl.zeros([C_, X_], gl.float32, A32)
+            acc = gl.zeros([C_, K_], gl.float32, A16)
             for j in gl.static_range(jc + 1):  # keys of the step's chunks up to this one (causal for its own)
                 a1 = warpgroup_mma(xq_s, xk_s.index(j).permute((1, 0)), z64, use_acc=False, is_async=True)
                 dp = warpgroup_mma(g_s, v_s.index(j).permute((1, 0)), z64, use_acc=False, is_async=True)
@@ -219,7 +226,7 @@ def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, g_out, e_out, T, scale
                     ds = gl.where(ri >= cj[None, :], (dp + er) * (a1 + 1.0), 0.0)
                 else:
                     ds = (dp + er) * (a1 + 1.0)
-                acc = warpgroup_mma(gl.convert_layout(ds.to(gl.bfloat16), OP32), xk_s.index(j), acc)
+                acc = warpgroup_mma(gl.convert_layout(ds.to(gl.bfloat16), OP16), xk_s.index(j), acc)
                 if jc == 1 and j == 0:  # buffers 0 are free: the next step's first chunk comes in
                     _barrier()
                     _stage_chunk(q + okn, k + okn, v + ovn, do + ovn, o + ovn, den + odn, qst, dost, ost, dnst,
@@ -239,16 +246,18 @@ def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, g_out, e_out, T, scale
                 zb = z_s.slice(b * 64, 64).load(gl.SliceLayout(0, A64))[None, :]
                 hb = hw_s.slice(b * 64, 64).load(gl.SliceLayout(0, A64))[None, :]
                 gp = (gp + er * zb) * hb
-                acc = warpgroup_mma(gl.convert_layout((gp * xb).to(gl.bfloat16), OP32),
+                if b == 0:
+                    xb = xb + u0
+                acc = warpgroup_mma(gl.convert_layout((gp * xb).to(gl.bfloat16), OP16),
                                     ra_s.index(b).permute((1, 0)), acc)
-                acc = warpgroup_mma(gl.convert_layout((gp * xa).to(gl.bfloat16), OP32),
+                acc = warpgroup_mma(gl.convert_layout((gp * xa).to(gl.bfloat16), OP16),
                                     rb_s.index(b).permute((1, 0)), acc)
             if jc == 1:  # this step's reads of its state are done: the next step's comes in
                 _barrier()
                 _copy_state(h_s, z_s, hs, zs, idx + step, rf, cv, idx + step < total)
-            t32 = start + r32
-            gl.store(dq + ok + t32 * (H * K_) + c32, (acc * scale).to(dq.dtype.element_ty),
-                     mask=(t32 < T) & (c32 < K_))
+            t16 = start + r16
+            gl.store(dq + ok + t16 * (H * K_) + c16, (acc * scale).to(dq.dtype.element_ty),
+                     mask=(t16 < T) & (c16 >= 0))
 
 
 @gluon.jit
@@ -270,6 +279,7 @@ def _producer(q, k, v, g_in, e_in, T, scale, H: gl.constexpr, mats, hw, xq_s, xk
     LE: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     cj = gl.arange(0, 64, layout=gl.SliceLayout(0, A64))
+    rj = gl.arange(0, C_, layout=gl.SliceLayout(1, A64))[:, None]
     c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, LE))[None, :]
     z64 = gl.zeros([C_, 64], gl.float32, A64)
     _load_mats(mats, ra_s, rb_s)
@@ -304,7 +314,10 @@ def _producer(q, k, v, g_in, e_in, T, scale, H: gl.constexpr, mats, hw, xq_s, xk
             else:
                 fb = warpgroup_mma_wait(0, deps=[fb])
             hb = gl.load(hw + b * 64 + cj)[None, :]
-            psi_s.index(slot * NB + b).store((fa * fb * hb).to(gl.bfloat16))
+            f = fa * fb
+            if b == 0:  # the query's constant stays past T (harmless: g = e = 0 there)
+                f = _block0(f, fa, cj[None, :], True)
+            psi_s.index(slot * NB + b).store((f * hb).to(gl.bfloat16))
         for b in gl.static_range(NB):
             fb = warpgroup_mma(xk_s.index(slot), rb_s.index(b), z64, use_acc=False, is_async=True)
             if b < 2:
@@ -312,7 +325,10 @@ def _producer(q, k, v, g_in, e_in, T, scale, H: gl.constexpr, mats, hw, xq_s, xk
                 fb, fa = warpgroup_mma_wait(0, deps=[fb, fa])
             else:
                 fb = warpgroup_mma_wait(0, deps=[fb])
-            phi_s.index(slot * NB + b).store((fa * fb).to(gl.bfloat16))
+            f = fa * fb
+            if b == 0:  # the key's constant is 0 past T
+                f = _block0(f, fa, cj[None, :], c * C_ + rj < T)
+            phi_s.index(slot * NB + b).store(f.to(gl.bfloat16))
         async_copy.wait_group(0)  # this chunk's v and g have landed
         fence_async_shared()
         _barrier()
@@ -333,13 +349,14 @@ def _dk_partition(dk, T, H: gl.constexpr, xq_s, xk_s, v_s, g_s, e_s, ra_s, rb_s,
     with G_b = v dS_bᵀ + dz_b, reading the reverse state that the consumer published for this chunk."""
     LE: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-    A32: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 16])
-    OP32: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=A32, k_width=2)
+    A16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
+    OP16: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=A16, k_width=2)
     rj = gl.arange(0, C_, layout=gl.SliceLayout(1, A64))[:, None]
     ci = gl.arange(0, C_, layout=gl.SliceLayout(0, A64))[None, :]
     ce = gl.arange(0, 8, layout=gl.SliceLayout(0, LE))[None, :]
-    r32 = gl.arange(0, C_, layout=gl.SliceLayout(1, A32))[:, None]
-    c32 = gl.arange(0, X_, layout=gl.SliceLayout(0, A32))[None, :]
+    r16 = gl.arange(0, C_, layout=gl.SliceLayout(1, A16))[:, None]
+    c16 = gl.arange(0, K_, layout=gl.SliceLayout(0, A16))[None, :]
+    u0 = gl.where(ci < 16, 1.0, 0.0)  # block 0's order-1 columns, whose second factor is 1
     z64 = gl.zeros([C_, 64], gl.float32, A64)
     mbarrier.wait(mats_ready, 0)
     NC = gl.cdiv(T, C_)
@@ -350,13 +367,13 @@ def _dk_partition(dk, T, H: gl.constexpr, xq_s, xk_s, v_s, g_s, e_s, ra_s, rb_s,
         mbarrier.wait(ready.index(slot), (i // NSLOT) & 1)
         xk = xk_s.index(slot)
         # the chunk's own part: dsᵀ [j, i] = ((g_i·v_j) + e_i)(1 + s_ij), i ≥ j
-        at = warpgroup_mma(xk, xq_s.index(slot).permute((1, 0)), z64, use_acc=False, is_async=True)  # (1 + s)ᵀ
+        at = warpgroup_mma(xk, xq_s.index(slot).permute((1, 0)), z64, use_acc=False, is_async=True)  # sᵀ
         dpt = warpgroup_mma(v_s.index(slot), g_s.index(slot).permute((1, 0)), z64, use_acc=False, is_async=True)
         eh = e_s.index(slot).load(LE).to(gl.float32)
         e = gl.convert_layout(gl.sum(gl.where(ce < 2, eh, 0.0), 1), gl.SliceLayout(0, A64))[None, :]
         at, dpt = warpgroup_mma_wait(0, deps=[at, dpt])
-        dst = gl.where(ci >= rj, (dpt + e) * at, 0.0).to(gl.bfloat16)
-        acc = warpgroup_mma(gl.convert_layout(dst, OP32), xq_s.index(slot), gl.zeros([C_, X_], gl.float32, A32),
+        dst = gl.where(ci >= rj, (dpt + e) * (at + 1.0), 0.0).to(gl.bfloat16)
+        acc = warpgroup_mma(gl.convert_layout(dst, OP16), xq_s.index(slot), gl.zeros([C_, K_], gl.float32, A16),
                             use_acc=False)
         # the later chunks' part, through the key feature map
         mbarrier.wait(ds_ready.index(buf), (i // 2) & 1)
@@ -374,15 +391,17 @@ def _dk_partition(dk, T, H: gl.constexpr, xq_s, xk_s, v_s, g_s, e_s, ra_s, rb_s,
                 _barrier()
                 mbarrier.arrive(ds_free.index(buf))
             gf = gf + zb[None, :]
-            acc = warpgroup_mma(gl.convert_layout((gf * fb).to(gl.bfloat16), OP32), ra_s.index(b).permute((1, 0)),
+            if b == 0:
+                fb = fb + u0
+            acc = warpgroup_mma(gl.convert_layout((gf * fb).to(gl.bfloat16), OP16), ra_s.index(b).permute((1, 0)),
                                 acc, is_async=True)
-            acc = warpgroup_mma(gl.convert_layout((gf * fa).to(gl.bfloat16), OP32), rb_s.index(b).permute((1, 0)),
+            acc = warpgroup_mma(gl.convert_layout((gf * fa).to(gl.bfloat16), OP16), rb_s.index(b).permute((1, 0)),
                                 acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
         _barrier()
         mbarrier.arrive(free.index(slot))
-        t32 = c * C_ + r32
-        gl.store(dk + t32 * (H * K_) + c32, acc.to(dk.dtype.element_ty), mask=(t32 < T) & (c32 < K_))
+        t16 = c * C_ + r16
+        gl.store(dk + t16 * (H * K_) + c16, acc.to(dk.dtype.element_ty), mask=(t16 < T) & (c16 >= 0))
 
 
 @gluon.jit
@@ -465,7 +484,7 @@ def _consumer(dv, dhT, dzT, dh0, dz0, i_bh, T, H: gl.constexpr, USE_DHT: gl.cons
         _publish(dS_s, dz_s, 1 - buf, S0, S1, S2, Z0, Z1, Z2)
         mbarrier.arrive(ds_ready.index(1 - buf))
         # dv = wᵀ g + Σ_b φ_b dS_b, wᵀ [j, i] = ((1 + s_ij)² + 1)/2 for i ≥ j
-        at = warpgroup_mma(xk_s.index(slot), xq_s.index(slot).permute((1, 0)), z64, use_acc=False)  # (1 + s)ᵀ
+        at = warpgroup_mma(xk_s.index(slot), xq_s.index(slot).permute((1, 0)), z64, use_acc=False) + 1.0  # (1 + s)ᵀ
         wt = gl.where(cs >= rs, 0.5 * (at * at + 1.0), 0.0).to(gl.bfloat16)
         # wᵀ through shared memory, into the slot's first ψ block (the updates above were its last reader): as a
         # register operand it kept ptxas short of registers for the MMAs in flight, which it then serialised
@@ -509,21 +528,21 @@ def _dkv_kernel(q, k, v, g, e, mats, hw, dk, dv, dhT, dzT, dh0, dz0, T, scale, H
     g += ov
     dv += ov
     e += od
-    sl32: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_, X_], gl.bfloat16)
-    slr: gl.constexpr = gl.NVMMASharedLayout.get_default_for([X_, 64], gl.bfloat16)
+    sl16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_, K_], gl.bfloat16)
+    slr: gl.constexpr = gl.NVMMASharedLayout.get_default_for([K_, 64], gl.bfloat16)
     sl64: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     sl8: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_, 8], gl.bfloat16)
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     # the slots: a chunk's inputs, e, ψ(q) and φ(k)
-    xq_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, X_], sl32)
-    xk_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, X_], sl32)
+    xq_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, K_], sl16)
+    xk_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, K_], sl16)
     v_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, V_], sl64)
     g_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, V_], sl64)
     e_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, 8], sl8)
     psi_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT * NB, C_, 64], sl64)
     phi_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT * NB, C_, 64], sl64)
-    ra_s = gl.allocate_shared_memory(gl.bfloat16, [NB, X_, 64], slr)
-    rb_s = gl.allocate_shared_memory(gl.bfloat16, [NB, X_, 64], slr)
+    ra_s = gl.allocate_shared_memory(gl.bfloat16, [NB, K_, 64], slr)
+    rb_s = gl.allocate_shared_memory(gl.bfloat16, [NB, K_, 64], slr)
     # the reverse state, two buffers: dS in bf16, dz in fp32
     dS_s = gl.allocate_shared_memory(gl.bfloat16, [2 * NB, 64, V_], sl64)
     dz_s = gl.allocate_shared_memory(gl.float32, [2 * NB, 64], plain)
@@ -557,15 +576,14 @@ DK_REGS = 168
 
 
 def factor_matrices(device=None) -> torch.Tensor:
-    """[2, 3, 32, 64] bf16: the 0/1 matrices A (index 0) and B (index 1) of each feature block, so that feature f of
-    block b is (x_ext·A_b)_f · (x_ext·B_b)_f with x_ext = [x, 1, 0…] (the forward's `_factor_mats`, key side)."""
-    m = torch.zeros(2, 3, 32, 64)
-    for c in range(64):  # block 0: x_a (a < 16), x_a², the constant
-        if c < 32:
-            m[0, 0, c % 16, c] = 1
-            m[1, 0, 16 if c < 16 else c - 16, c] = 1
-        elif c == 32:
-            m[0, 0, 16, c] = m[1, 0, 16, c] = 1
+    """[2, 3, 16, 64] bf16: the 0/1 matrices A (index 0) and B (index 1) of each feature block, so that feature f of
+    block b is (x·A_b)_f · (x·B_b)_f (the forward's `_factor_mats`, key side); block 0's order-1 features x_a are
+    (x·A_0)_f alone (B_0 is zero there) and its constant (column 32) is added (`_block0`)."""
+    m = torch.zeros(2, 3, 16, 64)
+    for c in range(32):  # block 0: x_a (a < 16), x_a²
+        m[0, 0, c % 16, c] = 1
+        if c >= 16:
+            m[1, 0, c - 16, c] = 1
     for j in range(128):  # blocks 1, 2: the pairs x_a·x_b, b = (a + d) mod 16
         a, d = j % 16, 1 + j // 16
         m[0, 1 + j // 64, a, j % 64] = 1

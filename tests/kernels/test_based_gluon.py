@@ -76,13 +76,16 @@ def _emulated_backward(q, k, v, h0, z0, do, dh, dz, scale):
     T, C = q.shape[0], 64
     A, Bm = gb.factor_matrices().double()
     hw = gb.query_weights().double()
-    one = torch.ones(T, 1, dtype=torch.float64)
-    xq = torch.cat([q * scale, one, q.new_zeros(T, 15)], 1)
-    xk = torch.cat([k, one, k.new_zeros(T, 15)], 1)
+    xq, xk = q * scale, k
+    # block 0: the order-1 features are the first factor alone (its second factor is the constant u), column 32 is 1
+    u = [(torch.arange(64) < 16).double() if b == 0 else torch.zeros(64, dtype=torch.float64) for b in range(3)]
+    const = torch.zeros(64, dtype=torch.float64)
+    const[32] = 1
     fa = lambda x, b: x @ A[b]  # noqa: E731
-    fb = lambda x, b: x @ Bm[b]  # noqa: E731
-    psi = torch.cat([hw[64 * b: 64 * b + 64] * fa(xq, b) * fb(xq, b) for b in range(3)], 1)
-    phi = torch.cat([fa(xk, b) * fb(xk, b) for b in range(3)], 1)
+    fb = lambda x, b: x @ Bm[b] + u[b]  # noqa: E731
+    feat = lambda x, b: fa(x, b) * fb(x, b) + (const if b == 0 else 0)  # noqa: E731
+    psi = torch.cat([hw[64 * b: 64 * b + 64] * feat(xq, b) for b in range(3)], 1)
+    phi = torch.cat([feat(xk, b) for b in range(3)], 1)
     # the states entering each chunk (the forward's stored hs, zs) and the output
     hs, zs, num, den = [], [], torch.zeros_like(v), v.new_zeros(T)
     h, z = h0.clone(), z0.clone()
@@ -90,7 +93,7 @@ def _emulated_backward(q, k, v, h0, z0, do, dh, dz, scale):
         sl = slice(c0, min(c0 + C, T))
         hs.append(h.clone())
         zs.append(z.clone())
-        a1 = xq[sl] @ xk[sl].T
+        a1 = xq[sl] @ xk[sl].T + 1
         w = torch.tril((a1 * a1 + 1) / 2)
         num[sl] = w @ v[sl] + psi[sl] @ h
         den[sl] = w.sum(1) + psi[sl] @ z
@@ -100,17 +103,17 @@ def _emulated_backward(q, k, v, h0, z0, do, dh, dz, scale):
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for i, c0 in enumerate(range(0, T, gb.DQ_CHUNK)):  # _dq_kernel, two chunks a step: the forward stores every
         sl = slice(c0, min(c0 + gb.DQ_CHUNK, T))  # second chunk's entering state
-        ds = torch.tril((g[sl] @ v[sl].T + e[sl, None]) * (xq[sl] @ xk[sl].T))
+        ds = torch.tril((g[sl] @ v[sl].T + e[sl, None]) * (xq[sl] @ xk[sl].T + 1))
         acc = ds @ xk[sl]
         for b in range(3):
             bs = slice(64 * b, 64 * b + 64)
             gp = (g[sl] @ hs[2 * i][bs].T + e[sl, None] * zs[2 * i][bs]) * hw[bs]
             acc = acc + (gp * fb(xq[sl], b)) @ A[b].T + (gp * fa(xq[sl], b)) @ Bm[b].T
-        dq[sl] = scale * acc[:, :16]
+        dq[sl] = scale * acc
     dS, dZ = dh.clone(), dz.clone()
     for c0 in reversed(range(0, T, C)):  # _dkv_kernel, from the last chunk
         sl = slice(c0, min(c0 + C, T))
-        a1 = xq[sl] @ xk[sl].T
+        a1 = xq[sl] @ xk[sl].T + 1
         w = torch.tril((a1 * a1 + 1) / 2)
         ds = torch.tril((g[sl] @ v[sl].T + e[sl, None]) * a1)
         dv[sl] = w.T @ g[sl] + phi[sl] @ dS
@@ -119,14 +122,14 @@ def _emulated_backward(q, k, v, h0, z0, do, dh, dz, scale):
             bs = slice(64 * b, 64 * b + 64)
             gf = v[sl] @ dS[bs].T + dZ[bs]
             acc = acc + (gf * fb(xk[sl], b)) @ A[b].T + (gf * fa(xk[sl], b)) @ Bm[b].T
-        dk[sl] = acc[:, :16]
+        dk[sl] = acc
         dS, dZ = dS + psi[sl].T @ g[sl], dZ + psi[sl].T @ e[sl]
     return o, dq, dk, dv, dS, dZ
 
 
 def test_gluon_backward_algebra_matches_autograd():
-    """The Gluon backward's algorithm (its constants, the factor-matrix Jacobians, 1 + s from the extended inputs,
-    the reverse walk, the state-gradient row maps) in float64 against autograd of the naive form: 3 chunks, the last
+    """The Gluon backward's algorithm (its constants, the factor-matrix Jacobians with block 0's order-1 and constant
+    features added, the reverse walk, the state-gradient row maps) in float64 against autograd of the naive form: 3 chunks, the last
     partial, an initial state and a final-state gradient."""
     gb = pytest.importorskip("kernels.based.gluon_backward")
     from kernels.based import naive_parallel_based
@@ -163,10 +166,10 @@ def test_gluon_backward_algebra_matches_autograd():
 @pytest.mark.parametrize("kind, states", [("dq", False), ("dkv", False), ("dkv", True)])
 def test_gluon_backward_compiles_for_sm90(kind, states):
     """The backward kernels compile for sm_90a with warpgroup MMAs and at most a few spills. The dk/dv walk is
-    warp-specialised (setmaxnreg) within 168 registers per thread; Triton 3.6 (the H200's) spills 136 bytes (268 with
-    the state gradients), 3.9 52 / 148; with 64 producer registers, 1,024 (3.9). dq runs 4 warps at 255 registers;
-    its step of two chunks, with its inputs copied one chunk ahead (session 19), spills 184 bytes with 3.6, 256 with
-    3.9."""
+    warp-specialised (setmaxnreg) within 168 registers per thread; Triton 3.6 (the H200's) spills 52 bytes (84 with
+    the state gradients), 3.9 40 / 136 (with session 19's K = 32 feature MMAs: 136 / 268 and 52 / 148); with 64
+    producer registers, 1,024 (3.9). dq runs 4 warps at 255 registers; its step of two chunks, with its inputs copied
+    one chunk ahead (session 19), spills 92 bytes with 3.6, 164 with 3.9 (session 19: 180 / 256)."""
     import re
 
     from kernels.based.sm90_report import compile_gluon_backward, ptxas_report
