@@ -102,9 +102,12 @@ def compile_gluon_forward(states: int = 0):
     sig["hs_desc"] = mangle_type(gluon.TensorDescriptor.from_tensor(
         torch.empty(64, 3 * 64, dtype=torch.bfloat16), gluon._STATES_BLOCK, gluon._STATES_LAYOUT))
     sig = {n: sig.get(n, "constexpr") for n in gluon._gluon_fwd_kernel.arg_names}
-    src = GluonASTSource(gluon._gluon_fwd_kernel, sig, constexprs={
+    # pointers 16-byte aligned, as a launch from PyTorch tensors specialises them
+    fn = gluon._gluon_fwd_kernel
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*")}
+    src = GluonASTSource(fn, sig, constexprs={
         "H": 16, "USE_H0": bool(states), "STORE_HT": bool(states), "STORE_STATES": int(states), "NSLOT": 2,
-        "PRODUCER_REGS": gluon.PRODUCER_REGS})
+        "PRODUCER_REGS": gluon.PRODUCER_REGS}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
