@@ -60,14 +60,14 @@ DQ_ = gl.constexpr(DQ_CHUNK)
 
 
 @gluon.jit
-def _load_mats(mats, ra_s, rb_s):
-    """The factor matrices A, B ([2, NB, K_, 64] bf16 in global memory) into shared memory."""
+def _load_mats(mats, dst, M: gl.constexpr):
+    """Factor matrix M of every block (`factor_matrices`, [3, NB, K_, 64] bf16 in global memory: 0 A, 1 B, 2 B ⊙ h)
+    into dst [NB, K_, 64] in shared memory."""
     LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     r = gl.arange(0, K_, layout=gl.SliceLayout(1, LR))[:, None]
     c = gl.arange(0, 64, layout=gl.SliceLayout(0, LR))[None, :]
     for b in gl.static_range(NB):
-        ra_s.index(b).store(gl.load(mats + (b * K_ + r) * 64 + c))
-        rb_s.index(b).store(gl.load(mats + ((NB + b) * K_ + r) * 64 + c))
+        dst.index(b).store(gl.load(mats + ((M * NB + b) * K_ + r) * 64 + c))
 
 
 @gluon.jit
@@ -151,12 +151,12 @@ def _copy_state(h_s, z_s, hs, zs, idx, rf, cv, pred):
 
 
 @gluon.jit
-def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, g_out, e_out, T, scale, BH, H: gl.constexpr):
+def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, dq, g_out, e_out, T, scale, BH, H: gl.constexpr):
     """dq, a step of two chunks at a time (the forward stores the state entering every second chunk): each program
     takes steps pid, pid + grid, … (of all sequences; NQ per sequence) and for each of its chunks computes the
     chunk's own part, the second chunk's read of the first one's keys (unmasked, as in the chunk's own part) and the
-    read of the step's entering state (hs, zs), through the query feature map. The factor matrices are loaded once
-    per program. Also stores g = dO/den and e = −(dO·o)/den, which the dk/dv walk reads instead of dO, o and den.
+    read of the step's entering state (hs, zs), through the query feature map. The factor matrices (A, and B with
+    the query's ½ weights) are loaded once per program. Also stores g = dO/den and e = −(dO·o)/den, which the dk/dv walk reads instead of dO, o and den.
 
     Loads run one chunk ahead (session 19): each chunk's q, k, v, dO and o are copied into shared memory (cp.async)
     while the chunk before computes, the next step's state once this step's reads of it are done."""
@@ -177,14 +177,12 @@ def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, g_out, e_out, T, scale
     ost = gl.allocate_shared_memory(gl.bfloat16, [C_, V_], sl64)
     dnst = gl.allocate_shared_memory(gl.float32, [C_], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     z_s = gl.allocate_shared_memory(gl.float32, [256], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))  # its z
-    hw_s = gl.allocate_shared_memory(gl.float32, [256], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     ra_s = gl.allocate_shared_memory(gl.bfloat16, [NB, K_, 64], slr)
-    rb_s = gl.allocate_shared_memory(gl.bfloat16, [NB, K_, 64], slr)
-    _load_mats(mats, ra_s, rb_s)
+    rb_s = gl.allocate_shared_memory(gl.bfloat16, [NB, K_, 64], slr)  # B ⊙ h: the query side's
+    _load_mats(mats, ra_s, 0)
+    _load_mats(mats, rb_s, 2)
     rf = gl.arange(0, 64, layout=gl.SliceLayout(1, LV))[:, None]
     cv = gl.arange(0, V_, layout=gl.SliceLayout(0, LV))[None, :]
-    for b in gl.static_range(NB):  # the query side's feature weights
-        hw_s.slice(b * 64, 64).store(gl.load(hw + b * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, LV))))
     ri = gl.arange(0, C_, layout=gl.SliceLayout(1, A64))[:, None]
     cj = gl.arange(0, 64, layout=gl.SliceLayout(0, A64))
     r16 = gl.arange(0, C_, layout=gl.SliceLayout(1, A16))[:, None]
@@ -222,10 +220,11 @@ def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, g_out, e_out, T, scale
                 a1 = warpgroup_mma(xq_s, xk_s.index(j).permute((1, 0)), z64, use_acc=False, is_async=True)
                 dp = warpgroup_mma(g_s, v_s.index(j).permute((1, 0)), z64, use_acc=False, is_async=True)
                 a1, dp = warpgroup_mma_wait(0, deps=[a1, dp])  # s, g_i·v_j
-                if j == jc:
-                    ds = gl.where(ri >= cj[None, :], (dp + er) * (a1 + 1.0), 0.0)
+                t = dp + er
+                if j == jc:  # (g_i·v_j + e_i)(1 + s_ij) as one FMA
+                    ds = gl.where(ri >= cj[None, :], t * a1 + t, 0.0)
                 else:
-                    ds = (dp + er) * (a1 + 1.0)
+                    ds = t * a1 + t
                 acc = warpgroup_mma(gl.convert_layout(ds.to(gl.bfloat16), OP16), xk_s.index(j), acc)
                 if jc == 1 and j == 0:  # buffers 0 are free: the next step's first chunk comes in
                     _barrier()
@@ -244,8 +243,7 @@ def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, hw, dq, g_out, e_out, T, scale
                 else:
                     gp, xb = warpgroup_mma_wait(0, deps=[gp, xb])
                 zb = z_s.slice(b * 64, 64).load(gl.SliceLayout(0, A64))[None, :]
-                hb = hw_s.slice(b * 64, 64).load(gl.SliceLayout(0, A64))[None, :]
-                gp = (gp + er * zb) * hb
+                gp = gp + er * zb  # the weights h are in rb_s (B ⊙ h): (G ⊙ h ⊙ x·B) = G ⊙ x·(B ⊙ h)
                 if b == 0:
                     xb = xb + u0
                 acc = warpgroup_mma(gl.convert_layout((gp * xb).to(gl.bfloat16), OP16),
@@ -270,8 +268,8 @@ def _copy_vg(v_s, g_s, slot, v, g, start, T, H: gl.constexpr, rv, cv):
 
 
 @gluon.jit
-def _producer(q, k, v, g_in, e_in, T, scale, H: gl.constexpr, mats, hw, xq_s, xk_s, v_s, g_s, e_s, psi_s, phi_s,
-              ra_s, rb_s, mats_ready, ready, free, NSLOT: gl.constexpr):
+def _producer(q, k, v, g_in, e_in, T, scale, H: gl.constexpr, mats, xq_s, xk_s, v_s, g_s, e_s, psi_s, phi_s,
+              ra_s, rb_s, rbq_s, mats_ready, ready, free, NSLOT: gl.constexpr):
     """Worker partition 0 (4 warps): loads the factor matrices for all three partitions, then for each chunk from
     the last stores its inputs, e (as a bf16 head and tail), ψ(q) and φ(k) into the slot the others read next. Once
     a chunk is handed over, the producer waits for the other slot to be free and starts the next chunk's v and g
@@ -282,7 +280,9 @@ def _producer(q, k, v, g_in, e_in, T, scale, H: gl.constexpr, mats, hw, xq_s, xk
     rj = gl.arange(0, C_, layout=gl.SliceLayout(1, A64))[:, None]
     c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, LE))[None, :]
     z64 = gl.zeros([C_, 64], gl.float32, A64)
-    _load_mats(mats, ra_s, rb_s)
+    _load_mats(mats, ra_s, 0)
+    _load_mats(mats, rb_s, 1)
+    _load_mats(mats, rbq_s, 2)
     fence_async_shared()
     _barrier()
     mbarrier.arrive(mats_ready)
@@ -307,17 +307,16 @@ def _producer(q, k, v, g_in, e_in, T, scale, H: gl.constexpr, mats, hw, xq_s, xk
         fence_async_shared()
         _barrier()
         for b in gl.static_range(NB):
-            fb = warpgroup_mma(xq_s.index(slot), rb_s.index(b), z64, use_acc=False, is_async=True)
+            fb = warpgroup_mma(xq_s.index(slot), rbq_s.index(b), z64, use_acc=False, is_async=True)  # h ⊙ x·B
             if b < 2:  # blocks 1 and 2 share factor a
                 fa = warpgroup_mma(xq_s.index(slot), ra_s.index(b), z64, use_acc=False, is_async=True)
                 fb, fa = warpgroup_mma_wait(0, deps=[fb, fa])
             else:
                 fb = warpgroup_mma_wait(0, deps=[fb])
-            hb = gl.load(hw + b * 64 + cj)[None, :]
             f = fa * fb
             if b == 0:  # the query's constant stays past T (harmless: g = e = 0 there)
                 f = _block0(f, fa, cj[None, :], True)
-            psi_s.index(slot * NB + b).store((f * hb).to(gl.bfloat16))
+            psi_s.index(slot * NB + b).store(f.to(gl.bfloat16))
         for b in gl.static_range(NB):
             fb = warpgroup_mma(xk_s.index(slot), rb_s.index(b), z64, use_acc=False, is_async=True)
             if b < 2:
@@ -372,7 +371,8 @@ def _dk_partition(dk, T, H: gl.constexpr, xq_s, xk_s, v_s, g_s, e_s, ra_s, rb_s,
         eh = e_s.index(slot).load(LE).to(gl.float32)
         e = gl.convert_layout(gl.sum(gl.where(ce < 2, eh, 0.0), 1), gl.SliceLayout(0, A64))[None, :]
         at, dpt = warpgroup_mma_wait(0, deps=[at, dpt])
-        dst = gl.where(ci >= rj, (dpt + e) * (at + 1.0), 0.0).to(gl.bfloat16)
+        t = dpt + e
+        dst = gl.where(ci >= rj, t * at + t, 0.0).to(gl.bfloat16)  # (g_i·v_j + e_i)(1 + s_ij) as one FMA
         acc = warpgroup_mma(gl.convert_layout(dst, OP16), xq_s.index(slot), gl.zeros([C_, K_], gl.float32, A16),
                             use_acc=False)
         # the later chunks' part, through the key feature map
@@ -484,8 +484,8 @@ def _consumer(dv, dhT, dzT, dh0, dz0, i_bh, T, H: gl.constexpr, USE_DHT: gl.cons
         _publish(dS_s, dz_s, 1 - buf, S0, S1, S2, Z0, Z1, Z2)
         mbarrier.arrive(ds_ready.index(1 - buf))
         # dv = wᵀ g + Σ_b φ_b dS_b, wᵀ [j, i] = ((1 + s_ij)² + 1)/2 for i ≥ j
-        at = warpgroup_mma(xk_s.index(slot), xq_s.index(slot).permute((1, 0)), z64, use_acc=False) + 1.0  # (1 + s)ᵀ
-        wt = gl.where(cs >= rs, 0.5 * (at * at + 1.0), 0.0).to(gl.bfloat16)
+        st = warpgroup_mma(xk_s.index(slot), xq_s.index(slot).permute((1, 0)), z64, use_acc=False)  # sᵀ
+        wt = gl.where(cs >= rs, (0.5 * st + 1.0) * st + 1.0, 0.0).to(gl.bfloat16)  # 1 + s + s²/2, two FMAs
         # wᵀ through shared memory, into the slot's first ψ block (the updates above were its last reader): as a
         # register operand it kept ptxas short of registers for the MMAs in flight, which it then serialised
         wt_s = psi_s.index(slot * NB)
@@ -514,7 +514,7 @@ def _consumer(dv, dhT, dzT, dh0, dz0, i_bh, T, H: gl.constexpr, USE_DHT: gl.cons
 
 
 @gluon.jit
-def _dkv_kernel(q, k, v, g, e, mats, hw, dk, dv, dhT, dzT, dh0, dz0, T, scale, H: gl.constexpr,
+def _dkv_kernel(q, k, v, g, e, mats, dk, dv, dhT, dzT, dh0, dz0, T, scale, H: gl.constexpr,
                 USE_DHT: gl.constexpr, STORE_DH0: gl.constexpr, NSLOT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                 DK_REGS: gl.constexpr):
     """One program per sequence, walking its chunks from the last in three partitions: the producer, the consumer
@@ -543,6 +543,7 @@ def _dkv_kernel(q, k, v, g, e, mats, hw, dk, dv, dhT, dzT, dh0, dz0, T, scale, H
     phi_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT * NB, C_, 64], sl64)
     ra_s = gl.allocate_shared_memory(gl.bfloat16, [NB, K_, 64], slr)
     rb_s = gl.allocate_shared_memory(gl.bfloat16, [NB, K_, 64], slr)
+    rbq_s = gl.allocate_shared_memory(gl.bfloat16, [NB, K_, 64], slr)  # B ⊙ h, for ψ(q)
     # the reverse state, two buffers: dS in bf16, dz in fp32
     dS_s = gl.allocate_shared_memory(gl.bfloat16, [2 * NB, 64, V_], sl64)
     dz_s = gl.allocate_shared_memory(gl.float32, [2 * NB, 64], plain)
@@ -561,7 +562,7 @@ def _dkv_kernel(q, k, v, g, e, mats, hw, dk, dv, dhT, dzT, dh0, dz0, T, scale, H
     gl.warp_specialize([
         (_consumer, (dv, dhT, dzT, dh0, dz0, i_bh, T, H, USE_DHT, STORE_DH0, xq_s, xk_s, g_s, e_s, psi_s, phi_s,
                      dS_s, dz_s, mats_ready, ready, free, ds_ready, ds_free, NSLOT)),
-        (_producer, (q, k, v, g, e, T, scale, H, mats, hw, xq_s, xk_s, v_s, g_s, e_s, psi_s, phi_s, ra_s, rb_s,
+        (_producer, (q, k, v, g, e, T, scale, H, mats, xq_s, xk_s, v_s, g_s, e_s, psi_s, phi_s, ra_s, rb_s, rbq_s,
                      mats_ready, ready, free, NSLOT)),
         (_dk_partition, (dk, T, H, xq_s, xk_s, v_s, g_s, e_s, ra_s, rb_s, dS_s, dz_s, mats_ready, ready, free,
                          ds_ready, ds_free, NSLOT)),
@@ -576,10 +577,11 @@ DK_REGS = 168
 
 
 def factor_matrices(device=None) -> torch.Tensor:
-    """[2, 3, 16, 64] bf16: the 0/1 matrices A (index 0) and B (index 1) of each feature block, so that feature f of
-    block b is (x·A_b)_f · (x·B_b)_f (the forward's `_factor_mats`, key side); block 0's order-1 features x_a are
-    (x·A_0)_f alone (B_0 is zero there) and its constant (column 32) is added (`_block0`)."""
-    m = torch.zeros(2, 3, 16, 64)
+    """[3, 3, 16, 64] bf16: the 0/1 matrices A (index 0) and B (index 1) of each feature block, so that feature f of
+    block b is (x·A_b)_f · (x·B_b)_f (the forward's `_factor_mats`, key side), and B with the query's ½ weights
+    (index 2: B ⊙ h, `query_weights`); block 0's order-1 features x_a are (x·A_0)_f alone (B_0 is zero there) and its
+    constant (column 32) is added (`_block0`)."""
+    m = torch.zeros(3, 3, 16, 64)
     for c in range(32):  # block 0: x_a (a < 16), x_a²
         m[0, 0, c % 16, c] = 1
         if c >= 16:
@@ -588,6 +590,7 @@ def factor_matrices(device=None) -> torch.Tensor:
         a, d = j % 16, 1 + j // 16
         m[0, 1 + j // 64, a, j % 64] = 1
         m[1, 1 + j // 64, (a + d) % 16, j % 64] = 1
+    m[2] = m[1] * query_weights().view(3, 1, 64)
     return m.to(device=device, dtype=torch.bfloat16)
 
 
@@ -613,8 +616,9 @@ def _sm_count(device) -> int:
 
 
 def _constants(device):
+    """The factor matrices on `device`, made once."""
     if device not in _CONSTANTS:
-        _CONSTANTS[device] = (factor_matrices(device).contiguous(), query_weights(device).contiguous())
+        _CONSTANTS[device] = factor_matrices(device).contiguous()
     return _CONSTANTS[device]
 
 
@@ -656,7 +660,7 @@ def gluon_backward(q, k, v, o, do, den, hs, zs, scale, dhvT=None, dhzT=None, nee
     state's gradient in Taylor-order form."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    mats, hw = _constants(q.device)
+    mats = _constants(q.device)
     do = do.contiguous()
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
@@ -673,8 +677,8 @@ def gluon_backward(q, k, v, o, do, den, hs, zs, scale, dhvT=None, dhzT=None, nee
     grid = min(-(-T // DQ_CHUNK) * B * H, DQ_PROGRAMS_PER_SM * _sm_count(q.device))
     g = torch.empty_like(do)  # dO/den, bf16, and −(dO·o)/den, fp32: written by dq's kernel, read by the walk
     e = torch.empty_like(den)
-    launch(_dq_kernel, (grid,), q, k, v, do, o, den, hs, zs, mats, hw, dq, g, e, T, scale, B * H, H, num_warps=4)
-    launch(_dkv_kernel, (B * H,), q, k, v, g, e, mats, hw, dk, dv, dhT, dzT, dh0, dz0, T, scale, H, USE_DHT=use_dht,
+    launch(_dq_kernel, (grid,), q, k, v, do, o, den, hs, zs, mats, dq, g, e, T, scale, B * H, H, num_warps=4)
+    launch(_dkv_kernel, (B * H,), q, k, v, g, e, mats, dk, dv, dhT, dzT, dh0, dz0, T, scale, H, USE_DHT=use_dht,
            STORE_DH0=need_dh0, NSLOT=2, PRODUCER_REGS=PRODUCER_REGS, DK_REGS=DK_REGS, num_warps=4)
     dhv0 = dhz0 = None
     if need_dh0:

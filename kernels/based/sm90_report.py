@@ -120,11 +120,11 @@ def compile_gluon_backward(kind: str = "dkv", states: bool = False):
 
     if kind == "dq":
         sig = {n: "*bf16" for n in ("q", "k", "v", "do", "o")} | {"den": "*fp32", "hs": "*bf16", "zs": "*fp32"}
-        sig |= {"mats": "*bf16", "hw": "*fp32", "dq": "*bf16", "g_out": "*bf16", "e_out": "*fp32", "T": "i32",
+        sig |= {"mats": "*bf16", "dq": "*bf16", "g_out": "*bf16", "e_out": "*fp32", "T": "i32",
                 "scale": "fp32", "BH": "i32", "H": "constexpr"}
         fn, constexprs = gb._dq_kernel, {"H": 16}
     else:
-        sig = {n: "*bf16" for n in ("q", "k", "v", "g")} | {"e": "*fp32", "mats": "*bf16", "hw": "*fp32"}
+        sig = {n: "*bf16" for n in ("q", "k", "v", "g")} | {"e": "*fp32", "mats": "*bf16"}
         sig |= {"dk": "*bf16", "dv": "*bf16"} | {n: "*fp32" for n in ("dhT", "dzT", "dh0", "dz0")}
         sig |= {"T": "i32", "scale": "fp32"}
         sig |= {n: "constexpr" for n in ("H", "USE_DHT", "STORE_DH0", "NSLOT", "PRODUCER_REGS", "DK_REGS")}

@@ -69,13 +69,12 @@ def test_gluon_forward_compiles_for_sm90(states):
 
 def _emulated_backward(q, k, v, h0, z0, do, dh, dz, scale):
     """float64 PyTorch of what kernels/based/gluon_backward.py's two kernels compute, step for step and with their
-    constants (`factor_matrices`, `query_weights`), for one sequence: q, k [T, 16], v, do [T, V], the initial state
+    constants (`factor_matrices`, the query's weights in its third matrix), for one sequence: q, k [T, 16], v, do [T, V], the initial state
     and the final state's gradient in the kernel's rows. Returns o, dq, dk, dv and the initial state's gradient."""
     from kernels.based import gluon_backward as gb
 
     T, C = q.shape[0], 64
-    A, Bm = gb.factor_matrices().double()
-    hw = gb.query_weights().double()
+    A, Bm, Bq = gb.factor_matrices().double()  # Bq = B ⊙ h, the query side's
     xq, xk = q * scale, k
     # block 0: the order-1 features are the first factor alone (its second factor is the constant u), column 32 is 1
     u = [(torch.arange(64) < 16).double() if b == 0 else torch.zeros(64, dtype=torch.float64) for b in range(3)]
@@ -83,9 +82,9 @@ def _emulated_backward(q, k, v, h0, z0, do, dh, dz, scale):
     const[32] = 1
     fa = lambda x, b: x @ A[b]  # noqa: E731
     fb = lambda x, b: x @ Bm[b] + u[b]  # noqa: E731
-    feat = lambda x, b: fa(x, b) * fb(x, b) + (const if b == 0 else 0)  # noqa: E731
-    psi = torch.cat([hw[64 * b: 64 * b + 64] * feat(xq, b) for b in range(3)], 1)
-    phi = torch.cat([feat(xk, b) for b in range(3)], 1)
+    fbq = lambda x, b: x @ Bq[b] + u[b]  # noqa: E731
+    psi = torch.cat([fa(xq, b) * fbq(xq, b) + (const if b == 0 else 0) for b in range(3)], 1)
+    phi = torch.cat([fa(xk, b) * fb(xk, b) + (const if b == 0 else 0) for b in range(3)], 1)
     # the states entering each chunk (the forward's stored hs, zs) and the output
     hs, zs, num, den = [], [], torch.zeros_like(v), v.new_zeros(T)
     h, z = h0.clone(), z0.clone()
@@ -107,8 +106,8 @@ def _emulated_backward(q, k, v, h0, z0, do, dh, dz, scale):
         acc = ds @ xk[sl]
         for b in range(3):
             bs = slice(64 * b, 64 * b + 64)
-            gp = (g[sl] @ hs[2 * i][bs].T + e[sl, None] * zs[2 * i][bs]) * hw[bs]
-            acc = acc + (gp * fb(xq[sl], b)) @ A[b].T + (gp * fa(xq[sl], b)) @ Bm[b].T
+            gp = g[sl] @ hs[2 * i][bs].T + e[sl, None] * zs[2 * i][bs]
+            acc = acc + (gp * fbq(xq[sl], b)) @ A[b].T + (gp * fa(xq[sl], b)) @ Bq[b].T
         dq[sl] = scale * acc
     dS, dZ = dh.clone(), dz.clone()
     for c0 in reversed(range(0, T, C)):  # _dkv_kernel, from the last chunk
