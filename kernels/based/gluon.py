@@ -8,17 +8,20 @@ the backward after it: in this kernel's rows for `gluon_backward.py` (session 17
 One program owns one (batch, head) and all 64 value columns and walks the sequence in
 chunks of C = 64 tokens, as `chunk._fwd_kernel` does, but in three partitions of 4 warps that run side by side:
 
-- producer 0 (`_producer`, ROLE 0): loads q and k, builds the query features ψ(q) and the chunk's weights
-  w = 1 + s + s²/2 (s = q_s kᵀ, causal) into a shared-memory slot;
-- producer 1 (ROLE 1): loads k and v, builds the key features φ(k) and stores v into the same slot;
+- producer 0 (`_producer`, ROLE 0): loads q and k, builds the query features ψ(q), the chunk's weights
+  w = 1 + s + s²/2 (s = q_s kᵀ, causal) and its denominators den = w·1 + Σ_blk ψ_blk z_blk into a shared-memory slot;
+- producer 1 (ROLE 1): loads k and v, builds the key features φ(k), stores v into the same slot and keeps
+  z_blk = Σ φ_blkᵀ 1 over the chunks before, which it hands to producer 0 (`zready`);
 - the consumer (`_consumer`, the default partition): holds the state and, per chunk, reads the slot:
-  numᵀ = vᵀ wᵀ + Σ_blk Sᵀ_blk ψ_blkᵀ and den = w·1 + Σ_blk ψ_blk z_blk, then Sᵀ_blk += vᵀ φ_blk and
-  z_blk += φ_blkᵀ 1, and stores o = num / den.
+  numᵀ = vᵀ wᵀ + Σ_blk Sᵀ_blk ψ_blkᵀ, then Sᵀ_blk += vᵀ φ_blk, and stores o = num / den.
 
 Two slots (`ready` / `free` mbarriers) let the producers build chunk c+1 while the consumer runs chunk c. The state
 is transposed, Sᵀ_blk [V, 64] in fp32 MMA accumulators, so that it is the register (A) operand of the reads and never
 goes through shared memory; only z does, as a bf16 head plus tail (≈ 16 bits, for the denominator). The state reads
-take S in bf16, as the Triton kernels do for bf16 inputs.
+take S in bf16, as the Triton kernels do for bf16 inputs. Until session 20 the consumer also kept z and made den:
+28 of its 56 wgmma instructions, N = 8 each; in the producers (after their features became K = 16 MMAs, which left
+them room) the consumer's loop has 305 instructions instead of 555, and the forward storing states for training went
+from 0.160 to 0.143 ms at T=4096 (outputs, states and den bit-identical).
 
 Features (192 = 3 blocks of 64). Each is a product of two factors, each factor a dot of the chunk's inputs x [C, 16]
 with a 0/1 matrix (one K = 16 MMA), so no register shuffles:
@@ -116,11 +119,12 @@ def _head_tail(Z, c8):
 
 
 @gluon.jit
-def _publish_z(zt_s, Z0, Z1, Z2, c8):
-    """z of the three feature blocks into shared memory as the reads take it: [8, 64] each, bf16 head and tail."""
-    zt_s.index(0).store(gl.permute(_head_tail(Z0, c8), (1, 0)))
-    zt_s.index(1).store(gl.permute(_head_tail(Z1, c8), (1, 0)))
-    zt_s.index(2).store(gl.permute(_head_tail(Z2, c8), (1, 0)))
+def _publish_z(zt_s, slot, Z0, Z1, Z2, c8):
+    """z of the three feature blocks into slot `slot` of zt_s as the denominators' MMAs take it: [8, 64] each, bf16
+    head and tail."""
+    zt_s.index(slot * NB).store(gl.permute(_head_tail(Z0, c8), (1, 0)))
+    zt_s.index(slot * NB + 1).store(gl.permute(_head_tail(Z1, c8), (1, 0)))
+    zt_s.index(slot * NB + 2).store(gl.permute(_head_tail(Z2, c8), (1, 0)))
 
 
 @gluon.jit
@@ -154,15 +158,19 @@ def _store_orders(z, Zb, BLK: gl.constexpr, r8, c8):
 
 
 @gluon.jit
-def _producer(q, k, v, T, scale, H: gl.constexpr, x_s, q16_s, k16_s, ra_s, rb_s, f_s, w_s, v_s, ready, free,
-              NSLOT: gl.constexpr, ROLE: gl.constexpr):
-    """One of two worker partitions (4 warps each): ROLE 0 builds ψ(q) (from q_s in q16_s) and the weights w, ROLE 1
-    builds φ(k) (from k in x_s) and stores v, each into the slot the consumer reads next; both arrive on its `ready`
-    barrier (count 2). Each feature block takes two K = 16 MMAs (session 20: K = 32 before, with an appended one)."""
+def _producer(q, k, v, z0, zT, zs, den_out, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.constexpr,
+              STORE_HT: gl.constexpr, STORE_STATES: gl.constexpr, x_s, q16_s, k16_s, ra_s, rb_s, f_s, w_s, v_s, zt_s,
+              dn_s, ones_s, one0_s, ready, free, zready, NSLOT: gl.constexpr, ROLE: gl.constexpr):
+    """One of two worker partitions (4 warps each), both arriving on the `ready` barrier (count 2) of the slot the
+    consumer reads next. ROLE 0 builds ψ(q) (from q_s in q16_s), the weights w and the chunk's denominators den = w·1 +
+    ψ·z; ROLE 1 builds φ(k) (from k in x_s), stores v and keeps z = Σ φ(k) over the chunks before (fp32 MMA
+    accumulators), which it hands to ROLE 0 as a bf16 head and tail (`zt_s`, `zready`). Each feature block takes two
+    K = 16 MMAs (session 20: K = 32 before, with an appended one; den and z were the consumer's)."""
     LV: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     L16: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
     LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    A8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
     for blk in gl.static_range(NB):
         _factor_mats(ra_s.index(blk), rb_s.index(blk), blk, ROLE == 0, LR)
     r16 = gl.arange(0, C_, layout=gl.SliceLayout(1, L16))[:, None]
@@ -171,13 +179,36 @@ def _producer(q, k, v, T, scale, H: gl.constexpr, x_s, q16_s, k16_s, ra_s, rb_s,
     cv = gl.arange(0, V_, layout=gl.SliceLayout(0, LV))[None, :]
     ra = gl.arange(0, C_, layout=gl.SliceLayout(1, A64))[:, None]
     ca = gl.arange(0, 64, layout=gl.SliceLayout(0, A64))[None, :]
+    r8 = gl.arange(0, 64, layout=gl.SliceLayout(1, A8))[:, None]
+    c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, A8))[None, :]
+    rz = gl.arange(0, 64, layout=gl.SliceLayout(1, A8))
     nk16 = gl.load(k + r16 * (H * K_) + c16, mask=r16 < T, other=0.0)
     if ROLE == 0:
         nq16 = gl.load(q + r16 * (H * K_) + c16, mask=r16 < T, other=0.0)
         xin = q16_s
+        r8v = gl.arange(0, 8, layout=gl.SliceLayout(1, LV))[:, None]
+        one0_s.store(gl.where((r8v == 0) & (cv >= 0), 1.0, 0.0).to(gl.bfloat16))  # [8, C]: B's column 0 all ones
+        fence_async_shared()
+        if STORE_STATES:
+            den_out += (i_bh // H).to(gl.int64) * T * H + i_bh % H
     else:
         nv = gl.load(v + rv * (H * V_) + cv, mask=rv < T, other=0.0)
         xin = x_s
+        ones_s.store(gl.full([8, C_], 1.0, gl.bfloat16, LV))
+        fence_async_shared()
+        if STORE_STATES == 1:
+            zs += i_bh.to(gl.int64) * gl.cdiv(T, C_) * ZR_
+        elif STORE_STATES == 2:
+            zs += i_bh.to(gl.int64) * gl.cdiv(T, 2 * C_) * (NB * 64)
+        if USE_H0:
+            z0 += i_bh.to(gl.int64) * (NB * 64)
+            Z0 = gl.load(z0 + r8 + c8 * 0)
+            Z1 = gl.load(z0 + 64 + r8 + c8 * 0)
+            Z2 = gl.load(z0 + 128 + r8 + c8 * 0)
+        else:
+            Z0 = gl.zeros([64, 8], gl.float32, A8)
+            Z1 = gl.zeros([64, 8], gl.float32, A8)
+            Z2 = gl.zeros([64, 8], gl.float32, A8)
     for c in range(gl.cdiv(T, C_)):
         start = c * C_
         slot = c % NSLOT
@@ -198,7 +229,23 @@ def _producer(q, k, v, T, scale, H: gl.constexpr, x_s, q16_s, k16_s, ra_s, rb_s,
         _barrier()
         mbarrier.wait(free.index(slot), ((c // NSLOT) & 1) ^ 1)  # the consumer is done with this slot
         if ROLE == 1:
+            # z entering this chunk, for ROLE 0's denominators (whose last read of the slot's buffer, at chunk
+            # c - NSLOT, came before that chunk's `ready`), and where states are stored
+            _publish_z(zt_s, slot, Z0, Z1, Z2, c8)
+            fence_async_shared()
+            _barrier()
+            mbarrier.arrive(zready.index(slot))
             v_s.index(slot).store(bv)
+            if STORE_STATES == 1:  # every chunk's, in the Taylor-order layout of `split.state_pass`'s zs
+                _store_orders(zs + c * ZR_, Z0, 0, r8, c8)
+                _store_orders(zs + c * ZR_, Z1, 1, r8, c8)
+                _store_orders(zs + c * ZR_, Z2, 2, r8, c8)
+            elif STORE_STATES == 2:  # every second chunk's, in this kernel's rows
+                if c % 2 == 0:
+                    zc = zs + (c // 2) * (NB * 64)
+                    gl.store(zc + r8 + c8 * 0, Z0, mask=c8 == 0)
+                    gl.store(zc + 64 + r8 + c8 * 0, Z1, mask=c8 == 0)
+                    gl.store(zc + 128 + r8 + c8 * 0, Z2, mask=c8 == 0)
         for blk in gl.static_range(NB):
             z = gl.zeros([C_, 64], gl.float32, A64)
             fa = warpgroup_mma(xin, ra_s.index(blk), z, use_acc=False)
@@ -213,58 +260,58 @@ def _producer(q, k, v, T, scale, H: gl.constexpr, x_s, q16_s, k16_s, ra_s, rb_s,
             w_s.index(slot).store(gl.where(ra >= ca, 1.0 + s + 0.5 * s * s, 0.0).to(gl.bfloat16))
         fence_async_shared()
         _barrier()
+        if ROLE == 0:  # den = w·1 + Σ_blk ψ_blk·z_blk (z as a bf16 head and tail: ≈ 16 bits), into the slot
+            dd = warpgroup_mma(w_s.index(slot), one0_s.permute((1, 0)), gl.zeros([C_, 8], gl.float32, A8),
+                               use_acc=False, is_async=True)
+            mbarrier.wait(zready.index(slot), (c // NSLOT) & 1)
+            for blk in gl.static_range(NB):
+                dd = warpgroup_mma(f_s.index(slot * NB + blk), zt_s.index(slot * NB + blk).permute((1, 0)), dd,
+                                   is_async=True)
+            dd = warpgroup_mma_wait(0, deps=[dd])
+            dn = gl.sum(gl.where(c8 < 2, dd, 0.0), 1)  # column 0: w·1 + ψ·z's head, column 1: ψ·z's tail
+            dn_s.index(slot).store(dn)
+            if STORE_STATES:
+                gl.store(den_out + (start + rz) * H, dn, mask=(start + rz) < T)
+            _barrier()
+        else:  # z += φᵀ 1 (bf16 φ, fp32 sums)
+            Z0 = warpgroup_mma(f_s.index(slot * NB).permute((1, 0)), ones_s.permute((1, 0)), Z0, is_async=True)
+            Z1 = warpgroup_mma(f_s.index(slot * NB + 1).permute((1, 0)), ones_s.permute((1, 0)), Z1, is_async=True)
+            Z2 = warpgroup_mma(f_s.index(slot * NB + 2).permute((1, 0)), ones_s.permute((1, 0)), Z2, is_async=True)
         mbarrier.arrive(ready.index(slot))
+        if ROLE == 1:
+            Z0, Z1, Z2 = warpgroup_mma_wait(0, deps=[Z0, Z1, Z2])
+    if ROLE == 1:
+        if STORE_HT:
+            zT += i_bh.to(gl.int64) * (NB * 64)
+            gl.store(zT + r8 + c8 * 0, Z0, mask=c8 == 0)
+            gl.store(zT + 64 + r8 + c8 * 0, Z1, mask=c8 == 0)
+            gl.store(zT + 128 + r8 + c8 * 0, Z2, mask=c8 == 0)
 
 
 @gluon.jit
-def _consumer(o, h0, z0, hT, zT, hs, hs_desc, zs, den_out, i_bh, T, H: gl.constexpr, USE_H0: gl.constexpr,
-              STORE_HT: gl.constexpr, STORE_STATES: gl.constexpr, psi_s, phi_s, w_s, v_s, zt_s, ones_s, one0_s, hst_s,
-              ready, free, NSLOT: gl.constexpr):
+def _consumer(o, h0, hT, hs, hs_desc, i_bh, T, H: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr,
+              STORE_STATES: gl.constexpr, psi_s, phi_s, w_s, v_s, dn_s, hst_s, ready, free, NSLOT: gl.constexpr):
     """The default partition with the state transposed: Sᵀ_blk [V, 64] accumulates vᵀ φ(k) and is the register (A)
-    operand of the reads numᵀ = Σ Sᵀ ψ(q)ᵀ + vᵀ wᵀ, so only z goes through shared memory between chunks."""
-    ZW: gl.constexpr = 8
-    LV: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    operand of the reads numᵀ = Σ Sᵀ ψ(q)ᵀ + vᵀ wᵀ, so the state never goes through shared memory; the denominators
+    come with the slot (producer 0's)."""
     LO: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])  # [V, C] tiles stored to o[t, v]
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-    A8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
     AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=A64, k_width=2)
     ra = gl.arange(0, 64, layout=gl.SliceLayout(1, A64))[:, None]  # rows of Sᵀ: value columns
     ca = gl.arange(0, 64, layout=gl.SliceLayout(0, A64))[None, :]  # its columns: features
-    c8 = gl.arange(0, ZW, layout=gl.SliceLayout(0, A8))[None, :]
-    r8 = gl.arange(0, 64, layout=gl.SliceLayout(1, A8))[:, None]
-    rz = gl.arange(0, ZW, layout=gl.SliceLayout(1, LV))[:, None]
-    cv = gl.arange(0, V_, layout=gl.SliceLayout(0, LV))[None, :]
     vo = gl.arange(0, V_, layout=gl.SliceLayout(1, LO))[:, None]
     to = gl.arange(0, C_, layout=gl.SliceLayout(0, LO))[None, :]
-    tc = gl.arange(0, C_, layout=gl.SliceLayout(0, A64))
     if STORE_STATES == 1:
         hs += i_bh.to(gl.int64) * gl.cdiv(T, C_) * (R_ * V_)
-        zs += i_bh.to(gl.int64) * gl.cdiv(T, C_) * ZR_
-    elif STORE_STATES == 2:
-        zs += i_bh.to(gl.int64) * gl.cdiv(T, 2 * C_) * (NB * 64)
-    if STORE_STATES:
-        den_out += (i_bh // H).to(gl.int64) * T * H + i_bh % H
-    ones_s.store(gl.full([ZW, C_], 1.0, gl.bfloat16, LV))
-    one0_s.store(gl.where((rz == 0) & (cv >= 0), 1.0, 0.0).to(gl.bfloat16))  # B = [C, ZW]: column 0 all ones
     if USE_H0:
         h0 += i_bh.to(gl.int64) * (NB * 64 * V_)
-        z0 += i_bh.to(gl.int64) * (NB * 64)
         S0 = gl.load(h0 + ca * V_ + ra)
         S1 = gl.load(h0 + (64 + ca) * V_ + ra)
         S2 = gl.load(h0 + (128 + ca) * V_ + ra)
-        Z0 = gl.load(z0 + r8 + c8 * 0)
-        Z1 = gl.load(z0 + 64 + r8 + c8 * 0)
-        Z2 = gl.load(z0 + 128 + r8 + c8 * 0)
     else:
         S0 = gl.zeros([V_, 64], gl.float32, A64)
         S1 = gl.zeros([V_, 64], gl.float32, A64)
         S2 = gl.zeros([V_, 64], gl.float32, A64)
-        Z0 = gl.zeros([64, ZW], gl.float32, A8)
-        Z1 = gl.zeros([64, ZW], gl.float32, A8)
-        Z2 = gl.zeros([64, ZW], gl.float32, A8)
-    _publish_z(zt_s, Z0, Z1, Z2, c8)
-    fence_async_shared()
-    _barrier()
     for c in range(gl.cdiv(T, C_)):
         start = c * C_
         slot = c % NSLOT
@@ -273,24 +320,16 @@ def _consumer(o, h0, z0, hT, zT, hs, hs_desc, zs, den_out, i_bh, T, H: gl.conste
         vt = v_s.index(slot).permute((1, 0))
         num = warpgroup_mma(vt, w_s.index(slot).permute((1, 0)), gl.zeros([V_, C_], gl.float32, A64),
                             use_acc=False, is_async=True)
-        dd = warpgroup_mma(w_s.index(slot), one0_s.permute((1, 0)), gl.zeros([C_, ZW], gl.float32, A8),
-                           use_acc=False, is_async=True)
         num = warpgroup_mma(gl.convert_layout(S0.to(gl.bfloat16), AOP), psi_s.index(b).permute((1, 0)), num,
                             is_async=True)
-        dd = warpgroup_mma(psi_s.index(b), zt_s.index(0).permute((1, 0)), dd, is_async=True)
         num = warpgroup_mma(gl.convert_layout(S1.to(gl.bfloat16), AOP), psi_s.index(b + 1).permute((1, 0)), num,
                             is_async=True)
-        dd = warpgroup_mma(psi_s.index(b + 1), zt_s.index(1).permute((1, 0)), dd, is_async=True)
         num = warpgroup_mma(gl.convert_layout(S2.to(gl.bfloat16), AOP), psi_s.index(b + 2).permute((1, 0)), num,
                             is_async=True)
-        dd = warpgroup_mma(psi_s.index(b + 2), zt_s.index(2).permute((1, 0)), dd, is_async=True)
-        if STORE_STATES == 1:  # the state entering chunk c, for the split backward (`split.state_pass`'s hs, zs)
+        if STORE_STATES == 1:  # the state entering chunk c, for the split backward (`split.state_pass`'s hs)
             _store_pairs(hs + c * (R_ * V_), S0, 0, vo, to, LO)
             _store_pairs(hs + c * (R_ * V_), S1, 1, vo, to, LO)
             _store_pairs(hs + c * (R_ * V_), S2, 2, vo, to, LO)
-            _store_orders(zs + c * ZR_, Z0, 0, r8, c8)
-            _store_orders(zs + c * ZR_, Z1, 1, r8, c8)
-            _store_orders(zs + c * ZR_, Z2, 2, r8, c8)
         elif STORE_STATES == 2:  # in this kernel's rows, every second chunk's: what `gluon_backward` reads
             if c % 2 == 0:  # Sᵀ as the MMAs hold it, through shared memory and a TMA store (hs: [B·H·NQ·V, 192])
                 tma.store_wait(0)  # the copies of two chunks ago have left the buffers
@@ -304,41 +343,25 @@ def _consumer(o, h0, z0, hT, zT, hs, hs_desc, zs, den_out, i_bh, T, H: gl.conste
                 _tma_store(hs_desc, [row, 0], hst_s.index(0))
                 _tma_store(hs_desc, [row, 64], hst_s.index(1))
                 _tma_store(hs_desc, [row, 128], hst_s.index(2))
-                zc = zs + (c // 2) * (NB * 64)
-                gl.store(zc + r8 + c8 * 0, Z0, mask=c8 == 0)
-                gl.store(zc + 64 + r8 + c8 * 0, Z1, mask=c8 == 0)
-                gl.store(zc + 128 + r8 + c8 * 0, Z2, mask=c8 == 0)
         # the reads above hold S's bf16 copies in registers until they complete: wait before updating S
-        num, dd = warpgroup_mma_wait(0, deps=[num, dd])
+        num = warpgroup_mma_wait(0, deps=[num])
         S0 = warpgroup_mma(vt, phi_s.index(b), S0, is_async=True)
         S1 = warpgroup_mma(vt, phi_s.index(b + 1), S1, is_async=True)
         S2 = warpgroup_mma(vt, phi_s.index(b + 2), S2, is_async=True)
-        Z0 = warpgroup_mma(phi_s.index(b).permute((1, 0)), ones_s.permute((1, 0)), Z0, is_async=True)
-        Z1 = warpgroup_mma(phi_s.index(b + 1).permute((1, 0)), ones_s.permute((1, 0)), Z1, is_async=True)
-        Z2 = warpgroup_mma(phi_s.index(b + 2).permute((1, 0)), ones_s.permute((1, 0)), Z2, is_async=True)
-        den = gl.convert_layout(gl.sum(gl.where(c8 < 2, dd, 0.0), 1), gl.SliceLayout(0, A64))
-        if STORE_STATES:
-            gl.store(den_out + (start + tc) * H, den, mask=(start + tc) < T)
+        den = dn_s.index(slot).load(gl.SliceLayout(0, A64))
         out = gl.convert_layout((num * _rcp(den)[None, :]).to(gl.bfloat16), LO)  # one reciprocal per column
         tt = start + to
         gl.store(o + tt * (H * V_) + vo, out, mask=tt < T)
-        S0, S1, S2, Z0, Z1, Z2 = warpgroup_mma_wait(0, deps=[S0, S1, S2, Z0, Z1, Z2])
+        S0, S1, S2 = warpgroup_mma_wait(0, deps=[S0, S1, S2])
         _barrier()
         mbarrier.arrive(free.index(slot))
-        _publish_z(zt_s, Z0, Z1, Z2, c8)  # what the next chunk's denominator reads
-        fence_async_shared()
-        _barrier()
     if STORE_STATES == 2:
         tma.store_wait(0)
     if STORE_HT:
         hT += i_bh.to(gl.int64) * (NB * 64 * V_)
-        zT += i_bh.to(gl.int64) * (NB * 64)
         gl.store(hT + ca * V_ + ra, S0)
         gl.store(hT + (64 + ca) * V_ + ra, S1)
         gl.store(hT + (128 + ca) * V_ + ra, S2)
-        gl.store(zT + r8 + c8 * 0, Z0, mask=c8 == 0)
-        gl.store(zT + 64 + r8 + c8 * 0, Z1, mask=c8 == 0)
-        gl.store(zT + 128 + r8 + c8 * 0, Z2, mask=c8 == 0)
 
 
 @gluon.jit
@@ -374,21 +397,28 @@ def _gluon_fwd_kernel(q, k, v, o, h0, z0, hT, zT, hs, hs_desc, zs, den, T, scale
     rbq_s = gl.allocate_shared_memory(gl.bfloat16, [NB, K_, 64], slr)
     rak_s = gl.allocate_shared_memory(gl.bfloat16, [NB, K_, 64], slr)
     rbk_s = gl.allocate_shared_memory(gl.bfloat16, [NB, K_, 64], slr)
-    # the consumer's z (head and tail) and its ones
-    zt_s = gl.allocate_shared_memory(gl.bfloat16, [NB, 8, 64], sl8)
+    # z entering each slot's chunk (producer 1 to producer 0: bf16 head and tail), the slot's denominators (producer
+    # 0 to the consumer), the ones of the MMAs that sum z and w's rows
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    zt_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT * NB, 8, 64], sl8)
+    dn_s = gl.allocate_shared_memory(gl.float32, [NSLOT, C_], plain)
     ones_s = gl.allocate_shared_memory(gl.bfloat16, [8, C_], sl8)
     one0_s = gl.allocate_shared_memory(gl.bfloat16, [8, C_], sl8)
     hst_s = gl.allocate_shared_memory(gl.bfloat16, [NB if STORE_STATES == 2 else 1, V_, 64], sl64)  # states out
     ready = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
+    zready = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NSLOT):
         mbarrier.init(ready.index(i), count=2)  # both producers
         mbarrier.init(free.index(i), count=1)
+        mbarrier.init(zready.index(i), count=1)
     gl.warp_specialize([
-        (_consumer, (o, h0, z0, hT, zT, hs, hs_desc, zs, den, i_bh, T, H, USE_H0, STORE_HT, STORE_STATES, psi_s,
-                     phi_s, w_s, v_s, zt_s, ones_s, one0_s, hst_s, ready, free, NSLOT)),
-        (_producer, (q, k, v, T, scale, H, kx_s, q16_s, k16_s, raq_s, rbq_s, psi_s, w_s, v_s, ready, free, NSLOT, 0)),
-        (_producer, (q, k, v, T, scale, H, kx_s, q16_s, k16_s, rak_s, rbk_s, phi_s, w_s, v_s, ready, free, NSLOT, 1)),
+        (_consumer, (o, h0, hT, hs, hs_desc, i_bh, T, H, USE_H0, STORE_HT, STORE_STATES, psi_s, phi_s, w_s, v_s, dn_s,
+                     hst_s, ready, free, NSLOT)),
+        (_producer, (q, k, v, z0, zT, zs, den, i_bh, T, scale, H, USE_H0, STORE_HT, STORE_STATES, kx_s, q16_s, k16_s,
+                     raq_s, rbq_s, psi_s, w_s, v_s, zt_s, dn_s, ones_s, one0_s, ready, free, zready, NSLOT, 0)),
+        (_producer, (q, k, v, z0, zT, zs, den, i_bh, T, scale, H, USE_H0, STORE_HT, STORE_STATES, kx_s, q16_s, k16_s,
+                     rak_s, rbk_s, phi_s, w_s, v_s, zt_s, dn_s, ones_s, one0_s, ready, free, zready, NSLOT, 1)),
     ], [4, 4], [PRODUCER_REGS, PRODUCER_REGS])
 
 
