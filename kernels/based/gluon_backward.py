@@ -268,14 +268,29 @@ def _copy_vg(v_s, g_s, slot, v, g, start, T, H: gl.constexpr, rv, cv):
 
 
 @gluon.jit
-def _producer(q, k, v, g_in, e_in, T, scale, H: gl.constexpr, mats, xq_s, xk_s, v_s, g_s, e_s, psi_s, phi_s,
-              ra_s, rb_s, rbq_s, mats_ready, ready, free, NSLOT: gl.constexpr):
+def _producer(q, k, v, g_in, e_in, dzT, dz0, i_bh, T, scale, H: gl.constexpr, USE_DHT: gl.constexpr,
+              STORE_DH0: gl.constexpr, mats, xq_s, xk_s, v_s, g_s, e_s, psi_s, phi_s, dz_s, ra_s, rb_s, rbq_s,
+              mats_ready, ready, free, NSLOT: gl.constexpr):
     """Worker partition 0 (4 warps): loads the factor matrices for all three partitions, then for each chunk from
-    the last stores its inputs, e (as a bf16 head and tail), ψ(q) and φ(k) into the slot the others read next. Once
-    a chunk is handed over, the producer waits for the other slot to be free and starts the next chunk's v and g
-    copies into it (cp.async), which fly while that chunk's features are built."""
+    the last stores its inputs, e (as a bf16 head and tail), ψ(q), φ(k) and dz entering the chunk (the dk partition's)
+    into the slot the others read next. It keeps dz = Σ_{later} ψᵀ e itself (fp32 MMA accumulators [64, 8] per block:
+    column 0 sums ψ·e's bf16 head, column 1 its tail; session 20, the consumer's until then). Once a chunk is handed
+    over, the producer waits for the other slot to be free and starts the next chunk's v and g copies into it
+    (cp.async), which fly while that chunk's features are built."""
     LE: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    A8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
+    c8z = gl.arange(0, 8, layout=gl.SliceLayout(0, A8))[None, :]
+    r8z = gl.arange(0, 64, layout=gl.SliceLayout(1, A8))[:, None]
+    if USE_DHT:
+        dzT += i_bh.to(gl.int64) * F_
+        Z0 = gl.load(dzT + r8z + c8z * 0, mask=c8z == 0, other=0.0)
+        Z1 = gl.load(dzT + 64 + r8z + c8z * 0, mask=c8z == 0, other=0.0)
+        Z2 = gl.load(dzT + 128 + r8z + c8z * 0, mask=c8z == 0, other=0.0)
+    else:
+        Z0 = gl.zeros([64, 8], gl.float32, A8)
+        Z1 = gl.zeros([64, 8], gl.float32, A8)
+        Z2 = gl.zeros([64, 8], gl.float32, A8)
     cj = gl.arange(0, 64, layout=gl.SliceLayout(0, A64))
     rj = gl.arange(0, C_, layout=gl.SliceLayout(1, A64))[:, None]
     c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, LE))[None, :]
@@ -304,6 +319,9 @@ def _producer(q, k, v, g_in, e_in, T, scale, H: gl.constexpr, mats, xq_s, xk_s, 
         ehi = el.to(gl.bfloat16)
         elo = (el - ehi.to(gl.float32)).to(gl.bfloat16)
         e_s.index(slot).store(gl.where(c8 == 0, ehi, gl.where(c8 == 1, elo, gl.zeros_like(ehi))))
+        dz_s.index(slot * NB).store(_zsum(Z0))  # dz entering this chunk
+        dz_s.index(slot * NB + 1).store(_zsum(Z1))
+        dz_s.index(slot * NB + 2).store(_zsum(Z2))
         fence_async_shared()
         _barrier()
         for b in gl.static_range(NB):
@@ -331,6 +349,12 @@ def _producer(q, k, v, g_in, e_in, T, scale, H: gl.constexpr, mats, xq_s, xk_s, 
         async_copy.wait_group(0)  # this chunk's v and g have landed
         fence_async_shared()
         _barrier()
+        # dz_b += ψ_bᵀ e, done before the hand-over (the consumer overwrites ψ's first block once its updates read it)
+        es = e_s.index(slot)
+        Z0 = warpgroup_mma(psi_s.index(slot * NB).permute((1, 0)), es, Z0, is_async=True)
+        Z1 = warpgroup_mma(psi_s.index(slot * NB + 1).permute((1, 0)), es, Z1, is_async=True)
+        Z2 = warpgroup_mma(psi_s.index(slot * NB + 2).permute((1, 0)), es, Z2, is_async=True)
+        Z0, Z1, Z2 = warpgroup_mma_wait(0, deps=[Z0, Z1, Z2])
         mbarrier.arrive(ready.index(slot))
         if c > 0:  # the next chunk: q, k and e into registers at once, v and g into the other slot once both
             # readers are done with it
@@ -339,6 +363,12 @@ def _producer(q, k, v, g_in, e_in, T, scale, H: gl.constexpr, mats, xq_s, xk_s, 
             nxt = (i + 1) % NSLOT
             mbarrier.wait(free.index(nxt), (((i + 1) // NSLOT) & 1) ^ 1)
             _copy_vg(v_s, g_s, nxt, v, g_in, (c - 1) * C_, T, H, rv, cv)
+    if STORE_DH0:
+        dz0 += i_bh.to(gl.int64) * F_
+        rz = gl.arange(0, 64, layout=gl.SliceLayout(1, A8))
+        gl.store(dz0 + rz, _zsum(Z0))
+        gl.store(dz0 + 64 + rz, _zsum(Z1))
+        gl.store(dz0 + 128 + rz, _zsum(Z2))
 
 
 @gluon.jit
@@ -386,7 +416,7 @@ def _dk_partition(dk, T, H: gl.constexpr, xq_s, xk_s, v_s, g_s, e_s, ra_s, rb_s,
                 gf, fb, fa = warpgroup_mma_wait(0, deps=[gf, fb, fa])
             else:
                 gf, fb = warpgroup_mma_wait(0, deps=[gf, fb])
-            zb = dz_s.index(buf * NB + b).load(gl.SliceLayout(0, A64))
+            zb = dz_s.index(slot * NB + b).load(gl.SliceLayout(0, A64))
             if b == NB - 1:  # every read of this dS buffer is done
                 _barrier()
                 mbarrier.arrive(ds_free.index(buf))
@@ -412,54 +442,38 @@ def _zsum(Z):
 
 
 @gluon.jit
-def _publish(dS_s, dz_s, buf, S0, S1, S2, Z0, Z1, Z2):
-    """The reverse state into buffer buf: dS in bf16 for the MMAs, dz in fp32."""
+def _publish(dS_s, buf, S0, S1, S2):
+    """The reverse state dS into buffer buf, in bf16 for the MMAs."""
     dS_s.index(buf * NB).store(S0.to(gl.bfloat16))
     dS_s.index(buf * NB + 1).store(S1.to(gl.bfloat16))
     dS_s.index(buf * NB + 2).store(S2.to(gl.bfloat16))
-    dz_s.index(buf * NB).store(_zsum(Z0))
-    dz_s.index(buf * NB + 1).store(_zsum(Z1))
-    dz_s.index(buf * NB + 2).store(_zsum(Z2))
     fence_async_shared()
     _barrier()
 
 
 @gluon.jit
-def _consumer(dv, dhT, dzT, dh0, dz0, i_bh, T, H: gl.constexpr, USE_DHT: gl.constexpr, STORE_DH0: gl.constexpr,
-              xq_s, xk_s, g_s, e_s, psi_s, phi_s, dS_s, dz_s, mats_ready, ready, free, ds_ready, ds_free,
-              NSLOT: gl.constexpr):
-    """The default partition (4 warps): holds the reverse state, dS (fp32, [64, V] per feature block) and dz (fp32
-    accumulators [64, 8] per block: column 0 sums ψ·e's bf16 head, column 1 its tail); per chunk dv = wᵀ g +
-    Σ_b φ_b dS_b, after dS_b += ψ_bᵀ g and dz_b +=
-    ψ_bᵀ e are published (double-buffered: dS in bf16, dz in fp32) for the next chunk's reads here and in the dk
-    partition."""
+def _consumer(dv, dhT, dh0, i_bh, T, H: gl.constexpr, USE_DHT: gl.constexpr, STORE_DH0: gl.constexpr, xq_s, xk_s,
+              g_s, psi_s, phi_s, dS_s, mats_ready, ready, free, ds_ready, ds_free, NSLOT: gl.constexpr):
+    """The default partition (4 warps): holds the reverse state dS (fp32, [64, V] per feature block); per chunk
+    dv = wᵀ g + Σ_b φ_b dS_b, after dS_b += ψ_bᵀ g is published (double-buffered, in bf16) for the next chunk's reads
+    here and in the dk partition. (dz is the producer's since session 20.)"""
     LO: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-    A8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
     rs = gl.arange(0, 64, layout=gl.SliceLayout(1, A64))[:, None]  # rows of dS: features; of wᵀ: keys j
     cs = gl.arange(0, V_, layout=gl.SliceLayout(0, A64))[None, :]  # its columns: values; of wᵀ: queries i
-    c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, A8))[None, :]
-    r8 = gl.arange(0, 64, layout=gl.SliceLayout(1, A8))[:, None]
     ro = gl.arange(0, C_, layout=gl.SliceLayout(1, LO))[:, None]
     co = gl.arange(0, V_, layout=gl.SliceLayout(0, LO))[None, :]
     z64 = gl.zeros([C_, 64], gl.float32, A64)
     if USE_DHT:
         dhT += i_bh.to(gl.int64) * (F_ * V_)
-        dzT += i_bh.to(gl.int64) * F_
         S0 = gl.load(dhT + rs * V_ + cs)
         S1 = gl.load(dhT + (64 + rs) * V_ + cs)
         S2 = gl.load(dhT + (128 + rs) * V_ + cs)
-        Z0 = gl.load(dzT + r8 + c8 * 0, mask=c8 == 0, other=0.0)
-        Z1 = gl.load(dzT + 64 + r8 + c8 * 0, mask=c8 == 0, other=0.0)
-        Z2 = gl.load(dzT + 128 + r8 + c8 * 0, mask=c8 == 0, other=0.0)
     else:
         S0 = gl.zeros([64, V_], gl.float32, A64)
         S1 = gl.zeros([64, V_], gl.float32, A64)
         S2 = gl.zeros([64, V_], gl.float32, A64)
-        Z0 = gl.zeros([64, 8], gl.float32, A8)
-        Z1 = gl.zeros([64, 8], gl.float32, A8)
-        Z2 = gl.zeros([64, 8], gl.float32, A8)
-    _publish(dS_s, dz_s, 0, S0, S1, S2, Z0, Z1, Z2)
+    _publish(dS_s, 0, S0, S1, S2)
     mbarrier.arrive(ds_ready.index(0))
     mbarrier.wait(mats_ready, 0)
     NC = gl.cdiv(T, C_)
@@ -469,19 +483,15 @@ def _consumer(dv, dhT, dzT, dh0, dz0, i_bh, T, H: gl.constexpr, USE_DHT: gl.cons
         buf = i % 2
         mbarrier.wait(ready.index(slot), (i // NSLOT) & 1)
         gs = g_s.index(slot)
-        # the chunk's queries into the reverse state: dS_b += ψ_bᵀ g, dz_b += ψ_bᵀ e, published first (the dk
-        # partition's next chunk waits on it); buffer buf keeps the state before this chunk, for dv below
-        es = e_s.index(slot)
+        # the chunk's queries into the reverse state, dS_b += ψ_bᵀ g, published first (the dk partition's next chunk
+        # waits on it); buffer buf keeps the state before this chunk, for dv below
         S0 = warpgroup_mma(psi_s.index(slot * NB).permute((1, 0)), gs, S0, is_async=True)
         S1 = warpgroup_mma(psi_s.index(slot * NB + 1).permute((1, 0)), gs, S1, is_async=True)
         S2 = warpgroup_mma(psi_s.index(slot * NB + 2).permute((1, 0)), gs, S2, is_async=True)
-        Z0 = warpgroup_mma(psi_s.index(slot * NB).permute((1, 0)), es, Z0, is_async=True)
-        Z1 = warpgroup_mma(psi_s.index(slot * NB + 1).permute((1, 0)), es, Z1, is_async=True)
-        Z2 = warpgroup_mma(psi_s.index(slot * NB + 2).permute((1, 0)), es, Z2, is_async=True)
-        S0, S1, S2, Z0, Z1, Z2 = warpgroup_mma_wait(0, deps=[S0, S1, S2, Z0, Z1, Z2])
+        S0, S1, S2 = warpgroup_mma_wait(0, deps=[S0, S1, S2])
         if i > 0:  # the dk partition has read the other buffer (at chunk i - 1)
             mbarrier.wait(ds_free.index(1 - buf), ((i - 1) // 2) & 1)
-        _publish(dS_s, dz_s, 1 - buf, S0, S1, S2, Z0, Z1, Z2)
+        _publish(dS_s, 1 - buf, S0, S1, S2)
         mbarrier.arrive(ds_ready.index(1 - buf))
         # dv = wᵀ g + Σ_b φ_b dS_b, wᵀ [j, i] = ((1 + s_ij)² + 1)/2 for i ≥ j
         st = warpgroup_mma(xk_s.index(slot), xq_s.index(slot).permute((1, 0)), z64, use_acc=False)  # sᵀ
@@ -503,14 +513,9 @@ def _consumer(dv, dhT, dzT, dh0, dz0, i_bh, T, H: gl.constexpr, USE_DHT: gl.cons
         gl.store(dv + t * (H * V_) + co, gl.convert_layout(acc.to(gl.bfloat16), LO), mask=t < T)
     if STORE_DH0:
         dh0 += i_bh.to(gl.int64) * (F_ * V_)
-        dz0 += i_bh.to(gl.int64) * F_
         gl.store(dh0 + rs * V_ + cs, S0)
         gl.store(dh0 + (64 + rs) * V_ + cs, S1)
         gl.store(dh0 + (128 + rs) * V_ + cs, S2)
-        rz = gl.arange(0, 64, layout=gl.SliceLayout(1, A8))
-        gl.store(dz0 + rz, _zsum(Z0))
-        gl.store(dz0 + 64 + rz, _zsum(Z1))
-        gl.store(dz0 + 128 + rz, _zsum(Z2))
 
 
 @gluon.jit
@@ -544,9 +549,9 @@ def _dkv_kernel(q, k, v, g, e, mats, dk, dv, dhT, dzT, dh0, dz0, T, scale, H: gl
     ra_s = gl.allocate_shared_memory(gl.bfloat16, [NB, K_, 64], slr)
     rb_s = gl.allocate_shared_memory(gl.bfloat16, [NB, K_, 64], slr)
     rbq_s = gl.allocate_shared_memory(gl.bfloat16, [NB, K_, 64], slr)  # B ⊙ h, for ψ(q)
-    # the reverse state, two buffers: dS in bf16, dz in fp32
+    dz_s = gl.allocate_shared_memory(gl.float32, [NSLOT * NB, 64], plain)  # dz entering each slot's chunk
+    # the reverse state dS, two buffers in bf16
     dS_s = gl.allocate_shared_memory(gl.bfloat16, [2 * NB, 64, V_], sl64)
-    dz_s = gl.allocate_shared_memory(gl.float32, [2 * NB, 64], plain)
     mats_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
@@ -560,10 +565,10 @@ def _dkv_kernel(q, k, v, g, e, mats, dk, dv, dhT, dzT, dh0, dz0, T, scale, H: gl
         mbarrier.init(ds_ready.index(s), count=1)
         mbarrier.init(ds_free.index(s), count=1)
     gl.warp_specialize([
-        (_consumer, (dv, dhT, dzT, dh0, dz0, i_bh, T, H, USE_DHT, STORE_DH0, xq_s, xk_s, g_s, e_s, psi_s, phi_s,
-                     dS_s, dz_s, mats_ready, ready, free, ds_ready, ds_free, NSLOT)),
-        (_producer, (q, k, v, g, e, T, scale, H, mats, xq_s, xk_s, v_s, g_s, e_s, psi_s, phi_s, ra_s, rb_s, rbq_s,
-                     mats_ready, ready, free, NSLOT)),
+        (_consumer, (dv, dhT, dh0, i_bh, T, H, USE_DHT, STORE_DH0, xq_s, xk_s, g_s, psi_s, phi_s, dS_s, mats_ready,
+                     ready, free, ds_ready, ds_free, NSLOT)),
+        (_producer, (q, k, v, g, e, dzT, dz0, i_bh, T, scale, H, USE_DHT, STORE_DH0, mats, xq_s, xk_s, v_s, g_s, e_s,
+                     psi_s, phi_s, dz_s, ra_s, rb_s, rbq_s, mats_ready, ready, free, NSLOT)),
         (_dk_partition, (dk, T, H, xq_s, xk_s, v_s, g_s, e_s, ra_s, rb_s, dS_s, dz_s, mats_ready, ready, free,
                          ds_ready, ds_free, NSLOT)),
     ], [4, 4], [PRODUCER_REGS, DK_REGS])
