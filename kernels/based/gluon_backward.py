@@ -156,7 +156,8 @@ def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, dq, g_out, e_out, T, scale, BH
     takes steps pid, pid + grid, … (of all sequences; NQ per sequence) and for each of its chunks computes the
     chunk's own part, the second chunk's read of the first one's keys (unmasked, as in the chunk's own part) and the
     read of the step's entering state (hs, zs), through the query feature map. The factor matrices (A, and B with
-    the query's ½ weights) are loaded once per program. Also stores g = dO/den and e = −(dO·o)/den, which the dk/dv walk reads instead of dO, o and den.
+    the query's ½ weights) are loaded once per program. Also stores g = dO/den and e = −(dO·o)/den, which the dk/dv
+    walk reads instead of dO, o and den.
 
     Loads run one chunk ahead (session 19): each chunk's q, k, v, dO and o are copied into shared memory (cp.async)
     while the chunk before computes, the next step's state once this step's reads of it are done."""

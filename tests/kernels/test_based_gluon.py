@@ -50,9 +50,10 @@ def test_applies_only_to_its_case():
 def test_gluon_forward_compiles_for_sm90(states):
     """The kernel compiles for sm_90a: warp-specialised (setmaxnreg per partition), its dots warpgroup MMAs, within
     the 168 registers per thread that 12 warps leave, and without more than a few spills (Triton 3.6, the H200's:
-    none in any of the three modes since the features take K = 16 MMAs (session 20; 32 / 164 / 32 bytes before);
-    Triton 3.9: 96 / 176 / 20). The Gluon backward's states leave through
-    TMA stores (session 19: through a layout change and plain stores they cost 0.015 ms more at T=4096)."""
+    none in modes 0 and 2 and 64 bytes in mode 1 since the features take K = 16 MMAs and the producers keep z and
+    make the denominators (session 20; 32 / 164 / 32 bytes before); Triton 3.9: 12 / 72 / 8). The Gluon backward's
+    states leave through TMA stores (session 19: through a layout change and plain stores they cost 0.015 ms more at
+    T=4096)."""
     import re
 
     from kernels.based.sm90_report import compile_gluon_forward, ptxas_report
@@ -69,8 +70,9 @@ def test_gluon_forward_compiles_for_sm90(states):
 
 def _emulated_backward(q, k, v, h0, z0, do, dh, dz, scale):
     """float64 PyTorch of what kernels/based/gluon_backward.py's two kernels compute, step for step and with their
-    constants (`factor_matrices`, the query's weights in its third matrix), for one sequence: q, k [T, 16], v, do [T, V], the initial state
-    and the final state's gradient in the kernel's rows. Returns o, dq, dk, dv and the initial state's gradient."""
+    constants (`factor_matrices`, the query's weights in its third matrix), for one sequence: q, k [T, 16], v, do
+    [T, V], the initial state and the final state's gradient in the kernel's rows. Returns o, dq, dk, dv and the
+    initial state's gradient."""
     from kernels.based import gluon_backward as gb
 
     T, C = q.shape[0], 64
@@ -128,8 +130,8 @@ def _emulated_backward(q, k, v, h0, z0, do, dh, dz, scale):
 
 def test_gluon_backward_algebra_matches_autograd():
     """The Gluon backward's algorithm (its constants, the factor-matrix Jacobians with block 0's order-1 and constant
-    features added, the reverse walk, the state-gradient row maps) in float64 against autograd of the naive form: 3 chunks, the last
-    partial, an initial state and a final-state gradient."""
+    features added, the reverse walk, the state-gradient row maps) in float64 against autograd of the naive form:
+    3 chunks, the last partial, an initial state and a final-state gradient."""
     gb = pytest.importorskip("kernels.based.gluon_backward")
     from kernels.based import naive_parallel_based
 
@@ -165,10 +167,11 @@ def test_gluon_backward_algebra_matches_autograd():
 @pytest.mark.parametrize("kind, states", [("dq", False), ("dkv", False), ("dkv", True)])
 def test_gluon_backward_compiles_for_sm90(kind, states):
     """The backward kernels compile for sm_90a with warpgroup MMAs and at most a few spills. The dk/dv walk is
-    warp-specialised (setmaxnreg) within 168 registers per thread; Triton 3.6 (the H200's) spills 52 bytes (84 with
-    the state gradients), 3.9 40 / 136 (with session 19's K = 32 feature MMAs: 136 / 268 and 52 / 148); with 64
-    producer registers, 1,024 (3.9). dq runs 4 warps at 255 registers; its step of two chunks, with its inputs copied
-    one chunk ahead (session 19), spills 92 bytes with 3.6, 164 with 3.9 (session 19: 180 / 256)."""
+    warp-specialised (setmaxnreg) within 168 registers per thread; Triton 3.6 (the H200's) spills 12 bytes (12 with
+    the state gradients), 3.9 4 / 8 (session 19's walk, K = 32 feature MMAs and dz in the consumer: 136 / 268 and
+    52 / 148); with 64 producer registers, 1,024 (3.9). dq runs 4 warps at 255 registers; its step of two chunks,
+    with its inputs copied one chunk ahead (session 19), spills 60 bytes with 3.6, 140 with 3.9 (session 19's: 180 /
+    248). The bounds fail on session 19's kernels with Triton 3.9."""
     import re
 
     from kernels.based.sm90_report import compile_gluon_backward, ptxas_report
@@ -179,10 +182,10 @@ def test_gluon_backward_compiles_for_sm90(kind, states):
     spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
     if kind == "dkv":
         assert "setmaxnreg" in ptx and ptx.count("wgmma.mma_async") >= 100
-        assert 0 < used <= 168 and spills <= 512, report
+        assert 0 < used <= 168 and spills <= 64, report
         # ptxas warning C7512: short of registers for the MMAs in flight, it makes them synchronous (the walk's
         # consumer until session 18 kept wᵀ in registers as an operand: 0.274 ms against 0.267)
         assert "serialized" not in report, report
     else:
         assert ptx.count("wgmma.mma_async") >= 100 and ptx.count("cp.async.cg.shared.global") >= 48
-        assert 0 < used <= 255 and spills <= 384, report
+        assert 0 < used <= 255 and spills <= 192, report
