@@ -14,9 +14,10 @@ is that of Σ_i g_i·num_i + e_i·den_i, and two kernels take it:
   chunk's own keys, and for the second chunk the first one's too. It also stores g and e for the walk.
 - `_dkv_kernel`, one program per sequence, walking the chunks backwards with the reverse state dS = Σ_{later i}
   ψ(q_i) g_iᵀ [192, V] and dz = Σ ψ(q_i) e_i, in three partitions of 4 warps: the producer loads each chunk and
-  builds ψ(q) and φ(k) into one of two shared-memory slots; the consumer holds dS and dz (fp32 accumulators), adds each
-  chunk's queries and publishes them (double-buffered, dS in bf16), then computes dv = φ(k) dS + wᵀ g; the dk
-  partition computes dk = the feature map's Jacobian of dφ(k) = v dSᵀ + dz, plus dsᵀ q_s. ptxas holds every
+  builds ψ(q) and φ(k) into one of two shared-memory slots, with dz entering the chunk (it keeps dz itself, session
+  20); the consumer holds dS (fp32 accumulators), adds each chunk's queries and publishes it (double-buffered, in
+  bf16), then computes dv = φ(k) dS + wᵀ g; the dk partition computes dk = the feature map's Jacobian of
+  dφ(k) = v dSᵀ + dz, plus dsᵀ q_s. ptxas holds every
   partition to 168 registers (65536 / 384 threads), which is what sets this split: dS alone takes 96.
 
 The feature map. Each feature is a product of two factors, f = h ⊙ (x·A) ⊙ (x·B), with x [C, 16] (q_s or k), A and B
@@ -26,6 +27,8 @@ the constant 1 (0 past T on the key side), both added in registers (`_block0`). 
 block:
 
     dx = (G_f ⊙ h ⊙ (x·B + u))·Aᵀ + (G_f ⊙ h ⊙ (x·A))·Bᵀ,   u = 1 in block 0's columns 0-15, else 0
+
+(the kernels take h inside a third matrix, B ⊙ h, on the query side)
 
 and w = ((1+s)² + 1)/2 with s = q_s·kᵀ from one K = 16 MMA. (Until session 20 the inputs carried an appended one,
 x_ext = [x, 1, 0…] [C, 32], which made the order-1 features, the constant and the 1 of 1 + s: K = 32 in the feature
