@@ -86,10 +86,17 @@ def _rcp(x):
 
 
 @gluon.jit
+def _block0(f, fa, c, one):
+    """Block 0's features from the product f = fa ⊙ fb of its factors: + fa in columns 0-15 (the order-1 features x_a,
+    where fb is zero) and the constant 1 in column 32 where `one` holds (c: the columns [1, 64], in f's layout)."""
+    return f + gl.where(c < 16, fa, 0.0) + gl.where((c == 32) & one, 1.0, 0.0)
+
+
+@gluon.jit
 def _factor_mats(ra, rb, BLK: gl.constexpr, QUERY: gl.constexpr, L: gl.constexpr):
     """The 0/1 matrices [K_, 64] of feature block BLK for one side: factor a (with the ½ weights of the diagonal and
     d = 8 on the query side) and factor b, so that feature = (x·ra) ⊙ (x·rb) (block 0: + x·ra in columns 0-15, the
-    order-1 features, and 1 in column 32, added by `_features`)."""
+    order-1 features, and 1 in column 32, added by `_block0`)."""
     r = gl.arange(0, K_, layout=gl.SliceLayout(1, L))[:, None]
     c = gl.arange(0, 64, layout=gl.SliceLayout(0, L))[None, :]
     if BLK == 0:
@@ -252,8 +259,7 @@ def _producer(q, k, v, z0, zT, zs, den_out, i_bh, T, scale, H: gl.constexpr, USE
             fb = warpgroup_mma(xin, rb_s.index(blk), z, use_acc=False)
             f = fa * fb
             if blk == 0:  # the order-1 features x_a and the constant (on the key side, 0 past T)
-                one = (ca == 32) & ((start + ra < T) | (ROLE == 0))
-                f = f + gl.where(ca < 16, fa, 0.0) + gl.where(one, 1.0, 0.0)
+                f = _block0(f, fa, ca, (start + ra < T) | (ROLE == 0))
             f_s.index(slot * NB + blk).store(f.to(gl.bfloat16))
         if ROLE == 0:
             s = warpgroup_mma(q16_s, k16_s.permute((1, 0)), gl.zeros([C_, C_], gl.float32, A64), use_acc=False)

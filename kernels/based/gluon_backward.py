@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from kernels.based.gluon import _barrier, _index, _offsets
+from kernels.based.gluon import _barrier, _block0, _index, _offsets
 from kernels.launch import launch
 
 # cp.async from global to shared memory: async_copy_global_to_shared in Triton 3.5-3.6 (the H200's), async_load
@@ -71,13 +71,6 @@ def _load_mats(mats, dst, M: gl.constexpr):
     c = gl.arange(0, 64, layout=gl.SliceLayout(0, LR))[None, :]
     for b in gl.static_range(NB):
         dst.index(b).store(gl.load(mats + ((M * NB + b) * K_ + r) * 64 + c))
-
-
-@gluon.jit
-def _block0(f, fa, c, one):
-    """Block 0's features from the product f = fa ⊙ fb of its factors: + fa in columns 0-15 (the order-1 features x_a,
-    where fb is zero) and the constant 1 in column 32 where `one` holds (c: the columns [1, 64], in f's layout)."""
-    return f + gl.where(c < 16, fa, 0.0) + gl.where((c == 32) & one, 1.0, 0.0)
 
 
 @gluon.jit
