@@ -196,8 +196,6 @@ def _producer(q, k, v, z0, zT, zs, den_out, i_bh, T, scale, H: gl.constexpr, USE
         r8v = gl.arange(0, 8, layout=gl.SliceLayout(1, LV))[:, None]
         one0_s.store(gl.where((r8v == 0) & (cv >= 0), 1.0, 0.0).to(gl.bfloat16))  # [8, C]: B's column 0 all ones
         fence_async_shared()
-        if STORE_STATES:
-            den_out += (i_bh // H).to(gl.int64) * T * H + i_bh % H
     else:
         nv = gl.load(v + rv * (H * V_) + cv, mask=rv < T, other=0.0)
         xin = x_s
@@ -381,11 +379,13 @@ def _gluon_fwd_kernel(q, k, v, o, h0, z0, hT, zT, hs, hs_desc, zs, den, T, scale
     STORE_STATES = 2, zs [B·H, NQ, 192] and, through hs_desc (TMA stores), hs [B·H, NQ, V, 192] (NQ = ⌈T/128⌉: the
     state entering every second chunk, transposed), what `gluon_backward` reads."""
     i_bh = gl.program_id(0)
-    ok, ov, _ = _offsets(i_bh, T, H)
+    ok, ov, od = _offsets(i_bh, T, H)
     q += ok
     k += ok
     v += ov
     o += ov
+    if STORE_STATES:
+        den += od
     sl16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_, K_], gl.bfloat16)
     slr: gl.constexpr = gl.NVMMASharedLayout.get_default_for([K_, 64], gl.bfloat16)
     sl64: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
