@@ -45,7 +45,10 @@ def is_capturing(x: torch.Tensor) -> bool:
 
 def check_devices(op: str, *tensors: torch.Tensor | None) -> None:
     """One clear error, before any launch, for inputs on several devices or on one Triton cannot launch on."""
-    devices = sorted({str(t.device) for t in tensors if t is not None})
+    present = [t.device for t in tensors if t is not None]
+    if present and present[0].type == "cuda" and all(d == present[0] for d in present):
+        return  # the common case, without building the message's strings (this runs on every eager call)
+    devices = sorted({str(d) for d in present})
     if len(devices) > 1:
         raise ValueError(f"{op}: inputs are on different devices ({', '.join(devices)})")
     if devices and not triton_runs_on(torch.device(devices[0])):

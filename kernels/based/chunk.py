@@ -841,16 +841,13 @@ class ChunkBasedFunction(torch.autograd.Function):
             from kernels.based import split
 
             fused_fp16 = split.takes_fp16(split_dot) != DOT_FP16
-        # the Gluon forward where it applies: with the Gluon backward after it (session 17), storing the states
-        # entering every second chunk in its rows (session 18); without (GLUON_BACKWARD = False), where the split
-        # backward follows, storing every chunk's as the split forward does (session 16)
-        gluon = _gluon_for(q, v, normalize) if grad_follows else None
-        gluon_bwd = gluon is not None and GLUON_BACKWARD and BACKWARD == "auto"
-        if not (gluon_bwd or (split_bwd and SAVE_STATES)):
-            gluon = None
+        # the Gluon forward where it applies and the split backward follows (GLUON_BACKWARD = False), storing every
+        # chunk's state as the split forward does (session 16). With the Gluon backward after it (the default),
+        # `chunk_based` takes `gluon_backward.GluonBasedFunction` instead of this class.
+        gluon = _gluon_for(q, v, normalize) if grad_follows and split_bwd and SAVE_STATES else None
         if gluon is not None:
             o, den, hvT, hzT, states = gluon.gluon_forward(q, k, v, scale, hv0, hz0, output_final_state,
-                                                           store_states="rows" if gluon_bwd else "pairs")
+                                                           store_states="pairs")
         elif (FORWARD == "split" and K <= 16) or (FORWARD == "auto" and split_bwd and not fused_fp16):
             from kernels.based.split import split_forward
 
@@ -884,18 +881,11 @@ class ChunkBasedFunction(torch.autograd.Function):
                    STORE_HT=False, STATE_ONLY=False, **meta)
         ctx.save_for_backward(q, k, v, o, den, hv0, hz0, *(states or (None, None)))
         ctx.scale, ctx.normalize, ctx.split_bwd, ctx.dot, ctx.split_dot = scale, normalize, split_bwd, dot, split_dot
-        ctx.gluon_bwd = gluon_bwd
         return o, hvT, hzT
 
     @staticmethod
     def backward(ctx, do, dhvT, dhzT):
         q, k, v, o, den, hv0, hz0, hs, zs = ctx.saved_tensors
-        if ctx.gluon_bwd:
-            from kernels.based.gluon_backward import gluon_backward
-
-            dq, dk, dv, dhv0, dhz0 = gluon_backward(q, k, v, o, do, den, hs, zs, ctx.scale, dhvT, dhzT,
-                                                    need_dh0=hv0 is not None)
-            return dq, dk, dv, dhv0, dhz0, None, None, None, None
         B, T, H, K = q.shape
         V = v.shape[-1]
         F = 1 + K + K * K
@@ -990,9 +980,15 @@ def chunk_based(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float 
         hv0, hz0 = hv0.contiguous(), hz0.contiguous()
     grad_follows = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, *(initial_state or ())))
-    gluon = None if grad_follows else _gluon_for(q, v, normalize)
-    if gluon is not None:
+    gluon = _gluon_for(q, v, normalize)
+    if gluon is not None and not grad_follows:
         o, hvT, hzT = gluon.gluon_forward(q, k, v, scale, hv0, hz0, output_final_state)
+        return o, (orders_to_state(hvT, hzT) if output_final_state else None)
+    if gluon is not None and GLUON_BACKWARD and BACKWARD == "auto":  # Gluon forward and backward, lean on the host
+        from kernels.based.gluon_backward import GluonBasedFunction
+
+        o, hvT, hzT = GluonBasedFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), hv0, hz0, scale,
+                                               output_final_state)
         return o, (orders_to_state(hvT, hzT) if output_final_state else None)
     o, hvT, hzT = ChunkBasedFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), hv0, hz0, scale,
                                            output_final_state, normalize, grad_follows)

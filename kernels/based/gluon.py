@@ -515,7 +515,17 @@ def applies(q: torch.Tensor, v: torch.Tensor, normalize: bool) -> bool:
     B, T, H, K = q.shape
     return (q.is_cuda and q.dtype == torch.bfloat16 and K == 16 and v.shape[-1] == 64 and normalize
             and (B * H >= MIN_SEQUENCES or T <= MAX_SHORT_T) and not torch.compiler.is_compiling()
-            and torch.cuda.get_device_capability(q.device) == (9, 0))
+            and _is_sm90(q.device))
+
+
+_SM90 = {}
+
+
+def _is_sm90(device) -> bool:
+    """Whether `device` is a Hopper GPU (sm_90), asked of the driver once per device."""
+    if device not in _SM90:
+        _SM90[device] = torch.cuda.get_device_capability(device) == (9, 0)
+    return _SM90[device]
 
 
 def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,

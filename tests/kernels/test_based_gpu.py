@@ -424,3 +424,42 @@ def test_gluon_training_16384_tokens_gpu(monkeypatch):
     with nan_empty():
         check_against_naive(chunk_based, case, torch.bfloat16, "cuda", reference=_reference(case))
     assert calls, "training did not take the Gluon backward"
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernel needs a Hopper GPU (sm_90)")
+@pytest.mark.parametrize("used", ["o", "state"])
+def test_gluon_training_one_output_in_the_loss_gpu(used, monkeypatch):
+    """The final state returned but only one of (o, final state) in the loss: the other's gradient reaches
+    `gluon_backward.GluonBasedFunction` as None (no zeros are made for the state's; dO is taken as zeros). Every
+    gradient against float64 by the tolerance rule; with the state alone, dq is exactly zero (the state does not
+    depend on q)."""
+    from kernels.based import gluon_backward
+
+    calls = []
+    real_bwd = gluon_backward.gluon_backward
+    monkeypatch.setattr(gluon_backward, "gluon_backward", lambda *a, **kw: calls.append(a[4]) or real_bwd(*a, **kw))
+    case = Case(B=1, T=1000, H=2, K=16, V=64)
+    inputs = make_inputs(case, "cuda")
+
+    def grads(fn, dtype):
+        q, k, v, kv0, ks0 = inputs
+        sd = torch.float64 if dtype == torch.float64 else torch.float32
+        o, (kv, ks) = fn(q.to(dtype), k.to(dtype), v.to(dtype), initial_state=(kv0.to(sd), ks0.to(sd)),
+                         output_final_state=True)
+        outs = [o] if used == "o" else [kv, ks]
+        g = torch.Generator(device="cpu").manual_seed(1)
+        loss = sum((x.double() * torch.randn(x.shape, generator=g, dtype=torch.float64).to(x.device)).sum()
+                   for x in outs)
+        got = torch.autograd.grad(loss, inputs, allow_unused=True)
+        return [torch.zeros_like(x) if d is None else d for d, x in zip(got, inputs)]
+
+    ref, base = grads(naive_parallel_based, torch.float64), grads(naive_parallel_based, torch.bfloat16)
+    with nan_empty():
+        out = grads(chunk_based, torch.bfloat16)
+    assert len(calls) == 1, "training did not take the Gluon backward"
+    assert (calls[0].abs().sum() == 0) == (used == "state")
+    for name, a, r, b in zip(("dq", "dk", "dv", "dkv0", "dk_sum0"), out, ref, base):
+        if used == "state" and name == "dq":
+            assert (a == 0).all(), "dq of a loss of the final state alone is not zero"
+        else:
+            assert_close(f"{used} only: {name}", a, r, b, torch.bfloat16)
