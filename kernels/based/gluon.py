@@ -94,27 +94,27 @@ def _block0(f, fa, c, one):
 
 @gluon.jit
 def _factor_mats(ra, rb, BLK: gl.constexpr, QUERY: gl.constexpr, L: gl.constexpr):
-    """The 0/1 matrices [K_, 64] of feature block BLK for one side: factor a (with the ½ weights of the diagonal and
-    d = 8 on the query side) and factor b, so that feature = (x·ra) ⊙ (x·rb) (block 0: + x·ra in columns 0-15, the
-    order-1 features, and 1 in column 32, added by `_block0`)."""
+    """The 0/1 matrices [K_, 64] of feature block BLK for one side, so that feature = (x·ra) ⊙ (x·rb): factor b (with
+    the ½ weights of the diagonal and d = 8 on the query side) into rb and, with BLK = 0, factor a into ra. Factor a
+    is the same in every block, x_(c mod 16) in column c (session 21: one MMA a chunk for all three blocks); block 0's
+    second factor is zero past column 31, where its features are 0 but for the constant 1 in column 32, added with
+    the order-1 features x·ra in columns 0-15 by `_block0`."""
     r = gl.arange(0, K_, layout=gl.SliceLayout(1, L))[:, None]
     c = gl.arange(0, 64, layout=gl.SliceLayout(0, L))[None, :]
     if BLK == 0:
-        a = gl.where(c < 16, c, gl.where(c < 32, c - 16, -1))
         b = gl.where((c >= 16) & (c < 32), c - 16, -1)
         half = (c >= 16) & (c < 32)
     else:
         j = c + 64 * (BLK - 1)
         d = 1 + j // 16
-        a = j % 16
-        b = (a + d) % 16
+        b = (j % 16 + d) % 16
         half = d == 8
-    one_a = gl.where(r == a, 1.0, 0.0)
+    ra.store(gl.where(r == c % 16, 1.0, 0.0).to(gl.bfloat16))
+    one_b = gl.where(r == b, 1.0, 0.0)
     if QUERY:
-        ra.store((gl.where(half, 0.5, 1.0) * one_a).to(gl.bfloat16))
+        rb.store((gl.where(half, 0.5, 1.0) * one_b).to(gl.bfloat16))
     else:
-        ra.store(one_a.to(gl.bfloat16))
-    rb.store(gl.where(r == b, 1.0, 0.0).to(gl.bfloat16))
+        rb.store(one_b.to(gl.bfloat16))
 
 
 @gluon.jit
@@ -167,7 +167,8 @@ def _store_orders(z, Zb, BLK: gl.constexpr, r8, c8):
 @gluon.jit
 def _producer(q, k, v, z0, zT, zs, den_out, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.constexpr,
               STORE_HT: gl.constexpr, STORE_STATES: gl.constexpr, x_s, q16_s, k16_s, ra_s, rb_s, f_s, w_s, v_s, zt_s,
-              dn_s, ones_s, one0_s, ready, free, zready, NSLOT: gl.constexpr, ROLE: gl.constexpr):
+              dn_s, ones_s, one0_s, ready, free, zready, NSLOT: gl.constexpr, ROLE: gl.constexpr,
+              SHARED_A: gl.constexpr):
     """One of two worker partitions (4 warps each), both arriving on the `ready` barrier (count 2) of the slot the
     consumer reads next. ROLE 0 builds ψ(q) (from q_s in q16_s), the weights w and the chunk's denominators den = w·1 +
     ψ·z; ROLE 1 builds φ(k) (from k in x_s), stores v and keeps z = Σ φ(k) over the chunks before (fp32 MMA
@@ -251,20 +252,26 @@ def _producer(q, k, v, z0, zT, zs, den_out, i_bh, T, scale, H: gl.constexpr, USE
                     gl.store(zc + r8 + c8 * 0, Z0, mask=c8 == 0)
                     gl.store(zc + 64 + r8 + c8 * 0, Z1, mask=c8 == 0)
                     gl.store(zc + 128 + r8 + c8 * 0, Z2, mask=c8 == 0)
+        # factor a is the same matrix in every block: once a chunk where no states are stored (SHARED_A; session 21,
+        # T=4096: 0.1275 → 0.1236 ms), else once a block (three copies, or the compiler keeps the first product
+        # live across the blocks, which cost the forward storing states 0.1372 → 0.1404)
+        z = gl.zeros([C_, 64], gl.float32, A64)
+        if SHARED_A:
+            fa = warpgroup_mma(xin, ra_s.index(0), z, use_acc=False)
         for blk in gl.static_range(NB):
-            z = gl.zeros([C_, 64], gl.float32, A64)
-            fa = warpgroup_mma(xin, ra_s.index(blk), z, use_acc=False)
+            if not SHARED_A:
+                fa = warpgroup_mma(xin, ra_s.index(blk), z, use_acc=False)
             fb = warpgroup_mma(xin, rb_s.index(blk), z, use_acc=False)
             f = fa * fb
             if blk == 0:  # the order-1 features x_a and the constant (on the key side, 0 past T)
                 f = _block0(f, fa, ca, (start + ra < T) | (ROLE == 0))
             f_s.index(slot * NB + blk).store(f.to(gl.bfloat16))
         if ROLE == 0:
-            s = warpgroup_mma(q16_s, k16_s.permute((1, 0)), gl.zeros([C_, C_], gl.float32, A64), use_acc=False)
+            s = warpgroup_mma(xin, k16_s.permute((1, 0)), z, use_acc=False)
             w_s.index(slot).store(gl.where(ra >= ca, 1.0 + s + 0.5 * s * s, 0.0).to(gl.bfloat16))
         fence_async_shared()
         _barrier()
-        if ROLE == 0:  # den = w·1 + Σ_blk ψ_blk·z_blk (z as a bf16 head and tail: ≈ 16 bits), into the slot
+        if ROLE == 0:  # den = w·1 + Σ_blk ψ_blk·z_blk (z as a bf16 head and tail: ≈ 16 bits)
             dd = warpgroup_mma(w_s.index(slot), one0_s.permute((1, 0)), gl.zeros([C_, 8], gl.float32, A8),
                                use_acc=False, is_async=True)
             mbarrier.wait(zready.index(slot), (c // NSLOT) & 1)
@@ -321,7 +328,9 @@ def _consumer(o, h0, hT, hs, hs_desc, i_bh, T, H: gl.constexpr, USE_H0: gl.const
         slot = c % NSLOT
         mbarrier.wait(ready.index(slot), (c // NSLOT) & 1)
         b = slot * NB
-        vt = v_s.index(slot).permute((1, 0))
+        # vᵀ once from shared memory into registers, the A operand of its four MMAs (session 21: 24 KB less of shared
+        # memory read a chunk; T=4096 0.1332 → 0.1284 ms)
+        vt = v_s.index(slot).permute((1, 0)).load(AOP)
         num = warpgroup_mma(vt, w_s.index(slot).permute((1, 0)), gl.zeros([V_, C_], gl.float32, A64),
                             use_acc=False, is_async=True)
         num = warpgroup_mma(gl.convert_layout(S0.to(gl.bfloat16), AOP), psi_s.index(b).permute((1, 0)), num,
@@ -418,13 +427,16 @@ def _gluon_fwd_kernel(q, k, v, o, h0, z0, hT, zT, hs, hs_desc, zs, den, T, scale
         mbarrier.init(ready.index(i), count=2)  # both producers
         mbarrier.init(free.index(i), count=1)
         mbarrier.init(zready.index(i), count=1)
+    shared_a: gl.constexpr = STORE_STATES == 0  # factor a once a chunk where no states are stored (`_producer`)
     gl.warp_specialize([
         (_consumer, (o, h0, hT, hs, hs_desc, i_bh, T, H, USE_H0, STORE_HT, STORE_STATES, psi_s, phi_s, w_s, v_s, dn_s,
                      hst_s, ready, free, NSLOT)),
         (_producer, (q, k, v, z0, zT, zs, den, i_bh, T, scale, H, USE_H0, STORE_HT, STORE_STATES, kx_s, q16_s, k16_s,
-                     raq_s, rbq_s, psi_s, w_s, v_s, zt_s, dn_s, ones_s, one0_s, ready, free, zready, NSLOT, 0)),
+                     raq_s, rbq_s, psi_s, w_s, v_s, zt_s, dn_s, ones_s, one0_s, ready, free, zready, NSLOT, 0,
+                     shared_a)),
         (_producer, (q, k, v, z0, zT, zs, den, i_bh, T, scale, H, USE_H0, STORE_HT, STORE_STATES, kx_s, q16_s, k16_s,
-                     rak_s, rbk_s, phi_s, w_s, v_s, zt_s, dn_s, ones_s, one0_s, ready, free, zready, NSLOT, 1)),
+                     rak_s, rbk_s, phi_s, w_s, v_s, zt_s, dn_s, ones_s, one0_s, ready, free, zready, NSLOT, 1,
+                     shared_a)),
     ], [4, 4], [PRODUCER_REGS, PRODUCER_REGS])
 
 
