@@ -61,6 +61,7 @@ _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 # a TMA store from shared memory: tma.async_copy_shared_to_global in Triton 3.5-3.6, tma.async_store later (where the
 # old name raises)
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 C_ = gl.constexpr(64)  # tokens per chunk
 K_ = gl.constexpr(16)  # feature dim
 V_ = gl.constexpr(64)  # value dim
@@ -183,13 +184,11 @@ def _producer(q, k, v, z0, zT, zs, den_out, i_bh, T, scale, H: gl.constexpr, USE
         _factor_mats(ra_s.index(blk), rb_s.index(blk), blk, ROLE == 0, LR)
     r16 = gl.arange(0, C_, layout=gl.SliceLayout(1, L16))[:, None]
     c16 = gl.arange(0, K_, layout=gl.SliceLayout(0, L16))[None, :]
-    rv = gl.arange(0, C_, layout=gl.SliceLayout(1, LV))[:, None]
     cv = gl.arange(0, V_, layout=gl.SliceLayout(0, LV))[None, :]
     ra = gl.arange(0, C_, layout=gl.SliceLayout(1, A64))[:, None]
     ca = gl.arange(0, 64, layout=gl.SliceLayout(0, A64))[None, :]
     r8 = gl.arange(0, 64, layout=gl.SliceLayout(1, A8))[:, None]
     c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, A8))[None, :]
-    rz = gl.arange(0, 64, layout=gl.SliceLayout(1, A8))
     nk16 = gl.load(k + r16 * (H * K_) + c16, mask=r16 < T, other=0.0)
     if ROLE == 0:
         nq16 = gl.load(q + r16 * (H * K_) + c16, mask=r16 < T, other=0.0)
@@ -198,7 +197,6 @@ def _producer(q, k, v, z0, zT, zs, den_out, i_bh, T, scale, H: gl.constexpr, USE
         one0_s.store(gl.where((r8v == 0) & (cv >= 0), 1.0, 0.0).to(gl.bfloat16))  # [8, C]: B's column 0 all ones
         fence_async_shared()
     else:
-        nv = gl.load(v + rv * (H * V_) + cv, mask=rv < T, other=0.0)
         xin = x_s
         ones_s.store(gl.full([8, C_], 1.0, gl.bfloat16, LV))
         fence_async_shared()
@@ -223,14 +221,10 @@ def _producer(q, k, v, z0, zT, zs, den_out, i_bh, T, scale, H: gl.constexpr, USE
             k16_s.store(nk16)
         else:
             x_s.store(nk16)
-            bv = nv
         t16 = start + C_ + r16
-        nk16 = gl.load(k + t16 * (H * K_) + c16, mask=t16 < T, other=0.0)
         if ROLE == 0:
+            nk16 = gl.load(k + t16 * (H * K_) + c16, mask=t16 < T, other=0.0)
             nq16 = gl.load(q + t16 * (H * K_) + c16, mask=t16 < T, other=0.0)
-        else:
-            tv = start + C_ + rv
-            nv = gl.load(v + tv * (H * V_) + cv, mask=tv < T, other=0.0)
         fence_async_shared()
         _barrier()
         mbarrier.wait(free.index(slot), ((c // NSLOT) & 1) ^ 1)  # the consumer is done with this slot
@@ -241,7 +235,9 @@ def _producer(q, k, v, z0, zT, zs, den_out, i_bh, T, scale, H: gl.constexpr, USE
             fence_async_shared()
             _barrier()
             mbarrier.arrive(zready.index(slot))
-            v_s.index(slot).store(bv)
+            # the next chunk's keys, after this chunk's fences: each fence (MEMBAR.ALL.CTA in SASS) waits for the
+            # loads in flight, which cost producer 1 the load's latency every chunk (session 21)
+            nk16 = gl.load(k + t16 * (H * K_) + c16, mask=t16 < T, other=0.0)
             if STORE_STATES == 1:  # every chunk's, in the Taylor-order layout of `split.state_pass`'s zs
                 _store_orders(zs + c * ZR_, Z0, 0, r8, c8)
                 _store_orders(zs + c * ZR_, Z1, 1, r8, c8)
@@ -281,8 +277,6 @@ def _producer(q, k, v, z0, zT, zs, den_out, i_bh, T, scale, H: gl.constexpr, USE
             dd = warpgroup_mma_wait(0, deps=[dd])
             dn = gl.sum(gl.where(c8 < 2, dd, 0.0), 1)  # column 0: w·1 + ψ·z's head, column 1: ψ·z's tail
             dn_s.index(slot).store(dn)
-            if STORE_STATES:
-                gl.store(den_out + (start + rz) * H, dn, mask=(start + rz) < T)
             _barrier()
         else:  # z += φᵀ 1 (bf16 φ, fp32 sums)
             Z0 = warpgroup_mma(f_s.index(slot * NB).permute((1, 0)), ones_s.permute((1, 0)), Z0, is_async=True)
@@ -300,14 +294,17 @@ def _producer(q, k, v, z0, zT, zs, den_out, i_bh, T, scale, H: gl.constexpr, USE
 
 
 @gluon.jit
-def _consumer(o, h0, hT, hs, hs_desc, i_bh, T, H: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr,
-              STORE_STATES: gl.constexpr, psi_s, phi_s, w_s, v_s, dn_s, hst_s, ready, free, NSLOT: gl.constexpr):
+def _consumer(o, den_out, h0, hT, hs, hs_desc, v_desc, i_bh, T, H: gl.constexpr, USE_H0: gl.constexpr,
+              STORE_HT: gl.constexpr, STORE_STATES: gl.constexpr, psi_s, phi_s, w_s, v_s, dn_s, hst_s, ready, free,
+              vbar, NSLOT: gl.constexpr):
     """The default partition with the state transposed: Sᵀ_blk [V, 64] accumulates vᵀ φ(k) and is the register (A)
     operand of the reads numᵀ = Σ Sᵀ ψ(q)ᵀ + vᵀ wᵀ, so the state never goes through shared memory; the denominators
     come with the slot (producer 0's)."""
     LO: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])  # [V, C] tiles stored to o[t, v]
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=A64, k_width=2)
+    L1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    r1 = gl.arange(0, C_, layout=L1)
     ra = gl.arange(0, 64, layout=gl.SliceLayout(1, A64))[:, None]  # rows of Sᵀ: value columns
     ca = gl.arange(0, 64, layout=gl.SliceLayout(0, A64))[None, :]  # its columns: features
     vo = gl.arange(0, V_, layout=gl.SliceLayout(1, LO))[:, None]
@@ -323,10 +320,19 @@ def _consumer(o, h0, hT, hs, hs_desc, i_bh, T, H: gl.constexpr, USE_H0: gl.const
         S0 = gl.zeros([V_, 64], gl.float32, A64)
         S1 = gl.zeros([V_, 64], gl.float32, A64)
         S2 = gl.zeros([V_, 64], gl.float32, A64)
-    for c in range(gl.cdiv(T, C_)):
+    NC = gl.cdiv(T, C_)
+    # v comes by TMA (rows past T zero), issued here NSLOT chunks ahead into the slot just read (session 21: from
+    # producer 1's registers before, whose loads the fences waited for; T=4096 0.1232 → 0.1130 ms)
+    for i in gl.static_range(NSLOT):
+        if i < NC:
+            mbarrier.expect(vbar.index(i), C_ * V_ * 2)
+            _tma_load(v_desc, [i_bh // H, i * C_, (i_bh % H) * V_], vbar.index(i),
+                      v_s.index(i).reshape([1, C_, V_]))
+    for c in range(NC):
         start = c * C_
         slot = c % NSLOT
         mbarrier.wait(ready.index(slot), (c // NSLOT) & 1)
+        mbarrier.wait(vbar.index(slot), (c // NSLOT) & 1)
         b = slot * NB
         # vᵀ once from shared memory into registers, the A operand of its four MMAs (session 21: 24 KB less of shared
         # memory read a chunk; T=4096 0.1332 → 0.1284 ms)
@@ -358,10 +364,18 @@ def _consumer(o, h0, hT, hs, hs_desc, i_bh, T, H: gl.constexpr, USE_H0: gl.const
                 _tma_store(hs_desc, [row, 128], hst_s.index(2))
         # the reads above hold S's bf16 copies in registers until they complete: wait before updating S
         num = warpgroup_mma_wait(0, deps=[num])
+        if c + NSLOT < NC:  # vᵀ is in registers: this slot's v buffer takes chunk c + NSLOT's
+            fence_async_shared()
+            mbarrier.expect(vbar.index(slot), C_ * V_ * 2)
+            _tma_load(v_desc, [i_bh // H, (c + NSLOT) * C_, (i_bh % H) * V_], vbar.index(slot),
+                      v_s.index(slot).reshape([1, C_, V_]))
         S0 = warpgroup_mma(vt, phi_s.index(b), S0, is_async=True)
         S1 = warpgroup_mma(vt, phi_s.index(b + 1), S1, is_async=True)
         S2 = warpgroup_mma(vt, phi_s.index(b + 2), S2, is_async=True)
         den = dn_s.index(slot).load(gl.SliceLayout(0, A64))
+        if STORE_STATES:  # den for the backward, stored here: in producer 0 its next fence waited for the store
+            dn1 = dn_s.index(slot).load(L1)
+            gl.store(den_out + (start + r1) * H, dn1, mask=(start + r1) < T)
         out = gl.convert_layout((num * _rcp(den)[None, :]).to(gl.bfloat16), LO)  # one reciprocal per column
         tt = start + to
         gl.store(o + tt * (H * V_) + vo, out, mask=tt < T)
@@ -378,8 +392,8 @@ def _consumer(o, h0, hT, hs, hs_desc, i_bh, T, H: gl.constexpr, USE_H0: gl.const
 
 
 @gluon.jit
-def _gluon_fwd_kernel(q, k, v, o, h0, z0, hT, zT, hs, hs_desc, zs, den, T, scale, H: gl.constexpr, USE_H0: gl.constexpr,
-                      STORE_HT: gl.constexpr, STORE_STATES: gl.constexpr, NSLOT: gl.constexpr,
+def _gluon_fwd_kernel(q, k, v, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, T, scale, H: gl.constexpr,
+                      USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STORE_STATES: gl.constexpr, NSLOT: gl.constexpr,
                       PRODUCER_REGS: gl.constexpr):
     """One program per sequence i_bh: two producer partitions build each chunk's features into one of NSLOT
     shared-memory slots while the default partition (the consumer) runs the chunk before. h0/hT: [B·H, 192, V] and
@@ -423,14 +437,16 @@ def _gluon_fwd_kernel(q, k, v, o, h0, z0, hT, zT, hs, hs_desc, zs, den, T, scale
     ready = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
     zready = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
+    vbar = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NSLOT):
+        mbarrier.init(vbar.index(i), count=1)
         mbarrier.init(ready.index(i), count=2)  # both producers
         mbarrier.init(free.index(i), count=1)
         mbarrier.init(zready.index(i), count=1)
     shared_a: gl.constexpr = STORE_STATES == 0  # factor a once a chunk where no states are stored (`_producer`)
     gl.warp_specialize([
-        (_consumer, (o, h0, hT, hs, hs_desc, i_bh, T, H, USE_H0, STORE_HT, STORE_STATES, psi_s, phi_s, w_s, v_s, dn_s,
-                     hst_s, ready, free, NSLOT)),
+        (_consumer, (o, den, h0, hT, hs, hs_desc, v_desc, i_bh, T, H, USE_H0, STORE_HT, STORE_STATES, psi_s, phi_s, w_s,
+                     v_s, dn_s, hst_s, ready, free, vbar, NSLOT)),
         (_producer, (q, k, v, z0, zT, zs, den, i_bh, T, scale, H, USE_H0, STORE_HT, STORE_STATES, kx_s, q16_s, k16_s,
                      raq_s, rbq_s, psi_s, w_s, v_s, zt_s, dn_s, ones_s, one0_s, ready, free, zready, NSLOT, 0,
                      shared_a)),
@@ -507,6 +523,7 @@ PRODUCER_REGS = 128
 _STATES_BLOCK = [64, 64]
 _STATES_LAYOUT = gl.NVMMASharedLayout.get_default_for(_STATES_BLOCK, gl.bfloat16)
 _NO_STATES = {}
+_V_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
 
 
 def _states_descriptor(hs: torch.Tensor | None, device) -> TensorDescriptor:
@@ -575,7 +592,8 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
         den = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
     mode = {None: 0, "pairs": 1, "rows": 2}[store_states]
     hs_desc = _states_descriptor(hs if mode == 2 else None, q.device)
-    launch(_gluon_fwd_kernel, (B * H,), q, k, v, o, h0, z0, hT, zT, hs, hs_desc, zs, den, T, scale, H,
+    v_desc = TensorDescriptor.from_tensor(v.view(B, T, H * V), [1, 64, 64], _V_LAYOUT)
+    launch(_gluon_fwd_kernel, (B * H,), q, k, v, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, T, scale, H,
            USE_H0=hv0 is not None, STORE_HT=output_final_state, STORE_STATES=mode, NSLOT=2,
            PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     hvT = hzT = None

@@ -101,6 +101,9 @@ def compile_gluon_forward(states: int = 0):
     # the stored states' TMA descriptor (its type only: a descriptor over a host buffer of the states' tile layout)
     sig["hs_desc"] = mangle_type(gluon.TensorDescriptor.from_tensor(
         torch.empty(64, 3 * 64, dtype=torch.bfloat16), gluon._STATES_BLOCK, gluon._STATES_LAYOUT))
+    # v's TMA descriptor ([B, T, H·V] in [1, 64, 64] boxes)
+    sig["v_desc"] = mangle_type(gluon.TensorDescriptor.from_tensor(
+        torch.empty(2, 128, 16 * 64, dtype=torch.bfloat16), [1, 64, 64], gluon._V_LAYOUT))
     sig = {n: sig.get(n, "constexpr") for n in gluon._gluon_fwd_kernel.arg_names}
     # pointers 16-byte aligned, as a launch from PyTorch tensors specialises them
     fn = gluon._gluon_fwd_kernel

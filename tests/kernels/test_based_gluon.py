@@ -61,7 +61,8 @@ def test_gluon_forward_compiles_for_sm90(states):
     kernel = compile_gluon_forward(states)
     ptx = kernel.asm["ptx"]
     assert "setmaxnreg" in ptx and ptx.count("wgmma.mma_async") >= 26
-    assert ptx.count("cp.async.bulk.tensor") == (3 if states == 2 else 0)
+    # v comes in through TMA loads (two before the loop, one in it; session 21), the states leave through TMA stores
+    assert ptx.count("cp.async.bulk.tensor") == 3 + (3 if states == 2 else 0)
     report = ptxas_report(ptx)
     used = int(re.search(r"Used (\d+) registers", report).group(1))
     spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
