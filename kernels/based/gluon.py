@@ -10,10 +10,20 @@ chunks of C = 64 tokens, as `chunk._fwd_kernel` does, but in three partitions of
 
 - producer 0 (`_producer`, ROLE 0): loads q and k, builds the query features ψ(q), the chunk's weights
   w = 1 + s + s²/2 (s = q_s kᵀ, causal) and its denominators den = w·1 + Σ_blk ψ_blk z_blk into a shared-memory slot;
-- producer 1 (ROLE 1): loads k and v, builds the key features φ(k), stores v into the same slot and keeps
-  z_blk = Σ φ_blkᵀ 1 over the chunks before, which it hands to producer 0 (`zready`);
+- producer 1 (ROLE 1): loads k, builds the key features φ(k) and keeps z_blk = Σ φ_blkᵀ 1 over the chunks before,
+  which it hands to producer 0 (`zready`);
 - the consumer (`_consumer`, the default partition): holds the state and, per chunk, reads the slot:
-  numᵀ = vᵀ wᵀ + Σ_blk Sᵀ_blk ψ_blkᵀ, then Sᵀ_blk += vᵀ φ_blk, and stores o = num / den.
+  numᵀ = vᵀ wᵀ + Σ_blk Sᵀ_blk ψ_blkᵀ, then Sᵀ_blk += vᵀ φ_blk, and stores o = num / den (and den, for a backward).
+  It also loads v by TMA into the slot, two chunks ahead (`vbar`), and takes vᵀ from there into registers once, the
+  A operand of its four MMAs.
+
+Fences. `fence_async_shared` compiles to MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S on sm_90a, and the MEMBAR waits for every
+global load and store the thread has in flight. Until session 21 producer 1 loaded the next chunk's v (8 KB) and k
+into registers just before its fence, so it paid the load's latency every chunk (per-section clock stamps: 2,134 of
+its 4,459 cycles a chunk at T=4096); producer 0 stored den just before its next fence. v now comes by TMA (which no
+fence waits for), issued by the consumer into the slot it has just read, k is loaded after producer 1's fences, and
+den is stored by the consumer: T=4096 0.1238 → 0.1139 ms, storing states 0.1372 → 0.1280 (bit-identical). Loading q
+and k by TMA as well, and making den in producer 1 or w in the consumer, were slower (`experiments/LOG.md`).
 
 Two slots (`ready` / `free` mbarriers) let the producers build chunk c+1 while the consumer runs chunk c. The state
 is transposed, Sᵀ_blk [V, 64] in fp32 MMA accumulators, so that it is the register (A) operand of the reads and never
@@ -28,6 +38,10 @@ with a 0/1 matrix (one K = 16 MMA), so no register shuffles:
 
     block 0: x_a (16), x_a² (16), 1 (1), zeros (31); the x_a are the first factor alone and the constant is added
     block 1, 2: the pairs x_a·x_b, b = (a + d) mod 16, d = 1..8 (row j = (d-1)·16 + a; `chunk._pair_cols`)
+
+The first factor is x_(c mod 16) in column c of every block (the query's ½ weights sit in the second factor), so the
+inference forward makes it once a chunk (`SHARED_A`); storing states, the register it holds cost more than the two
+MMAs it saves.
 
 (Until session 20 the factors were dots of x_ext = [x, 1, 0…] [C, 32], whose appended one made the order-1 features
 and the constant: K = 32, twice the producers' MMA work; the features are the same to the bit, and the forward went
@@ -166,15 +180,16 @@ def _store_orders(z, Zb, BLK: gl.constexpr, r8, c8):
 
 
 @gluon.jit
-def _producer(q, k, v, z0, zT, zs, den_out, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.constexpr,
+def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.constexpr,
               STORE_HT: gl.constexpr, STORE_STATES: gl.constexpr, x_s, q16_s, k16_s, ra_s, rb_s, f_s, w_s, v_s, zt_s,
               dn_s, ones_s, one0_s, ready, free, zready, NSLOT: gl.constexpr, ROLE: gl.constexpr,
               SHARED_A: gl.constexpr):
     """One of two worker partitions (4 warps each), both arriving on the `ready` barrier (count 2) of the slot the
     consumer reads next. ROLE 0 builds ψ(q) (from q_s in q16_s), the weights w and the chunk's denominators den = w·1 +
-    ψ·z; ROLE 1 builds φ(k) (from k in x_s), stores v and keeps z = Σ φ(k) over the chunks before (fp32 MMA
-    accumulators), which it hands to ROLE 0 as a bf16 head and tail (`zt_s`, `zready`). Each feature block takes two
-    K = 16 MMAs (session 20: K = 32 before, with an appended one; den and z were the consumer's)."""
+    ψ·z; ROLE 1 builds φ(k) (from k in x_s) and keeps z = Σ φ(k) over the chunks before (fp32 MMA accumulators), which
+    it hands to ROLE 0 as a bf16 head and tail (`zt_s`, `zready`). Each feature block takes two K = 16 MMAs, or one
+    and the chunk's shared factor a (SHARED_A; session 20: K = 32 before, with an appended one; den and z were the
+    consumer's). q and k come through registers, loaded one chunk ahead; v comes by TMA (the consumer's)."""
     LV: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     L16: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
     LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -447,10 +462,10 @@ def _gluon_fwd_kernel(q, k, v, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, 
     gl.warp_specialize([
         (_consumer, (o, den, h0, hT, hs, hs_desc, v_desc, i_bh, T, H, USE_H0, STORE_HT, STORE_STATES, psi_s, phi_s, w_s,
                      v_s, dn_s, hst_s, ready, free, vbar, NSLOT)),
-        (_producer, (q, k, v, z0, zT, zs, den, i_bh, T, scale, H, USE_H0, STORE_HT, STORE_STATES, kx_s, q16_s, k16_s,
+        (_producer, (q, k, z0, zT, zs, i_bh, T, scale, H, USE_H0, STORE_HT, STORE_STATES, kx_s, q16_s, k16_s,
                      raq_s, rbq_s, psi_s, w_s, v_s, zt_s, dn_s, ones_s, one0_s, ready, free, zready, NSLOT, 0,
                      shared_a)),
-        (_producer, (q, k, v, z0, zT, zs, den, i_bh, T, scale, H, USE_H0, STORE_HT, STORE_STATES, kx_s, q16_s, k16_s,
+        (_producer, (q, k, z0, zT, zs, i_bh, T, scale, H, USE_H0, STORE_HT, STORE_STATES, kx_s, q16_s, k16_s,
                      rak_s, rbk_s, phi_s, w_s, v_s, zt_s, dn_s, ones_s, one0_s, ready, free, zready, NSLOT, 1,
                      shared_a)),
     ], [4, 4], [PRODUCER_REGS, PRODUCER_REGS])
