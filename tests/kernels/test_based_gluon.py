@@ -50,10 +50,10 @@ def test_applies_only_to_its_case():
 def test_gluon_forward_compiles_for_sm90(states):
     """The kernel compiles for sm_90a: warp-specialised (setmaxnreg per partition), its dots warpgroup MMAs, within
     the 168 registers per thread that 12 warps leave, and without more than a few spills (Triton 3.6, the H200's:
-    none in modes 0 and 2 and 64 bytes in mode 1 since the features take K = 16 MMAs and the producers keep z and
-    make the denominators (session 20; 32 / 164 / 32 bytes before); Triton 3.9: 12 / 72 / 8). The Gluon backward's
-    states leave through TMA stores (session 19: through a layout change and plain stores they cost 0.015 ms more at
-    T=4096)."""
+    none in modes 0, 1 and 2 since producer 1 no longer holds v (session 21; session 20: 0 / 64 / 0, with 32 / 164 /
+    32 before its K = 16 feature MMAs); Triton 3.9: 0 / 20 / 0). v comes in through TMA loads (session 21) and the
+    Gluon backward's states leave through TMA stores (session 19: through a layout change and plain stores they cost
+    0.015 ms more at T=4096)."""
     import re
 
     from kernels.based.sm90_report import compile_gluon_forward, ptxas_report
@@ -168,11 +168,12 @@ def test_gluon_backward_algebra_matches_autograd():
 @pytest.mark.parametrize("kind, states", [("dq", False), ("dkv", False), ("dkv", True)])
 def test_gluon_backward_compiles_for_sm90(kind, states):
     """The backward kernels compile for sm_90a with warpgroup MMAs and at most a few spills. The dk/dv walk is
-    warp-specialised (setmaxnreg) within 168 registers per thread; Triton 3.6 (the H200's) spills 12 bytes (12 with
-    the state gradients), 3.9 4 / 8 (session 19's walk, K = 32 feature MMAs and dz in the consumer: 136 / 268 and
-    52 / 148); with 64 producer registers, 1,024 (3.9). dq runs 4 warps at 255 registers; its step of two chunks,
-    with its inputs copied one chunk ahead (session 19), spills 60 bytes with 3.6, 140 with 3.9 (session 19's: 180 /
-    248). The bounds fail on session 19's kernels with Triton 3.9."""
+    warp-specialised (setmaxnreg) within 168 registers per thread; Triton 3.6 (the H200's) spills 4 bytes (4 with
+    the state gradients), 3.9 4 / 12 (session 21; session 19's walk, K = 32 feature MMAs and dz in the consumer: 136 /
+    268 and 52 / 148); with 64 producer registers, 1,024 (3.9). dq runs 4 warps at 255 registers; its step of two
+    chunks, with its inputs copied one chunk ahead (session 19) and q_s and g loaded into registers once (session 21),
+    spills 48 bytes with 3.6, 160 with 3.9 (session 19's: 180 / 248). The bounds fail on session 19's kernels with
+    Triton 3.9."""
     import re
 
     from kernels.based.sm90_report import compile_gluon_backward, ptxas_report
