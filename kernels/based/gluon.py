@@ -407,7 +407,7 @@ def _consumer(o, den_out, h0, hT, hs, hs_desc, v_desc, i_bh, T, H: gl.constexpr,
 
 
 @gluon.jit
-def _gluon_fwd_kernel(q, k, v, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, T, scale, H: gl.constexpr,
+def _gluon_fwd_kernel(q, k, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, T, scale, H: gl.constexpr,
                       USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STORE_STATES: gl.constexpr, NSLOT: gl.constexpr,
                       PRODUCER_REGS: gl.constexpr):
     """One program per sequence i_bh: two producer partitions build each chunk's features into one of NSLOT
@@ -420,7 +420,6 @@ def _gluon_fwd_kernel(q, k, v, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, 
     ok, ov, od = _offsets(i_bh, T, H)
     q += ok
     k += ok
-    v += ov
     o += ov
     if STORE_STATES:
         den += od
@@ -608,7 +607,7 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     mode = {None: 0, "pairs": 1, "rows": 2}[store_states]
     hs_desc = _states_descriptor(hs if mode == 2 else None, q.device)
     v_desc = TensorDescriptor.from_tensor(v.view(B, T, H * V), [1, 64, 64], _V_LAYOUT)
-    launch(_gluon_fwd_kernel, (B * H,), q, k, v, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, T, scale, H,
+    launch(_gluon_fwd_kernel, (B * H,), q, k, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, T, scale, H,
            USE_H0=hv0 is not None, STORE_HT=output_final_state, STORE_STATES=mode, NSLOT=2,
            PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     hvT = hzT = None
