@@ -33,21 +33,31 @@ take S in bf16, as the Triton kernels do for bf16 inputs. Until session 20 the c
 them room) the consumer's loop has 305 instructions instead of 555, and the forward storing states for training went
 from 0.160 to 0.143 ms at T=4096 (outputs, states and den bit-identical).
 
-Features (192 = 3 blocks of 64). Each is a product of two factors, each factor a dot of the chunk's inputs x [C, 16]
-with a 0/1 matrix (one K = 16 MMA), so no register shuffles:
+Features. Each is a product of two factors, each factor a dot of the chunk's inputs x [C, 16] with a 0/1 matrix
+(one K = 16 MMA), so no register shuffles. Two layouts (`_factor_mats`, `feature_rows`):
 
-    block 0: x_a (16), x_a² (16), 1 (1), zeros (31); the x_a are the first factor alone and the constant is added
-    block 1, 2: the pairs x_a·x_b, b = (a + d) mod 16, d = 1..8 (row j = (d-1)·16 + a; `chunk._pair_cols`)
+    wide (192 = 3 blocks of 64), where states are stored for a backward (whose kernels read it):
+      block 0: x_a (16), x_a² (16), 1 (1), zeros (31); the x_a are the first factor alone and the constant is added
+      block 1, 2: the pairs x_a·x_b, b = (a + d) mod 16, d = 1..8 (row j = (d-1)·16 + a; `chunk._pair_cols`)
+    narrow (160 = 64 + 64 + 32, session 22), the inference forward:
+      block 0, 1: the pairs (a, a + d mod 16), d = 0..3 and 4..7 (d = 0: x_a²)
+      block 2: x_a (16), the pairs (a, a + 8) for a < 8 (8, each once), 1 (1), zeros (7)
+
+The narrow layout holds the 153 distinct features in 160 columns instead of 192: a sixth less of every feature MMA,
+store, state update and state read. Block 2's z does not fill an MMA's 64 rows, so producer 1 keeps it as 1 φ₂ in
+every row of [64, 32] (an MMA with a tile of ones as A). T=4096: 0.1132 → 0.1075 ms, outputs within 2e-5 of the wide
+layout's and the final state bit-identical.
 
 The first factor is x_(c mod 16) in column c of every block (the query's ½ weights sit in the second factor), so the
-inference forward makes it once a chunk (`SHARED_A`); storing states, the register it holds cost more than the two
-MMAs it saves.
+inference forward makes it once a chunk for blocks 0 and 1; storing states, the register it holds cost more than the
+two MMAs it saves.
 
 (Until session 20 the factors were dots of x_ext = [x, 1, 0…] [C, 32], whose appended one made the order-1 features
 and the constant: K = 32, twice the producers' MMA work; the features are the same to the bit, and the forward went
 from 0.150 to 0.1375 ms at T=4096.)
 
-The query side (q_s = scale·q, rounded to bf16 as in the Triton kernels) weighs the diagonal and d = 8 by ½, so
+The query side (q_s = scale·q, rounded to bf16 as in the Triton kernels) weighs the diagonal (and in the wide
+layout d = 8, held twice) by ½, so
 Σ_f ψ_f(q) φ_f(k) = 1 + s + s²/2. The initial and final states travel in this kernel's row order (`feature_rows`),
 converted from and to the Taylor-order form in PyTorch.
 
@@ -101,22 +111,37 @@ def _rcp(x):
 
 
 @gluon.jit
-def _block0(f, fa, c, one):
-    """Block 0's features from the product f = fa ⊙ fb of its factors: + fa in columns 0-15 (the order-1 features x_a,
-    where fb is zero) and the constant 1 in column 32 where `one` holds (c: the columns [1, 64], in f's layout)."""
-    return f + gl.where(c < 16, fa, 0.0) + gl.where((c == 32) & one, 1.0, 0.0)
+def _block0(f, fa, c, one, CONST: gl.constexpr):
+    """The features of the block holding orders 0 and 1 (block 0 of 64, or the narrow layout's block 2 of 32) from
+    the product f = fa ⊙ fb of its factors: + fa in columns 0-15 (the order-1 features x_a, where fb is zero) and the
+    constant 1 in column CONST where `one` holds (c: the columns [1, W], in f's layout)."""
+    return f + gl.where(c < 16, fa, 0.0) + gl.where((c == CONST) & one, 1.0, 0.0)
 
 
 @gluon.jit
-def _factor_mats(ra, rb, BLK: gl.constexpr, QUERY: gl.constexpr, L: gl.constexpr):
-    """The 0/1 matrices [K_, 64] of feature block BLK for one side, so that feature = (x·ra) ⊙ (x·rb): factor b (with
-    the ½ weights of the diagonal and d = 8 on the query side) into rb and, with BLK = 0, factor a into ra. Factor a
-    is the same in every block, x_(c mod 16) in column c (session 21: one MMA a chunk for all three blocks); block 0's
-    second factor is zero past column 31, where its features are 0 but for the constant 1 in column 32, added with
-    the order-1 features x·ra in columns 0-15 by `_block0`."""
+def _factor_mats(ra, rb, BLK: gl.constexpr, QUERY: gl.constexpr, L: gl.constexpr, NARROW: gl.constexpr,
+                 W: gl.constexpr):
+    """The 0/1 matrices [K_, W] of feature block BLK for one side, so that feature = (x·ra) ⊙ (x·rb): factor a into
+    ra, factor b (with the query's ½ weights) into rb. Factor a is x_(c mod 16) in column c of every block (session
+    21: one MMA a chunk for blocks 0 and 1). The block holding orders 0 and 1 (`_block0`) has a second factor of zero
+    in columns 0-15 and at its constant, where x·ra is added and the 1.
+
+    The wide layout (3 blocks of 64, the states stored for a backward): block 0 = x_a, x_a² (½ on the query side),
+    the constant at 32 and 31 zeros; blocks 1 and 2: the pairs (a, a + d mod 16), d = 1..8, d = 8 twice (½ each).
+    The narrow layout (64 + 64 + 32 = 160, session 22, the inference forward): blocks 0 and 1: the pairs d = 0..3 and
+    4..7 (d = 0 the diagonal, ½ on the query side); block 2: x_a (16), the pairs (a, a + 8) for a < 8 once each, the
+    constant at 24 and 7 zeros."""
     r = gl.arange(0, K_, layout=gl.SliceLayout(1, L))[:, None]
-    c = gl.arange(0, 64, layout=gl.SliceLayout(0, L))[None, :]
-    if BLK == 0:
+    c = gl.arange(0, W, layout=gl.SliceLayout(0, L))[None, :]
+    if NARROW:
+        if BLK == 2:
+            b = gl.where((c >= 16) & (c < 24), c - 8, -1)
+            half = c < 0
+        else:
+            d = c // 16 + 4 * BLK
+            b = (c % 16 + d) % 16
+            half = d == 0
+    elif BLK == 0:
         b = gl.where((c >= 16) & (c < 32), c - 16, -1)
         half = (c >= 16) & (c < 32)
     else:
@@ -141,12 +166,18 @@ def _head_tail(Z, c8):
 
 
 @gluon.jit
-def _publish_z(zt_s, slot, Z0, Z1, Z2, c8):
-    """z of the three feature blocks into slot `slot` of zt_s as the denominators' MMAs take it: [8, 64] each, bf16
-    head and tail."""
-    zt_s.index(slot * NB).store(gl.permute(_head_tail(Z0, c8), (1, 0)))
-    zt_s.index(slot * NB + 1).store(gl.permute(_head_tail(Z1, c8), (1, 0)))
-    zt_s.index(slot * NB + 2).store(gl.permute(_head_tail(Z2, c8), (1, 0)))
+def _publish_z(zt01_s, zt2_s, slot, Z0, Z1, Z2, c8, r2, NARROW: gl.constexpr):
+    """z of the three feature blocks into slot `slot` as the denominators' MMAs take it, a bf16 head and tail: [8, 64]
+    for blocks 0 and 1 (from [64, 8] with equal columns), and for block 2 [8, 64] in the wide layout, or in the narrow
+    one rows 0 and 1 of [64, 32] (from [64, 32] with equal rows: `_producer`)."""
+    zt01_s.index(slot * 2).store(gl.permute(_head_tail(Z0, c8), (1, 0)))
+    zt01_s.index(slot * 2 + 1).store(gl.permute(_head_tail(Z1, c8), (1, 0)))
+    if NARROW:
+        hi = Z2.to(gl.bfloat16)
+        lo = (Z2 - hi.to(gl.float32)).to(gl.bfloat16)
+        zt2_s.index(slot).store(gl.where(r2 == 0, hi, gl.where(r2 == 1, lo, gl.zeros_like(hi))))
+    else:
+        zt2_s.index(slot).store(gl.permute(_head_tail(Z2, c8), (1, 0)))
 
 
 @gluon.jit
@@ -181,27 +212,33 @@ def _store_orders(z, Zb, BLK: gl.constexpr, r8, c8):
 
 @gluon.jit
 def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.constexpr,
-              STORE_HT: gl.constexpr, STORE_STATES: gl.constexpr, x_s, q16_s, k16_s, ra_s, rb_s, f_s, w_s, v_s, zt_s,
-              dn_s, ones_s, one0_s, ready, free, zready, NSLOT: gl.constexpr, ROLE: gl.constexpr,
-              SHARED_A: gl.constexpr):
+              STORE_HT: gl.constexpr, STORE_STATES: gl.constexpr, x_s, q16_s, k16_s, ra_s, rb_s, ra2_s, rb2_s, f01_s,
+              f2_s, w_s, zt01_s, zt2_s, dn_s, ones_s, one0_s, ones64_s, ready, free, zready, NSLOT: gl.constexpr,
+              ROLE: gl.constexpr, NARROW: gl.constexpr, W2: gl.constexpr):
     """One of two worker partitions (4 warps each), both arriving on the `ready` barrier (count 2) of the slot the
     consumer reads next. ROLE 0 builds ψ(q) (from q_s in q16_s), the weights w and the chunk's denominators den = w·1 +
     ψ·z; ROLE 1 builds φ(k) (from k in x_s) and keeps z = Σ φ(k) over the chunks before (fp32 MMA accumulators), which
-    it hands to ROLE 0 as a bf16 head and tail (`zt_s`, `zready`). Each feature block takes two K = 16 MMAs, or one
-    and the chunk's shared factor a (SHARED_A; session 20: K = 32 before, with an appended one; den and z were the
-    consumer's). q and k come through registers, loaded one chunk ahead; v comes by TMA (the consumer's)."""
+    it hands to ROLE 0 as a bf16 head and tail (`zt01_s`, `zt2_s`, `zready`). Each feature block takes two K = 16
+    MMAs; in the narrow layout (NARROW: 64 + 64 + 32 features, the inference forward) blocks 0 and 1 share factor a
+    (session 20: K = 32 before, with an appended one; den and z were the consumer's). q and k come through registers,
+    loaded one chunk ahead; v comes by TMA (the consumer's)."""
     LV: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     L16: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
     LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    AW2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, W2, 16])
     A8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
-    for blk in gl.static_range(NB):
-        _factor_mats(ra_s.index(blk), rb_s.index(blk), blk, ROLE == 0, LR)
+    NR: gl.constexpr = 128 + W2  # the state's rows
+    for blk in gl.static_range(2):
+        _factor_mats(ra_s.index(blk), rb_s.index(blk), blk, ROLE == 0, LR, NARROW, 64)
+    _factor_mats(ra2_s, rb2_s, 2, ROLE == 0, LR, NARROW, W2)
     r16 = gl.arange(0, C_, layout=gl.SliceLayout(1, L16))[:, None]
     c16 = gl.arange(0, K_, layout=gl.SliceLayout(0, L16))[None, :]
     cv = gl.arange(0, V_, layout=gl.SliceLayout(0, LV))[None, :]
     ra = gl.arange(0, C_, layout=gl.SliceLayout(1, A64))[:, None]
     ca = gl.arange(0, 64, layout=gl.SliceLayout(0, A64))[None, :]
+    r2 = gl.arange(0, C_, layout=gl.SliceLayout(1, AW2))[:, None]
+    c2 = gl.arange(0, W2, layout=gl.SliceLayout(0, AW2))[None, :]
     r8 = gl.arange(0, 64, layout=gl.SliceLayout(1, A8))[:, None]
     c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, A8))[None, :]
     nk16 = gl.load(k + r16 * (H * K_) + c16, mask=r16 < T, other=0.0)
@@ -214,20 +251,28 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
     else:
         xin = x_s
         ones_s.store(gl.full([8, C_], 1.0, gl.bfloat16, LV))
+        if NARROW:  # the A operand [64, C] of block 2's z, whose 32 features do not make the 64 rows of an MMA
+            ones64_s.store(gl.full([64, C_], 1.0, gl.bfloat16, LV))
         fence_async_shared()
         if STORE_STATES == 1:
             zs += i_bh.to(gl.int64) * gl.cdiv(T, C_) * ZR_
         elif STORE_STATES == 2:
             zs += i_bh.to(gl.int64) * gl.cdiv(T, 2 * C_) * (NB * 64)
         if USE_H0:
-            z0 += i_bh.to(gl.int64) * (NB * 64)
+            z0 += i_bh.to(gl.int64) * NR
             Z0 = gl.load(z0 + r8 + c8 * 0)
             Z1 = gl.load(z0 + 64 + r8 + c8 * 0)
-            Z2 = gl.load(z0 + 128 + r8 + c8 * 0)
+            if NARROW:  # z of block 2 in every row of [64, W2] (the MMA's rows are the ones)
+                Z2 = gl.load(z0 + 128 + c2 + r2 * 0)
+            else:
+                Z2 = gl.load(z0 + 128 + r8 + c8 * 0)
         else:
             Z0 = gl.zeros([64, 8], gl.float32, A8)
             Z1 = gl.zeros([64, 8], gl.float32, A8)
-            Z2 = gl.zeros([64, 8], gl.float32, A8)
+            if NARROW:
+                Z2 = gl.zeros([64, W2], gl.float32, AW2)
+            else:
+                Z2 = gl.zeros([64, 8], gl.float32, A8)
     for c in range(gl.cdiv(T, C_)):
         start = c * C_
         slot = c % NSLOT
@@ -246,7 +291,7 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
         if ROLE == 1:
             # z entering this chunk, for ROLE 0's denominators (whose last read of the slot's buffer, at chunk
             # c - NSLOT, came before that chunk's `ready`), and where states are stored
-            _publish_z(zt_s, slot, Z0, Z1, Z2, c8)
+            _publish_z(zt01_s, zt2_s, slot, Z0, Z1, Z2, c8, r2, NARROW)
             fence_async_shared()
             _barrier()
             mbarrier.arrive(zready.index(slot))
@@ -263,20 +308,32 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
                     gl.store(zc + r8 + c8 * 0, Z0, mask=c8 == 0)
                     gl.store(zc + 64 + r8 + c8 * 0, Z1, mask=c8 == 0)
                     gl.store(zc + 128 + r8 + c8 * 0, Z2, mask=c8 == 0)
-        # factor a is the same matrix in every block: once a chunk where no states are stored (SHARED_A; session 21,
-        # T=4096: 0.1275 → 0.1236 ms), else once a block (three copies, or the compiler keeps the first product
-        # live across the blocks, which cost the forward storing states 0.1372 → 0.1404)
         z = gl.zeros([C_, 64], gl.float32, A64)
-        if SHARED_A:
-            fa = warpgroup_mma(xin, ra_s.index(0), z, use_acc=False)
-        for blk in gl.static_range(NB):
-            if not SHARED_A:
+        z2 = gl.zeros([C_, W2], gl.float32, AW2)
+        if NARROW:  # factor a once a chunk for blocks 0 and 1 (session 21, T=4096: 0.1275 → 0.1236 ms)
+            fa = warpgroup_mma(xin, ra_s.index(0), z, use_acc=False, is_async=True)
+            fb = warpgroup_mma(xin, rb_s.index(0), z, use_acc=False, is_async=True)
+            fa, fb = warpgroup_mma_wait(0, deps=[fa, fb])
+            f01_s.index(slot * 2).store((fa * fb).to(gl.bfloat16))
+            # (block 1's MMA issued while block 0 is stored, and block 2's while block 1 is: T=4096 0.1075 → 0.133 ms)
+            fb = warpgroup_mma(xin, rb_s.index(1), z, use_acc=False)
+            f01_s.index(slot * 2 + 1).store((fa * fb).to(gl.bfloat16))
+            fa2 = warpgroup_mma(xin, ra2_s, z2, use_acc=False, is_async=True)
+            fb2 = warpgroup_mma(xin, rb2_s, z2, use_acc=False, is_async=True)
+            fa2, fb2 = warpgroup_mma_wait(0, deps=[fa2, fb2])
+            f2_s.index(slot).store(_block0(fa2 * fb2, fa2, c2, (start + r2 < T) | (ROLE == 0), 24).to(gl.bfloat16))
+        else:  # storing states, factor a once a block (three copies, or the compiler keeps the first product live
+            # across the blocks, which cost the forward storing states 0.1372 → 0.1404)
+            for blk in gl.static_range(2):
                 fa = warpgroup_mma(xin, ra_s.index(blk), z, use_acc=False)
-            fb = warpgroup_mma(xin, rb_s.index(blk), z, use_acc=False)
-            f = fa * fb
-            if blk == 0:  # the order-1 features x_a and the constant (on the key side, 0 past T)
-                f = _block0(f, fa, ca, (start + ra < T) | (ROLE == 0))
-            f_s.index(slot * NB + blk).store(f.to(gl.bfloat16))
+                fb = warpgroup_mma(xin, rb_s.index(blk), z, use_acc=False)
+                f = fa * fb
+                if blk == 0:  # the order-1 features x_a and the constant (on the key side, 0 past T)
+                    f = _block0(f, fa, ca, (start + ra < T) | (ROLE == 0), 32)
+                f01_s.index(slot * 2 + blk).store(f.to(gl.bfloat16))
+            fa = warpgroup_mma(xin, ra2_s, z, use_acc=False)
+            fb = warpgroup_mma(xin, rb2_s, z, use_acc=False)
+            f2_s.index(slot).store((fa * fb).to(gl.bfloat16))
         if ROLE == 0:
             s = warpgroup_mma(xin, k16_s.permute((1, 0)), z, use_acc=False)
             w_s.index(slot).store(gl.where(ra >= ca, 1.0 + s + 0.5 * s * s, 0.0).to(gl.bfloat16))
@@ -286,55 +343,70 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
             dd = warpgroup_mma(w_s.index(slot), one0_s.permute((1, 0)), gl.zeros([C_, 8], gl.float32, A8),
                                use_acc=False, is_async=True)
             mbarrier.wait(zready.index(slot), (c // NSLOT) & 1)
-            for blk in gl.static_range(NB):
-                dd = warpgroup_mma(f_s.index(slot * NB + blk), zt_s.index(slot * NB + blk).permute((1, 0)), dd,
+            dd = warpgroup_mma(f01_s.index(slot * 2), zt01_s.index(slot * 2).permute((1, 0)), dd, is_async=True)
+            dd = warpgroup_mma(f01_s.index(slot * 2 + 1), zt01_s.index(slot * 2 + 1).permute((1, 0)), dd,
+                               is_async=True)
+            if NARROW:
+                dd = warpgroup_mma(f2_s.index(slot), zt2_s.index(slot).slice(0, 8).permute((1, 0)), dd,
                                    is_async=True)
+            else:
+                dd = warpgroup_mma(f2_s.index(slot), zt2_s.index(slot).permute((1, 0)), dd, is_async=True)
             dd = warpgroup_mma_wait(0, deps=[dd])
             dn = gl.sum(gl.where(c8 < 2, dd, 0.0), 1)  # column 0: w·1 + ψ·z's head, column 1: ψ·z's tail
             dn_s.index(slot).store(dn)
             _barrier()
         else:  # z += φᵀ 1 (bf16 φ, fp32 sums)
-            Z0 = warpgroup_mma(f_s.index(slot * NB).permute((1, 0)), ones_s.permute((1, 0)), Z0, is_async=True)
-            Z1 = warpgroup_mma(f_s.index(slot * NB + 1).permute((1, 0)), ones_s.permute((1, 0)), Z1, is_async=True)
-            Z2 = warpgroup_mma(f_s.index(slot * NB + 2).permute((1, 0)), ones_s.permute((1, 0)), Z2, is_async=True)
+            Z0 = warpgroup_mma(f01_s.index(slot * 2).permute((1, 0)), ones_s.permute((1, 0)), Z0, is_async=True)
+            Z1 = warpgroup_mma(f01_s.index(slot * 2 + 1).permute((1, 0)), ones_s.permute((1, 0)), Z1, is_async=True)
+            if NARROW:  # 1 φ₂ in every row
+                Z2 = warpgroup_mma(ones64_s, f2_s.index(slot), Z2, is_async=True)
+            else:
+                Z2 = warpgroup_mma(f2_s.index(slot).permute((1, 0)), ones_s.permute((1, 0)), Z2, is_async=True)
         mbarrier.arrive(ready.index(slot))
         if ROLE == 1:
             Z0, Z1, Z2 = warpgroup_mma_wait(0, deps=[Z0, Z1, Z2])
     if ROLE == 1:
         if STORE_HT:
-            zT += i_bh.to(gl.int64) * (NB * 64)
+            zT += i_bh.to(gl.int64) * NR
             gl.store(zT + r8 + c8 * 0, Z0, mask=c8 == 0)
             gl.store(zT + 64 + r8 + c8 * 0, Z1, mask=c8 == 0)
-            gl.store(zT + 128 + r8 + c8 * 0, Z2, mask=c8 == 0)
+            if NARROW:
+                gl.store(zT + 128 + c2 + r2 * 0, Z2, mask=r2 == 0)
+            else:
+                gl.store(zT + 128 + r8 + c8 * 0, Z2, mask=c8 == 0)
 
 
 @gluon.jit
 def _consumer(o, den_out, h0, hT, hs, hs_desc, v_desc, i_bh, T, H: gl.constexpr, USE_H0: gl.constexpr,
-              STORE_HT: gl.constexpr, STORE_STATES: gl.constexpr, psi_s, phi_s, w_s, v_s, dn_s, hst_s, ready, free,
-              vbar, NSLOT: gl.constexpr):
+              STORE_HT: gl.constexpr, STORE_STATES: gl.constexpr, psi01_s, psi2_s, phi01_s, phi2_s, w_s, v_s, dn_s,
+              hst_s, ready, free, vbar, NSLOT: gl.constexpr, W2: gl.constexpr):
     """The default partition with the state transposed: Sᵀ_blk [V, 64] accumulates vᵀ φ(k) and is the register (A)
     operand of the reads numᵀ = Σ Sᵀ ψ(q)ᵀ + vᵀ wᵀ, so the state never goes through shared memory; the denominators
-    come with the slot (producer 0's)."""
+    come with the slot (producer 0's). Blocks 0 and 1 are [V, 64], block 2 [V, W2] (32 in the narrow layout)."""
     LO: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])  # [V, C] tiles stored to o[t, v]
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    AW2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, W2, 16])
     AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=A64, k_width=2)
+    NR: gl.constexpr = 128 + W2  # the state's rows
     L1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     r1 = gl.arange(0, C_, layout=L1)
     ra = gl.arange(0, 64, layout=gl.SliceLayout(1, A64))[:, None]  # rows of Sᵀ: value columns
     ca = gl.arange(0, 64, layout=gl.SliceLayout(0, A64))[None, :]  # its columns: features
+    r2 = gl.arange(0, 64, layout=gl.SliceLayout(1, AW2))[:, None]
+    c2 = gl.arange(0, W2, layout=gl.SliceLayout(0, AW2))[None, :]
     vo = gl.arange(0, V_, layout=gl.SliceLayout(1, LO))[:, None]
     to = gl.arange(0, C_, layout=gl.SliceLayout(0, LO))[None, :]
     if STORE_STATES == 1:
         hs += i_bh.to(gl.int64) * gl.cdiv(T, C_) * (R_ * V_)
     if USE_H0:
-        h0 += i_bh.to(gl.int64) * (NB * 64 * V_)
+        h0 += i_bh.to(gl.int64) * (NR * V_)
         S0 = gl.load(h0 + ca * V_ + ra)
         S1 = gl.load(h0 + (64 + ca) * V_ + ra)
-        S2 = gl.load(h0 + (128 + ca) * V_ + ra)
+        S2 = gl.load(h0 + (128 + c2) * V_ + r2)
     else:
         S0 = gl.zeros([V_, 64], gl.float32, A64)
         S1 = gl.zeros([V_, 64], gl.float32, A64)
-        S2 = gl.zeros([V_, 64], gl.float32, A64)
+        S2 = gl.zeros([V_, W2], gl.float32, AW2)
     NC = gl.cdiv(T, C_)
     # v comes by TMA (rows past T zero), issued here NSLOT chunks ahead into the slot just read (session 21: from
     # producer 1's registers before, whose loads the fences waited for; T=4096 0.1232 → 0.1130 ms)
@@ -348,17 +420,17 @@ def _consumer(o, den_out, h0, hT, hs, hs_desc, v_desc, i_bh, T, H: gl.constexpr,
         slot = c % NSLOT
         mbarrier.wait(ready.index(slot), (c // NSLOT) & 1)
         mbarrier.wait(vbar.index(slot), (c // NSLOT) & 1)
-        b = slot * NB
+        b = slot * 2
         # vᵀ once from shared memory into registers, the A operand of its four MMAs (session 21: 24 KB less of shared
         # memory read a chunk; T=4096 0.1332 → 0.1284 ms)
         vt = v_s.index(slot).permute((1, 0)).load(AOP)
         num = warpgroup_mma(vt, w_s.index(slot).permute((1, 0)), gl.zeros([V_, C_], gl.float32, A64),
                             use_acc=False, is_async=True)
-        num = warpgroup_mma(gl.convert_layout(S0.to(gl.bfloat16), AOP), psi_s.index(b).permute((1, 0)), num,
+        num = warpgroup_mma(gl.convert_layout(S0.to(gl.bfloat16), AOP), psi01_s.index(b).permute((1, 0)), num,
                             is_async=True)
-        num = warpgroup_mma(gl.convert_layout(S1.to(gl.bfloat16), AOP), psi_s.index(b + 1).permute((1, 0)), num,
+        num = warpgroup_mma(gl.convert_layout(S1.to(gl.bfloat16), AOP), psi01_s.index(b + 1).permute((1, 0)), num,
                             is_async=True)
-        num = warpgroup_mma(gl.convert_layout(S2.to(gl.bfloat16), AOP), psi_s.index(b + 2).permute((1, 0)), num,
+        num = warpgroup_mma(gl.convert_layout(S2.to(gl.bfloat16), AOP), psi2_s.index(slot).permute((1, 0)), num,
                             is_async=True)
         if STORE_STATES == 1:  # the state entering chunk c, for the split backward (`split.state_pass`'s hs)
             _store_pairs(hs + c * (R_ * V_), S0, 0, vo, to, LO)
@@ -384,9 +456,9 @@ def _consumer(o, den_out, h0, hT, hs, hs_desc, v_desc, i_bh, T, H: gl.constexpr,
             mbarrier.expect(vbar.index(slot), C_ * V_ * 2)
             _tma_load(v_desc, [i_bh // H, (c + NSLOT) * C_, (i_bh % H) * V_], vbar.index(slot),
                       v_s.index(slot).reshape([1, C_, V_]))
-        S0 = warpgroup_mma(vt, phi_s.index(b), S0, is_async=True)
-        S1 = warpgroup_mma(vt, phi_s.index(b + 1), S1, is_async=True)
-        S2 = warpgroup_mma(vt, phi_s.index(b + 2), S2, is_async=True)
+        S0 = warpgroup_mma(vt, phi01_s.index(b), S0, is_async=True)
+        S1 = warpgroup_mma(vt, phi01_s.index(b + 1), S1, is_async=True)
+        S2 = warpgroup_mma(vt, phi2_s.index(slot), S2, is_async=True)
         den = dn_s.index(slot).load(gl.SliceLayout(0, A64))
         if STORE_STATES:  # den for the backward, stored here: in producer 0 its next fence waited for the store
             dn1 = dn_s.index(slot).load(L1)
@@ -400,10 +472,10 @@ def _consumer(o, den_out, h0, hT, hs, hs_desc, v_desc, i_bh, T, H: gl.constexpr,
     if STORE_STATES == 2:
         tma.store_wait(0)
     if STORE_HT:
-        hT += i_bh.to(gl.int64) * (NB * 64 * V_)
+        hT += i_bh.to(gl.int64) * (NR * V_)
         gl.store(hT + ca * V_ + ra, S0)
         gl.store(hT + (64 + ca) * V_ + ra, S1)
-        gl.store(hT + (128 + ca) * V_ + ra, S2)
+        gl.store(hT + (128 + c2) * V_ + r2, S2)
 
 
 @gluon.jit
@@ -411,11 +483,12 @@ def _gluon_fwd_kernel(q, k, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, T, 
                       USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STORE_STATES: gl.constexpr, NSLOT: gl.constexpr,
                       PRODUCER_REGS: gl.constexpr):
     """One program per sequence i_bh: two producer partitions build each chunk's features into one of NSLOT
-    shared-memory slots while the default partition (the consumer) runs the chunk before. h0/hT: [B·H, 192, V] and
-    z0/zT: [B·H, 192], fp32, the state in this kernel's row order (`feature_rows`). With STORE_STATES = 1, hs [B·H,
-    NC, 161, V] bf16, zs [B·H, NC, 273] fp32 and den [B, T, H] fp32 receive what `split.split_backward` reads; with
-    STORE_STATES = 2, zs [B·H, NQ, 192] and, through hs_desc (TMA stores), hs [B·H, NQ, V, 192] (NQ = ⌈T/128⌉: the
-    state entering every second chunk, transposed), what `gluon_backward` reads."""
+    shared-memory slots while the default partition (the consumer) runs the chunk before. h0/hT: [B·H, NR, V] and
+    z0/zT: [B·H, NR], fp32, the state in this kernel's row order (`feature_rows`): NR = 160 in the narrow layout of
+    the inference forward (STORE_STATES = 0), 192 in the wide one. With STORE_STATES = 1, hs [B·H, NC, 161, V] bf16,
+    zs [B·H, NC, 273] fp32 and den [B, T, H] fp32 receive what `split.split_backward` reads; with STORE_STATES = 2, zs
+    [B·H, NQ, 192] and, through hs_desc (TMA stores), hs [B·H, NQ, V, 192] (NQ = ⌈T/128⌉: the state entering every
+    second chunk, transposed), what `gluon_backward` reads."""
     i_bh = gl.program_id(0)
     ok, ov, od = _offsets(i_bh, T, H)
     q += ok
@@ -423,30 +496,48 @@ def _gluon_fwd_kernel(q, k, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, T, 
     o += ov
     if STORE_STATES:
         den += od
+    # the narrow layout (64 + 64 + 32 features, session 22) where no states are stored for a backward, whose kernels
+    # read the wide one (3 × 64)
+    NARROW: gl.constexpr = STORE_STATES == 0
+    W2: gl.constexpr = 32 if NARROW else 64
     sl16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_, K_], gl.bfloat16)
     slr: gl.constexpr = gl.NVMMASharedLayout.get_default_for([K_, 64], gl.bfloat16)
+    slr2: gl.constexpr = gl.NVMMASharedLayout.get_default_for([K_, W2], gl.bfloat16)
     sl64: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    slw2: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, W2], gl.bfloat16)
     sl8: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, 64], gl.bfloat16)
-    # the slots: ψ(q) and φ(k) (3 blocks each), w and v of a chunk
-    psi_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT * NB, C_, 64], sl64)
-    phi_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT * NB, C_, 64], sl64)
+    # the slots: ψ(q) and φ(k) (blocks 0 and 1, block 2), w and v of a chunk
+    psi01_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT * 2, C_, 64], sl64)
+    phi01_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT * 2, C_, 64], sl64)
+    psi2_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, W2], slw2)
+    phi2_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, W2], slw2)
     w_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, C_], sl64)
     v_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, V_], sl64)
     # each producer's inputs and 0/1 factor matrices
     kx_s = gl.allocate_shared_memory(gl.bfloat16, [C_, K_], sl16)
     q16_s = gl.allocate_shared_memory(gl.bfloat16, [C_, K_], sl16)
     k16_s = gl.allocate_shared_memory(gl.bfloat16, [C_, K_], sl16)
-    raq_s = gl.allocate_shared_memory(gl.bfloat16, [NB, K_, 64], slr)
-    rbq_s = gl.allocate_shared_memory(gl.bfloat16, [NB, K_, 64], slr)
-    rak_s = gl.allocate_shared_memory(gl.bfloat16, [NB, K_, 64], slr)
-    rbk_s = gl.allocate_shared_memory(gl.bfloat16, [NB, K_, 64], slr)
-    # z entering each slot's chunk (producer 1 to producer 0: bf16 head and tail), the slot's denominators (producer
-    # 0 to the consumer), the ones of the MMAs that sum z and w's rows
+    raq_s = gl.allocate_shared_memory(gl.bfloat16, [2, K_, 64], slr)
+    rbq_s = gl.allocate_shared_memory(gl.bfloat16, [2, K_, 64], slr)
+    rak_s = gl.allocate_shared_memory(gl.bfloat16, [2, K_, 64], slr)
+    rbk_s = gl.allocate_shared_memory(gl.bfloat16, [2, K_, 64], slr)
+    ra2q_s = gl.allocate_shared_memory(gl.bfloat16, [K_, W2], slr2)
+    rb2q_s = gl.allocate_shared_memory(gl.bfloat16, [K_, W2], slr2)
+    ra2k_s = gl.allocate_shared_memory(gl.bfloat16, [K_, W2], slr2)
+    rb2k_s = gl.allocate_shared_memory(gl.bfloat16, [K_, W2], slr2)
+    # z entering each slot's chunk (producer 1 to producer 0: bf16 head and tail; block 2's in rows 0 and 1 of
+    # [64, 32] in the narrow layout), the slot's denominators (producer 0 to the consumer), the ones of the MMAs that
+    # sum z and w's rows
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    zt_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT * NB, 8, 64], sl8)
+    zt01_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT * 2, 8, 64], sl8)
+    if NARROW:
+        zt2_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, 64, W2], slw2)
+    else:
+        zt2_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, 8, 64], sl8)
     dn_s = gl.allocate_shared_memory(gl.float32, [NSLOT, C_], plain)
     ones_s = gl.allocate_shared_memory(gl.bfloat16, [8, C_], sl8)
     one0_s = gl.allocate_shared_memory(gl.bfloat16, [8, C_], sl8)
+    ones64_s = gl.allocate_shared_memory(gl.bfloat16, [64 if NARROW else 8, C_], sl64)
     hst_s = gl.allocate_shared_memory(gl.bfloat16, [NB if STORE_STATES == 2 else 1, V_, 64], sl64)  # states out
     ready = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
@@ -457,22 +548,25 @@ def _gluon_fwd_kernel(q, k, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, T, 
         mbarrier.init(ready.index(i), count=2)  # both producers
         mbarrier.init(free.index(i), count=1)
         mbarrier.init(zready.index(i), count=1)
-    shared_a: gl.constexpr = STORE_STATES == 0  # factor a once a chunk where no states are stored (`_producer`)
     gl.warp_specialize([
-        (_consumer, (o, den, h0, hT, hs, hs_desc, v_desc, i_bh, T, H, USE_H0, STORE_HT, STORE_STATES, psi_s, phi_s, w_s,
-                     v_s, dn_s, hst_s, ready, free, vbar, NSLOT)),
+        (_consumer, (o, den, h0, hT, hs, hs_desc, v_desc, i_bh, T, H, USE_H0, STORE_HT, STORE_STATES, psi01_s,
+                     psi2_s, phi01_s, phi2_s, w_s, v_s, dn_s, hst_s, ready, free, vbar, NSLOT, W2)),
         (_producer, (q, k, z0, zT, zs, i_bh, T, scale, H, USE_H0, STORE_HT, STORE_STATES, kx_s, q16_s, k16_s,
-                     raq_s, rbq_s, psi_s, w_s, v_s, zt_s, dn_s, ones_s, one0_s, ready, free, zready, NSLOT, 0,
-                     shared_a)),
+                     raq_s, rbq_s, ra2q_s, rb2q_s, psi01_s, psi2_s, w_s, zt01_s, zt2_s, dn_s, ones_s, one0_s,
+                     ones64_s, ready, free, zready, NSLOT, 0, NARROW, W2)),
         (_producer, (q, k, z0, zT, zs, i_bh, T, scale, H, USE_H0, STORE_HT, STORE_STATES, kx_s, q16_s, k16_s,
-                     rak_s, rbk_s, phi_s, w_s, v_s, zt_s, dn_s, ones_s, one0_s, ready, free, zready, NSLOT, 1,
-                     shared_a)),
+                     rak_s, rbk_s, ra2k_s, rb2k_s, phi01_s, phi2_s, w_s, zt01_s, zt2_s, dn_s, ones_s, one0_s,
+                     ones64_s, ready, free, zready, NSLOT, 1, NARROW, W2)),
     ], [4, 4], [PRODUCER_REGS, PRODUCER_REGS])
 
 
-def feature_rows(K: int = 16) -> list[int]:
-    """For each of the kernel's 192 state rows, the row of the Taylor-order form (`naive.state_to_orders`: 1 + K + K²
-    rows [1, k, k⊗k]) it holds, or -1 for the zero rows of block 0."""
+def feature_rows(K: int = 16, narrow: bool = False) -> list[int]:
+    """For each of the kernel's state rows (192 in the wide layout, 160 in the narrow one: `_factor_mats`), the row of
+    the Taylor-order form (`naive.state_to_orders`: 1 + K + K² rows [1, k, k⊗k]) it holds, or -1 for a zero row."""
+    if narrow:
+        rows = [1 + K + (c % 16) * K + (c % 16 + c // 16) % 16 for c in range(128)]  # pairs d = 0..7
+        return rows + [1 + c if c < 16 else 1 + K + (c - 16) * K + c - 8 if c < 24 else 0 if c == 24 else -1
+                       for c in range(32)]
     rows = [1 + c if c < 16 else 1 + K + (c - 16) * (K + 1) if c < 32 else 0 if c == 32 else -1 for c in range(64)]
     for j in range(128):
         a, d = j % 16, 1 + j // 16
@@ -480,9 +574,16 @@ def feature_rows(K: int = 16) -> list[int]:
     return rows
 
 
-def order_rows(K: int = 16) -> list[int]:
+def order_rows(K: int = 16, narrow: bool = False) -> list[int]:
     """For each row of the Taylor-order form, the kernel's state row holding it (order 2 is symmetric: (a, b) and
     (b, a) read the same pair row)."""
+    if narrow:
+        out = [128 + 24] + [128 + a for a in range(K)]
+        for a in range(K):
+            for b in range(K):
+                d = (b - a) % 16
+                out.append(d * 16 + a if d < 8 else 128 + 16 + min(a, b) if d == 8 else (16 - d) * 16 + b)
+        return out
     out = [32] + list(range(16))
     for a in range(K):
         for b in range(K):
@@ -498,26 +599,28 @@ def order_rows(K: int = 16) -> list[int]:
 _INDEX = {}
 
 
-def _index(K: int, device, inverse: bool) -> torch.Tensor:
+def _index(K: int, device, inverse: bool, narrow: bool = False) -> torch.Tensor:
     """The row map on `device`, made once (so that calls under CUDA-graph capture copy nothing from the host)."""
-    key = (K, str(device), inverse)
+    key = (K, str(device), inverse, narrow)
     if key not in _INDEX:
-        _INDEX[key] = torch.tensor(order_rows(K) if inverse else feature_rows(K), device=device)
+        _INDEX[key] = torch.tensor(order_rows(K, narrow) if inverse else feature_rows(K, narrow), device=device)
     return _INDEX[key]
 
 
-def to_kernel_rows(hv: torch.Tensor, hz: torch.Tensor):
-    """Taylor-order state (hv [B, H, 1+K+K², V], hz [B, H, 1+K+K²]) -> this kernel's rows [B·H, 192, V], [B·H, 192]."""
+def to_kernel_rows(hv: torch.Tensor, hz: torch.Tensor, narrow: bool = False):
+    """Taylor-order state (hv [B, H, 1+K+K², V], hz [B, H, 1+K+K²]) -> this kernel's rows [B·H, NR, V], [B·H, NR]
+    (NR = 160 narrow, 192 wide)."""
     B, H, F, V = hv.shape
-    idx = _index(16, hv.device, False)
+    idx = _index(16, hv.device, False, narrow)
     hv = torch.cat([hv, hv.new_zeros(B, H, 1, V)], 2)[:, :, idx]  # row -1: the zero row appended
     hz = torch.cat([hz, hz.new_zeros(B, H, 1)], 2)[:, :, idx]
-    return hv.reshape(B * H, 3 * 64, V).contiguous(), hz.reshape(B * H, 3 * 64).contiguous()
+    return hv.reshape(B * H, len(idx), V).contiguous(), hz.reshape(B * H, len(idx)).contiguous()
 
 
 def from_kernel_rows(h: torch.Tensor, z: torch.Tensor, B: int, H: int):
-    """Inverse of `to_kernel_rows` (symmetric order 2): -> (hv [B, H, 1+K+K², V], hz [B, H, 1+K+K²])."""
-    idx = _index(16, h.device, True)
+    """Inverse of `to_kernel_rows` (symmetric order 2; the layout read from the number of rows): -> (hv [B, H,
+    1+K+K², V], hz [B, H, 1+K+K²])."""
+    idx = _index(16, h.device, True, h.shape[1] == 160)
     return h[:, idx].reshape(B, H, len(idx), h.shape[-1]), z[:, idx].reshape(B, H, len(idx))
 
 
@@ -587,14 +690,15 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     scale = K ** -0.5 if scale is None else scale
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o = torch.empty_like(v)
-    h0 = z0 = hT = zT = hs = zs = den = o  # placeholders where unused
-    if hv0 is not None:
-        h0, z0 = to_kernel_rows(hv0.float(), hz0.float())
-    if output_final_state:
-        hT = torch.empty(B * H, 3 * 64, V, device=q.device, dtype=torch.float32)
-        zT = torch.empty(B * H, 3 * 64, device=q.device, dtype=torch.float32)
     if store_states not in (None, "rows", "pairs"):
         raise ValueError(f"store_states must be None, 'rows' or 'pairs', got {store_states!r}")
+    narrow = store_states is None  # the kernel's narrow layout: 160 state rows (`_factor_mats`)
+    h0 = z0 = hT = zT = hs = zs = den = o  # placeholders where unused
+    if hv0 is not None:
+        h0, z0 = to_kernel_rows(hv0.float(), hz0.float(), narrow)
+    if output_final_state:
+        hT = torch.empty(B * H, 160 if narrow else 192, V, device=q.device, dtype=torch.float32)
+        zT = torch.empty(B * H, 160 if narrow else 192, device=q.device, dtype=torch.float32)
     if store_states:
         NC = (T + 127) // 128 if store_states == "rows" else (T + 63) // 64  # rows: every second chunk's state
         if store_states == "rows":  # transposed, [V, 192] per state, written by TMA stores

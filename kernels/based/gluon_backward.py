@@ -334,7 +334,7 @@ def _producer(q, k, v, g_in, e_in, dzT, dz0, i_bh, T, scale, H: gl.constexpr, US
                 fb = warpgroup_mma_wait(0, deps=[fb])
             f = fa * fb
             if b == 0:  # the query's constant stays past T (harmless: g = e = 0 there)
-                f = _block0(f, fa, cj[None, :], True)
+                f = _block0(f, fa, cj[None, :], True, 32)
             psi_s.index(slot * NB + b).store(f.to(gl.bfloat16))
         for b in gl.static_range(NB):
             fb = warpgroup_mma(xk_s.index(slot), rb_s.index(b), z64, use_acc=False, is_async=True)
@@ -345,7 +345,7 @@ def _producer(q, k, v, g_in, e_in, dzT, dz0, i_bh, T, scale, H: gl.constexpr, US
                 fb = warpgroup_mma_wait(0, deps=[fb])
             f = fa * fb
             if b == 0:  # the key's constant is 0 past T
-                f = _block0(f, fa, cj[None, :], c * C_ + rj < T)
+                f = _block0(f, fa, cj[None, :], c * C_ + rj < T, 32)
             phi_s.index(slot * NB + b).store(f.to(gl.bfloat16))
         async_copy.wait_group(0)  # this chunk's v and g have landed
         fence_async_shared()

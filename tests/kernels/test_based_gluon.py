@@ -13,24 +13,34 @@ gluon = pytest.importorskip("kernels.based.gluon", reason="this Triton has no Gl
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
-def _kernel_features(k: torch.Tensor) -> torch.Tensor:
-    """The kernel's 192 key features, written out one by one: block 0 = k_a, k_a², 1, zeros; then the pairs
-    k_a·k_b, b = (a + d) mod 16, d = 1..8."""
-    cols = [k[..., c] for c in range(16)] + [k[..., a] ** 2 for a in range(16)] + [torch.ones_like(k[..., 0])]
-    cols += [torch.zeros_like(k[..., 0])] * 31
+def _kernel_features(k: torch.Tensor, narrow: bool) -> torch.Tensor:
+    """The kernel's key features, written out one by one. Wide (192): block 0 = k_a, k_a², 1, zeros; then the pairs
+    k_a·k_b, b = (a + d) mod 16, d = 1..8. Narrow (160): the pairs d = 0..7 (d = 0: k_a²), then k_a, the pairs (a,
+    a + 8) for a < 8, 1, zeros."""
+    one, zero = torch.ones_like(k[..., 0]), torch.zeros_like(k[..., 0])
+    if narrow:
+        cols = [k[..., c % 16] * k[..., (c % 16 + c // 16) % 16] for c in range(128)]
+        cols += [k[..., c] for c in range(16)] + [k[..., a] * k[..., a + 8] for a in range(8)] + [one] + [zero] * 7
+        return torch.stack(cols, -1)
+    cols = [k[..., c] for c in range(16)] + [k[..., a] ** 2 for a in range(16)] + [one] + [zero] * 31
     cols += [k[..., j % 16] * k[..., (j % 16 + 1 + j // 16) % 16] for j in range(128)]
     return torch.stack(cols, -1)
 
 
-def test_kernel_rows_hold_the_state_and_convert_back():
+@pytest.mark.parametrize("narrow", [False, True], ids=["wide", "narrow"])
+def test_kernel_rows_hold_the_state_and_convert_back(narrow):
+    """Both of the kernel's state layouts (`gluon.feature_rows`: the wide one of the forward storing states for a
+    backward, the narrow one of the inference forward) hold Σ φ(k) vᵀ and Σ φ(k) of its features, and convert back to
+    the Taylor-order form."""
     g = torch.Generator().manual_seed(0)
     B, T, H, K, V = 2, 50, 3, 16, 8
     k = torch.randn(B, T, H, K, generator=g, dtype=torch.float64)
     v = torch.randn(B, T, H, V, generator=g, dtype=torch.float64)
     phi = taylor_feature_map(k)
     kv, ks = torch.einsum("bthe,bthv->bhev", phi, v), phi.sum(1)
-    h, z = gluon.to_kernel_rows(*state_to_orders(kv, ks))
-    feats = _kernel_features(k.transpose(1, 2).reshape(B * H, T, K))
+    h, z = gluon.to_kernel_rows(*state_to_orders(kv, ks), narrow=narrow)
+    assert h.shape == (B * H, 160 if narrow else 192, V)
+    feats = _kernel_features(k.transpose(1, 2).reshape(B * H, T, K), narrow)
     vv = v.transpose(1, 2).reshape(B * H, T, V)
     torch.testing.assert_close(h, torch.einsum("ntf,ntv->nfv", feats, vv))
     torch.testing.assert_close(z, feats.sum(1))
