@@ -544,7 +544,7 @@ def _gluon_fwd_kernel(q, k, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, T, 
     dn_s = gl.allocate_shared_memory(gl.float32, [NSLOT, C_], plain)
     ones_s = gl.allocate_shared_memory(gl.bfloat16, [8, C_], sl8)
     one0_s = gl.allocate_shared_memory(gl.bfloat16, [8, C_], sl8)
-    ones64_s = gl.allocate_shared_memory(gl.bfloat16, [64 if NARROW else 8, C_], sl64)
+    ones64_s = gl.allocate_shared_memory(gl.bfloat16, [64 if NARROW else 8, C_], sl64)  # block 2 z (narrow only)
     hst_s = gl.allocate_shared_memory(gl.bfloat16, [NB if STORE_STATES == 2 else 1, V_, 64], sl64)  # states out
     ready = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
