@@ -15,7 +15,8 @@ chunks of C = 64 tokens, as `chunk._fwd_kernel` does, but in three partitions of
 - the consumer (`_consumer`, the default partition): holds the state and, per chunk, reads the slot:
   numᵀ = vᵀ wᵀ + Σ_blk Sᵀ_blk ψ_blkᵀ, then Sᵀ_blk += vᵀ φ_blk, and stores o = num / den (and den, for a backward).
   It also loads v by TMA into the slot, two chunks ahead (`vbar`), and takes vᵀ from there into registers once, the
-  A operand of its four MMAs.
+  A operand of its four MMAs. In the inference forward the updates queue behind the reads, num is awaited alone and
+  the output goes out while they run (session 23).
 
 Fences. `fence_async_shared` compiles to MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S on sm_90a, and the MEMBAR waits for every
 global load and store the thread has in flight. Until session 21 producer 1 loaded the next chunk's v (8 KB) and k
