@@ -167,18 +167,12 @@ def _head_tail(Z, c8):
 
 
 @gluon.jit
-def _publish_z(zt01_s, zt2_s, slot, Z0, Z1, Z2, c8, r2, NARROW: gl.constexpr):
-    """z of the three feature blocks into slot `slot` as the denominators' MMAs take it, a bf16 head and tail: [8, 64]
-    for blocks 0 and 1 (from [64, 8] with equal columns), and for block 2 [8, 64] in the wide layout, or in the narrow
-    one rows 0 and 1 of [64, 32] (from [64, 32] with equal rows: `_producer`)."""
+def _publish_z(zt01_s, zt2_s, slot, Z0, Z1, Z2, c8):
+    """z of the three feature blocks (wide layout) into slot `slot` as the denominators' MMAs take it, a bf16 head and
+    tail: [8, 64] each (from [64, 8] with equal columns)."""
     zt01_s.index(slot * 2).store(gl.permute(_head_tail(Z0, c8), (1, 0)))
     zt01_s.index(slot * 2 + 1).store(gl.permute(_head_tail(Z1, c8), (1, 0)))
-    if NARROW:
-        hi = Z2.to(gl.bfloat16)
-        lo = (Z2 - hi.to(gl.float32)).to(gl.bfloat16)
-        zt2_s.index(slot).store(gl.where(r2 == 0, hi, gl.where(r2 == 1, lo, gl.zeros_like(hi))))
-    else:
-        zt2_s.index(slot).store(gl.permute(_head_tail(Z2, c8), (1, 0)))
+    zt2_s.index(slot).store(gl.permute(_head_tail(Z2, c8), (1, 0)))
 
 
 @gluon.jit
@@ -214,7 +208,7 @@ def _store_orders(z, Zb, BLK: gl.constexpr, r8, c8):
 @gluon.jit
 def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.constexpr,
               STORE_HT: gl.constexpr, STORE_STATES: gl.constexpr, x_s, q16_s, k16_s, ra_s, rb_s, ra2_s, rb2_s, f01_s,
-              f2_s, w_s, zt01_s, zt2_s, dn_s, ones_s, one0_s, ones64_s, ready, free, zready, NSLOT: gl.constexpr,
+              f2_s, w_s, zt01_s, zt2_s, dn_s, ones_s, one0_s, kt_s, ready, free, zready, NSLOT: gl.constexpr,
               ROLE: gl.constexpr, NARROW: gl.constexpr, W2: gl.constexpr):
     """One of two worker partitions (4 warps each), both arriving on the `ready` barrier (count 2) of the slot the
     consumer reads next. ROLE 0 builds ψ(q) (from q_s in q16_s), the weights w and the chunk's denominators den = w·1 +
@@ -229,6 +223,7 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     AW2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, W2, 16])
     A8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
+    A16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
     NR: gl.constexpr = 128 + W2  # the state's rows
     for blk in gl.static_range(2):
         _factor_mats(ra_s.index(blk), rb_s.index(blk), blk, ROLE == 0, LR, NARROW, 64)
@@ -242,38 +237,48 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
     c2 = gl.arange(0, W2, layout=gl.SliceLayout(0, AW2))[None, :]
     r8 = gl.arange(0, 64, layout=gl.SliceLayout(1, A8))[:, None]
     c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, A8))[None, :]
+    rz = gl.arange(0, 64, layout=gl.SliceLayout(1, A16))[:, None]
+    cz = gl.arange(0, K_, layout=gl.SliceLayout(0, A16))[None, :]
+    zrow = gl.where(rz < K_, 1 + K_ + rz * K_ + cz, 1 + cz)  # M's rows 0-16 in the Taylor-order z (narrow)
+    n0 = 0.0  # the initial state's token count (narrow)
+    if NARROW and USE_H0:
+        n0 = gl.load(z0 + i_bh.to(gl.int64) * ZR_)
     nk16 = gl.load(k + r16 * (H * K_) + c16, mask=r16 < T, other=0.0)
     if ROLE == 0:
         nq16 = gl.load(q + r16 * (H * K_) + c16, mask=r16 < T, other=0.0)
         xin = q16_s
-        r8v = gl.arange(0, 8, layout=gl.SliceLayout(1, LV))[:, None]
-        one0_s.store(gl.where((r8v == 0) & (cv >= 0), 1.0, 0.0).to(gl.bfloat16))  # [8, C]: B's column 0 all ones
+        r8v = gl.arange(0, 16 if NARROW else 8, layout=gl.SliceLayout(1, LV))[:, None]
+        # [8, C] (wide) or [16, C] (narrow): row 0 all ones; transposed, B's column 0 (w's row sums) and, narrow, the
+        # A operand whose column 0 reads M's row 16 (z's order 1) into every row
+        one0_s.store(gl.where((r8v == 0) & (cv >= 0), 1.0, 0.0).to(gl.bfloat16))
         fence_async_shared()
     else:
         xin = x_s
+        if NARROW:  # k in columns 0-15 of kt_s [C, 64] (32-byte swizzle: four [C, 16] tiles one after another)
+            xin = kt_s.slice(0, K_, dim=1)
         ones_s.store(gl.full([8, C_], 1.0, gl.bfloat16, LV))
-        if NARROW:  # the A operand [64, C] of block 2's z, whose 32 features do not make the 64 rows of an MMA
-            ones64_s.store(gl.full([64, C_], 1.0, gl.bfloat16, LV))
+        if NARROW:  # [k, 1, 0…] [C, 64], whose transpose is the A operand of M += [k, 1]ᵀ k (k stored each chunk)
+            r64 = gl.arange(0, 64, layout=gl.SliceLayout(1, LV))[:, None]
+            kt_s.store(gl.where((cv == K_) & (r64 >= 0), 1.0, 0.0).to(gl.bfloat16))
         fence_async_shared()
         if STORE_STATES == 1:
             zs += i_bh.to(gl.int64) * gl.cdiv(T, C_) * ZR_
         elif STORE_STATES == 2:
             zs += i_bh.to(gl.int64) * gl.cdiv(T, 2 * C_) * (NB * 64)
-        if USE_H0:
+        if NARROW:  # z as M = Σ [k, 1]ᵀ k [64, 16] (rows 0-15: Σ k kᵀ, row 16: Σ k; the count apart, n0 + start)
+            if USE_H0:
+                Z = gl.load(z0 + i_bh.to(gl.int64) * ZR_ + zrow, mask=rz <= K_, other=0.0)
+            else:
+                Z = gl.zeros([64, K_], gl.float32, A16)
+        elif USE_H0:
             z0 += i_bh.to(gl.int64) * NR
             Z0 = gl.load(z0 + r8 + c8 * 0)
             Z1 = gl.load(z0 + 64 + r8 + c8 * 0)
-            if NARROW:  # z of block 2 in every row of [64, W2] (the MMA's rows are the ones)
-                Z2 = gl.load(z0 + 128 + c2 + r2 * 0)
-            else:
-                Z2 = gl.load(z0 + 128 + r8 + c8 * 0)
+            Z2 = gl.load(z0 + 128 + r8 + c8 * 0)
         else:
             Z0 = gl.zeros([64, 8], gl.float32, A8)
             Z1 = gl.zeros([64, 8], gl.float32, A8)
-            if NARROW:
-                Z2 = gl.zeros([64, W2], gl.float32, AW2)
-            else:
-                Z2 = gl.zeros([64, 8], gl.float32, A8)
+            Z2 = gl.zeros([64, 8], gl.float32, A8)
     for c in range(gl.cdiv(T, C_)):
         start = c * C_
         slot = c % NSLOT
@@ -281,7 +286,7 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
             q16_s.store((nq16.to(gl.float32) * scale).to(gl.bfloat16))
             k16_s.store(nk16)
         else:
-            x_s.store(nk16)
+            xin.store(nk16)
         t16 = start + C_ + r16
         if ROLE == 0:
             nk16 = gl.load(k + t16 * (H * K_) + c16, mask=t16 < T, other=0.0)
@@ -292,7 +297,13 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
         if ROLE == 1:
             # z entering this chunk, for ROLE 0's denominators (whose last read of the slot's buffer, at chunk
             # c - NSLOT, came before that chunk's `ready`), and where states are stored
-            _publish_z(zt01_s, zt2_s, slot, Z0, Z1, Z2, c8, r2, NARROW)
+            if NARROW:  # B = M with rows 0-15 halved (the query's ½ on order 2), a bf16 head and tail
+                Zh = Z * gl.where(rz < K_, 0.5, 1.0)
+                hi = Zh.to(gl.bfloat16)
+                zt2_s.index(slot * 2).store(hi)
+                zt2_s.index(slot * 2 + 1).store((Zh - hi.to(gl.float32)).to(gl.bfloat16))
+            else:
+                _publish_z(zt01_s, zt2_s, slot, Z0, Z1, Z2, c8)
             fence_async_shared()
             _barrier()
             mbarrier.arrive(zready.index(slot))
@@ -347,41 +358,54 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
                 w_s.index(slot).store(gl.where(ra >= ca, 1.0 + s + 0.5 * s * s, 0.0).to(gl.bfloat16))
         fence_async_shared()
         _barrier()
-        if ROLE == 0:  # den = w·1 + Σ_blk ψ_blk·z_blk (z as a bf16 head and tail: ≈ 16 bits)
+        if ROLE == 0 and NARROW:  # den = w·1 + q_s·(½ Z₂ q_s + z₁) + n (M as a bf16 head and tail: ≈ 16 bits)
+            dd = warpgroup_mma(w_s.index(slot), one0_s.permute((1, 0)), gl.zeros([C_, K_], gl.float32, A16),
+                               use_acc=False, is_async=True)
+            qa = xin.load(A16).to(gl.float32)
+            mbarrier.wait(zready.index(slot), (c // NSLOT) & 1)
+            e0 = one0_s.permute((1, 0))  # [C, 16], column 0 ones: M's row 16 into every row
+            p = warpgroup_mma(xin, zt2_s.index(slot * 2).slice(0, K_), gl.zeros([C_, K_], gl.float32, A16),
+                              use_acc=False, is_async=True)
+            p = warpgroup_mma(xin, zt2_s.index(slot * 2 + 1).slice(0, K_), p, is_async=True)
+            p = warpgroup_mma(e0, zt2_s.index(slot * 2).slice(K_, K_), p, is_async=True)
+            p = warpgroup_mma(e0, zt2_s.index(slot * 2 + 1).slice(K_, K_), p, is_async=True)
+            dd, p = warpgroup_mma_wait(0, deps=[dd, p])
+            dn = gl.sum(qa * p + dd, 1) + (n0 + start)
+            dn_s.index(slot).store(dn)
+            _barrier()
+        elif ROLE == 0:  # den = w·1 + Σ_blk ψ_blk·z_blk (z as a bf16 head and tail: ≈ 16 bits)
             dd = warpgroup_mma(w_s.index(slot), one0_s.permute((1, 0)), gl.zeros([C_, 8], gl.float32, A8),
                                use_acc=False, is_async=True)
             mbarrier.wait(zready.index(slot), (c // NSLOT) & 1)
             dd = warpgroup_mma(f01_s.index(slot * 2), zt01_s.index(slot * 2).permute((1, 0)), dd, is_async=True)
             dd = warpgroup_mma(f01_s.index(slot * 2 + 1), zt01_s.index(slot * 2 + 1).permute((1, 0)), dd,
                                is_async=True)
-            if NARROW:
-                dd = warpgroup_mma(f2_s.index(slot), zt2_s.index(slot).slice(0, 8).permute((1, 0)), dd,
-                                   is_async=True)
-            else:
-                dd = warpgroup_mma(f2_s.index(slot), zt2_s.index(slot).permute((1, 0)), dd, is_async=True)
+            dd = warpgroup_mma(f2_s.index(slot), zt2_s.index(slot).permute((1, 0)), dd, is_async=True)
             dd = warpgroup_mma_wait(0, deps=[dd])
             dn = gl.sum(gl.where(c8 < 2, dd, 0.0), 1)  # column 0: w·1 + ψ·z's head, column 1: ψ·z's tail
             dn_s.index(slot).store(dn)
             _barrier()
+        elif NARROW:  # M += [k, 1]ᵀ k (exact products, fp32 sums)
+            Z = warpgroup_mma(kt_s.permute((1, 0)), xin, Z, is_async=True)
         else:  # z += φᵀ 1 (bf16 φ, fp32 sums)
             Z0 = warpgroup_mma(f01_s.index(slot * 2).permute((1, 0)), ones_s.permute((1, 0)), Z0, is_async=True)
             Z1 = warpgroup_mma(f01_s.index(slot * 2 + 1).permute((1, 0)), ones_s.permute((1, 0)), Z1, is_async=True)
-            if NARROW:  # 1 φ₂ in every row
-                Z2 = warpgroup_mma(ones64_s, f2_s.index(slot), Z2, is_async=True)
-            else:
-                Z2 = warpgroup_mma(f2_s.index(slot).permute((1, 0)), ones_s.permute((1, 0)), Z2, is_async=True)
+            Z2 = warpgroup_mma(f2_s.index(slot).permute((1, 0)), ones_s.permute((1, 0)), Z2, is_async=True)
         mbarrier.arrive(ready.index(slot))
-        if ROLE == 1:
+        if ROLE == 1 and NARROW:
+            Z = warpgroup_mma_wait(0, deps=[Z])
+        elif ROLE == 1:
             Z0, Z1, Z2 = warpgroup_mma_wait(0, deps=[Z0, Z1, Z2])
-    if ROLE == 1:
-        if STORE_HT:
+    if ROLE == 1 and STORE_HT:
+        if NARROW:  # the Taylor-order z: the count n0 + T (in row 17, column 0), Σ k (row 16), Σ k kᵀ (rows 0-15)
+            zT += i_bh.to(gl.int64) * ZR_
+            gl.store(zT + gl.where(rz <= K_, zrow, 0), gl.where(rz <= K_, Z, n0 + T),
+                     mask=(rz <= K_) | ((rz == K_ + 1) & (cz == 0)))
+        else:
             zT += i_bh.to(gl.int64) * NR
             gl.store(zT + r8 + c8 * 0, Z0, mask=c8 == 0)
             gl.store(zT + 64 + r8 + c8 * 0, Z1, mask=c8 == 0)
-            if NARROW:
-                gl.store(zT + 128 + c2 + r2 * 0, Z2, mask=r2 == 0)
-            else:
-                gl.store(zT + 128 + r8 + c8 * 0, Z2, mask=c8 == 0)
+            gl.store(zT + 128 + r8 + c8 * 0, Z2, mask=c8 == 0)
 
 
 @gluon.jit
@@ -557,15 +581,18 @@ def _gluon_fwd_kernel(q, k, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, T, 
     # [64, 32] in the narrow layout), the slot's denominators (producer 0 to the consumer), the ones of the MMAs that
     # sum z and w's rows
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    zt01_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT * 2, 8, 64], sl8)
-    if NARROW:
-        zt2_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, 64, W2], slw2)
+    if NARROW:  # z as the matrix M [64, 16] (`_producer`), B of the denominators' MMAs: head and tail per slot
+        zt01_s = gl.allocate_shared_memory(gl.bfloat16, [1, 8, 64], sl8)  # (unused)
+        zt2_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT * 2, 64, K_],
+                                          gl.NVMMASharedLayout.get_default_for([64, K_], gl.bfloat16))
     else:
+        zt01_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT * 2, 8, 64], sl8)
         zt2_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, 8, 64], sl8)
     dn_s = gl.allocate_shared_memory(gl.float32, [NSLOT, C_], plain)
     ones_s = gl.allocate_shared_memory(gl.bfloat16, [8, C_], sl8)
-    one0_s = gl.allocate_shared_memory(gl.bfloat16, [8, C_], sl8)
-    ones64_s = gl.allocate_shared_memory(gl.bfloat16, [64 if NARROW else 8, C_], sl64)  # block 2 z (narrow only)
+    one0_s = gl.allocate_shared_memory(gl.bfloat16, [16 if NARROW else 8, C_],
+                                       gl.NVMMASharedLayout.get_default_for([16 if NARROW else 8, C_], gl.bfloat16))
+    kt_s = gl.allocate_shared_memory(gl.bfloat16, [C_, 64], gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2))  # [k, 1, 0…] (narrow only)
     hst_s = gl.allocate_shared_memory(gl.bfloat16, [NB if STORE_STATES == 2 else 1, V_, 64], sl64)  # states out
     o_s = gl.allocate_shared_memory(gl.bfloat16, [C_ if NARROW else 8, V_], sl64)  # the output tile [t, v] (narrow)
     ready = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
@@ -582,10 +609,10 @@ def _gluon_fwd_kernel(q, k, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, T, 
                      psi2_s, phi01_s, phi2_s, w_s, v_s, dn_s, hst_s, ready, free, vbar, NSLOT, W2, o_s)),
         (_producer, (q, k, z0, zT, zs, i_bh, T, scale, H, USE_H0, STORE_HT, STORE_STATES, kx_s, q16_s, k16_s,
                      raq_s, rbq_s, ra2q_s, rb2q_s, psi01_s, psi2_s, w_s, zt01_s, zt2_s, dn_s, ones_s, one0_s,
-                     ones64_s, ready, free, zready, NSLOT, 0, NARROW, W2)),
+                     kt_s, ready, free, zready, NSLOT, 0, NARROW, W2)),
         (_producer, (q, k, z0, zT, zs, i_bh, T, scale, H, USE_H0, STORE_HT, STORE_STATES, kx_s, q16_s, k16_s,
                      rak_s, rbk_s, ra2k_s, rb2k_s, phi01_s, phi2_s, w_s, zt01_s, zt2_s, dn_s, ones_s, one0_s,
-                     ones64_s, ready, free, zready, NSLOT, 1, NARROW, W2)),
+                     kt_s, ready, free, zready, NSLOT, 1, NARROW, W2)),
     ], [4, 4], [PRODUCER_REGS, PRODUCER_REGS])
 
 
@@ -638,10 +665,13 @@ def _index(K: int, device, inverse: bool, narrow: bool = False) -> torch.Tensor:
 
 def to_kernel_rows(hv: torch.Tensor, hz: torch.Tensor, narrow: bool = False):
     """Taylor-order state (hv [B, H, 1+K+K², V], hz [B, H, 1+K+K²]) -> this kernel's rows [B·H, NR, V], [B·H, NR]
-    (NR = 160 narrow, 192 wide)."""
+    (NR = 192, wide), or in the narrow layout [B·H, 160, V] and z as it is, [B·H, 1+K+K²] (the kernel keeps it as
+    the matrix Σ [k, 1]ᵀ k and the count: `_producer`)."""
     B, H, F, V = hv.shape
     idx = _index(16, hv.device, False, narrow)
     hv = torch.cat([hv, hv.new_zeros(B, H, 1, V)], 2)[:, :, idx]  # row -1: the zero row appended
+    if narrow:
+        return hv.reshape(B * H, len(idx), V).contiguous(), hz.reshape(B * H, F).contiguous()
     hz = torch.cat([hz, hz.new_zeros(B, H, 1)], 2)[:, :, idx]
     return hv.reshape(B * H, len(idx), V).contiguous(), hz.reshape(B * H, len(idx)).contiguous()
 
@@ -649,8 +679,9 @@ def to_kernel_rows(hv: torch.Tensor, hz: torch.Tensor, narrow: bool = False):
 def from_kernel_rows(h: torch.Tensor, z: torch.Tensor, B: int, H: int):
     """Inverse of `to_kernel_rows` (symmetric order 2; the layout read from the number of rows): -> (hv [B, H,
     1+K+K², V], hz [B, H, 1+K+K²])."""
-    idx = _index(16, h.device, True, h.shape[1] == 160)
-    return h[:, idx].reshape(B, H, len(idx), h.shape[-1]), z[:, idx].reshape(B, H, len(idx))
+    narrow = h.shape[1] == 160
+    idx = _index(16, h.device, True, narrow)
+    return h[:, idx].reshape(B, H, len(idx), h.shape[-1]), (z if narrow else z[:, idx]).reshape(B, H, len(idx))
 
 
 # Where `applies` sends a forward: one program per sequence, so the kernel wants enough sequences, or short ones.
@@ -727,7 +758,7 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
         h0, z0 = to_kernel_rows(hv0.float(), hz0.float(), narrow)
     if output_final_state:
         hT = torch.empty(B * H, 160 if narrow else 192, V, device=q.device, dtype=torch.float32)
-        zT = torch.empty(B * H, 160 if narrow else 192, device=q.device, dtype=torch.float32)
+        zT = torch.empty(B * H, 1 + K + K * K if narrow else 192, device=q.device, dtype=torch.float32)
     if store_states:
         NC = (T + 127) // 128 if store_states == "rows" else (T + 63) // 64  # rows: every second chunk's state
         if store_states == "rows":  # transposed, [V, 192] per state, written by TMA stores

@@ -30,8 +30,8 @@ def _kernel_features(k: torch.Tensor, narrow: bool) -> torch.Tensor:
 @pytest.mark.parametrize("narrow", [False, True], ids=["wide", "narrow"])
 def test_kernel_rows_hold_the_state_and_convert_back(narrow):
     """Both of the kernel's state layouts (`gluon.feature_rows`: the wide one of the forward storing states for a
-    backward, the narrow one of the inference forward) hold Σ φ(k) vᵀ and Σ φ(k) of its features, and convert back to
-    the Taylor-order form."""
+    backward, the narrow one of the inference forward) hold Σ φ(k) vᵀ of its features, the wide one Σ φ(k) too and
+    the narrow one the moments n, Σ k, Σ k kᵀ, and convert back to the Taylor-order form."""
     g = torch.Generator().manual_seed(0)
     B, T, H, K, V = 2, 50, 3, 16, 8
     k = torch.randn(B, T, H, K, generator=g, dtype=torch.float64)
@@ -43,7 +43,13 @@ def test_kernel_rows_hold_the_state_and_convert_back(narrow):
     feats = _kernel_features(k.transpose(1, 2).reshape(B * H, T, K), narrow)
     vv = v.transpose(1, 2).reshape(B * H, T, V)
     torch.testing.assert_close(h, torch.einsum("ntf,ntv->nfv", feats, vv))
-    torch.testing.assert_close(z, feats.sum(1))
+    if narrow:  # the denominator state as the inference forward keeps it: n, Σ k, Σ k kᵀ
+        kk = k.transpose(1, 2).reshape(B * H, T, K)
+        moments = [torch.full((B * H, 1), float(T), dtype=k.dtype), kk.sum(1),
+                   torch.einsum("nta,ntb->nab", kk, kk).reshape(B * H, K * K)]
+        torch.testing.assert_close(z, torch.cat(moments, 1))
+    else:
+        torch.testing.assert_close(z, feats.sum(1))
     kv2, ks2 = orders_to_state(*gluon.from_kernel_rows(h, z, B, H))
     torch.testing.assert_close(kv2, kv)
     torch.testing.assert_close(ks2, ks)
