@@ -246,7 +246,7 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
     nk16 = gl.load(k + r16 * (H * K_) + c16, mask=r16 < T, other=0.0)
     if ROLE == 0:
         nq16 = gl.load(q + r16 * (H * K_) + c16, mask=r16 < T, other=0.0)
-        xin = q16_s
+        xin = q16_s.index(0)
         r8v = gl.arange(0, 16 if NARROW else 8, layout=gl.SliceLayout(1, LV))[:, None]
         # [8, C] (wide) or [16, C] (narrow): row 0 all ones; transposed, B's column 0 (w's row sums) and, narrow, the
         # A operand whose column 0 reads M's row 16 (z's order 1) into every row
@@ -283,7 +283,10 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
         start = c * C_
         slot = c % NSLOT
         if ROLE == 0:
-            q16_s.store((nq16.to(gl.float32) * scale).to(gl.bfloat16))
+            if NARROW:  # q_s per slot, which the consumer reads for den: its chunk c - NSLOT is done first
+                mbarrier.wait(free.index(slot), ((c // NSLOT) & 1) ^ 1)
+                xin = q16_s.index(slot)
+            xin.store((nq16.to(gl.float32) * scale).to(gl.bfloat16))
             k16_s.store(nk16)
         else:
             xin.store(nk16)
@@ -293,20 +296,22 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
             nq16 = gl.load(q + t16 * (H * K_) + c16, mask=t16 < T, other=0.0)
         fence_async_shared()
         _barrier()
-        mbarrier.wait(free.index(slot), ((c // NSLOT) & 1) ^ 1)  # the consumer is done with this slot
+        if ROLE == 1 or not NARROW:
+            mbarrier.wait(free.index(slot), ((c // NSLOT) & 1) ^ 1)  # the consumer is done with this slot
         if ROLE == 1:
             # z entering this chunk, for ROLE 0's denominators (whose last read of the slot's buffer, at chunk
             # c - NSLOT, came before that chunk's `ready`), and where states are stored
-            if NARROW:  # B = M with rows 0-15 halved (the query's ½ on order 2), a bf16 head and tail
+            if NARROW:  # for the consumer's den: B = M with rows 0-15 halved (the query's ½ on order 2), a bf16 head
+                # and tail, fenced with the features before `ready`
                 Zh = Z * gl.where(rz < K_, 0.5, 1.0)
                 hi = Zh.to(gl.bfloat16)
                 zt2_s.index(slot * 2).store(hi)
                 zt2_s.index(slot * 2 + 1).store((Zh - hi.to(gl.float32)).to(gl.bfloat16))
             else:
                 _publish_z(zt01_s, zt2_s, slot, Z0, Z1, Z2, c8)
-            fence_async_shared()
-            _barrier()
-            mbarrier.arrive(zready.index(slot))
+                fence_async_shared()
+                _barrier()
+                mbarrier.arrive(zready.index(slot))
             # the next chunk's keys, after this chunk's fences: each fence (MEMBAR.ALL.CTA in SASS) waits for the
             # loads in flight, which cost producer 1 the load's latency every chunk (session 21)
             nk16 = gl.load(k + t16 * (H * K_) + c16, mask=t16 < T, other=0.0)
@@ -358,22 +363,7 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
                 w_s.index(slot).store(gl.where(ra >= ca, 1.0 + s + 0.5 * s * s, 0.0).to(gl.bfloat16))
         fence_async_shared()
         _barrier()
-        if ROLE == 0 and NARROW:  # den = w·1 + q_s·(½ Z₂ q_s + z₁) + n (M as a bf16 head and tail: ≈ 16 bits)
-            dd = warpgroup_mma(w_s.index(slot), one0_s.permute((1, 0)), gl.zeros([C_, K_], gl.float32, A16),
-                               use_acc=False, is_async=True)
-            qa = xin.load(A16).to(gl.float32)
-            mbarrier.wait(zready.index(slot), (c // NSLOT) & 1)
-            e0 = one0_s.permute((1, 0))  # [C, 16], column 0 ones: M's row 16 into every row
-            p = warpgroup_mma(xin, zt2_s.index(slot * 2).slice(0, K_), gl.zeros([C_, K_], gl.float32, A16),
-                              use_acc=False, is_async=True)
-            p = warpgroup_mma(xin, zt2_s.index(slot * 2 + 1).slice(0, K_), p, is_async=True)
-            p = warpgroup_mma(e0, zt2_s.index(slot * 2).slice(K_, K_), p, is_async=True)
-            p = warpgroup_mma(e0, zt2_s.index(slot * 2 + 1).slice(K_, K_), p, is_async=True)
-            dd, p = warpgroup_mma_wait(0, deps=[dd, p])
-            dn = gl.sum(qa * p + dd, 1) + (n0 + start)
-            dn_s.index(slot).store(dn)
-            _barrier()
-        elif ROLE == 0:  # den = w·1 + Σ_blk ψ_blk·z_blk (z as a bf16 head and tail: ≈ 16 bits)
+        if ROLE == 0 and not NARROW:  # den = w·1 + Σ_blk ψ_blk·z_blk (z as a bf16 head and tail: ≈ 16 bits)
             dd = warpgroup_mma(w_s.index(slot), one0_s.permute((1, 0)), gl.zeros([C_, 8], gl.float32, A8),
                                use_acc=False, is_async=True)
             mbarrier.wait(zready.index(slot), (c // NSLOT) & 1)
@@ -385,9 +375,9 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
             dn = gl.sum(gl.where(c8 < 2, dd, 0.0), 1)  # column 0: w·1 + ψ·z's head, column 1: ψ·z's tail
             dn_s.index(slot).store(dn)
             _barrier()
-        elif NARROW:  # M += [k, 1]ᵀ k (exact products, fp32 sums)
+        elif ROLE == 1 and NARROW:  # M += [k, 1]ᵀ k (exact products, fp32 sums)
             Z = warpgroup_mma(kt_s.permute((1, 0)), xin, Z, is_async=True)
-        else:  # z += φᵀ 1 (bf16 φ, fp32 sums)
+        elif ROLE == 1:  # z += φᵀ 1 (bf16 φ, fp32 sums)
             Z0 = warpgroup_mma(f01_s.index(slot * 2).permute((1, 0)), ones_s.permute((1, 0)), Z0, is_async=True)
             Z1 = warpgroup_mma(f01_s.index(slot * 2 + 1).permute((1, 0)), ones_s.permute((1, 0)), Z1, is_async=True)
             Z2 = warpgroup_mma(f2_s.index(slot).permute((1, 0)), ones_s.permute((1, 0)), Z2, is_async=True)
@@ -409,6 +399,22 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
 
 
 @gluon.jit
+def _den_mmas(w_s, one0_s, q16_s, zt2_s, slot):
+    """Issue the narrow layout's denominator MMAs (asynchronous): w·1 (column 0) and p = q_s ½Z₂ + z₁ [C, 16] (M's
+    bf16 head and tail: ≈ 16 bits), so that den = Σ_j q_s p + w·1 + n."""
+    A16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
+    zero = gl.zeros([C_, K_], gl.float32, A16)
+    e0 = one0_s.permute((1, 0))  # [C, 16], column 0 ones: B's column 0 (w's row sums); as A, M's row 16 everywhere
+    dd = warpgroup_mma(w_s.index(slot), e0, zero, use_acc=False, is_async=True)
+    xq = q16_s.index(slot)
+    p = warpgroup_mma(xq, zt2_s.index(slot * 2).slice(0, K_), zero, use_acc=False, is_async=True)
+    p = warpgroup_mma(xq, zt2_s.index(slot * 2 + 1).slice(0, K_), p, is_async=True)
+    p = warpgroup_mma(e0, zt2_s.index(slot * 2).slice(K_, K_), p, is_async=True)
+    p = warpgroup_mma(e0, zt2_s.index(slot * 2 + 1).slice(K_, K_), p, is_async=True)
+    return dd, p
+
+
+@gluon.jit
 def _update(vt, phi01_s, phi2_s, slot, S0, S1, S2):
     """Issue the chunk's state updates Sᵀ_blk += vᵀ φ_blk (asynchronous; the caller waits)."""
     S0 = warpgroup_mma(vt, phi01_s.index(slot * 2), S0, is_async=True)
@@ -420,7 +426,7 @@ def _update(vt, phi01_s, phi2_s, slot, S0, S1, S2):
 @gluon.jit
 def _consumer(o, den_out, h0, hT, hs, hs_desc, v_desc, i_bh, T, H: gl.constexpr, USE_H0: gl.constexpr,
               STORE_HT: gl.constexpr, STORE_STATES: gl.constexpr, psi01_s, psi2_s, phi01_s, phi2_s, w_s, v_s, dn_s,
-              hst_s, ready, free, vbar, NSLOT: gl.constexpr, W2: gl.constexpr, o_s):
+              hst_s, ready, free, vbar, NSLOT: gl.constexpr, W2: gl.constexpr, o_s, q16_s, zt2_s, one0_s, z0):
     """The default partition with the state transposed: Sᵀ_blk [V, 64] accumulates vᵀ φ(k) and is the register (A)
     operand of the reads numᵀ = Σ Sᵀ ψ(q)ᵀ + vᵀ wᵀ, so the state never goes through shared memory; the denominators
     come with the slot (producer 0's). Blocks 0 and 1 are [V, 64], block 2 [V, W2] (32 in the narrow layout)."""
@@ -430,6 +436,10 @@ def _consumer(o, den_out, h0, hT, hs, hs_desc, v_desc, i_bh, T, H: gl.constexpr,
     AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=A64, k_width=2)
     NR: gl.constexpr = 128 + W2  # the state's rows
     NARROW: gl.constexpr = W2 == 32  # the inference forward (`_gluon_fwd_kernel`)
+    A16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
+    n0 = 0.0  # the initial state's token count (narrow)
+    if NARROW and USE_H0:
+        n0 = gl.load(z0 + i_bh.to(gl.int64) * ZR_)
     L1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     r1 = gl.arange(0, C_, layout=L1)
     ra = gl.arange(0, 64, layout=gl.SliceLayout(1, A64))[:, None]  # rows of Sᵀ: value columns
@@ -466,6 +476,8 @@ def _consumer(o, den_out, h0, hT, hs, hs_desc, v_desc, i_bh, T, H: gl.constexpr,
         # vᵀ once from shared memory into registers, the A operand of its four MMAs (session 21: 24 KB less of shared
         # memory read a chunk; T=4096 0.1332 → 0.1284 ms)
         vt = v_s.index(slot).permute((1, 0)).load(AOP)
+        if NARROW:  # den's MMAs first, done when num is
+            dd, p = _den_mmas(w_s, one0_s, q16_s, zt2_s, slot)
         num = warpgroup_mma(vt, w_s.index(slot).permute((1, 0)), gl.zeros([V_, C_], gl.float32, A64),
                             use_acc=False, is_async=True)
         num = warpgroup_mma(gl.convert_layout(S0.to(gl.bfloat16), AOP), psi01_s.index(b).permute((1, 0)), num,
@@ -494,7 +506,10 @@ def _consumer(o, den_out, h0, hT, hs, hs_desc, v_desc, i_bh, T, H: gl.constexpr,
         if NARROW:  # the state updates queued behind the reads (whose bf16 copies of S are registers of their own),
             # num awaited while they run (session 23: T=4096 0.1057 → 0.1040 ms with the output tile below)
             S0, S1, S2 = _update(vt, phi01_s, phi2_s, slot, S0, S1, S2)
-            num = warpgroup_mma_wait(3, deps=[num])
+            qa = q16_s.index(slot).load(A16).to(gl.float32)
+            dd, p, num = warpgroup_mma_wait(3, deps=[dd, p, num])
+            dn_s.index(slot).store(gl.sum(qa * p + dd, 1) + (n0 + start))
+            _barrier()
         else:  # storing states: each behind the other (T=16384 0.4963 → 0.5036 with the updates queued)
             num = warpgroup_mma_wait(0, deps=[num])
         if c + NSLOT < NC:  # vᵀ is in registers: this slot's v buffer takes chunk c + NSLOT's
@@ -567,7 +582,7 @@ def _gluon_fwd_kernel(q, k, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, T, 
     v_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, V_], sl64)
     # each producer's inputs and 0/1 factor matrices
     kx_s = gl.allocate_shared_memory(gl.bfloat16, [C_, K_], sl16)
-    q16_s = gl.allocate_shared_memory(gl.bfloat16, [C_, K_], sl16)
+    q16_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT if NARROW else 1, C_, K_], sl16)  # narrow: per slot
     k16_s = gl.allocate_shared_memory(gl.bfloat16, [C_, K_], sl16)
     raq_s = gl.allocate_shared_memory(gl.bfloat16, [2, K_, 64], slr)
     rbq_s = gl.allocate_shared_memory(gl.bfloat16, [2, K_, 64], slr)
@@ -606,7 +621,8 @@ def _gluon_fwd_kernel(q, k, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, T, 
         mbarrier.init(zready.index(i), count=1)
     gl.warp_specialize([
         (_consumer, (o, den, h0, hT, hs, hs_desc, v_desc, i_bh, T, H, USE_H0, STORE_HT, STORE_STATES, psi01_s,
-                     psi2_s, phi01_s, phi2_s, w_s, v_s, dn_s, hst_s, ready, free, vbar, NSLOT, W2, o_s)),
+                     psi2_s, phi01_s, phi2_s, w_s, v_s, dn_s, hst_s, ready, free, vbar, NSLOT, W2, o_s, q16_s,
+                     zt2_s, one0_s, z0)),
         (_producer, (q, k, z0, zT, zs, i_bh, T, scale, H, USE_H0, STORE_HT, STORE_STATES, kx_s, q16_s, k16_s,
                      raq_s, rbq_s, ra2q_s, rb2q_s, psi01_s, psi2_s, w_s, zt01_s, zt2_s, dn_s, ones_s, one0_s,
                      kt_s, ready, free, zready, NSLOT, 0, NARROW, W2)),
