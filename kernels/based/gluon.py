@@ -267,13 +267,13 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
         fence_async_shared()
     else:
         xin = x_s
-        if NARROW:  # k in columns 0-15 of kt_s [C, 64] (32-byte swizzle: four [C, 16] tiles one after another)
+        if NARROW:  # [k, 1, 0…] [C, 64] in kt_s, whose transpose is the A operand of M += [k, 1]ᵀ k: k (stored each
+            # chunk) is its first [C, 16] tile (32-byte swizzle: four [C, 16] tiles one after another), column 16 ones
             xin = kt_s.slice(0, K_, dim=1)
-        if not NARROW:
-            ones_s.store(gl.full([8, C_], 1.0, gl.bfloat16, LV))
-        else:  # [k, 1, 0…] [C, 64], whose transpose is the A operand of M += [k, 1]ᵀ k (k stored each chunk)
             r64 = gl.arange(0, 64, layout=gl.SliceLayout(1, LV))[:, None]
             kt_s.store(gl.where((cv == K_) & (r64 >= 0), 1.0, 0.0).to(gl.bfloat16))
+        else:
+            ones_s.store(gl.full([8, C_], 1.0, gl.bfloat16, LV))
         fence_async_shared()
         if STORE_STATES == 1:
             zs += i_bh.to(gl.int64) * gl.cdiv(T, C_) * ZR_
