@@ -9,17 +9,13 @@ At inference the cartridge is a prefix KV cache: `as_cache(batch_size)` returns 
 whose layers hold views of the cartridge expanded over the batch (no copy until the model appends to it), and
 `generate(model, cartridge, input_ids)` continues from it.
 
-On disk (`save` / `load`): safetensors with tensors `layers.{l}.keys` / `layers.{l}.values`, each
-`[kv_heads, p, head_dim]`, and one JSON metadata entry (`METADATA_KEY`) that `load` checks against the model.
-The metadata's `kind` ("kv" here; "state" for `cartridges.state.StateCartridge`) picks the class that
-`load_cartridge` returns; every kind shares the file checks of `read_cartridge_file` (structure, version,
-checksum) and the writer `write_cartridge_file` (atomic).
+On disk (`save` / `load`): the cartridge file format of `cartridges.format` (its one reader and writer), kind
+"kv": tensors `layers.{l}.keys` / `layers.{l}.values`, each `[kv_heads, p, head_dim]`, and the JSON metadata
+that `load` checks against the model. `load_cartridge` (from `cartridges.format`) loads any kind.
 """
 
 import hashlib
-import json
 import os
-import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,24 +23,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from zoo.runs import atomic_write_bytes
-
-FORMAT_VERSION = 1
-METADATA_KEY = "zoo.cartridge"
-# Keys are cached after the model's rotary embedding, at absolute positions 0..p-1; queries continue at p.
-ROPE_CONVENTION = "post-rope;keys-at-positions-0..p-1;queries-start-at-p"
-
-
-class CartridgeError(ValueError):
-    """A cartridge cannot be built, loaded or used as asked."""
-
-
-class CartridgeFileError(CartridgeError):
-    """A cartridge file is missing, truncated, corrupted or not a cartridge."""
-
-
-class CartridgeMismatchError(CartridgeError):
-    """A cartridge does not belong to the model (or the other cartridge) it is used with."""
+from cartridges.format import (  # noqa: F401  (re-exported: the names every caller imports from here)
+    FORMAT_VERSION,
+    METADATA_KEY,
+    ROPE_CONVENTION,
+    CartridgeError,
+    CartridgeFileError,
+    CartridgeMismatchError,
+    load_cartridge,
+    read_cartridge_file,
+    tensor_checksum,
+    write_cartridge_file,
+)
 
 
 @dataclass
@@ -119,17 +109,7 @@ class CartridgeInfo:
 class Cartridge(nn.Module):
     """Per-layer keys and values `[num_layers, kv_heads, p, head_dim]`; the first `num_frozen` tokens frozen."""
 
-    KIND = "kv"  # the file's `kind` field; `load_cartridge` dispatches on it
-    # Metadata this kind needs beyond the common keys (checked by `read_cartridge_file`).
-    METADATA_KEYS = ("num_layers", "num_kv_heads", "head_dim", "num_frozen", "rope_convention")
-
-    @classmethod
-    def check_metadata(cls, meta: dict[str, Any], path) -> None:
-        """Raise `CartridgeFileError` when a file's metadata cannot describe a cartridge of this kind."""
-        if meta["rope_convention"] != ROPE_CONVENTION:
-            raise CartridgeFileError(
-                f"{path}: RoPE convention {meta['rope_convention']!r}, expected {ROPE_CONVENTION!r}"
-            )
+    KIND = "kv"  # the file's `kind` field (`cartridges.format.KINDS`)
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, info: CartridgeInfo, num_frozen: int = 1):
         super().__init__()
@@ -361,9 +341,6 @@ class Cartridge(nn.Module):
         return cls(keys.to(device), values.to(device), info, num_frozen=meta["num_frozen"])
 
 
-CARTRIDGE_KINDS: dict[str, type] = {"kv": Cartridge}
-
-
 def prefix_ids(input_ids: torch.Tensor) -> torch.Tensor:
     """A `from_prefix` argument, `[p]` or `[1, p]`, as `[p]`; anything else is a CartridgeError."""
     if input_ids.ndim == 2:
@@ -373,99 +350,6 @@ def prefix_ids(input_ids: torch.Tensor) -> torch.Tensor:
     if input_ids.ndim != 1 or input_ids.numel() == 0:
         raise CartridgeError(f"input_ids must be a non-empty [p] or [1, p] tensor, got {tuple(input_ids.shape)}")
     return input_ids
-
-
-def write_cartridge_file(path: str | os.PathLike, kind: str, tensors: dict[str, torch.Tensor], meta: dict) -> Path:
-    """Write `path` atomically (temp file + rename): safetensors of `tensors` and the JSON metadata `meta`,
-    completed with the format version, the `kind` and a checksum of the tensor data."""
-    from safetensors.torch import save as st_save
-
-    path = Path(path)
-    meta = {**meta, "format_version": FORMAT_VERSION, "kind": kind, "checksum": "sha256:" + tensor_checksum(tensors)}
-    data = st_save(tensors, metadata={METADATA_KEY: json.dumps(meta, sort_keys=True)})
-    atomic_write_bytes(path, data)
-    return path
-
-
-def load_cartridge(path: str | os.PathLike, model, check_model_id: bool = True, device=None):
-    """Load any kind of cartridge file (the metadata's `kind` picks the class) and check it against `model`."""
-    meta, tensors = read_cartridge_file(path)  # read and checksummed once
-    cls = CARTRIDGE_KINDS[meta.get("kind", "kv")]
-    return cls.from_file(path, meta, tensors, model, check_model_id=check_model_id, device=device)
-
-
-def tensor_checksum(tensors: dict[str, torch.Tensor]) -> str:
-    """sha256 over names, dtypes, shapes and raw bytes of the tensors, in name order."""
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].detach().cpu().contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def read_cartridge_file(
-    path: str | os.PathLike, expected_kind: str | None = None
-) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(metadata, tensors) of a cartridge file, after checking its structure, version and checksum (and, when
-    given, that it holds a cartridge of `expected_kind`)."""
-    from safetensors.torch import load as st_load
-
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise CartridgeFileError(f"cannot read cartridge {path}: {e.strerror or e}") from None
-    if len(data) < 8:
-        raise CartridgeFileError(f"{path} is not a cartridge: {len(data)} bytes, too short for a safetensors header")
-    (header_len,) = struct.unpack("<Q", data[:8])
-    if 8 + header_len > len(data):
-        raise CartridgeFileError(f"{path} is truncated: header needs {8 + header_len} bytes, file has {len(data)}")
-    try:
-        header = json.loads(data[8 : 8 + header_len])
-        meta = json.loads(header["__metadata__"][METADATA_KEY])
-    except (ValueError, KeyError, TypeError):
-        raise CartridgeFileError(f"{path} is not a cartridge file (no readable {METADATA_KEY} metadata)") from None
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise CartridgeFileError(
-            f"{path} has cartridge format version {meta.get('format_version')}, this code reads {FORMAT_VERSION}"
-        )
-    data_end = max(
-        (end for name, v in header.items() if name != "__metadata__" for end in v["data_offsets"][1:]), default=0
-    )
-    if 8 + header_len + data_end > len(data):
-        raise CartridgeFileError(
-            f"{path} is truncated: {len(data)} bytes, the header promises {8 + header_len + data_end}"
-        )
-    try:
-        tensors = st_load(data)
-    except Exception as e:  # safetensors raises its own error types for malformed data
-        raise CartridgeFileError(f"{path} is corrupted: {str(e).splitlines()[0]}") from None
-    kind = meta.get("kind", "kv")
-    import cartridges.state  # noqa: F401  registers the "state" kind, whichever module was imported first
-
-    if kind not in CARTRIDGE_KINDS:
-        raise CartridgeFileError(f"{path}: unknown cartridge kind {kind!r} (known: {sorted(CARTRIDGE_KINDS)})")
-    if expected_kind is not None and kind != expected_kind:
-        raise CartridgeMismatchError(f"{path} holds a {kind!r} cartridge, not a {expected_kind!r} one")
-    cls = CARTRIDGE_KINDS[kind]
-    required = (
-        "model",
-        "num_tokens",
-        "init_method",
-        "corpus_hash",
-        "training_config",
-        "checksum",
-        "dtype",
-        *cls.METADATA_KEYS,
-    )
-    missing = [k for k in required if k not in meta]
-    if missing:
-        raise CartridgeFileError(f"{path}: cartridge metadata lacks {missing}")
-    cls.check_metadata(meta, path)
-    if meta["checksum"] != "sha256:" + tensor_checksum(tensors):
-        raise CartridgeFileError(f"{path} is corrupted: the tensor data does not match its checksum")
-    return meta, tensors
 
 
 def generate(

@@ -37,7 +37,9 @@ class Client(Protocol):
     ) -> list[Completion]: ...
 
 
-def _stop_ids(tokenizer, model=None) -> set[int]:
+def stop_ids(tokenizer, model=None) -> set[int]:
+    """The token ids that end a generation: every EOS id of the tokenizer, the model's generation config and the
+    model's config (the one definition, shared by the clients and the server)."""
     ids = set()
     for source in (tokenizer, getattr(model, "generation_config", None), getattr(model, "config", None)):
         eos = getattr(source, "eos_token_id", None)
@@ -53,7 +55,7 @@ class TransformersClient:
 
     def __init__(self, model, tokenizer):
         self.model, self.tokenizer = model, tokenizer
-        self.stop = _stop_ids(tokenizer, model)
+        self.stop = stop_ids(tokenizer, model)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.stop, default=0)
 
     @torch.no_grad()

@@ -21,7 +21,7 @@ positions, but p still tells how much text the state stands for.
 `as_cache(batch_size)` returns a `ZooCache` with one copy of the state per sequence (the model updates states
 in place while decoding, so requests never share memory with the cartridge or each other). The copies are
 differentiable: under `differentiable(cache)` (distill.py uses it) a loss on the model's outputs puts
-gradients into the cartridge's parameters. On disk: the KV cartridge's format (cartridges/cache.py) with
+gradients into the cartridge's parameters. On disk: the cartridge file format (cartridges/format.py) with
 `kind` "state", tensors `layers.{l}.{name}` and a `layout` in the metadata that `load` checks against the model.
 """
 
@@ -39,18 +39,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from cartridges.cache import (
-    CARTRIDGE_KINDS,
+from cartridges.cache import CartridgeInfo, ModelSignature, cache_kwargs, model_id_of, prefix_ids, weights_sample
+from cartridges.format import (
     CartridgeError,
     CartridgeFileError,
-    CartridgeInfo,
     CartridgeMismatchError,
-    ModelSignature,
-    cache_kwargs,
-    model_id_of,
-    prefix_ids,
     read_cartridge_file,
-    weights_sample,
     write_cartridge_file,
 )
 
@@ -135,8 +129,7 @@ def _layout_problems(saved: list, current: list) -> list[str]:
 class StateCartridge(nn.Module):
     """A trainable initial state of a ZooForCausalLM: every layer's recurrent state for one sequence."""
 
-    KIND = "state"
-    METADATA_KEYS = ("num_layers", "layout")
+    KIND = "state"  # the file's `kind` field (`cartridges.format.KINDS`)
 
     def __init__(
         self, states: list[dict[str, torch.Tensor] | None], layout: list, info: CartridgeInfo, num_tokens: int
@@ -352,12 +345,6 @@ class StateCartridge(nn.Module):
         return write_cartridge_file(path, self.KIND, self._tensors(), meta)
 
     @classmethod
-    def check_metadata(cls, meta: dict[str, Any], path) -> None:
-        layout = meta["layout"]
-        if not isinstance(layout, list) or len(layout) != meta["num_layers"]:
-            raise CartridgeFileError(f"{path}: the layout does not list num_layers={meta['num_layers']} layers")
-
-    @classmethod
     def load(cls, path: str | os.PathLike, model, check_model_id: bool = True, device=None) -> StateCartridge:
         """Read a state cartridge written by `save` and check it against `model`; never unpickles.
 
@@ -470,5 +457,3 @@ def differentiable(cache):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield cache
 
-
-CARTRIDGE_KINDS[StateCartridge.KIND] = StateCartridge

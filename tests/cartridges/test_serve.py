@@ -16,23 +16,23 @@ httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
 from cartridges.cache import Cartridge, cache_kwargs, generate  # noqa: E402
-from cartridges.models import ByteTokenizer, tiny_llama  # noqa: E402
-from cartridges.serve import (  # noqa: E402
+from cartridges.engine import (  # noqa: E402
     CartridgeNotFound,
     CartridgeStore,
     GenerationRequest,
+    Prepared,
     ServeError,
     Server,
     SharedPrefixCache,
-    _Prepared,
-    _Row,
-    _SharedDecoder,
-    build_app,
     cascade_attention,
-    main,
 )
+from cartridges.engine.decoders import SharedDecoder  # noqa: E402
+from cartridges.engine.requests import Row  # noqa: E402
+from cartridges.http import build_app, main, uvicorn_config  # noqa: E402
+from cartridges.models import ByteTokenizer, tiny_llama  # noqa: E402
 
 DOC, MAX_TOKENS, EOS = 24, 8, 2
+JSON = {"content-type": "application/json"}
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +68,15 @@ def reference(model, cartridge, prompt, max_new_tokens=MAX_TOKENS):
         out = generate(model, cartridge, ids, max_new_tokens=max_new_tokens, do_sample=False)[0, len(prompt) :]
     out = out.tolist()
     return out[: out.index(EOS)] if EOS in out else out
+
+
+def drain(units):
+    """Run a generator of units to its end; its return value."""
+    while True:
+        try:
+            next(units)
+        except StopIteration as done:
+            return done.value
 
 
 def prompts(n, seed=2):
@@ -108,7 +117,8 @@ def test_shared_prefix_forward_equals_the_plain_cache(model, cartridge_dir):
     server = Server(model, cartridge_dir)
     batch = [server.prepare(GenerationRequest(prompt=p, cartridges=["doc"], max_tokens=3)) for p in prompts(4)]
     entry = server.store.get(("doc",))
-    decoder, logits = server._start(entry, batch, steps=3, shared=True)  # [B, V]
+    decoder, prefill = server._start(entry, batch, steps=3, shared=True)
+    logits = drain(prefill)  # [B, V]
     cache = server.last_cache
     assert cache.prefix_keys.data_ptr() == server.store.prefix(entry)[0].data_ptr()
     width = max(len(x.prompt_ids) for x in batch)
@@ -140,7 +150,7 @@ def test_extending_a_row_by_blocks_equals_pushing_token_by_token():
         max_tokens, ignore_eos = int(torch.randint(1, 12, (1,), generator=gen)), trial % 3 == 0
         tokens = torch.randint(0, 6, (16,), generator=gen).tolist()  # EOS (2) appears at random places
         request = GenerationRequest(prompt=[5], max_tokens=max_tokens, ignore_eos=ignore_eos)
-        one, blocks = (_Row(_Prepared(request, [5], ()), None, {EOS}, False, 0) for _ in range(2))
+        one, blocks = (Row(Prepared(request, [5], ()), None, {EOS}, False, 0) for _ in range(2))
         for t in tokens:
             one.push(t)
         block = int(torch.randint(1, 9, (1,), generator=gen))
@@ -150,7 +160,7 @@ def test_extending_a_row_by_blocks_equals_pushing_token_by_token():
 
 
 def stand_in_capture(self):
-    """`_SharedDecoder.capture` without CUDA: the warm-up, then a 'graph' whose replay reruns the same step into
+    """`SharedDecoder.capture` without CUDA: the warm-up, then a 'graph' whose replay reruns the same step into
     the same output buffer. What it checks is what a real capture relies on: the step moves no counter, so
     running it twice gives the same logits and leaves the cache as once."""
     length, column = self.cache.length, self.cache.column.clone()
@@ -169,7 +179,7 @@ def stand_in_capture(self):
 def test_kept_decoders_are_reset_and_replayed(model, cartridge_dir, monkeypatch):
     """With graphs on, a batch's decoder (suffix buffers, graph) is kept and reused by the next batch of the same
     size and capacity: its output still equals `cartridges.generate`."""
-    monkeypatch.setattr(_SharedDecoder, "capture", stand_in_capture)
+    monkeypatch.setattr(SharedDecoder, "capture", stand_in_capture)
     server = Server(model, cartridge_dir)
     server.cuda_graphs = True  # on CPU, with the stand-in capture
     doc = server.store.get(("doc",)).cartridge
@@ -253,7 +263,7 @@ def url(model, cartridge_dir):
     server = Server(model, cartridge_dir, ByteTokenizer(), max_batch_size=64)
     app = build_app(server, "tiny", max_body_bytes=4096)
     sock = free_socket()
-    config = uvicorn.Config(app, log_level="warning", lifespan="on")
+    config = uvicorn_config(app, log_level="warning", lifespan="on")
     userver = uvicorn.Server(config)
     thread = threading.Thread(target=userver.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -355,7 +365,7 @@ def test_bad_input_is_refused_and_the_server_stays_up(url):
     ok = {"prompt": [5, 6, 7], "max_tokens": 2, "cartridges": [{"id": "doc"}]}
     cases = [
         ("/v1/completions", {"content": b"{not json", "headers": {"content-type": "application/json"}}, 400),
-        ("/v1/completions", {"content": b"[1, 2]"}, 400),
+        ("/v1/completions", {"content": b"[1, 2]", "headers": JSON}, 400),
         ("/v1/completions", {"json": {"max_tokens": 2}}, 400),  # no prompt
         ("/v1/completions", {"json": {**ok, "max_tokens": -1}}, 400),
         ("/v1/completions", {"json": {**ok, "temperature": "hot"}}, 400),
@@ -367,8 +377,8 @@ def test_bad_input_is_refused_and_the_server_stays_up(url):
         ("/v1/completions", {"json": {**ok, "cartridges": [{"id": "nope"}]}}, 404),
         ("/v1/completions", {"json": {**ok, "model": "gpt-5"}}, 404),
         ("/v1/completions", {"json": {**ok, "cartridges": [{"id": "broken"}]}}, 400),  # unreadable file
-        ("/v1/completions", {"content": b'{"prompt": "' + b"x" * 5000 + b'"}'}, 413),
-        ("/v1/completions", {"content": iter([b'{"prompt": "', b"x" * 3000, b"y" * 3000, b'"}'])}, 413),  # chunked
+        ("/v1/completions", {"content": b'{"prompt": "' + b"x" * 5000 + b'"}', "headers": JSON}, 413),
+        ("/v1/completions", {"content": iter([b'{"prompt": "', b"x" * 6000, b'"}']), "headers": JSON}, 413),  # chunked
     ]
     for bad in ("../outside", "..", "sub/../doc", "/etc/passwd", "..\\outside", "%2e%2e/outside"):
         cases.append(("/v1/completions", {"json": {**ok, "cartridges": [{"id": bad}]}}, 400))
