@@ -169,7 +169,7 @@ def check_metadata(meta, label: str) -> dict[str, Any]:
     if meta.get("format_version") != FORMAT_VERSION or type(meta.get("format_version")) is not int:
         _fail(label, f"cartridge format version {_show(meta.get('format_version'))}, this code reads {FORMAT_VERSION}")
     kind = meta.get("kind", "kv")
-    if kind not in KINDS:
+    if not isinstance(kind, str) or kind not in KINDS:
         _fail(label, f"unknown cartridge kind {_show(kind)} (known: {sorted(KINDS)})")
     missing = [k for k in (*COMMON_KEYS, *KINDS[kind].keys) if k not in meta]
     if missing:

@@ -160,8 +160,10 @@ def sample(logits: torch.Tensor, rows: list[Row], greedy: bool) -> torch.Tensor:
         if row.req.temperature <= 0 or row.finish is not None:
             continue
         row_logits = logits[b].float()
-        # shifted to a maximum of 0 first: any positive temperature, however small, gives finite probabilities
-        probs = torch.softmax((row_logits - row_logits.max()) / row.req.temperature, -1)
+        # shifted to a maximum of 0 and divided by at least float32's smallest normal number: any positive
+        # temperature, however small, gives finite probabilities (the most likely tokens, at the limit)
+        temperature = max(row.req.temperature, torch.finfo(torch.float32).tiny)
+        probs = torch.softmax((row_logits - row_logits.max()) / temperature, -1)
         if row.req.top_p < 1.0:
             sorted_probs, order = probs.sort(descending=True)
             # keep the smallest set whose mass reaches top_p (the most likely token always stays)

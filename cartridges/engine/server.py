@@ -81,8 +81,8 @@ class Server:
     `max_graphs` captured decoders (their suffix buffers and graphs) are kept for batches of the same size and
     capacity; `release()` frees them.
 
-    `stats` counts batches, requests and graph captures / failures; `last_cache` is the SharedPrefixCache of the
-    latest shared-prefix batch (for inspection and benchmarks).
+    `stats` counts batches, requests, cancelled requests and graph captures / failures; `last_cache` is the
+    SharedPrefixCache of the latest shared-prefix batch (for inspection and benchmarks).
     """
 
     def __init__(
@@ -140,6 +140,7 @@ class Server:
             "graph_captures": 0,
             "graph_replays": 0,
             "graph_failures": 0,
+            "cancelled": 0,  # requests stopped because their client went away
         }
         self.last_cache: SharedPrefixCache | None = None
 
@@ -284,7 +285,7 @@ class Server:
                     logits = done.value
                     break
                 if _all_gone(rows):
-                    return [r.completion() for r in rows]
+                    return self._completions(rows)
                 yield
             pending: list[torch.Tensor] = []  # sampled tokens [B] not yet read back
             for step in range(steps):
@@ -318,6 +319,10 @@ class Server:
                 decoder.busy = False
         if isinstance(decoder, SharedDecoder):
             self._note_capture(decoder)
+        return self._completions(rows)
+
+    def _completions(self, rows: list[Row]) -> list[Completion]:
+        self.stats["cancelled"] += sum(r.finish == "cancelled" for r in rows)
         return [r.completion() for r in rows]
 
     def _note_capture(self, decoder: SharedDecoder) -> None:

@@ -4,9 +4,6 @@ clients and refuses bad input without going down."""
 
 import asyncio
 import json
-import socket
-import threading
-import time
 
 import pytest
 import torch
@@ -28,7 +25,7 @@ from cartridges.engine import (  # noqa: E402
 )
 from cartridges.engine.decoders import SharedDecoder  # noqa: E402
 from cartridges.engine.requests import Row  # noqa: E402
-from cartridges.http import build_app, main, uvicorn_config  # noqa: E402
+from cartridges.http import build_app, main  # noqa: E402
 from cartridges.models import ByteTokenizer, tiny_llama  # noqa: E402
 
 DOC, MAX_TOKENS, EOS = 24, 8, 2
@@ -238,6 +235,94 @@ def test_ids_that_leave_the_directory_are_refused(model, cartridge_dir):
     assert {c["id"] for c in store.available()} == {"doc", "other", "broken"}
 
 
+BAD_FIELDS = {
+    "seed-2^70": dict(seed=2**70),
+    "seed-2^64": dict(seed=2**64),
+    "seed-negative": dict(seed=-1),
+    "temperature-nan": dict(temperature=float("nan")),
+    "temperature-inf": dict(temperature=float("inf")),
+    "temperature-huge": dict(temperature=1e300),
+    "temperature-negative": dict(temperature=-0.5),
+    "top_p-zero": dict(top_p=0.0),
+    "max_tokens-bool": dict(max_tokens=True),
+    "max_tokens-zero": dict(max_tokens=0),
+    "ignore_eos-a-string": dict(ignore_eos="yes"),
+    "stop-empty": dict(stop=[""]),
+    "prompt-lone-surrogate": dict(prompt="abc\ud800"),
+    "prompt-float-ids": dict(prompt=[5.5, 6]),
+    "message-lone-surrogate": dict(prompt=None, messages=[{"role": "user", "content": "\udfff"}]),
+}
+
+
+@pytest.mark.parametrize("fields", list(BAD_FIELDS.values()), ids=list(BAD_FIELDS))
+def test_prepare_refuses_a_bad_field_before_batching(model, cartridge_dir, fields):
+    server = Server(model, cartridge_dir, ByteTokenizer())
+    with pytest.raises(ServeError):
+        server.prepare(GenerationRequest(**{"prompt": [5, 6, 7], "cartridges": ["doc"], **fields}))
+    # with return_exceptions the bad request fails alone; the good one beside it is served
+    good = GenerationRequest(prompt=[5, 6, 7], cartridges=["doc"], max_tokens=4)
+    bad = GenerationRequest(**{"prompt": [5, 6, 7], "cartridges": ["doc"], **fields})
+    out = server.generate([bad, good], return_exceptions=True)
+    assert isinstance(out[0], ServeError) and len(out[1].token_ids) >= 1
+
+
+def test_a_tiny_temperature_samples_the_greedy_token(model, cartridge_dir):
+    server = Server(model, cartridge_dir)
+    p = prompts(1, seed=4)[0]
+    greedy, tiny = server.generate(
+        [
+            GenerationRequest(prompt=p, cartridges=["doc"], max_tokens=8, ignore_eos=True),
+            GenerationRequest(prompt=p, cartridges=["doc"], max_tokens=8, ignore_eos=True, temperature=1e-50, seed=3),
+        ]
+    )
+    assert tiny.token_ids == greedy.token_ids
+
+
+def test_the_prompt_limits_count_the_cartridge(model, cartridge_dir):
+    server = Server(model, cartridge_dir, max_prompt_tokens=100)
+    with pytest.raises(ServeError, match="more than the 100 allowed"):
+        server.prepare(GenerationRequest(prompt=[5] * 101))
+    server = Server(model, cartridge_dir)  # the model's 2048 positions
+    fits = 2048 - DOC - 8
+    server.prepare(GenerationRequest(prompt=[5] * fits, cartridges=["doc"], max_tokens=8))
+    server.prepare(GenerationRequest(prompt=[5] * (fits + 1), max_tokens=8))  # fits without the cartridge
+    with pytest.raises(ServeError, match=f"cartridges \\({DOC} tokens\\)"):
+        server.prepare(GenerationRequest(prompt=[5] * (fits + 1), cartridges=["doc"], max_tokens=8))
+
+
+@pytest.mark.parametrize("shared_prefix", [True, False], ids=["shared-prefix", "plain-cache"])
+def test_chunked_prefill_equals_cartridges_generate(model, cartridge_dir, shared_prefix):
+    server = Server(model, cartridge_dir, shared_prefix=shared_prefix, prefill_chunk=3)
+    doc = server.store.get(("doc",)).cartridge
+    ps = prompts(4, seed=8)
+    out = server.generate([GenerationRequest(prompt=p, cartridges=["doc"], max_tokens=8) for p in ps])
+    for p, completion in zip(ps, out):
+        assert completion.token_ids == reference(model, doc, p, 8)
+
+
+def test_a_cancelled_request_stops_at_the_next_step(model, cartridge_dir):
+    from cartridges.engine import BatchRun
+
+    server = Server(model, cartridge_dir)
+    batch = [
+        server.prepare(GenerationRequest(prompt=p, cartridges=["doc"], max_tokens=64, ignore_eos=True))
+        for p in prompts(2, seed=9)
+    ]
+    run = BatchRun(server, batch, None, [0, 1])
+    for _ in range(4):
+        assert not run.advance()
+    batch[0].cancel()
+    units = 0
+    while not run.advance():
+        units += 1
+    gone, kept = run.results
+    assert gone.finish_reason == "cancelled" and len(gone.token_ids) < 16
+    assert kept.finish_reason == "length" and len(kept.token_ids) == 64
+    run = BatchRun(server, batch[:1], None, [0])  # every request gone: the batch ends at its first unit
+    assert run.advance() and run.results[0].finish_reason == "cancelled"
+    assert server.stats["cancelled"] == 2
+
+
 def test_shared_prefix_cache_counts_the_prefix_once():
     prefix = torch.zeros(2, 2, 100, 8)
     cache = SharedPrefixCache(prefix, prefix, 64, 10, 2, 2, 8, torch.float32, torch.device("cpu"))
@@ -250,33 +335,13 @@ def test_shared_prefix_cache_counts_the_prefix_once():
 url_servers: dict[str, Server] = {}
 
 
-def free_socket() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    return sock
-
-
 @pytest.fixture(scope="module")
-def url(model, cartridge_dir):
+def url(model, cartridge_dir, serve_app):
     """The real uvicorn server in a thread on a free loopback port."""
     server = Server(model, cartridge_dir, ByteTokenizer(), max_batch_size=64)
-    app = build_app(server, "tiny", max_body_bytes=4096)
-    sock = free_socket()
-    config = uvicorn_config(app, log_level="warning", lifespan="on")
-    userver = uvicorn.Server(config)
-    thread = threading.Thread(target=userver.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not userver.started:
-        assert time.time() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    url_servers[url] = server
-    yield url
-    userver.should_exit = True
-    thread.join(10)
-    sock.close()
+    with serve_app(build_app(server, "tiny", max_body_bytes=4096)) as url:
+        url_servers[url] = server
+        yield url
 
 
 def completion(url, prompt, cartridges=("doc",), **extra):
