@@ -7,7 +7,8 @@ Next GPU session (one H200, its transformers 5.17; under 5 minutes for the bench
 
 The first line checks that the captured decode step gives the eager step's greedy tokens (fp32 and bf16). In
 the bench's JSON, `notes.cartridge_graphs` must show captures and no failures (a failed capture logs a warning
-on stderr and decodes eagerly, which the ratio would then measure); `ratio_cartridge_vs_icl` is the target.
+on stderr and decodes eagerly, which the ratio would then measure); `ratio_cartridge_vs_icl` is the target and
+`ratio_cartridge_vs_shared_prefix` the gain over prefix caching.
 
     python experiments/bench/serving.py          # H200: SmolLM2-135M's shape, random weights, bf16
     python experiments/bench/serving.py --tiny   # CPU smoke run: a tiny Llama, fp32, seconds
@@ -29,8 +30,9 @@ doublings, so a few minutes reach the batches where KV size decides throughput):
   `shared_prefix=False` (the plain path: the model's own SDPA attention), eager.
 - `cartridge_plain`: the cartridge on the plain path (a copy per sequence, eager), to separate the gain of the
   smaller cache from the gain of sharing it and of the graph.
-- `icl_shared` (only when named in `--arms`): the corpus as a shared prefix through the cartridge's own path,
-  i.e. prefix sharing beyond what transformers offers.
+- `icl_shared`: the baseline a user would run today: the corpus as one shared prefix through the same cascade
+  path and CUDA graphs as the cartridge (one copy of its KV for the whole batch, what vLLM's and SGLang's prefix
+  caching give). Only the cache's size differs from `cartridge`: 8K tokens against 512.
 
 A batch starts only while its arm is within `--budget-s` and the whole sweep within `--total-s`; an
 out-of-memory error ends the arm after one try halfway (geometrically) between the last batch that fit and the
@@ -40,8 +42,12 @@ Throughput = batch·gen / wall time of the whole batch (cache setup, prompt pref
 prefill, done once, is excluded). Peak memory = peak allocated during the batch minus what was allocated
 before it (KV plus activations; for a graphed arm, over its unmeasured and measured runs, the capture
 included); KV = the bytes the cache tensors hold. The last line is JSON with every row,
-each arm's best throughput and largest KV, and the ratio cartridge / best transformers ICL arm (target >= 10x;
-the paper reports 26.4x).
+each arm's best throughput and largest KV, and two ratios of best throughputs: cartridge / best transformers ICL
+arm (`ratio_cartridge_vs_icl`, target >= 10x; the paper reports 26.4x) and cartridge / `icl_shared`
+(`ratio_cartridge_vs_shared_prefix`). A ratio is printed only when its baseline finished its batch sweep (every
+batch size run, or stopped by running out of memory): a baseline stopped by the time budget or an error may
+not have reached its best batch, and a ratio over it would overstate the gain (the JSON then holds null and
+`ratio_withheld` says why).
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cartridges.cache import Cartridge, cache_kwargs
-from cartridges.serve import GenerationRequest, Server
+from cartridges.engine import GenerationRequest, Server
 
 
 def llama(tiny: bool, max_positions: int) -> LlamaConfig:
@@ -130,7 +136,35 @@ def next_batch_after_oom(good: int | None, failed: int) -> int | None:
     return mid if good < mid < failed else None
 
 
-def main() -> None:
+ICL_ARMS = ("icl_dynamic", "icl_static")  # the corpus in context the ways transformers offers
+RATIOS = {"ratio_cartridge_vs_icl": ICL_ARMS, "ratio_cartridge_vs_shared_prefix": ("icl_shared",)}
+
+
+def ratios(best: dict[str, dict], unfinished: dict[str, str], arms: list[str]):
+    """(ratio name -> (value, baseline arm) or None, ratio name -> why it is withheld).
+
+    best: each arm's best row; unfinished: arm -> why its sweep ended early (time budget, error); arms: those run.
+    A ratio over baselines that did not all finish would compare against a throughput they might have beaten.
+    """
+    out, withheld = {}, {}
+    for name, baselines in RATIOS.items():
+        ran = [a for a in baselines if a in arms]
+        why = [f"{a} did not finish its sweep ({unfinished[a]})" for a in ran if a in unfinished]
+        if not ran:
+            why.append(f"no baseline arm run (one of {list(baselines)})")
+        elif not any(a in best for a in ran):
+            why.append("no baseline batch measured")
+        if "cartridge" not in best:
+            why.append("no cartridge batch measured")
+        if why:
+            out[name], withheld[name] = None, "; ".join(why)
+            continue
+        base = max((best[a] for a in ran if a in best), key=lambda r: r["tokens_per_s"])
+        out[name] = (best["cartridge"]["tokens_per_s"] / base["tokens_per_s"], base["arm"])
+    return out, withheld
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="CPU-sized model and lengths (a smoke run)")
     parser.add_argument("--corpus", type=int, default=None, help="corpus tokens (8192; tiny: 256)")
@@ -140,11 +174,11 @@ def main() -> None:
     parser.add_argument("--batches", default=None, help="batch sizes (1,16,64,256,1024,4096,16384; tiny: 1,4,16)")
     parser.add_argument("--max-batch", type=int, default=None, help="drop batch sizes above this")
     parser.add_argument("--budget-s", type=float, default=None, help="per arm: start no batch after (50; tiny: 10)")
-    parser.add_argument("--total-s", type=float, default=None, help="whole sweep: start no batch after (230; tiny: 40)")
-    parser.add_argument("--arms", default="cartridge,icl_static,icl_dynamic,cartridge_plain")
+    parser.add_argument("--total-s", type=float, default=None, help="whole sweep: start no batch after (290; tiny: 50)")
+    parser.add_argument("--arms", default="cartridge,icl_static,icl_dynamic,cartridge_plain,icl_shared")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="decode the cartridge arms eagerly")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     tiny = args.tiny
     corpus_len = args.corpus or (256 if tiny else 8192)
     cart_len = args.cartridge or (32 if tiny else 512)
@@ -153,7 +187,7 @@ def main() -> None:
     batches = [int(b) for b in (args.batches or ("1,4,16" if tiny else "1,16,64,256,1024,4096,16384")).split(",")]
     batches = [b for b in batches if args.max_batch is None or b <= args.max_batch]
     budget = args.budget_s if args.budget_s is not None else (10.0 if tiny else 50.0)
-    total = args.total_s if args.total_s is not None else (40.0 if tiny else 230.0)
+    total = args.total_s if args.total_s is not None else (50.0 if tiny else 290.0)
     arms = args.arms.split(",")
     unknown = set(arms) - {"cartridge", "icl_static", "icl_dynamic", "cartridge_plain", "icl_shared"}
     if unknown:
@@ -210,7 +244,7 @@ def main() -> None:
 
     header = f"{'arm':16s} {'batch':>6s} {'seconds':>9s} {'tokens/s':>13s} {'KV MiB':>12s} {'peak MiB':>12s}"
     print(header, flush=True)
-    rows, errors, notes = [], {}, {}
+    rows, errors, notes, unfinished = [], {}, {}, {}
     sweep_start = time.perf_counter()
     for arm in arms:
         arm_start = time.perf_counter()
@@ -219,6 +253,7 @@ def main() -> None:
             run_arm(arm, torch.randint(3, config.vocab_size, (2, prompt_len), generator=gen_ids), 2)
         except Exception as e:  # noqa: BLE001 (an arm that cannot run here is reported, not fatal)
             errors[arm] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            unfinished[arm] = "failed in its warm-up"
             traceback.print_exc(file=sys.stderr)
             release(arm)
             continue
@@ -229,7 +264,7 @@ def main() -> None:
             # predicted time of this batch: the last one's, scaled by the batch ratio (memory-bound at worst)
             guess = 0.0 if last is None else last[1] * max(1.0, batch / last[0]) * (2 if graphed else 1)
             if now + guess - arm_start > budget or now + guess - sweep_start > total:
-                notes[arm] = f"stopped by the time budget before batch {batch}"
+                notes[arm] = unfinished[arm] = f"stopped by the time budget before batch {batch}"
                 break
             prompts = torch.randint(3, config.vocab_size, (batch, prompt_len), generator=gen_ids)
             failure = None
@@ -256,6 +291,7 @@ def main() -> None:
             if failure is not None:
                 release(arm)
                 if failure == "error":
+                    unfinished[arm] = f"an error at batch {batch}"
                     break
                 notes[arm] = f"out of memory at batch {batch}"
                 retry = next_batch_after_oom(good, batch)
@@ -290,9 +326,7 @@ def main() -> None:
             best[r["arm"]] = r
         if r["kv_bytes"] > largest.get(r["arm"], {}).get("kv_bytes", -1):
             largest[r["arm"]] = r
-    icl = max(
-        (best[a] for a in ("icl_dynamic", "icl_static") if a in best), key=lambda r: r["tokens_per_s"], default=None
-    )
+    found, withheld = ratios(best, unfinished, arms)
     print()
     print(header + "  (best per arm)")
     for arm, r in best.items():
@@ -309,9 +343,13 @@ def main() -> None:
         print(f"{arm}: error: {err}")
     for arm, note in notes.items():
         print(f"{arm}: {note}")
-    ratio = best["cartridge"]["tokens_per_s"] / icl["tokens_per_s"] if icl and "cartridge" in best else None
-    if ratio is not None:
-        print(f"cartridge / corpus in context ({icl['arm']}): {ratio:.1f}x throughput (target >= 10x)")
+    labels = {"ratio_cartridge_vs_icl": "corpus in context", "ratio_cartridge_vs_shared_prefix": "shared prefix"}
+    for name, value in found.items():
+        if value is None:
+            print(f"{name}: not printed: {withheld[name]}")
+        else:
+            target = " (target >= 10x)" if name == "ratio_cartridge_vs_icl" else ""
+            print(f"cartridge / {labels[name]} ({value[1]}): {value[0]:.1f}x throughput{target}")
     result = {
         "bench": "serving",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -338,8 +376,10 @@ def main() -> None:
         "errors": errors,
         "notes": notes,
         "seconds_total": round(time.perf_counter() - sweep_start, 1),
-        "baseline_arm": icl["arm"] if icl else None,
-        "ratio_cartridge_vs_icl": round(ratio, 2) if ratio is not None else None,
+        "baseline_arm": found["ratio_cartridge_vs_icl"][1] if found["ratio_cartridge_vs_icl"] else None,
+        **{name: None if value is None else round(value[0], 2) for name, value in found.items()},
+        "ratio_withheld": withheld,
+        "unfinished": unfinished,
         "target_ratio": 10.0,
     }
     workdir.cleanup()
