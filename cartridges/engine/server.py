@@ -159,7 +159,10 @@ class Server:
         key = tuple(request.cartridges)
         for cid in key:
             self.store.check(cid)
-        entry = self.store.get(key)
+        entry = self.store.peek(key)
+        if entry is None and key:
+            with self._lock:  # loading touches the device: never during a batch's unit (a graph capture)
+                entry = self.store.get(key)
         cartridge_tokens = 0 if entry is None else int(entry.cartridge.num_tokens)
         if request.stop and self.tokenizer is None:
             raise ServeError("stop strings need a tokenizer")

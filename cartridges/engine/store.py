@@ -136,6 +136,14 @@ class CartridgeStore:
             self._headers[path] = (stamp, row)
         return row
 
+    def peek(self, ids: Sequence[str]) -> Entry | None:
+        """The cached entry of `ids` (marked as used), or None when it is not loaded."""
+        with self._lock:
+            entry = self._entries.get(tuple(ids))
+            if entry is not None:
+                self._entries.move_to_end(tuple(ids))
+            return entry
+
     def get(self, ids: Sequence[str]) -> Entry | None:
         """The entry for a cartridge or a composition (None for no cartridge), loading what is missing; raises
         ServeError (or CartridgeNotFound) for anything that cannot be served."""
