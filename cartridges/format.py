@@ -210,8 +210,8 @@ def _check_header(header, label: str) -> int:
     return end
 
 
-def _parse_header(raw: bytes, label: str) -> tuple[dict, dict]:
-    """(header, metadata) decoded from the header bytes, both checked."""
+def _parse_header(raw: bytes, label: str) -> tuple[int, dict]:
+    """(end of the tensor data, metadata) decoded from the header bytes, both checked."""
     try:
         header = json.loads(raw)
         blob = header["__metadata__"][METADATA_KEY]
@@ -220,8 +220,8 @@ def _parse_header(raw: bytes, label: str) -> tuple[dict, dict]:
         meta = json.loads(blob)
     except (ValueError, KeyError, TypeError, RecursionError):
         raise CartridgeFileError(f"{label} is not a cartridge file (no readable {METADATA_KEY} metadata)") from None
-    _check_header(header, label)
-    return header, check_metadata(meta, label)
+    end = _check_header(header, label)
+    return end, check_metadata(meta, label)
 
 
 def read_header(path: str | os.PathLike, label: str | None = None) -> dict[str, Any]:
@@ -285,8 +285,7 @@ def read_cartridge_file(
     (header_len,) = struct.unpack("<Q", data[:8])
     if 8 + header_len > len(data):
         raise CartridgeFileError(f"{label} is truncated: header needs {8 + header_len} bytes, file has {len(data)}")
-    header, meta = _parse_header(data[8 : 8 + header_len], label)
-    data_end = _check_header(header, label)
+    data_end, meta = _parse_header(data[8 : 8 + header_len], label)
     if 8 + header_len + data_end > len(data):
         raise CartridgeFileError(
             f"{label} is truncated: {len(data)} bytes, the header promises {8 + header_len + data_end}"

@@ -128,7 +128,7 @@ class CartridgeStore:
             return cached[1]
         row: dict[str, Any] = {"id": cid, "object": "cartridge", "file_bytes": stat.st_size}
         try:
-            meta = read_header(path, label=cid)
+            meta = read_header(path, label=repr(cid))
             row.update(readable=True, kind=meta.get("kind", "kv"), num_tokens=meta["num_tokens"])
         except CartridgeError as e:
             row.update(readable=False, error=_first_line(e))
@@ -184,7 +184,7 @@ class CartridgeStore:
     def _load(self, cartridge_id: str):
         path = self.path(cartridge_id)
         try:
-            cartridge = load_cartridge(path, self.model, label=cartridge_id)
+            cartridge = load_cartridge(path, self.model, label=repr(cartridge_id))
         except CartridgeError as e:
             raise ServeError(f"cartridge {cartridge_id!r} cannot be used: {_first_line(e)}") from None
         cartridge.requires_grad_(False)
