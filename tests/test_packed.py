@@ -1,4 +1,4 @@
-"""Packed training (zoo/packed.py) on CPU: each member of a pack equals its standalone zoo-train run, on disk
+"""Packed training (zoo/steps.py) on CPU: each member of a pack equals its standalone zoo-train run, on disk
 and in its parameters; a member that stops early leaves the others untouched; a killed pack resumes; every
 registered mixer (impl=naive) runs under vmap; a pack that cannot run fails before any work, in one line."""
 
@@ -8,9 +8,10 @@ import torch
 from zoo.eval import query_loss
 from zoo.models import LanguageModel
 from zoo.models.mixers import MIXERS
-from zoo.packed import PackError, _Pack, check_pack, pack_members, train_packed
 from zoo.runs import RunDir
-from zoo.train import ConfigError, load_config, main, run_name, train
+from zoo.steps import PackedParams as _Pack
+from zoo.steps import PackError, check_pack, pack_members
+from zoo.train import ConfigError, load_config, main, run_name, train, train_runs
 
 TINY = [
     "model.d_model=16",
@@ -49,7 +50,7 @@ def standalone(root, lr, *extra):
 
 def packed(root, lrs, *extra):
     cfg, _ = cfg_of(root, *extra)
-    return train_packed(pack_members(cfg, lrs))
+    return train_runs(pack_members(cfg, lrs))
 
 
 def set_aside(root):
@@ -290,7 +291,7 @@ def test_a_pack_that_disagrees_with_its_plain_model_fails_before_training(tmp_pa
     monkeypatch.setattr(_Pack, "_member_loss", lambda self, *args: 1.5 * original(self, *args))
     cfg, _ = cfg_of(tmp_path, "model=attention", "train.epochs=1")
     with pytest.raises(PackError, match="disagrees with the plain one"):
-        train_packed(pack_members(cfg, LRS[:2]))
+        train_runs(pack_members(cfg, LRS[:2]))
     assert not (tmp_path / "default").exists()
     runs = [[*TINY, "model=attention", "train.epochs=1", f"optim.lr={lr}", f"runs_root={tmp_path}"] for lr in LRS[:2]]
     records = run_pack(runs, [])
@@ -319,7 +320,7 @@ def test_a_pack_whose_vmapped_backward_raises_trains_unpacked(tmp_path, monkeypa
     monkeypatch.setattr(_Pack, "losses", lambda self, *args: _FailingBackward.apply(original(self, *args)))
     cfg, _ = cfg_of(tmp_path, "model=attention", "train.epochs=1")
     with pytest.raises(PackError) as e:
-        train_packed(pack_members(cfg, LRS[:2]))
+        train_runs(pack_members(cfg, LRS[:2]))
     assert "the vmapped model fails" in one_line(e) and "expected input and grad types to match" in one_line(e)
     assert not (tmp_path / "default").exists()
     runs = [[*TINY, "model=attention", "train.epochs=1", f"optim.lr={lr}", f"runs_root={tmp_path}"] for lr in LRS[:2]]
@@ -340,5 +341,5 @@ def test_the_agreement_check_covers_every_member(tmp_path, monkeypatch):
     monkeypatch.setattr(_Pack, "losses", second_member_off)
     cfg, _ = cfg_of(tmp_path, "model=attention", "train.epochs=1")
     with pytest.raises(PackError, match="for member 1"):
-        train_packed(pack_members(cfg, LRS[:2]))
+        train_runs(pack_members(cfg, LRS[:2]))
     assert not (tmp_path / "default").exists()

@@ -4,9 +4,9 @@ lrs, and a single run, which trains as a pack of one). Skipped without CUDA; run
 import pytest
 import torch
 
-from zoo.packed import pack_members, train_packed
 from zoo.runs import RunDir
-from zoo.train import load_config, train
+from zoo.steps import pack_members
+from zoo.train import load_config, train, train_runs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -36,7 +36,7 @@ def test_graphed_pack_equals_eager_pack(tmp_path, model):
         # one runs_root for both (it is part of a run's name), each training moved aside after it
         cfg, _ = load_config([*SMALL, f"model={model}", f"runs_root={tmp_path / 'runs'}"])
         cfg.train.cuda_graph = graph
-        runs[graph] = train_packed(pack_members(cfg, [1e-3, 1e-2]))
+        runs[graph] = train_runs(pack_members(cfg, [1e-3, 1e-2]))
         (tmp_path / "runs" / "default").rename(tmp_path / str(graph))
     for eager, graphed in zip(runs[False], runs[True]):
         assert eager["run"] == graphed["run"] and eager["steps"] == graphed["steps"] == 30

@@ -139,7 +139,7 @@ def test_compile_mode_reaches_torch_compile_and_bad_values_fail_in_one_line(tmp_
 
     seen = []
 
-    def compile(fn, mode=None):
+    def compile(fn, mode=None, dynamic=None):
         seen.append(mode)
         return fn
 

@@ -187,14 +187,14 @@ class TrainConfig:
     compile: bool = False
     compile_mode: str = "default"  # torch.compile's mode (COMPILE_MODES); reduce-overhead: CUDA graphs
     # On CUDA: capture the whole training step (forward, backward, AdamW) as a CUDA graph per batch shape and
-    # replay it, so a tiny model's step costs a few launches instead of hundreds (zoo/packed.py; a single run
-    # trains as a pack of one, so impl=naive). Ignored with a warning on CPU.
+    # replay it, so a tiny model's step costs a few launches instead of hundreds (zoo/steps.py: a single run is
+    # a graphed pack of one, with any impl). Ignored with a warning on CPU.
     cuda_graph: bool = False
     resume: bool = False  # continue the run in run_dir from its last checkpoint
     overwrite: bool = False  # start over in a run_dir that already holds a run
     progress: bool = True
     # Non-empty: train one run per learning rate here (optim.lr is replaced), packed into one vmapped model
-    # in this process (zoo/packed.py). Each run lands in the run dir its unpacked config would use.
+    # in this process (zoo/steps.py). Each run lands in the run dir its unpacked config would use.
     pack_lrs: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:

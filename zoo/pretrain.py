@@ -36,7 +36,8 @@ from zoo.device import autocast, resolve_device
 from zoo.lm_data import PackedWindows, TokenData, prepare, valid_windows
 from zoo.models import LanguageModel
 from zoo.runs import RunDir
-from zoo.train import ConfigError, build_optimizer, load_config, lr_lambda, start_tracker
+from zoo.steps import build_optimizer, lr_lambda
+from zoo.train import ConfigError, load_config, start_tracker
 
 log = logging.getLogger("zoo.pretrain")
 

@@ -27,7 +27,7 @@ Sharding (`--shard I/N`): only the I-th of every N groups of runs differing only
 subset of a grid. Each shard writes its own record (`<sweep name>.shard-I-of-N.json`).
 
 Packing (`--pack-lrs`): runs whose overrides differ only in `optim.lr=` form one job, trained as one vmapped
-pack in one process (zoo/packed.py); each still gets the run dir, files and `run_name` of its unpacked
+pack in one process (zoo/steps.py); each still gets the run dir, files and `run_name` of its unpacked
 config, so packed and unpacked sweeps skip each other's finished runs. A group that cannot pack (an FLA or
 Triton impl, members killed at different checkpoints) runs one run at a time, and its records say why.
 
@@ -46,8 +46,13 @@ import argparse
 import importlib.util
 import itertools
 import json
+import logging
 import os
+import re
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -57,6 +62,9 @@ from typing import Any
 import yaml
 
 SWEEPS_DIR = "_sweeps"
+MPS_CONTROL = "nvidia-cuda-mps-control"
+
+log = logging.getLogger("zoo.sweep")
 
 
 def _as_override(key: str, value: Any) -> str:
@@ -185,9 +193,9 @@ def run_pack(runs: list[list[str]], extra: list[str]) -> list[dict[str, Any]]:
     Finished runs are skipped and failed configs reported, as in `run_one`; the rest train together, or one at
     a time when they cannot pack (the reason goes into each record as `unpacked`).
     """
-    from zoo.packed import PackError, train_packed
     from zoo.runs import RunDir
-    from zoo.train import ConfigError, load_config, run_name
+    from zoo.steps import PackError
+    from zoo.train import ConfigError, load_config, run_name, train_runs
 
     full = extra + ["train.progress=false"] + _device_overrides()
     records: list[dict[str, Any]] = []
@@ -215,7 +223,7 @@ def run_pack(runs: list[list[str]], extra: list[str]) -> list[dict[str, Any]]:
             cfg.train.resume = True
     t0 = time.perf_counter()
     try:
-        summaries = train_packed(members, resolved)
+        summaries = train_runs(members, resolved)
     except PackError as e:
         for record in todo:
             record |= run_one(record["overrides"], extra) | {"unpacked": str(e)}
@@ -270,6 +278,79 @@ def devices_for(device: str, workers: int) -> list[str]:
     return [f"cuda:{i % count}" for i in range(workers)]
 
 
+class MPS:
+    """A CUDA MPS control daemon for the sweep's lifetime, so the runs sharing a GPU execute their kernels at
+    the same time instead of time-slicing it. Its pipe and log directories are private to this sweep and are
+    exported to the worker processes, which connect to it when they initialise CUDA."""
+
+    def __init__(self, exe: str, directory: Path) -> None:
+        self.exe, self.directory = exe, directory
+        self.env = {
+            "CUDA_MPS_PIPE_DIRECTORY": str(directory / "pipe"),
+            "CUDA_MPS_LOG_DIRECTORY": str(directory / "log"),
+        }
+
+    @classmethod
+    def start(cls, device: str, workers: int, mode: str) -> tuple[MPS | None, str]:
+        """Start a daemon when `mode` (auto | on | off) and the machine allow it; return it (or None) and the
+        reason, which the sweep logs. mode=on makes an impossible start an error."""
+        reason = None
+        if mode == "off":
+            reason = "--mps off"
+        elif device == "cpu" or workers <= 1:
+            reason = f"{workers} worker(s) on {device}: nothing shares a GPU"
+        elif os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
+            pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
+            return None, f"CUDA MPS already set up by the caller (CUDA_MPS_PIPE_DIRECTORY={pipe})"
+        elif shutil.which(MPS_CONTROL) is None:
+            reason = f"{MPS_CONTROL} is not on PATH"
+        if reason is None:
+            import torch
+
+            if torch.cuda.device_count() == 0:
+                reason = "no CUDA device visible"
+        if reason is not None:
+            if mode == "on":
+                raise SystemExit(f"zoo-sweep: --mps on, but CUDA MPS cannot be used: {reason}")
+            return None, f"CUDA MPS not used ({reason}); runs sharing a GPU time-slice it"
+        daemon = cls(shutil.which(MPS_CONTROL), Path(tempfile.mkdtemp(prefix="zoo-mps-")))
+        for d in daemon.env.values():
+            Path(d).mkdir(parents=True, exist_ok=True)
+        r = subprocess.run([daemon.exe, "-d"], env=os.environ | daemon.env, capture_output=True, text=True, timeout=60)
+        if r.returncode != 0:
+            shutil.rmtree(daemon.directory, ignore_errors=True)
+            why = (r.stderr or r.stdout).strip() or f"exit status {r.returncode}"
+            if mode == "on":
+                raise SystemExit(f"zoo-sweep: --mps on, but {MPS_CONTROL} -d failed: {why}")
+            return None, f"CUDA MPS not used ({MPS_CONTROL} -d failed: {why})"
+        os.environ.update(daemon.env)
+        return daemon, f"CUDA MPS started for this sweep ({daemon.env['CUDA_MPS_PIPE_DIRECTORY']})"
+
+    def stop(self) -> None:
+        subprocess.run([self.exe], input="quit\n", env=os.environ | self.env, capture_output=True, text=True,
+                       timeout=60)
+        for key in self.env:
+            os.environ.pop(key, None)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def job_cost(run: list[str]) -> float:
+    """A rough cost of a run from its overrides alone (no config is composed): d_model x the longest training
+    sequence x epochs. The pool starts the costliest jobs first, so the last to finish are short ones."""
+
+    def number(key: str, default: float) -> float:
+        for o in reversed(run):
+            if o.startswith(key + "="):
+                try:
+                    return float(o.split("=", 1)[1])
+                except ValueError:
+                    return default
+        return default
+
+    lengths = [int(x) for o in run if o.startswith("data.train=") for x in re.findall(r"seq_len:\s*(\d+)", o)]
+    return number("model.d_model", 128) * max(lengths, default=256) * number("train.epochs", 64)
+
+
 def run_sweep(
     runs: list[list[str]],
     name: str,
@@ -278,10 +359,14 @@ def run_sweep(
     extra: list[str] = (),
     runs_root: str | None = None,
     pack_lrs: bool = False,
+    mps: str = "auto",
+    order: str = "longest",
 ) -> dict[str, Any]:
     """Run every run (see the module docstring); write and return the sweep record.
 
     pack_lrs: train each group of runs that differ only in optim.lr as one pack (`lr_groups`, `run_pack`).
+    mps: auto | on | off, CUDA MPS for workers that share a GPU (`MPS.start`).
+    order: longest (the costliest jobs start first, `job_cost`) | file (the sweep file's order).
     The record is rewritten after every job (unstarted or unfinished runs are "pending").
     """
     import multiprocessing
@@ -307,6 +392,10 @@ def run_sweep(
 
     bar = tqdm(total=len(runs), desc=f"sweep {name}", dynamic_ncols=True)
     jobs = lr_groups(runs) if pack_lrs else [[i] for i in range(len(runs))]
+    if order == "longest":
+        jobs.sort(key=lambda job: -job_cost(runs[job[0]]))  # stable: ties keep the file's order
+    elif order != "file":
+        raise ValueError(f"order must be longest or file, got {order!r}")
     if workers <= 1:
         serial_extra = extra + ([f"train.device={device}"] if device != "auto" else [])
         for job in jobs:
@@ -320,18 +409,27 @@ def run_sweep(
         for dev in devices_for(device, workers):
             queue.put(dev)
         threads = max(1, (os.cpu_count() or 1) // workers)
-        with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=(queue, threads)) as pool:
-            futures = {pool.submit(run_job, [runs[i] for i in job], extra): job for job in jobs}
-            for future in as_completed(futures):
-                job = futures[future]
-                try:
-                    for i, result in zip(job, future.result()):
-                        results[i] = result
-                except Exception as e:  # the worker process itself died
-                    for i in job:
-                        results[i] = {"overrides": runs[i], "run_dir": None, "status": "failed", "error": repr(e)}
-                bar.update(len(job))
-                write_record()
+        daemon, why = MPS.start(device, workers, mps)
+        log.info("zoo-sweep %s: %s", name, why)
+        print(f"zoo-sweep {name}: {why}", file=sys.stderr, flush=True)
+        try:
+            pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=(queue, threads))
+            with pool:
+                futures = {pool.submit(run_job, [runs[i] for i in job], extra): job for job in jobs}
+                for future in as_completed(futures):
+                    job = futures[future]
+                    try:
+                        for i, result in zip(job, future.result()):
+                            results[i] = result
+                    except Exception as e:  # the worker process itself died
+                        for i in job:
+                            results[i] = {"overrides": runs[i], "run_dir": None, "status": "failed",
+                                          "error": repr(e)}
+                    bar.update(len(job))
+                    write_record()
+        finally:
+            if daemon is not None:
+                daemon.stop()
     bar.close()
     record = write_record()
     record["path"] = str(out)
@@ -371,7 +469,12 @@ def main(argv: list[str] | None = None) -> None:
         "--pack-lrs", action="store_true", help="train runs differing only in optim.lr as one packed job each"
     )
     parser.add_argument("--shard", default=None, help="I/N: only every N-th lr group, from group I")
-    args = parser.parse_args(argv)
+    parser.add_argument("--mps", default="auto", choices=["auto", "on", "off"],
+                        help="CUDA MPS for runs that share a GPU (auto: when several workers share one and the "
+                        "machine allows it)")
+    parser.add_argument("--order", default="longest", choices=["longest", "file"],
+                        help="start the costliest jobs first (longest) or keep the sweep file's order")
+    args = parser.parse_intermixed_args(argv)
     runs = load_sweep(args.sweep_file)
     path = Path(args.sweep_file)
     name = args.name or (path.parent.name if path.stem == "sweep" else path.stem)
@@ -398,7 +501,9 @@ def main(argv: list[str] | None = None) -> None:
 
         workers = args.runs_per_gpu * torch.cuda.device_count() if args.device != "cpu" else 1
         workers = max(1, workers)
-    record = run_sweep(runs, name, workers, args.device, list(args.overrides), args.runs_root, args.pack_lrs)
+    record = run_sweep(
+        runs, name, workers, args.device, list(args.overrides), args.runs_root, args.pack_lrs, args.mps, args.order
+    )
     print(
         f"zoo-sweep {name}: {record['finished']} finished, {record['skipped']} skipped, "
         f"{record['failed']} failed, {record['pending']} pending in {record['wall_s']:.1f} s -> {record['path']}"

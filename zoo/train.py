@@ -8,9 +8,9 @@ The config tree is composed by Hydra from configs/ (presets) over the schemas in
 impossible value fails here, before any work, with a one-line reason.
 """
 
+import copy
 import hashlib
 import logging
-import math
 import os
 import sys
 import time
@@ -24,9 +24,10 @@ from tqdm.auto import tqdm
 
 from zoo.config import SPLITS, Config, ConfigError, compose_config, register_configs
 from zoo.device import autocast, resolve_device
-from zoo.eval import QuerySegment, evaluate, query_loss
+from zoo.eval import QuerySegment, evaluate
 from zoo.models import LanguageModel
 from zoo.runs import RunDir
+from zoo.steps import PackedStep, PackError, check_pack, lr_lambda, make_strategy
 from zoo.synthetics import cached_generate, generate
 
 log = logging.getLogger("zoo.train")
@@ -96,27 +97,6 @@ def epoch_batches(segments: list[QuerySegment], seed: int, epoch: int, device: t
         start += idx.numel()
 
 
-def lr_lambda(total_steps: int, warmup_frac: float, min_ratio: float):
-    warmup = int(total_steps * warmup_frac)
-
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total_steps - warmup)
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return f
-
-
-def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (not on norms and biases)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    o = cfg.optim
-    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-
-
 @dataclass
 class Tracker:
     """Writes metrics to the run dir and mirrors them to wandb when enabled."""
@@ -155,7 +135,7 @@ def start_tracker(cfg: Config, run: RunDir, name: str) -> Tracker:
 
 
 def checkpoint_state(model, optimizer_state, scheduler_state, epoch, step, best, wall_time_s, tokens) -> dict:
-    """The contents of ckpt/last.pt: everything a resume needs (zoo.packed writes the same per member)."""
+    """The contents of ckpt/last.pt: everything a resume needs, whatever strategy trained the run."""
     return {
         "model": model.state_dict(),
         "optimizer": optimizer_state,
@@ -183,7 +163,7 @@ def run_summary(
     tokens: int,
     device: torch.device,
 ) -> dict[str, Any]:
-    """summary.json of a finished run (zoo.packed writes the same per member)."""
+    """summary.json of a finished run."""
     max_len = max(seg.seq_len for seg in cfg.data.train)
     lengths = sorted({seg.seq_len for split in SPLITS for seg in getattr(cfg.data, split)})
     return {
@@ -212,119 +192,173 @@ def run_summary(
 def train(cfg: Config, resolved_yaml: str | None = None) -> dict[str, Any]:
     """Train one run; return its summary (also written to summary.json)."""
     if cfg.train.pack_lrs:
-        raise ConfigError("train.pack_lrs is set: train the pack with zoo.packed.train_packed (or zoo-train)")
-    if cfg.train.cuda_graph and resolve_device(cfg.train.device).type == "cuda":
-        from zoo.packed import PackError, check_pack, train_packed  # the captured step lives there
+        raise ConfigError("train.pack_lrs is set: train its runs with train_runs(pack_members(cfg))")
+    return train_runs([cfg], [resolved_yaml])[0]
 
-        try:
-            check_pack([cfg])
-        except PackError as e:
-            log.warning("train.cuda_graph=true: %s; this run trains without a graph", e)
-        else:
-            try:
-                return train_packed([cfg], [resolved_yaml])[0]  # a pack of one
-            except PackError as e:  # raised before the run dir is touched
-                log.warning("train.cuda_graph=true: %s; this run trains without a graph", e)
-    name = run_name(cfg)
-    run = RunDir(Path(cfg.runs_root) / cfg.experiment_name / name)
-    if run.exists() and not (cfg.train.resume or cfg.train.overwrite):
-        raise ConfigError(
-            f"{run.path} already holds a run: pass train.resume=true to continue it or train.overwrite=true"
-        )
-    if cfg.train.resume and run.is_finished():
-        log.info("run %s already finished; nothing to resume", run.path)
-        return run.read_summary()
+
+def train_runs(members: list[Config], resolved: list[str | None] | None = None) -> list[dict[str, Any]]:
+    """The training loop: train `members` together; return their summaries, in order.
+
+    One member is a plain run (or, with train.cuda_graph=true on CUDA, a graphed pack of one); several members
+    must differ only in optim.lr and train as one pack (zoo/steps.py). Every member is its own run: its run dir
+    (`run_name`), config.yaml, metrics.jsonl, checkpoints and summary.json are those of the member alone, so a
+    run resumes under any strategy. Each member stops early on its own: once it reaches train.early_stop it is
+    finalised and leaves; the others go on.
+
+    `resolved`: each member's resolved YAML for its config.yaml (default: the dataclass tree as YAML).
+    """
+    cfg = members[0]
+    resolved = list(resolved) if resolved is not None else [None] * len(members)
+    names = [run_name(m) for m in members]
+    if len(members) > 1:
+        check_pack(members, names)
+    runs = [RunDir(Path(cfg.runs_root) / cfg.experiment_name / name) for name in names]
+    for run in runs:
+        if run.exists() and not (cfg.train.resume or cfg.train.overwrite):
+            raise ConfigError(
+                f"{run.path} already holds a run: pass train.resume=true to continue it or train.overwrite=true"
+            )
+    summaries: list[dict[str, Any] | None] = [None] * len(members)
+    todo = []
+    for i, run in enumerate(runs):
+        if cfg.train.resume and run.is_finished():
+            log.info("run %s already finished; nothing to resume", run.path)
+            summaries[i] = run.read_summary()
+            continue
+        todo.append(i)
+    if not todo:
+        return summaries
+    ckpts = [runs[i].load_checkpoint() if cfg.train.resume else None for i in todo]
+    at = {(c["epoch"], c["step"]) for c in ckpts if c is not None}
+    if len(at) > 1 or (at and any(c is None for c in ckpts)):
+        where = ", ".join(names[i] + ("@" + str(c["epoch"]) if c else "@none") for i, c in zip(todo, ckpts))
+        raise PackError(f"the runs of this pack stopped at different checkpoints ({where}); resume them unpacked")
     if cfg.train.overwrite:
-        run.clear()
+        for i in todo:
+            runs[i].clear()
+
     device = resolve_device(cfg.train.device)
     amp = autocast(device, cfg.train.precision)
-
+    # Seed, then data, then the model: a member starts from the same initial weights however it is trained.
     torch.manual_seed(cfg.train.seed)
     data = {split: load_split(cfg, split, device) for split in SPLITS}
     model = LanguageModel(cfg.model).to(device)
-    optimizer = build_optimizer(model, cfg)
     steps_per_epoch = sum(seg.num_batches() for seg in data["train"])
     total_steps = steps_per_epoch * cfg.train.epochs
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(total_steps, cfg.optim.warmup_frac, cfg.optim.min_lr_ratio)
-    )
-    step_fn = torch.compile(query_loss, mode=cfg.train.compile_mode) if cfg.train.compile else query_loss
+    todo_members = [members[i] for i in todo]
+    scratch = copy.deepcopy(model) if len(todo) > 1 or cfg.train.cuda_graph else model
+    strategy = make_strategy(model, scratch, todo_members, total_steps, device)
+    if isinstance(strategy, PackedStep):
+        first = data["train"][0]
+        strategy.check((first.inputs[:8], first.query_pos[:8], first.query_labels[:8]))
 
-    start_epoch, step, best, wall_before, tokens = 0, 0, 0.0, 0.0, 0
-    ckpt = run.load_checkpoint() if cfg.train.resume else None
-    if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
-        start_epoch, step, best = ckpt["epoch"], ckpt["step"], ckpt["best_valid_accuracy"]
-        wall_before, tokens = ckpt["wall_time_s"], ckpt["train_tokens"]
-        torch.set_rng_state(ckpt["rng_cpu"])
-        run.truncate_metrics(step)
-        log.info("resuming %s at epoch %d, step %d", run.path, start_epoch, step)
-    run.write_config((resolved_yaml or OmegaConf.to_yaml(OmegaConf.structured(cfg))) + f"run_dir: {run.path}\n")
-    tracker = start_tracker(cfg, run, name)
-    log.info("run %s: %d parameters on %s", run.path, model.num_parameters(), device)
+    n = len(todo)
+    start_epoch, step, wall_before, tokens = 0, 0, 0.0, 0
+    best = [0.0] * n
+    if at:
+        for row, ckpt in enumerate(ckpts):
+            strategy.load(row, ckpt)
+            best[row] = ckpt["best_valid_accuracy"]
+        c = ckpts[0]
+        start_epoch, step, wall_before, tokens = c["epoch"], c["step"], c["wall_time_s"], c["train_tokens"]
+        torch.set_rng_state(c["rng_cpu"])
+        log.info("resuming %d run(s) at epoch %d, step %d", n, start_epoch, step)
+    for i in todo:
+        if cfg.train.resume:
+            runs[i].truncate_metrics(step)
+        text = resolved[i] or OmegaConf.to_yaml(OmegaConf.structured(members[i]))
+        runs[i].write_config(text + f"run_dir: {runs[i].path}\n")
+    trackers = [start_tracker(members[i], runs[i], names[i]) for i in todo]
+    log.info(
+        "%s: %d run(s) (lr %s), %d parameters each on %s",
+        type(strategy).__name__, n, [members[i].optim.lr for i in todo], model.num_parameters(), device,
+    )
 
     t0 = time.perf_counter()
-    stopped_early = ckpt is not None and cfg.train.early_stop is not None and best >= cfg.train.early_stop
-    bar = tqdm(total=total_steps, initial=step, desc=name, disable=not cfg.train.progress, dynamic_ncols=True)
     epoch = start_epoch
+
+    def finish(row: int, j: int, stopped_early: bool) -> None:
+        """Evaluate member j (strategy row `row`) on valid and test and write its summary."""
+        i = todo[j]
+        member = strategy.model_of(row)
+        train_time = wall_before + time.perf_counter() - t0
+        final_valid = evaluate(member, data["valid"], "valid", amp)
+        test = evaluate(member, data["test"], "test", amp)
+        trackers[j].log({"step": step, "epoch": epoch, **test})
+        summary = run_summary(
+            members[i], names[i], member, final_valid, test, best[j], epoch, step, stopped_early, train_time,
+            tokens, device,
+        )
+        if isinstance(strategy, PackedStep):
+            summary["pack_size"] = n
+        runs[i].write_summary(summary)
+        trackers[j].finish(summary)
+        summaries[i] = summary
+
+    def is_stopped(accuracy: float) -> bool:
+        return cfg.train.early_stop is not None and accuracy >= cfg.train.early_stop
+
+    def drop(done: list[int]) -> None:
+        nonlocal live
+        rows = [row for row in range(len(live)) if row not in done]
+        live = [live[row] for row in rows]
+        strategy.keep(rows)
+
+    live = list(range(n))  # live[row]: the member (index into todo) in strategy row `row`
+    if at:
+        # A member whose checkpoint already met early_stop is finalised without training.
+        done = [row for row in range(n) if is_stopped(best[row])]
+        for row in done:
+            finish(row, live[row], True)
+        if done:
+            drop(done)
+    desc = names[todo[0]] if n == 1 else f"pack of {n}"
+    bar = tqdm(total=total_steps, initial=step, desc=desc, disable=not cfg.train.progress, dynamic_ncols=True)
     model.train()
-    while epoch < cfg.train.epochs and not stopped_early:
-        loss_sum = torch.zeros((), device=device)
+    f = lr_lambda(total_steps, cfg.optim.warmup_frac, cfg.optim.min_lr_ratio)
+    while epoch < cfg.train.epochs and live:
+        loss_sum = torch.zeros(len(live), device=device)
         loss_n = 0
         for seg, idx in epoch_batches(data["train"], cfg.train.seed, epoch, device):
-            with amp:
-                loss = step_fn(model, seg.inputs[idx], seg.query_pos[idx], seg.query_labels[idx])
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if cfg.optim.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-            optimizer.step()
-            scheduler.step()
+            losses = strategy.step(seg, idx, step)  # [N]
             step += 1
             tokens += idx.numel() * seg.inputs.shape[1]
-            loss_sum += loss.detach()
+            loss_sum += losses
             loss_n += 1
             bar.update(1)
             if step % cfg.train.log_every == 0:
                 # The one host sync of the loop, every log_every steps.
-                train_loss = float(loss_sum / loss_n)
+                train_loss = (loss_sum / loss_n).tolist()
                 loss_sum.zero_()
                 loss_n = 0
-                tracker.log({"step": step, "epoch": epoch, "train/loss": train_loss, "lr": scheduler.get_last_lr()[0]})
-                bar.set_postfix(loss=f"{train_loss:.3f}", refresh=False)
+                for row, j in enumerate(live):
+                    lr = members[todo[j]].optim.lr * f(step)
+                    trackers[j].log({"step": step, "epoch": epoch, "train/loss": train_loss[row], "lr": lr})
+                bar.set_postfix(loss=f"{min(train_loss):.3f}", refresh=False)
         epoch += 1
         if epoch % cfg.train.eval_every == 0 or epoch == cfg.train.epochs:
-            metrics = evaluate(model, data["valid"], "valid", amp)
-            best = max(best, metrics["valid/accuracy"])
-            tracker.log({"step": step, "epoch": epoch, **metrics})
-            bar.set_postfix(valid_acc=f"{metrics['valid/accuracy']:.3f}", refresh=True)
-            stopped_early = cfg.train.early_stop is not None and metrics["valid/accuracy"] >= cfg.train.early_stop
-            run.save_checkpoint(
-                checkpoint_state(
-                    model,
-                    optimizer.state_dict(),
-                    scheduler.state_dict(),
-                    epoch,
-                    step,
-                    best,
-                    wall_before + time.perf_counter() - t0,
-                    tokens,
+            done = []
+            for row, j in enumerate(live):
+                member = strategy.model_of(row)
+                metrics = evaluate(member, data["valid"], "valid", amp)
+                best[j] = max(best[j], metrics["valid/accuracy"])
+                trackers[j].log({"step": step, "epoch": epoch, **metrics})
+                optimizer_state, scheduler_state = strategy.optimizer_state(row, step)
+                wall = wall_before + time.perf_counter() - t0
+                runs[todo[j]].save_checkpoint(
+                    checkpoint_state(member, optimizer_state, scheduler_state, epoch, step, best[j], wall, tokens)
                 )
-            )
+                if is_stopped(metrics["valid/accuracy"]):
+                    finish(row, j, True)
+                    done.append(row)
+            bar.set_postfix(valid_acc=f"{max(best):.3f}", refresh=True)
+            if done:
+                drop(done)
+            model.train()
     bar.close()
-    train_time = wall_before + time.perf_counter() - t0
-
-    final_valid = evaluate(model, data["valid"], "valid", amp)
-    test = evaluate(model, data["test"], "test", amp)
-    tracker.log({"step": step, "epoch": epoch, **test})
-    summary = run_summary(
-        cfg, name, model, final_valid, test, best, epoch, step, stopped_early, train_time, tokens, device
-    )
-    run.write_summary(summary)
-    tracker.finish(summary)
-    return summary
+    for row, j in enumerate(live):
+        finish(row, j, False)
+    return summaries
 
 
 USAGE = """usage: zoo-train [KEY=VALUE ...]
@@ -398,9 +432,9 @@ def main(argv: list[str] | None = None) -> None:
             print(resolved, end="")
             return
         if cfg.train.pack_lrs:
-            from zoo.packed import pack_members, train_packed
+            from zoo.steps import pack_members
 
-            summaries = train_packed(pack_members(cfg))
+            summaries = train_runs(pack_members(cfg))
         else:
             summaries = [train(cfg, resolved)]
     except ConfigError as e:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
+from zoo.graphs import StaticGraph
 from zoo.models.lm import LanguageModel
 
 
@@ -268,8 +269,8 @@ class DecodeGraph:
     """One decode step (`LanguageModel.step`) captured in a CUDA graph over a ZooCache's state tensors.
 
     The graph reads the token ids from a static buffer and updates the state in place; `__call__` copies the
-    ids in, replays and returns a copy of the logits [B, vocab]. Warm-up runs on a scratch copy of the state so
-    capturing does not advance the real one.
+    ids in, replays and returns a copy of the logits [B, vocab]. The capture's warm-up steps are undone (the
+    state is restored from a snapshot), so capturing does not advance the real state.
     """
 
     def __init__(self, model: LanguageModel, cache: ZooCache) -> None:
@@ -277,19 +278,20 @@ class DecodeGraph:
         device = next(t.device for t in cache.tensors())
         if device.type != "cuda":
             raise ValueError(f"DecodeGraph needs CUDA tensors, got {device}")
-        self.ids = torch.zeros(cache.batch_size, dtype=torch.long, device=device)
-        scratch = [None if s is None else {k: t.clone() for k, t in s.items()} for s in states]
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                model.step(self.ids, scratch)
-        torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = model.step(self.ids, states)  # [B, vocab]
+
+        def snapshot() -> list:
+            return [None if s is None else {k: t.clone() for k, t in s.items()} for s in states]
+
+        @torch.no_grad()
+        def restore(saved: list) -> None:
+            for s, old in zip(states, saved):
+                if s is not None:
+                    for k, t in s.items():
+                        t.copy_(old[k])
+
+        ids = torch.zeros(cache.batch_size, dtype=torch.long, device=device)
+        self.graph = StaticGraph(lambda ids: model.step(ids, states), (ids,), snapshot=snapshot, restore=restore,
+                                 name="the decode step")
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        self.ids.copy_(ids)
-        self.graph.replay()
-        return self.logits.clone()
+        return self.graph(ids).clone()  # [B, vocab]

@@ -1,0 +1,111 @@
+"""zoo-sweep's concurrency on CPU: runs trained by concurrent workers equal the same runs trained one at a time,
+a failing run among concurrent or packed ones is recorded while the others finish, CUDA MPS is used only where
+the machine has it (a log line says why not), and the costliest jobs start first."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from zoo.runs import RunDir
+from zoo.sweep import MPS, job_cost, run_sweep
+
+TINY = [
+    "model.d_model=16",
+    "data.vocab_size=64",
+    "train.epochs=2",
+    "train.early_stop=null",
+    "data.train=[{seq_len:16,num_kv_pairs:2,num_examples:64,batch_size:32}]",
+    "data.valid=[{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:32}]",
+    "data.test=[{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:32}]",
+]
+GRID = [[f"model={m}", f"optim.lr={lr}"] for m in ("based", "attention") for lr in ("1e-3", "1e-2")]
+
+
+def by_overrides(record: dict) -> dict[str, dict]:
+    return {" ".join(r["overrides"]): r for r in record["runs"]}
+
+
+@pytest.fixture(scope="module")
+def serial_and_concurrent(tmp_path_factory):
+    """The same 4 runs (and one that fails in training) trained by one worker and by two concurrent workers."""
+    tmp = tmp_path_factory.mktemp("sweeps")
+    bad = ["model=hyena", "model.mixers.hyena.max_seq_len=8"]  # valid config, raises in training
+    out = {}
+    for workers in (1, 2):
+        root = tmp / f"w{workers}"
+        extra = TINY + ["experiment_name=t", f"data.cache_dir={tmp / 'cache'}"]
+        out[workers] = run_sweep(GRID + [bad], "t", workers=workers, device="cpu", extra=extra, runs_root=str(root))
+    return out
+
+
+@pytest.mark.parametrize("run", [" ".join(r) for r in GRID])
+def test_a_concurrent_run_equals_the_same_run_alone(serial_and_concurrent, run):
+    serial, concurrent = (by_overrides(serial_and_concurrent[w])[run] for w in (1, 2))
+    assert serial["status"] == concurrent["status"] == "finished"
+    a, b = (RunDir(r["run_dir"]) for r in (serial, concurrent))
+    sa, sb = a.read_summary(), b.read_summary()
+    for key in ("valid/accuracy", "test/accuracy", "steps", "epochs"):
+        assert sa[key] == pytest.approx(sb[key], abs=1e-6), key
+    losses = [[json.loads(line).get("train/loss") for line in (d.path / "metrics.jsonl").read_text().splitlines()]
+              for d in (a, b)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    pa, pb = a.load_checkpoint()["model"], b.load_checkpoint()["model"]
+    for name in pa:
+        torch.testing.assert_close(pa[name], pb[name], rtol=1e-5, atol=1e-6)
+
+
+def test_a_failing_run_among_concurrent_ones_is_recorded_and_the_others_finish(serial_and_concurrent):
+    record = serial_and_concurrent[2]
+    statuses = [r["status"] for r in record["runs"]]
+    assert statuses == ["finished"] * 4 + ["failed"]
+    assert "exceed max_seq_len=8" in (Path(record["runs"][4]["run_dir"]) / "error.txt").read_text()
+
+
+def test_a_failing_member_of_a_pack_is_recorded_and_the_others_train_packed(tmp_path):
+    runs = [["model=based", f"optim.lr={lr}"] for lr in ("1e-3", "-1", "1e-2")]
+    extra = TINY + ["experiment_name=p", f"data.cache_dir={tmp_path / 'cache'}"]
+    record = run_sweep(runs, "p", workers=1, device="cpu", extra=extra, runs_root=str(tmp_path), pack_lrs=True)
+    statuses = [r["status"] for r in record["runs"]]
+    assert statuses == ["finished", "failed", "finished"]
+    assert "optim.lr must be > 0" in record["runs"][1]["error"]
+    assert [record["runs"][i].get("packed") for i in (0, 2)] == [2, 2]
+
+
+@pytest.mark.parametrize(
+    "device,workers,which,reason",
+    [("cpu", 4, "/bin/true", "nothing shares a GPU"), ("cuda", 1, "/bin/true", "nothing shares a GPU"),
+     ("cuda", 4, None, "not on PATH")],
+    ids=["cpu", "one-worker", "no-mps-binary"],
+)
+def test_mps_is_used_only_where_available(monkeypatch, device, workers, which, reason):
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    monkeypatch.setattr("zoo.sweep.shutil.which", lambda name: which)
+    daemon, why = MPS.start(device, workers, "auto")
+    assert daemon is None and "MPS not used" in why and reason in why
+    with pytest.raises(SystemExit, match="--mps on"):
+        MPS.start(device, workers, "on")
+
+
+def test_mps_off_and_a_caller_daemon_start_nothing(monkeypatch):
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/tmp/elsewhere")
+    daemon, why = MPS.start("cuda", 4, "auto")
+    assert daemon is None and "already set up by the caller" in why
+    daemon, why = MPS.start("cuda", 4, "off")
+    assert daemon is None and "--mps off" in why
+
+
+def test_a_pool_sweep_logs_why_mps_is_not_used(tmp_path, capfd):
+    extra = TINY + ["experiment_name=m", "train.epochs=1", f"data.cache_dir={tmp_path / 'cache'}"]
+    run_sweep(GRID[:2], "m", workers=2, device="cpu", extra=extra, runs_root=str(tmp_path))
+    assert "CUDA MPS not used (2 worker(s) on cpu: nothing shares a GPU)" in capfd.readouterr().err
+
+
+def test_the_costliest_jobs_start_first():
+    def run(d, L, epochs):
+        return [f"model.d_model={d}", f"data.train=[{{seq_len: {L}, num_kv_pairs: 4}}]", f"train.epochs={epochs}"]
+
+    runs = [run(64, 64, 64), run(512, 256, 64), run(128, 128, 64), run(512, 256, 16)]
+    order = sorted(range(len(runs)), key=lambda i: -job_cost(runs[i]))
+    assert order == [1, 3, 2, 0]
