@@ -102,8 +102,7 @@ C_ = gl.constexpr(64)  # tokens per chunk
 K_ = gl.constexpr(16)  # feature dim
 V_ = gl.constexpr(64)  # value dim
 NB = gl.constexpr(3)  # feature blocks of 64
-R_ = gl.constexpr(161)  # rows of split.py's pair-layout state: 1 + 2·16 + 16²/2
-ZR_ = gl.constexpr(273)  # its denominator state: 1 + 16 + 16²
+ZR_ = gl.constexpr(273)  # rows of the Taylor-order denominator state: 1 + 16 + 16²
 
 
 @gluon.jit
@@ -187,36 +186,6 @@ def _publish_z(zt01_s, zt2_s, slot, Z0, Z1, Z2, c8):
 
 
 @gluon.jit
-def _store_pairs(h, St, BLK: gl.constexpr, vo, fo, LO: gl.constexpr):
-    """Block BLK of the transposed state Sᵀ [V, 64] into a state of `split.py`'s pair layout h [R_, V] (bf16): order
-    0, order 1, the diagonal, then pair row j at 33 + j doubled where it stands for both (a, b) and (b, a)
-    (`split.orders_to_pairs`)."""
-    x = gl.convert_layout(St.to(gl.bfloat16), LO)
-    if BLK == 0:
-        row = gl.where(fo < 32, 1 + fo, gl.where(fo == 32, 0, -1))
-        gl.store(h + row * V_ + vo, x, mask=(row >= 0) & (vo >= 0))
-    else:
-        j = fo + 64 * (BLK - 1)
-        gl.store(h + (33 + j) * V_ + vo, x * gl.where(j < 112, 2.0, 1.0).to(gl.bfloat16), mask=(j >= 0) & (vo >= 0))
-
-
-@gluon.jit
-def _store_orders(z, Zb, BLK: gl.constexpr, r8, c8):
-    """Block BLK of z (rows of Zb [64, 8], equal columns) into the Taylor-order denominator state z [ZR_] (n, z1, the
-    full K×K Z2) that `split.py` keeps per chunk."""
-    if BLK == 0:
-        pos = gl.where(r8 < 16, 1 + r8, gl.where(r8 < 32, 17 + (r8 - 16) * 17, gl.where(r8 == 32, 0, -1)))
-        gl.store(z + pos + c8 * 0, Zb, mask=(c8 == 0) & (pos >= 0))
-    else:
-        j = r8 + 64 * (BLK - 1)
-        d = 1 + j // 16
-        a = j % 16
-        b = (a + d) % 16
-        gl.store(z + 17 + a * 16 + b + c8 * 0, Zb, mask=c8 == 0)
-        gl.store(z + 17 + b * 16 + a + c8 * 0, Zb, mask=(c8 == 0) & (d < 8))  # d = 8: the mirror has its own row
-
-
-@gluon.jit
 def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.constexpr,
               STORE_HT: gl.constexpr, STORE_STATES: gl.constexpr, x_s, q16_s, k16_s, ra_s, rb_s, ra2_s, rb2_s, f01_s,
               f2_s, w_s, zt01_s, zt2_s, dn_s, ones_s, one0_s, kt_s, ready, free, zready, NSLOT: gl.constexpr,
@@ -275,9 +244,7 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
         else:
             ones_s.store(gl.full([8, C_], 1.0, gl.bfloat16, LV))
         fence_async_shared()
-        if STORE_STATES == 1:
-            zs += i_bh.to(gl.int64) * gl.cdiv(T, C_) * ZR_
-        elif STORE_STATES == 2:
+        if STORE_STATES == 2:
             zs += i_bh.to(gl.int64) * gl.cdiv(T, 2 * C_) * (NB * 64)
         if NARROW:  # z as M = Σ [k, 1]ᵀ k [64, 16] (rows 0-15: Σ k kᵀ, row 16: Σ k; the count apart, n0 + start)
             if USE_H0:
@@ -329,11 +296,7 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
             # the next chunk's keys, after this chunk's fences: each fence (MEMBAR.ALL.CTA in SASS) waits for the
             # loads in flight, which cost producer 1 the load's latency every chunk (session 21)
             nk16 = gl.load(k + t16 * (H * K_) + c16, mask=t16 < T, other=0.0)
-            if STORE_STATES == 1:  # every chunk's, in the Taylor-order layout of `split.state_pass`'s zs
-                _store_orders(zs + c * ZR_, Z0, 0, r8, c8)
-                _store_orders(zs + c * ZR_, Z1, 1, r8, c8)
-                _store_orders(zs + c * ZR_, Z2, 2, r8, c8)
-            elif STORE_STATES == 2:  # every second chunk's, in this kernel's rows
+            if STORE_STATES == 2:  # every second chunk's, in this kernel's rows
                 if c % 2 == 0:
                     zc = zs + (c // 2) * (NB * 64)
                     gl.store(zc + r8 + c8 * 0, Z0, mask=c8 == 0)
@@ -463,8 +426,6 @@ def _consumer(o, den_out, h0, hT, hs, hs_desc, v_desc, i_bh, T, H: gl.constexpr,
     c2 = gl.arange(0, W2, layout=gl.SliceLayout(0, AW2))[None, :]
     vo = gl.arange(0, V_, layout=gl.SliceLayout(1, LO))[:, None]
     to = gl.arange(0, C_, layout=gl.SliceLayout(0, LO))[None, :]
-    if STORE_STATES == 1:
-        hs += i_bh.to(gl.int64) * gl.cdiv(T, C_) * (R_ * V_)
     if USE_H0:
         h0 += i_bh.to(gl.int64) * (NR * V_)
         S0 = gl.load(h0 + ca * V_ + ra)
@@ -501,11 +462,7 @@ def _consumer(o, den_out, h0, hT, hs, hs_desc, v_desc, i_bh, T, H: gl.constexpr,
                             is_async=True)
         num = warpgroup_mma(gl.convert_layout(S2.to(gl.bfloat16), AOP), psi2_s.index(slot).permute((1, 0)), num,
                             is_async=True)
-        if STORE_STATES == 1:  # the state entering chunk c, for the split backward (`split.state_pass`'s hs)
-            _store_pairs(hs + c * (R_ * V_), S0, 0, vo, to, LO)
-            _store_pairs(hs + c * (R_ * V_), S1, 1, vo, to, LO)
-            _store_pairs(hs + c * (R_ * V_), S2, 2, vo, to, LO)
-        elif STORE_STATES == 2:  # in this kernel's rows, every second chunk's: what `gluon_backward` reads
+        if STORE_STATES == 2:  # in this kernel's rows, every second chunk's: what `gluon_backward` reads
             if c % 2 == 0:  # Sᵀ as the MMAs hold it, through shared memory and a TMA store (hs: [B·H·NQ·V, 192])
                 tma.store_wait(0)  # the copies of two chunks ago have left the buffers
                 _barrier()
@@ -718,16 +675,8 @@ def from_kernel_rows(h: torch.Tensor, z: torch.Tensor, B: int, H: int):
     return h[:, idx].reshape(B, H, len(idx), h.shape[-1]), (z if narrow else z[:, idx]).reshape(B, H, len(idx))
 
 
-# Where `applies` sends a forward: one program per sequence, so the kernel wants enough sequences, or short ones.
-# H200, session 16, bf16, B=1, ms, this kernel / `chunk._fwd_kernel` (which walks few sequences in parallel segments):
-#   B·H = 4:  T=1024 0.060 / 0.201, T=4096 0.149 / 0.226, T=16384 0.580 / 0.226
-#   B·H = 16: T=1024 0.043 / 0.177, T=4096 0.151 / 0.159, T=16384 0.582 / 0.511
-#   B·H = 32: T=1024 0.043 / 0.335, T=4096 0.151 / 0.244, T=16384 0.584 / 0.825
-#   B·H = 64: T=4096 0.152 / 0.343, T=16384 0.589 / 1.215; B·H = 128 (B=8, H=16): T=4096 0.153 / 0.382
-MIN_SEQUENCES = 32
-MAX_SHORT_T = 4096  # below MIN_SEQUENCES sequences, up to this length
-# Registers per thread of each producer partition (setmaxnreg; the consumer gets what is left, 248 at 128). H200,
-# T=4096: 144 → 0.215 ms, 136 → 0.156, 128 → 0.152, 120 → 0.170 (the producers spill).
+# Registers per thread of each producer partition (setmaxnreg; the consumer gets what is left, 248 at 128): the
+# fastest on an H200 (fewer spill, more starve the consumer).
 PRODUCER_REGS = 128
 
 
@@ -748,69 +697,38 @@ def _states_descriptor(hs: torch.Tensor | None, device) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(hs.view(-1, hs.shape[-1]), _STATES_BLOCK, _STATES_LAYOUT)
 
 
-def applies(q: torch.Tensor, v: torch.Tensor, normalize: bool) -> bool:
-    """This kernel's case: bf16 on a Hopper GPU (sm_90), K = 16, V = 64, normalised, at least MIN_SEQUENCES
-    sequences or at most MAX_SHORT_T tokens, and not inside torch.compile's tracing. The caller decides what follows:
-    no gradient, or a backward (`chunk.ChunkBasedFunction`, with `store_states`)."""
-    B, T, H, K = q.shape
-    return (q.is_cuda and q.dtype == torch.bfloat16 and K == 16 and v.shape[-1] == 64 and normalize
-            and (B * H >= MIN_SEQUENCES or T <= MAX_SHORT_T) and not torch.compiler.is_compiling()
-            and _is_sm90(q.device))
-
-
-_SM90 = {}
-
-
-def _is_sm90(device) -> bool:
-    """Whether `device` is a Hopper GPU (sm_90), asked of the driver once per device."""
-    if device not in _SM90:
-        _SM90[device] = torch.cuda.get_device_capability(device) == (9, 0)
-    return _SM90[device]
-
-
-def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                  hv0: torch.Tensor | None = None, hz0: torch.Tensor | None = None, output_final_state: bool = False,
-                  store_states: str | None = None):
-    """Normalised Based attention, bf16, K = 16, V = 64 (the kernel itself has no backward). hv0/hz0: the initial
-    state in Taylor-order form (`naive.state_to_orders`) or None. Returns o [B, T, H, V] and the final state in
-    Taylor-order form (or None, None). With store_states it also returns den [B, T, H] fp32 and (hs, zs), the state
-    entering chunks, as (o, den, hvT, hzT, (hs, zs)): "rows", every second chunk's in this kernel's rows (hs [B·H, NQ,
-    V, 192] bf16, transposed, zs [B·H, NQ, 192] fp32, NQ = ⌈T/128⌉), what `gluon_backward.gluon_backward` reads;
-    "pairs", every chunk's in `split.state_pass`'s layout, what `split.split_backward` reads."""
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, hv0: torch.Tensor | None = None,
+            hz0: torch.Tensor | None = None, output_final_state: bool = False, store_states: bool = False):
+    """Normalised Based attention, bf16, K = 16, V = 64, q, k, v contiguous. hv0/hz0: the initial state in
+    Taylor-order form (`naive.state_to_orders`, fp32) or None. Returns (o, den, hvT, hzT, hs, zs): o [B, T, H, V],
+    the final state in Taylor-order form (or None, None), and with store_states what `gluon_backward.backward`
+    reads: den [B, T, H] fp32 and every second chunk's entering state in this kernel's wide rows, hs [B·H, NQ, V,
+    192] bf16 (transposed) and zs [B·H, NQ, 192] fp32, NQ = ⌈T/128⌉ (else None, None, None)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if K != 16 or V != 64 or q.dtype != torch.bfloat16:
-        raise ValueError(f"gluon_forward takes bf16 inputs with K=16 and V=64, got K={K}, V={V}, {q.dtype}")
-    scale = K ** -0.5 if scale is None else scale
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        raise ValueError(f"the Gluon forward takes bf16 inputs with K=16 and V=64, got K={K}, V={V}, {q.dtype}")
     o = torch.empty_like(v)
-    if store_states not in (None, "rows", "pairs"):
-        raise ValueError(f"store_states must be None, 'rows' or 'pairs', got {store_states!r}")
-    narrow = store_states is None  # the kernel's narrow layout: 160 state rows (`_factor_mats`)
+    narrow = not store_states  # the kernel's narrow layout: 160 state rows (`_factor_mats`)
     h0 = z0 = hT = zT = hs = zs = den = o  # placeholders where unused
     if hv0 is not None:
-        h0, z0 = to_kernel_rows(hv0.float(), hz0.float(), narrow)
+        h0, z0 = to_kernel_rows(hv0, hz0, narrow)
     if output_final_state:
         hT = torch.empty(B * H, 160 if narrow else 192, V, device=q.device, dtype=torch.float32)
         zT = torch.empty(B * H, 1 + K + K * K if narrow else 192, device=q.device, dtype=torch.float32)
     if store_states:
-        NC = (T + 127) // 128 if store_states == "rows" else (T + 63) // 64  # rows: every second chunk's state
-        if store_states == "rows":  # transposed, [V, 192] per state, written by TMA stores
-            hs = torch.empty(B * H, NC, V, 3 * 64, device=q.device, dtype=torch.bfloat16)
-            zs = torch.empty(B * H, NC, 3 * 64, device=q.device, dtype=torch.float32)
-        else:  # rows the kernel does not write (order-2 rows past K, none at K = 16) stay zero
-            hs = torch.empty(B * H, NC, 161, V, device=q.device, dtype=torch.bfloat16)
-            zs = torch.empty(B * H, NC, 273, device=q.device, dtype=torch.float32)
+        NQ = (T + 127) // 128
+        hs = torch.empty(B * H, NQ, V, 3 * 64, device=q.device, dtype=torch.bfloat16)
+        zs = torch.empty(B * H, NQ, 3 * 64, device=q.device, dtype=torch.float32)
         den = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
-    mode = {None: 0, "pairs": 1, "rows": 2}[store_states]
-    hs_desc = _states_descriptor(hs if mode == 2 else None, q.device)
+    hs_desc = _states_descriptor(hs if store_states else None, q.device)
     v_desc = TensorDescriptor.from_tensor(v.view(B, T, H * V), [1, 64, 64], _V_LAYOUT)
     launch(_gluon_fwd_kernel, (B * H,), q, k, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, T, scale, H,
-           USE_H0=hv0 is not None, STORE_HT=output_final_state, STORE_STATES=mode, NSLOT=2,
+           USE_H0=hv0 is not None, STORE_HT=output_final_state, STORE_STATES=2 if store_states else 0, NSLOT=2,
            PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     hvT = hzT = None
     if output_final_state:
         hvT, hzT = from_kernel_rows(hT, zT, B, H)
     if store_states:
-        return o, den, hvT, hzT, (hs, zs)
-    return o, hvT, hzT
+        return o, den, hvT, hzT, hs, zs
+    return o, None, hvT, hzT, None, None

@@ -663,8 +663,8 @@ def rows_grad_to_state(dh: torch.Tensor, dz: torch.Tensor, B: int, H: int):
     return dhv.reshape(B, H, F, V), dhz.reshape(B, H, F)
 
 
-def gluon_backward(q, k, v, o, do, den, hs, zs, scale, dhvT=None, dhzT=None, need_dh0=False):
-    """The gradient of `gluon.gluon_forward(..., store_states="rows")`: q, k, v, o, do [B, T, H, ·] (bf16), den
+def backward(q, k, v, o, do, den, hs, zs, scale, dhvT=None, dhzT=None, need_dh0=False):
+    """The gradient of `gluon.forward(..., store_states=True)`: q, k, v, o, do [B, T, H, ·] (bf16), den
     [B, T, H] fp32, (hs, zs) the stored states (the forward's rows, every second chunk's). dhvT/dhzT: the final
     state's gradient in Taylor-order form (or None). Returns dq, dk, dv (bf16) and, with need_dh0, the initial
     state's gradient in Taylor-order form."""
@@ -694,30 +694,3 @@ def gluon_backward(q, k, v, o, do, den, hs, zs, scale, dhvT=None, dhzT=None, nee
     if need_dh0:
         dhv0, dhz0 = rows_grad_to_state(dh0, dz0, B, H)
     return dq, dk, dv, dhv0, dhz0
-
-
-class GluonBasedFunction(torch.autograd.Function):
-    """(q, k, v, hv0, hz0) -> (o, hvT, hzT) through the Gluon kernels alone: `gluon.gluon_forward` storing the states
-    (rows) and `gluon_backward`. `chunk.chunk_based` takes it wherever the Gluon forward applies and a gradient
-    follows. It does no more on the host than those two calls: at short T an eager step waits on the host (session
-    20, H200, T=1024: 586 µs of host time a forward+backward through `ChunkBasedFunction` against a GPU time of 144).
-    Gradients of outputs that are not used arrive as None (no zero tensors are made and read for them)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, hv0, hz0, scale, output_final_state):
-        from kernels.based.gluon import gluon_forward
-
-        ctx.set_materialize_grads(False)
-        o, den, hvT, hzT, (hs, zs) = gluon_forward(q, k, v, scale, hv0, hz0, output_final_state, store_states="rows")
-        ctx.save_for_backward(q, k, v, o, den, hs, zs)
-        ctx.scale, ctx.need_dh0 = scale, hv0 is not None
-        return o, hvT, hzT
-
-    @staticmethod
-    def backward(ctx, do, dhvT, dhzT):
-        q, k, v, o, den, hs, zs = ctx.saved_tensors
-        if do is None:  # only the final state reaches the loss
-            do = torch.zeros_like(o)
-        dq, dk, dv, dhv0, dhz0 = gluon_backward(q, k, v, o, do, den, hs, zs, ctx.scale, dhvT, dhzT,
-                                                need_dh0=ctx.need_dh0)
-        return dq, dk, dv, dhv0, dhz0, None, None
