@@ -1,81 +1,56 @@
 """Based forward as a Gluon kernel for Hopper (sm_90): explicit layouts, shared memory, warpgroup MMAs and warp
-specialisation.
+specialisation. bf16, K = 16, V = 64, normalised (`ops.choose_path` sends those calls here), either for inference
+(no state stored) or for training, storing every second chunk's entering state for `gluon_backward.py`.
 
-Session 16. `chunk_based` runs it for bf16 forwards at K = 16, V = 64 (`applies`): those that no gradient follows
-(inference, prefill, torch.no_grad), and in training, storing the states entering chunks (`store_states`) for
-the backward after it: in this kernel's rows for `gluon_backward.py` (session 17, the default), or in
-`split.state_pass`'s layout for the split backward (`chunk.GLUON_BACKWARD = False`).
-One program owns one (batch, head) and all 64 value columns and walks the sequence in
-chunks of C = 64 tokens, as `chunk._fwd_kernel` does, but in three partitions of 4 warps that run side by side:
+One program owns one (batch, head) and all 64 value columns and walks the sequence in chunks of C = 64 tokens, in
+three partitions of 4 warps that run side by side:
 
 - producer 0 (`_producer`, ROLE 0): loads q and k, builds the query features ψ(q) and the chunk's weights
   w = 1 + s + s²/2 (s = q_s kᵀ, causal) into a shared-memory slot; storing states, also its denominators
   den = w·1 + Σ_blk ψ_blk z_blk;
-- producer 1 (ROLE 1): loads k, builds the key features φ(k) and keeps z over the chunks before: storing states,
-  z_blk = Σ φ_blkᵀ 1, which it hands to producer 0 (`zready`); in the inference forward, the moments
-  M = Σ [k, 1]ᵀ k (below), which it puts in the slot;
+- producer 1 (ROLE 1): loads k, builds the key features φ(k); storing states it keeps z_blk = Σ φ_blkᵀ 1 over the
+  chunks before and hands it to producer 0 (`zready`); in the inference forward it keeps the moments
+  M = Σ [k, 1]ᵀ k (below) and puts them in the slot;
 - the consumer (`_consumer`, the default partition): holds the state and, per chunk, reads the slot:
   numᵀ = vᵀ wᵀ + Σ_blk Sᵀ_blk ψ_blkᵀ, then Sᵀ_blk += vᵀ φ_blk, and stores o = num / den (and den, for a backward).
-  It also loads v by TMA into the slot, two chunks ahead (`vbar`), and takes vᵀ from there into registers once, the
-  A operand of its four MMAs. In the inference forward the updates queue behind the reads, num is awaited alone and
-  the output goes out while they run (session 23), and it makes den itself (session 24).
+  It loads v by TMA into the slot, two chunks ahead (`vbar`), and takes vᵀ from there into registers once, the A
+  operand of its four MMAs. In the inference forward the updates queue behind the reads, num is awaited alone and
+  the output goes out while they run, and it makes den itself.
 
-The inference forward's denominators (session 24). With the query's scale in q_s, ψ(q)·φ(k) = 1 + q_s·k + (q_s·k)²/2,
-so over the keys before a chunk ψ(q)·z = n + q_s·z₁ + ½ q_sᵀ Z₂ q_s, with n the count, z₁ = Σ k and Z₂ = Σ k kᵀ: the
-Taylor-order z itself. Producer 1 keeps M = [Z₂; z₁ᵀ] (rows 0-16 of [64, 16]) by one MMA a chunk, [k, 1, 0…]ᵀ k from
-a [C, 64] buffer whose first 16 columns are the keys its features read, and puts M (rows 0-15 halved) in the slot as
-a bf16 head and tail. The consumer issues, with its reads, p = q_s M₀₋₁₅ + 1·M₁₆ ([C, 16], four K = 16 MMAs) and w·1
-(one), and takes den = Σ_j q_s,j p_j + w·1 + n. Before, producer 0 made den from z in the features' layout (14 N = 8
-MMAs, `zready`) and producer 1 summed z by 12: T=4096 0.1040 → 0.0967 ms (H200, graphed); z₂ now sums exact
-products (no bf16 rounding of each k_a k_b), and the final k_sum is as close or closer to float64.
+The inference forward's denominators. With the query's scale in q_s, ψ(q)·φ(k) = 1 + q_s·k + (q_s·k)²/2, so over the
+keys before a chunk ψ(q)·z = n + q_s·z₁ + ½ q_sᵀ Z₂ q_s, with n the count, z₁ = Σ k and Z₂ = Σ k kᵀ: the Taylor-order z
+itself. Producer 1 keeps M = [Z₂; z₁ᵀ] (rows 0-16 of [64, 16]) by one MMA a chunk, [k, 1, 0…]ᵀ k from a [C, 64]
+buffer whose first 16 columns are the keys its features read, and puts M (rows 0-15 halved) in the slot as a bf16
+head and tail. The consumer issues, with its reads, p = q_s M₀₋₁₅ + 1·M₁₆ ([C, 16], four K = 16 MMAs) and w·1 (one),
+and takes den = Σ_j q_s,j p_j + w·1 + n. z₂ sums exact products (no bf16 rounding of each k_a k_b).
 
 Fences. `fence_async_shared` compiles to MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S on sm_90a, and the MEMBAR waits for every
-global load and store the thread has in flight. Until session 21 producer 1 loaded the next chunk's v (8 KB) and k
-into registers just before its fence, so it paid the load's latency every chunk (per-section clock stamps: 2,134 of
-its 4,459 cycles a chunk at T=4096); producer 0 stored den just before its next fence. v now comes by TMA (which no
-fence waits for), issued by the consumer into the slot it has just read, k is loaded after producer 1's fences, and
-den is stored by the consumer: T=4096 0.1238 → 0.1139 ms, storing states 0.1372 → 0.1280 (bit-identical). Loading q
-and k by TMA as well, and making den in producer 1 or w in the consumer, were slower (`experiments/LOG.md`).
+global load and store the thread has in flight. So v comes by TMA (which no fence waits for), issued by the consumer
+into the slot it has just read, k is loaded after producer 1's fences, and den is stored by the consumer.
 
 Two slots (`ready` / `free` mbarriers) let the producers build chunk c+1 while the consumer runs chunk c. The state
 is transposed, Sᵀ_blk [V, 64] in fp32 MMA accumulators, so that it is the register (A) operand of the reads and never
 goes through shared memory; only z does, as a bf16 head plus tail (≈ 16 bits, for the denominator). The state reads
-take S in bf16, as the Triton kernels do for bf16 inputs. Until session 20 the consumer also kept z and made den:
-28 of its 56 wgmma instructions, N = 8 each; in the producers (after their features became K = 16 MMAs, which left
-them room) the consumer's loop has 305 instructions instead of 555, and the forward storing states for training went
-from 0.160 to 0.143 ms at T=4096 (outputs, states and den bit-identical).
+take S in bf16, as the Triton kernels do for bf16 inputs.
 
 Features. Each is a product of two factors, each factor a dot of the chunk's inputs x [C, 16] with a 0/1 matrix
 (one K = 16 MMA), so no register shuffles. Two layouts (`_factor_mats`, `feature_rows`):
 
     wide (192 = 3 blocks of 64), where states are stored for a backward (whose kernels read it):
       block 0: x_a (16), x_a² (16), 1 (1), zeros (31); the x_a are the first factor alone and the constant is added
-      block 1, 2: the pairs x_a·x_b, b = (a + d) mod 16, d = 1..8 (row j = (d-1)·16 + a; `chunk._pair_cols`)
-    narrow (160 = 64 + 64 + 32, session 22), the inference forward:
+      block 1, 2: the pairs x_a·x_b, b = (a + d) mod 16, d = 1..8 (row j = (d-1)·16 + a; `primitives._pair_cols`)
+    narrow (160 = 64 + 64 + 32), the inference forward:
       block 0, 1: the pairs (a, a + d mod 16), d = 0..3 and 4..7 (d = 0: x_a²)
       block 2: x_a (16), the pairs (a, a + 8) for a < 8 (8, each once), 1 (1), zeros (7)
 
 The narrow layout holds the 153 distinct features in 160 columns instead of 192: a sixth less of every feature MMA,
 store, state update and state read. Block 2's z does not fill an MMA's 64 rows, so producer 1 keeps it as 1 φ₂ in
-every row of [64, 32] (an MMA with a tile of ones as A). T=4096: 0.1132 → 0.1075 ms, outputs within 2e-5 of the wide
-layout's and the final state bit-identical.
+every row of [64, 32] (an MMA with a tile of ones as A). The first factor is x_(c mod 16) in column c of every block
+(the query's ½ weights sit in the second factor), so the inference forward makes it once a chunk for blocks 0 and 1.
 
-The first factor is x_(c mod 16) in column c of every block (the query's ½ weights sit in the second factor), so the
-inference forward makes it once a chunk for blocks 0 and 1; storing states, the register it holds cost more than the
-two MMAs it saves.
-
-(Until session 20 the factors were dots of x_ext = [x, 1, 0…] [C, 32], whose appended one made the order-1 features
-and the constant: K = 32, twice the producers' MMA work; the features are the same to the bit, and the forward went
-from 0.150 to 0.1375 ms at T=4096.)
-
-The query side (q_s = scale·q, rounded to bf16 as in the Triton kernels) weighs the diagonal (and in the wide
-layout d = 8, held twice) by ½, so
-Σ_f ψ_f(q) φ_f(k) = 1 + s + s²/2. The initial and final states travel in this kernel's row order (`feature_rows`),
-converted from and to the Taylor-order form in PyTorch.
-
-H200, B=8, H=16, T=4096 (`experiments/LOG.md`, session 16): 0.153 ms, against 0.382 for `_fwd_kernel`; one partition
-doing all of it (8 warps) took 0.250, one producer 0.170. Forward+backward with the states stored for the split
-backward: 1.166 ms, against 1.263 with the split forward; with the Gluon backward (session 17): 0.750.
+The query side (q_s = scale·q, rounded to bf16 as in the Triton kernels) weighs the diagonal (and in the wide layout
+d = 8, held twice) by ½, so Σ_f ψ_f(q) φ_f(k) = 1 + s + s²/2. The initial and final states travel in this kernel's
+row order (`feature_rows`), converted from and to the Taylor-order form in PyTorch.
 """
 
 import torch
@@ -133,13 +108,13 @@ def _block0(f, fa, c, one, CONST: gl.constexpr):
 def _factor_mats(ra, rb, BLK: gl.constexpr, QUERY: gl.constexpr, L: gl.constexpr, NARROW: gl.constexpr,
                  W: gl.constexpr):
     """The 0/1 matrices [K_, W] of feature block BLK for one side, so that feature = (x·ra) ⊙ (x·rb): factor a into
-    ra, factor b (with the query's ½ weights) into rb. Factor a is x_(c mod 16) in column c of every block (session
-    21: one MMA a chunk for blocks 0 and 1). The block holding orders 0 and 1 (`_block0`) has a second factor of zero
+    ra, factor b (with the query's ½ weights) into rb. Factor a is x_(c mod 16) in column c of every block (so one
+    MMA a chunk makes it for blocks 0 and 1). The block holding orders 0 and 1 (`_block0`) has a second factor of zero
     in columns 0-15 and at its constant, where x·ra is added and the 1.
 
     The wide layout (3 blocks of 64, the states stored for a backward): block 0 = x_a, x_a² (½ on the query side),
     the constant at 32 and 31 zeros; blocks 1 and 2: the pairs (a, a + d mod 16), d = 1..8, d = 8 twice (½ each).
-    The narrow layout (64 + 64 + 32 = 160, session 22, the inference forward): blocks 0 and 1: the pairs d = 0..3 and
+    The narrow layout (64 + 64 + 32 = 160, the inference forward): blocks 0 and 1: the pairs d = 0..3 and
     4..7 (d = 0 the diagonal, ½ on the query side); block 2: x_a (16), the pairs (a, a + 8) for a < 8 once each, the
     constant at 24 and 7 zeros."""
     r = gl.arange(0, K_, layout=gl.SliceLayout(1, L))[:, None]
@@ -197,8 +172,8 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
     states z = Σ φ(k), which it hands to ROLE 0 as a bf16 head and tail (`zt01_s`, `zt2_s`, `zready`); narrow, the
     moments M = Σ [k, 1]ᵀ k [64, 16], which it puts in the slot (`zt2_s`) for the consumer's den (module docstring).
     Each feature block takes two K = 16 MMAs; in the narrow layout (NARROW: 64 + 64 + 32 features, the inference
-    forward) blocks 0 and 1 share factor a (session 20: K = 32 before, with an appended one; den and z were the
-    consumer's). q and k come through registers, loaded one chunk ahead; v comes by TMA (the consumer's)."""
+    forward) blocks 0 and 1 share factor a. q and k come through registers, loaded one chunk ahead; v comes by TMA
+    (the consumer's)."""
     LV: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     L16: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
     LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -294,7 +269,7 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
                 _barrier()
                 mbarrier.arrive(zready.index(slot))
             # the next chunk's keys, after this chunk's fences: each fence (MEMBAR.ALL.CTA in SASS) waits for the
-            # loads in flight, which cost producer 1 the load's latency every chunk (session 21)
+            # loads in flight, so loading before them would cost producer 1 the load's latency every chunk
             nk16 = gl.load(k + t16 * (H * K_) + c16, mask=t16 < T, other=0.0)
             if STORE_STATES == 2:  # every second chunk's, in this kernel's rows
                 if c % 2 == 0:
@@ -303,7 +278,7 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
                     gl.store(zc + 64 + r8 + c8 * 0, Z1, mask=c8 == 0)
                     gl.store(zc + 128 + r8 + c8 * 0, Z2, mask=c8 == 0)
         z = gl.zeros([C_, 64], gl.float32, A64)
-        if NARROW:  # factor a once a chunk for blocks 0 and 1 (session 21, T=4096: 0.1275 → 0.1236 ms)
+        if NARROW:  # factor a once a chunk for blocks 0 and 1
             z2 = gl.zeros([C_, W2], gl.float32, AW2)
             fa = warpgroup_mma(xin, ra_s.index(0), z, use_acc=False, is_async=True)
             fb = warpgroup_mma(xin, rb_s.index(0), z, use_acc=False, is_async=True)
@@ -436,8 +411,8 @@ def _consumer(o, den_out, h0, hT, hs, hs_desc, v_desc, i_bh, T, H: gl.constexpr,
         S1 = gl.zeros([V_, 64], gl.float32, A64)
         S2 = gl.zeros([V_, W2], gl.float32, AW2)
     NC = gl.cdiv(T, C_)
-    # v comes by TMA (rows past T zero), issued here NSLOT chunks ahead into the slot just read (session 21: from
-    # producer 1's registers before, whose loads the fences waited for; T=4096 0.1232 → 0.1130 ms)
+    # v comes by TMA (rows past T zero), issued here NSLOT chunks ahead into the slot just read: no fence waits for a
+    # TMA load, where the producers' fences would wait for loads into registers
     for i in gl.static_range(NSLOT):
         if i < NC:
             mbarrier.expect(vbar.index(i), C_ * V_ * 2)
@@ -449,8 +424,8 @@ def _consumer(o, den_out, h0, hT, hs, hs_desc, v_desc, i_bh, T, H: gl.constexpr,
         mbarrier.wait(ready.index(slot), (c // NSLOT) & 1)
         mbarrier.wait(vbar.index(slot), (c // NSLOT) & 1)
         b = slot * 2
-        # vᵀ once from shared memory into registers, the A operand of its four MMAs (session 21: 24 KB less of shared
-        # memory read a chunk; T=4096 0.1332 → 0.1284 ms)
+        # vᵀ once from shared memory into registers, the A operand of its four MMAs (24 KB less of shared memory read a
+        # chunk than four shared-memory operands)
         vt = v_s.index(slot).permute((1, 0)).load(AOP)
         if NARROW:  # den's MMAs first, done when num is
             dd, p = _den_mmas(w_s, one0_s, q16_s, zt2_s, slot)
@@ -476,7 +451,7 @@ def _consumer(o, den_out, h0, hT, hs, hs_desc, v_desc, i_bh, T, H: gl.constexpr,
                 _tma_store(hs_desc, [row, 64], hst_s.index(1))
                 _tma_store(hs_desc, [row, 128], hst_s.index(2))
         if NARROW:  # the state updates queued behind the reads (whose bf16 copies of S are registers of their own),
-            # num awaited while they run (session 23: T=4096 0.1057 → 0.1040 ms with the output tile below)
+            # num awaited while they run
             S0, S1, S2 = _update(vt, phi01_s, phi2_s, slot, S0, S1, S2)
             qa = q16_s.index(slot).load(A16).to(gl.float32)
             dd, p, num = warpgroup_mma_wait(3, deps=[dd, p, num])
@@ -536,7 +511,7 @@ def _gluon_fwd_kernel(q, k, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, T, 
     o += ov
     if STORE_STATES:
         den += od
-    # the narrow layout (64 + 64 + 32 features, session 22) where no states are stored for a backward, whose kernels
+    # the narrow layout (64 + 64 + 32 features) where no states are stored for a backward, whose kernels
     # read the wide one (3 × 64)
     NARROW: gl.constexpr = STORE_STATES == 0
     W2: gl.constexpr = 32 if NARROW else 64

@@ -178,17 +178,22 @@ def _chunk_fwd_fake(q, k, v, hv0, hz0, scale, path, normalize, output_final_stat
     B, T, H, K = q.shape
     V, F = v.shape[-1], 1 + K + K * K
     f32 = dict(device=q.device, dtype=torch.float32)
-    empty = q.new_empty(0, dtype=torch.float32)
-    den = q.new_empty(B, T, H, dtype=torch.float32) if save and normalize else empty
-    hvT = q.new_empty(B, H, F, V, dtype=torch.float32) if output_final_state else empty
-    hzT = q.new_empty(B, H, F, dtype=torch.float32) if output_final_state else empty
-    hs = zs = empty
+
+    def empty():  # a new tensor each: outputs must not alias each other
+        return torch.empty(0, **f32)
+
+    den = torch.empty(B, T, H, **f32) if save and normalize else empty()
+    hvT = torch.empty(B, H, F, V, **f32) if output_final_state else empty()
+    hzT = torch.empty(B, H, F, **f32) if output_final_state else empty()
+    hs, zs = empty(), empty()
     if save and path == "gluon":
         NQ = -(-T // 128)
-        hs, zs = q.new_empty(B * H, NQ, V, 192, dtype=torch.bfloat16), torch.empty(B * H, NQ, 192, **f32)
+        hs = torch.empty(B * H, NQ, V, 192, device=q.device, dtype=torch.bfloat16)
+        zs = torch.empty(B * H, NQ, 192, **f32)
     elif save and path == "split":
         NC = -(-T // split.CONFIG.BC)
-        hs = q.new_empty(B * H, NC, 1 + 2 * 16 + 16 * 8, V, dtype=split._state_dtype(forward_dot(q.dtype, K)))
+        hs = torch.empty(B * H, NC, 1 + 2 * 16 + 16 * 8, V, device=q.device,
+                         dtype=split._state_dtype(forward_dot(q.dtype, K)))
         zs = torch.empty(B * H, NC, 1 + 16 + 16 * 16, **f32)
     return torch.empty_like(v), den, hvT, hzT, hs, zs
 
@@ -205,9 +210,9 @@ def _chunk_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Te
 
 @_chunk_bwd_op.register_fake
 def _chunk_bwd_fake(q, k, v, o, den, hs, zs, hv0, hz0, do, dhvT, dhzT, scale, path, normalize):
-    empty = q.new_empty(0, dtype=torch.float32)
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            empty if hv0 is None else torch.empty_like(hv0), empty if hz0 is None else torch.empty_like(hz0))
+            torch.empty(0, device=q.device) if hv0 is None else torch.empty_like(hv0),
+            torch.empty(0, device=q.device) if hz0 is None else torch.empty_like(hz0))
 
 
 def _chunk_setup(ctx, inputs, output):
