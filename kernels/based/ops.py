@@ -16,11 +16,12 @@ A path can be forced for debugging through `BasedConfig` (the `config` argument)
 variable ZOO_BASED_PATH (auto, gluon, split or fused), read once at import. A forced path that cannot take the call
 raises a one-line error.
 
-The path is chosen on the host from the inputs' metadata alone, before any kernel runs, and is passed to the kernels
-explicitly: under torch.compile `chunk_based` calls the custom ops `zoo_based::chunk_fwd` and `zoo_based::chunk_bwd`
-(registered below with fake implementations and autograd), which run exactly the kernels an eager call runs, the
-Gluon ones included. Eager calls skip the dispatcher (an autograd.Function, or no autograd at all when no gradient
-follows), so their host cost is the kernels' launches and little else.
+The path is chosen on the host from the inputs' metadata alone, once per call signature (`_plan`), before any kernel
+runs, and is passed to the kernels explicitly: under torch.compile `chunk_based` calls the custom ops
+`zoo_based::chunk_fwd` and `zoo_based::chunk_bwd` (registered below with fake implementations and autograd), which
+run exactly the kernels an eager call runs, the Gluon ones included. Eager calls skip the dispatcher (an
+autograd.Function, or no autograd at all when no gradient follows), so their host cost is the kernels' launches and
+little else.
 """
 
 import math
@@ -64,7 +65,7 @@ class BasedConfig:
 
 DEFAULT_CONFIG = BasedConfig.from_env()
 _SM90: dict = {}
-_CHOSEN: dict = {}
+_PLANS: dict = {}  # the checked metadata of a call -> (path, scale): `_plan`, once per key
 
 
 def _is_sm90(device: torch.device) -> bool:
@@ -99,19 +100,6 @@ def choose_path(*, sm90: bool, dtype: torch.dtype, B: int, T: int, H: int, K: in
     if grad and split_takes(dtype, K, V) and (B * H * T >= SPLIT_MIN_WORK or capturing):
         return "split"
     return "fused"
-
-
-def _path(q: torch.Tensor, v: torch.Tensor, normalize: bool, grad: bool, config: BasedConfig) -> str:
-    """`choose_path` for this call, remembered per (device, dtype, shape, flags)."""
-    capturing = is_capturing(q)
-    key = (q.device, q.dtype, q.shape, v.shape[-1], normalize, grad, capturing, config.path)
-    path = _CHOSEN.get(key)
-    if path is None:
-        B, T, H, K = q.shape
-        path = _CHOSEN[key] = choose_path(sm90=_is_sm90(q.device), dtype=q.dtype, B=B, T=T, H=H, K=K,
-                                          V=v.shape[-1], normalize=normalize, grad=grad, capturing=capturing,
-                                          forced=config.path)
-    return path
 
 
 def _forward(q, k, v, hv0, hz0, scale: float, path: str, normalize: bool, output_final_state: bool, save: bool):
@@ -242,6 +230,32 @@ def _public_state(hv: torch.Tensor, hz: torch.Tensor):
     return kv.contiguous(), k_sum.contiguous()
 
 
+def _plan(q, k, v, scale, initial_state, normalize: bool, grad: bool, capturing: bool, config: BasedConfig):
+    """Check a call's arguments and choose its path: (path, scale as a float). Reads metadata only, so `chunk_based`
+    runs it once per (shapes, dtypes, devices, scale, flags)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if k.shape != q.shape or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"q, k must be [B, T, H, K] and v [B, T, H, V]; got {q.shape}, {k.shape}, {v.shape}")
+    if K > 32 or V > 128:
+        raise ValueError(f"chunk_based supports K ≤ 32 and V ≤ 128, got K={K}, V={V}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"chunk_based supports fp32, fp16 and bf16 inputs, got {q.dtype}")
+    if initial_state is not None:
+        E = feature_dim(K)
+        if initial_state[0].shape != (B, H, E, V) or initial_state[1].shape != (B, H, E):
+            raise ValueError(f"initial_state must be (kv {(B, H, E, V)}, k_sum {(B, H, E)}), got "
+                             f"({initial_state[0].shape}, {initial_state[1].shape})")
+    scale = K**-0.5 if scale is None else float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    path = choose_path(sm90=_is_sm90(q.device), dtype=q.dtype, B=B, T=T, H=H, K=K, V=V, normalize=normalize,
+                       grad=grad, capturing=capturing, forced=config.path)
+    return path, scale
+
+
 def chunk_based(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                 initial_state: tuple[torch.Tensor, torch.Tensor] | None = None, output_final_state: bool = False,
                 normalize: bool = True, *, config: BasedConfig | None = None):
@@ -260,28 +274,23 @@ def chunk_based(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float 
     Returns:
         o [B, T, H, V] in v's dtype, and (kv, k_sum) or None.
     """
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    if k.shape != q.shape or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"q, k must be [B, T, H, K] and v [B, T, H, V]; got {q.shape}, {k.shape}, {v.shape}")
-    if K > 32 or V > 128:
-        raise ValueError(f"chunk_based supports K ≤ 32 and V ≤ 128, got K={K}, V={V}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"chunk_based supports fp32, fp16 and bf16 inputs, got {q.dtype}")
     check_devices("chunk_based", q, k, v, *(initial_state or ()))
-    scale = K**-0.5 if scale is None else float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
+        initial_state is not None and (initial_state[0].requires_grad or initial_state[1].requires_grad)))
+    if scale is not None and not isinstance(scale, (int, float)):
+        scale = float(scale)
+    config = config or DEFAULT_CONFIG
+    capturing = is_capturing(q)
+    key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, scale, normalize, grad, capturing, config,
+           None if initial_state is None else (initial_state[0].shape, initial_state[1].shape))
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _plan(q, k, v, scale, initial_state, normalize, grad, capturing, config)
+    path, scale = plan
     hv0 = hz0 = None
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if initial_state is not None:
-        kv0, ks0 = initial_state
-        grad = grad or (torch.is_grad_enabled() and (kv0.requires_grad or ks0.requires_grad))
-        hv0, hz0 = state_to_orders(kv0.float(), ks0.float())
+        hv0, hz0 = state_to_orders(initial_state[0].float(), initial_state[1].float())
         hv0, hz0 = hv0.contiguous(), hz0.contiguous()
-    path = _path(q, v, normalize, grad, config or DEFAULT_CONFIG)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if torch.compiler.is_compiling():
         o, _, hvT, hzT, _, _ = torch.ops.zoo_based.chunk_fwd(q, k, v, hv0, hz0, scale, path, normalize,

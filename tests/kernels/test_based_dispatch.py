@@ -91,7 +91,7 @@ def test_chunk_based_passes_its_choice_to_the_kernels(grad, expected, monkeypatc
         raise Chosen(args[6])  # _forward's path argument
 
     monkeypatch.setattr(ops, "SPLIT_MIN_WORK", 1)
-    monkeypatch.setattr(ops, "_CHOSEN", {})
+    monkeypatch.setattr(ops, "_PLANS", {})
     monkeypatch.setattr(ops, "_forward", stop)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors pass the device check; nothing launches
     q, k = (torch.randn(1, 64, 2, 16, dtype=BF16, requires_grad=grad) for _ in range(2))
