@@ -3,54 +3,39 @@ specialisation. bf16, K = 16, V = 64, normalised (`ops.choose_path` sends those 
 (no state stored) or for training, storing every second chunk's entering state for `gluon_backward.py`.
 
 One program owns one (batch, head) and all 64 value columns and walks the sequence in chunks of C = 64 tokens, in
-three partitions of 4 warps that run side by side:
+three partitions of 4 warps that run side by side, two shared-memory slots (`ready` / `free` mbarriers) letting the
+producers build chunk c+1 while the consumer runs chunk c:
 
 - producer 0 (`_producer`, ROLE 0): loads q and k, builds the query features ψ(q) and the chunk's weights
-  w = 1 + s + s²/2 (s = q_s kᵀ, causal) into a shared-memory slot; storing states, also its denominators
-  den = w·1 + Σ_blk ψ_blk z_blk;
-- producer 1 (ROLE 1): loads k, builds the key features φ(k); storing states it keeps z_blk = Σ φ_blkᵀ 1 over the
-  chunks before and hands it to producer 0 (`zready`); in the inference forward it keeps the moments
-  M = Σ [k, 1]ᵀ k (below) and puts them in the slot;
-- the consumer (`_consumer`, the default partition): holds the state and, per chunk, reads the slot:
-  numᵀ = vᵀ wᵀ + Σ_blk Sᵀ_blk ψ_blkᵀ, then Sᵀ_blk += vᵀ φ_blk, and stores o = num / den (and den, for a backward).
-  It loads v by TMA into the slot, two chunks ahead (`vbar`), and takes vᵀ from there into registers once, the A
-  operand of its four MMAs. In the inference forward the updates queue behind the reads, num is awaited alone and
-  the output goes out while they run, and it makes den itself.
+  w = 1 + s + s²/2 (s = q_s kᵀ, causal) into a slot; storing states, also the denominators den = w·1 + Σ ψ_blk z_blk;
+- producer 1 (ROLE 1): loads k, builds the key features φ(k); storing states it keeps z_blk = Σ φ_blkᵀ 1 and hands
+  it to producer 0 (`zready`); for inference it keeps the moments M = [Σ k kᵀ; Σ kᵀ] (one MMA a chunk) and puts
+  them, rows 0-15 halved, in the slot as a bf16 head and tail;
+- the consumer (`_consumer`): holds the state transposed, Sᵀ_blk [V, 64] in fp32 MMA accumulators (the register
+  operand of its reads, so it never goes through shared memory; read in bf16, as the Triton kernels do), and per
+  chunk computes numᵀ = vᵀ wᵀ + Σ_blk Sᵀ_blk ψ_blkᵀ, then Sᵀ_blk += vᵀ φ_blk, and stores o = num / den. It loads v
+  by TMA two chunks ahead (`vbar`) and takes vᵀ into registers once. For inference its updates queue behind the
+  reads and it makes den itself: with q_s = scale·q, ψ(q)·z = n + q_s·z₁ + ½ q_sᵀ Z₂ q_s, i.e. Σ_j q_s,j p_j + w·1 + n
+  with p = q_s M₀₋₁₅ + 1·M₁₆ (four K = 16 MMAs).
 
-The inference forward's denominators. With the query's scale in q_s, ψ(q)·φ(k) = 1 + q_s·k + (q_s·k)²/2, so over the
-keys before a chunk ψ(q)·z = n + q_s·z₁ + ½ q_sᵀ Z₂ q_s, with n the count, z₁ = Σ k and Z₂ = Σ k kᵀ: the Taylor-order z
-itself. Producer 1 keeps M = [Z₂; z₁ᵀ] (rows 0-16 of [64, 16]) by one MMA a chunk, [k, 1, 0…]ᵀ k from a [C, 64]
-buffer whose first 16 columns are the keys its features read, and puts M (rows 0-15 halved) in the slot as a bf16
-head and tail. The consumer issues, with its reads, p = q_s M₀₋₁₅ + 1·M₁₆ ([C, 16], four K = 16 MMAs) and w·1 (one),
-and takes den = Σ_j q_s,j p_j + w·1 + n. z₂ sums exact products (no bf16 rounding of each k_a k_b).
+`fence_async_shared` compiles to MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S on sm_90a, and the MEMBAR waits for every global
+load and store the thread has in flight; so v comes by TMA (which no fence waits for), k is loaded after producer 1's
+fences, and den is stored by the consumer.
 
-Fences. `fence_async_shared` compiles to MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S on sm_90a, and the MEMBAR waits for every
-global load and store the thread has in flight. So v comes by TMA (which no fence waits for), issued by the consumer
-into the slot it has just read, k is loaded after producer 1's fences, and den is stored by the consumer.
-
-Two slots (`ready` / `free` mbarriers) let the producers build chunk c+1 while the consumer runs chunk c. The state
-is transposed, Sᵀ_blk [V, 64] in fp32 MMA accumulators, so that it is the register (A) operand of the reads and never
-goes through shared memory; only z does, as a bf16 head plus tail (≈ 16 bits, for the denominator). The state reads
-take S in bf16, as the Triton kernels do for bf16 inputs.
-
-Features. Each is a product of two factors, each factor a dot of the chunk's inputs x [C, 16] with a 0/1 matrix
-(one K = 16 MMA), so no register shuffles. Two layouts (`_factor_mats`, `feature_rows`):
+Features. Each is a product of two factors, each a dot of the chunk's inputs x [C, 16] with a 0/1 matrix (one
+K = 16 MMA), so no register shuffles. Two layouts (`_factor_mats`, `feature_rows`):
 
     wide (192 = 3 blocks of 64), where states are stored for a backward (whose kernels read it):
       block 0: x_a (16), x_a² (16), 1 (1), zeros (31); the x_a are the first factor alone and the constant is added
       block 1, 2: the pairs x_a·x_b, b = (a + d) mod 16, d = 1..8 (row j = (d-1)·16 + a; `primitives._pair_cols`)
-    narrow (160 = 64 + 64 + 32), the inference forward:
+    narrow (160 = 64 + 64 + 32), the inference forward: the 153 distinct features, a sixth less work than 192
       block 0, 1: the pairs (a, a + d mod 16), d = 0..3 and 4..7 (d = 0: x_a²)
       block 2: x_a (16), the pairs (a, a + 8) for a < 8 (8, each once), 1 (1), zeros (7)
 
-The narrow layout holds the 153 distinct features in 160 columns instead of 192: a sixth less of every feature MMA,
-store, state update and state read. Block 2's z does not fill an MMA's 64 rows, so producer 1 keeps it as 1 φ₂ in
-every row of [64, 32] (an MMA with a tile of ones as A). The first factor is x_(c mod 16) in column c of every block
-(the query's ½ weights sit in the second factor), so the inference forward makes it once a chunk for blocks 0 and 1.
-
-The query side (q_s = scale·q, rounded to bf16 as in the Triton kernels) weighs the diagonal (and in the wide layout
-d = 8, held twice) by ½, so Σ_f ψ_f(q) φ_f(k) = 1 + s + s²/2. The initial and final states travel in this kernel's
-row order (`feature_rows`), converted from and to the Taylor-order form in PyTorch.
+The first factor is x_(c mod 16) in column c of every block, so inference makes it once a chunk for blocks 0 and 1.
+The query side (q_s rounded to bf16, as in the Triton kernels) weighs the diagonal (and in the wide layout d = 8, held
+twice) by ½, so Σ_f ψ_f(q) φ_f(k) = 1 + s + s²/2. The states travel in this kernel's row order (`feature_rows`),
+converted from and to the Taylor-order form in PyTorch.
 """
 
 import torch

@@ -68,6 +68,7 @@ _SM90: dict = {}
 _PLANS: dict = {}  # the checked metadata of a call -> (path, scale): `_plan`, once per key
 
 
+@torch.compiler.assume_constant_result  # torch.compile asks it while tracing and keeps the answer as a constant
 def _is_sm90(device: torch.device) -> bool:
     """Whether `device` is a Hopper GPU (sm_90), asked of the driver once per device."""
     if device not in _SM90:
@@ -280,19 +281,23 @@ def chunk_based(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float 
     if scale is not None and not isinstance(scale, (int, float)):
         scale = float(scale)
     config = config or DEFAULT_CONFIG
-    capturing = is_capturing(q)
-    key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, scale, normalize, grad, capturing, config,
-           None if initial_state is None else (initial_state[0].shape, initial_state[1].shape))
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS[key] = _plan(q, k, v, scale, initial_state, normalize, grad, capturing, config)
-    path, scale = plan
+    compiling = torch.compiler.is_compiling()
+    if compiling:  # planned while tracing (the graph keeps the result); the run is not a capture at that point
+        path, scale = _plan(q, k, v, scale, initial_state, normalize, grad, False, config)
+    else:
+        capturing = is_capturing(q)
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, scale, normalize, grad, capturing,
+               config, None if initial_state is None else (initial_state[0].shape, initial_state[1].shape))
+        plan = _PLANS.get(key)
+        if plan is None:
+            plan = _PLANS[key] = _plan(q, k, v, scale, initial_state, normalize, grad, capturing, config)
+        path, scale = plan
     hv0 = hz0 = None
     if initial_state is not None:
         hv0, hz0 = state_to_orders(initial_state[0].float(), initial_state[1].float())
         hv0, hz0 = hv0.contiguous(), hz0.contiguous()
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    if torch.compiler.is_compiling():
+    if compiling:
         o, _, hvT, hzT, _, _ = torch.ops.zoo_based.chunk_fwd(q, k, v, hv0, hz0, scale, path, normalize,
                                                              output_final_state, grad)
     elif grad:
