@@ -485,10 +485,9 @@ def _gluon_fwd_kernel(q, k, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, T, 
     shared-memory slots while the default partition (the consumer) runs the chunk before. h0/hT: [B·H, NR, V] and
     z0/zT: [B·H, NR], fp32, the state in this kernel's row order (`feature_rows`): NR = 160 in the narrow layout of
     the inference forward (STORE_STATES = 0), whose z0/zT are the Taylor-order [B·H, 273] (n, Σ k, Σ k kᵀ), 192 in
-    the wide one. With STORE_STATES = 1, hs [B·H, NC, 161, V] bf16,
-    zs [B·H, NC, 273] fp32 and den [B, T, H] fp32 receive what `split.split_backward` reads; with STORE_STATES = 2, zs
-    [B·H, NQ, 192] and, through hs_desc (TMA stores), hs [B·H, NQ, V, 192] (NQ = ⌈T/128⌉: the state entering every
-    second chunk, transposed), what `gluon_backward` reads."""
+    the wide one. With STORE_STATES = 2 (training; 0: inference), den [B, T, H] fp32, zs [B·H, NQ, 192] and, through
+    hs_desc (TMA stores), hs [B·H, NQ, V, 192] (NQ = ⌈T/128⌉: the state entering every second chunk, transposed)
+    receive what `gluon_backward` reads."""
     i_bh = gl.program_id(0)
     ok, ov, od = _offsets(i_bh, T, H)
     q += ok

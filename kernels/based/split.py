@@ -121,7 +121,7 @@ def _features_kernel(k, g, F, zc, w, den, wout, o, scale, T, NC, H: tl.constexpr
     [B, T, H] with USE_G, else 1 per token: the count, Σ k, Σ k kᵀ). With STORE_W also the walk's other operand for
     the reverse pass, wout = w / den (dO/den, [B, T, H, V] in F's dtype; BW ≥ V). Fully parallel: what the state
     walk then does per step is one load and one dot. With DDEN (and STORE_W) the weights g are computed here rather
-    than loaded, g = dden = -Σ_v dO·o / den (`chunk._dden_kernel`'s values), and stored to g for the gradient
+    than loaded, g = dden = -Σ_v dO·o / den (`fused._dden_kernel`'s values), and stored to g for the gradient
     kernels: dO and den are loaded here anyway, so this saves that launch and its second read of dO."""
     scale = tl.cast(scale, tl.float32)  # a no-op for the fp32 Triton passes; torch.compile passes fp64
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
@@ -388,7 +388,7 @@ def forward(q, k, v, hv0, hz0, scale: float, output_final_state: bool, normalize
 @triton.jit
 def _pair_grad(y, x, h, offs_v, m_v, V: tl.constexpr, BK: tl.constexpr, OP: tl.constexpr, DOT: tl.constexpr):
     """Σ_b (y·S[a, b])·x_b for the symmetric order-2 state S held in the pair layout at h (the diagonal and the
-    pair rows, read transposed): y [BC, BV], x [BC, BK] -> [BC, BK] (chunk.py's `_order2_contract`)."""
+    pair rows, read transposed): y [BC, BV], x [BC, BK] -> [BC, BK] (`fused._order2_contract`)."""
     JP: tl.constexpr = BK * (BK // 2) // OP
     offs_k = tl.arange(0, BK)
     offs_j = tl.arange(0, JP)
