@@ -78,8 +78,18 @@ def _arg_key(x):
         return float
     if hasattr(x, "base") and hasattr(x, "block_shape") and hasattr(x, "layout"):  # a host TMA descriptor (Gluon)
         # its shared layout by repr: Triton 3.6's NVMMASharedLayout holds a list, so it does not hash
-        return "tensordesc", x.base.dtype, tuple(x.block_shape), repr(x.layout), len(x.shape), x.padding
+        return "tensordesc", x.base.dtype, tuple(x.block_shape), _layout_repr(x.layout), len(x.shape), x.padding
     return type(x), x  # anything else by value (hashable, or the lookup raises and the JIT path is taken)
+
+
+_REPRS: dict = {}  # id(layout) -> (layout, repr): kernels pass the same few layout objects on every call
+
+
+def _layout_repr(layout) -> str:
+    hit = _REPRS.get(id(layout))
+    if hit is None or hit[0] is not layout:
+        hit = _REPRS[id(layout)] = (layout, repr(layout))
+    return hit[1]
 
 
 def launch_key(args: tuple, kwargs: dict, device: int) -> tuple:
@@ -126,6 +136,7 @@ def direct_launch_supported(version: str) -> bool:
     return (major, minor) >= (3, 6)
 
 
+@functools.cache
 def _triton():
     """The triton module (imported on first use: this module is also imported where Triton is not needed)."""
     import triton
