@@ -22,7 +22,7 @@ _RESULTS: dict = {}
 
 
 def _child_results(item) -> dict:
-    """{test name: (outcome, report)} of this module's selected items, run in a child process (once per session)."""
+    """{test name: (outcome, report)} of this module's selected items, run in a child process (once per test run)."""
     key = str(item.path)
     if key not in _RESULTS:
         ids = [i.nodeid for i in item.session.items if str(i.path) == key]
