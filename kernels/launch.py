@@ -5,23 +5,18 @@
 arguments first, a few microseconds per call, and a Based forward+backward computes some forty such values. These
 are the same functions in plain Python (equal on every non-negative int; tests/kernels/test_launch.py).
 
-`launch(kernel, grid, *args, **kwargs)` does what `kernel[grid](*args, **kwargs)` does. Triton's JIT path binds
-every argument, works out its specialization and looks the compiled kernel up by a string key on every call: on the
-H200's host (session 14, Triton 3.6, the GPU kept busy) a launch of the 14-argument decode kernel costs 30.0 µs that
-way and 10.3 µs straight through the compiled kernel's own launcher. So `launch` keeps, per kernel, the compiled
-kernels it has seen under a key of everything Triton specializes a kernel on, at least as fine as Triton's own:
-each argument's dtype and 16-byte alignment (tensors), whether it is 1, divisible by 16 and its integer width
-(ints), bools and None by value, every keyword (constexprs, num_warps, ...) by value, and the current device. A
-key seen for the first time goes through `kernel[grid]` (which compiles if need be) and keeps the compiled kernel
-it returns; later calls with that key launch it directly on the current stream (so CUDA-graph capture works). The
-JIT path is taken whenever the direct one could differ: the interpreter (TRITON_INTERPRET=1), tensors off CUDA,
-torch.compile tracing (which must see Triton launches), a launch hook set (Triton's profiling), Triton before 3.6
-(`direct_launch_supported`), or FAST_LAUNCH off.
-
-Measured on the H200 (session 14, B=8, H=16, K=16, V=64, bf16, eager; the two paths interleaved in one process,
-medians of 6 rounds): host time per Based forward+backward 826 -> 708 µs at T=1024, 1068 -> 870 at T=2048; wall
-time 0.832 -> 0.764 ms and 1.100 -> 1.002 ms (at T=4096 the GPU is the limit either way: 1.398 / 1.396); one
-eager decode step (B=1) 25.4 -> 22.4 µs.
+`launch(kernel, grid, *args, **kwargs)` does what `kernel[grid](*args, **kwargs)` does, with less host work. Triton's
+JIT path binds every argument, works out its specialization and looks the compiled kernel up by a string key on
+every call, which costs several times the launch itself for a kernel of a dozen arguments. So `launch` keeps, per
+kernel, the compiled kernels it has seen under a key of everything Triton specializes a kernel on, at least as fine
+as Triton's own: each argument's dtype and 16-byte alignment (tensors), whether it is 1, divisible by 16 and its
+integer width (ints), bools and None by value, every keyword (constexprs, num_warps, ...) by value, and the current
+device. A key seen for the first time goes through `kernel[grid]` (which compiles if need be) and keeps the
+compiled kernel it returns; later calls with that key launch it directly on the current stream (so CUDA-graph
+capture works). The JIT path is taken whenever the direct one could differ: the interpreter (TRITON_INTERPRET=1),
+tensors off CUDA, torch.compile tracing (which must see Triton launches), a launch hook set (Triton's profiling),
+Triton before 3.6 (`direct_launch_supported`), or ZOO_FAST_LAUNCH=0 in the environment (read once at import; for
+debugging).
 """
 
 import functools
@@ -66,8 +61,7 @@ def next_power_of_2(n: int) -> int:
     return n if n <= 1 else 1 << (n - 1).bit_length()
 
 
-# Set False (or ZOO_FAST_LAUNCH=0 in the environment) to launch every kernel through Triton's JIT path.
-FAST_LAUNCH = os.environ.get("ZOO_FAST_LAUNCH", "1") != "0"
+_FAST = os.environ.get("ZOO_FAST_LAUNCH", "1") != "0"  # ZOO_FAST_LAUNCH=0: every launch through Triton's JIT path
 _INT32 = (-(2**31), 2**31)
 _launchers: dict = {}  # kernel -> {key: (compiled kernel, plan)}, or None where the direct path is not available
 
@@ -84,8 +78,18 @@ def _arg_key(x):
         return float
     if hasattr(x, "base") and hasattr(x, "block_shape") and hasattr(x, "layout"):  # a host TMA descriptor (Gluon)
         # its shared layout by repr: Triton 3.6's NVMMASharedLayout holds a list, so it does not hash
-        return "tensordesc", x.base.dtype, tuple(x.block_shape), repr(x.layout), len(x.shape), x.padding
+        return "tensordesc", x.base.dtype, tuple(x.block_shape), _layout_repr(x.layout), len(x.shape), x.padding
     return type(x), x  # anything else by value (hashable, or the lookup raises and the JIT path is taken)
+
+
+_REPRS: dict = {}  # id(layout) -> (layout, repr): kernels pass the same few layout objects on every call
+
+
+def _layout_repr(layout) -> str:
+    hit = _REPRS.get(id(layout))
+    if hit is None or hit[0] is not layout:
+        hit = _REPRS[id(layout)] = (layout, repr(layout))
+    return hit[1]
 
 
 def launch_key(args: tuple, kwargs: dict, device: int) -> tuple:
@@ -111,7 +115,7 @@ def _plan(kernel, args: tuple, kwargs: dict) -> list:
 def _direct_ok(args: tuple) -> bool:
     """Whether this launch may skip Triton's JIT path (see the module docstring; torch.compile is checked first).
     The interpreter (TRITON_INTERPRET=1) runs on CPU tensors, so the first argument being on CUDA rules it out."""
-    if not (FAST_LAUNCH and args and isinstance(args[0], torch.Tensor) and args[0].is_cuda):
+    if not (_FAST and args and isinstance(args[0], torch.Tensor) and args[0].is_cuda):
         return False
     triton = _triton()
     if not direct_launch_supported(triton.__version__):
@@ -123,7 +127,7 @@ def _direct_ok(args: tuple) -> bool:
 @functools.lru_cache
 def direct_launch_supported(version: str) -> bool:
     """Triton versions whose compiled-kernel launcher takes every parameter, constexprs included, in signature order
-    (as their JIT path passes them): 3.6 was checked on the GPU (session 14) and 3.9 reads the same. Triton ≤ 3.2
+    (as their JIT path passes them): 3.6 was checked on the GPU and 3.9 reads the same. Triton ≤ 3.2
     passed only the non-constexpr ones, so older versions keep the JIT path."""
     try:
         major, minor = (int(x) for x in version.split(".")[:2])
@@ -132,6 +136,7 @@ def direct_launch_supported(version: str) -> bool:
     return (major, minor) >= (3, 6)
 
 
+@functools.cache
 def _triton():
     """The triton module (imported on first use: this module is also imported where Triton is not needed)."""
     import triton

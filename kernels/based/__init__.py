@@ -1,10 +1,10 @@
-"""Based linear attention (Arora et al., 2024): Taylor feature map, references and Triton kernels.
+"""Based linear attention (Arora et al., 2024): the Taylor feature map, PyTorch references and GPU kernels.
 
-Importing this package imports Triton (the kernels are defined at import) but launches nothing.
+`chunk_based` (prefill and training) and `fused_recurrent_based` (one decoding step) are the ops; `naive.py` is
+their specification. Importing this package imports Triton (the kernels are defined at import) but launches nothing.
+kernels/based/README.md has the math, the kernels kept and the rule that picks them.
 """
 
-from kernels.based.chunk import chunk_based
-from kernels.based.decode import fused_recurrent_based
 from kernels.based.naive import (
     feature_dim,
     naive_chunk_based,
@@ -14,8 +14,11 @@ from kernels.based.naive import (
     state_to_orders,
     taylor_feature_map,
 )
+from kernels.based.ops import BasedConfig, choose_path, chunk_based, fused_recurrent_based
 
 __all__ = [
+    "BasedConfig",
+    "choose_path",
     "chunk_based",
     "feature_dim",
     "fused_recurrent_based",

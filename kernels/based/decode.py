@@ -1,4 +1,5 @@
-"""One decoding step of Based linear attention in one Triton launch, updating the fp32 state in place.
+"""The decoding step of Based linear attention: one Triton launch that updates the fp32 state in place
+(`ops.fused_recurrent_based` launches it).
 
     kv += φ(k_t) v_tᵀ,  k_sum += φ(k_t),  o_t = φ(q'_t)·kv / φ(q'_t)·k_sum     (q' = q·scale·√K)
 
@@ -9,14 +10,8 @@ value columns. The step reads and writes the state once, so it is bound by the s
 the host, so the call can be captured in a CUDA graph.
 """
 
-import math
-
-import torch
 import triton
 import triton.language as tl
-
-from kernels.based.naive import feature_dim
-from kernels.launch import check_devices, launch, next_power_of_2
 
 
 @triton.jit
@@ -68,31 +63,3 @@ def _decode_kernel(q, k, v, kv, k_sum, o, q_scale,
         if NORMALIZE:
             num = num / den
         tl.store(o + i_bh * V + offs_v, num.to(o.dtype.element_ty), mask=m_v)
-
-
-def fused_recurrent_based(q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor,
-                          state: tuple[torch.Tensor, torch.Tensor], scale: float | None = None,
-                          normalize: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
-    """One token: updates state = (kv [B, H, E, V], k_sum [B, H, E]) (fp32, contiguous) in place.
-
-    q_t, k_t: [B, H, K]; v_t: [B, H, V]. Returns o_t [B, H, V] in v_t's dtype (written into `out` if given).
-    The same function as `chunk_based` over one token: the state afterwards equals the chunked final state.
-    """
-    kv, k_sum = state
-    B, H, K = q_t.shape
-    V = v_t.shape[-1]
-    E = feature_dim(K)
-    if k_t.shape != q_t.shape or v_t.shape[:2] != (B, H):
-        raise ValueError(f"q_t, k_t must be [B, H, K] and v_t [B, H, V]; got {q_t.shape}, {k_t.shape}, {v_t.shape}")
-    if kv.shape != (B, H, E, V) or k_sum.shape != (B, H, E):
-        raise ValueError(f"state must be (kv {(B, H, E, V)}, k_sum {(B, H, E)}), got ({kv.shape}, {k_sum.shape})")
-    if kv.dtype != torch.float32 or k_sum.dtype != torch.float32 or not (kv.is_contiguous() and k_sum.is_contiguous()):
-        raise ValueError("the state must be contiguous fp32 tensors (it is updated in place)")
-    check_devices("fused_recurrent_based", q_t, k_t, v_t, kv, k_sum, out)
-    scale = K**-0.5 if scale is None else float(scale)
-    if out is None:
-        out = torch.empty_like(v_t)
-    launch(_decode_kernel, (B * H,), q_t.contiguous(), k_t.contiguous(), v_t.contiguous(), kv, k_sum, out,
-           scale * math.sqrt(K), H=H, K=K, V=V, E=E, BE=next_power_of_2(E),
-           BV=min(32, next_power_of_2(V)), NORMALIZE=normalize, num_warps=4)
-    return out

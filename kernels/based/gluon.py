@@ -1,81 +1,41 @@
 """Based forward as a Gluon kernel for Hopper (sm_90): explicit layouts, shared memory, warpgroup MMAs and warp
-specialisation.
+specialisation. bf16, K = 16, V = 64, normalised (`ops.choose_path` sends those calls here), either for inference
+(no state stored) or for training, storing every second chunk's entering state for `gluon_backward.py`.
 
-Session 16. `chunk_based` runs it for bf16 forwards at K = 16, V = 64 (`applies`): those that no gradient follows
-(inference, prefill, torch.no_grad), and in training, storing the states entering chunks (`store_states`) for
-the backward after it: in this kernel's rows for `gluon_backward.py` (session 17, the default), or in
-`split.state_pass`'s layout for the split backward (`chunk.GLUON_BACKWARD = False`).
-One program owns one (batch, head) and all 64 value columns and walks the sequence in
-chunks of C = 64 tokens, as `chunk._fwd_kernel` does, but in three partitions of 4 warps that run side by side:
+One program owns one (batch, head) and all 64 value columns and walks the sequence in chunks of C = 64 tokens, in
+three partitions of 4 warps that run side by side, two shared-memory slots (`ready` / `free` mbarriers) letting the
+producers build chunk c+1 while the consumer runs chunk c:
 
 - producer 0 (`_producer`, ROLE 0): loads q and k, builds the query features ψ(q) and the chunk's weights
-  w = 1 + s + s²/2 (s = q_s kᵀ, causal) into a shared-memory slot; storing states, also its denominators
-  den = w·1 + Σ_blk ψ_blk z_blk;
-- producer 1 (ROLE 1): loads k, builds the key features φ(k) and keeps z over the chunks before: storing states,
-  z_blk = Σ φ_blkᵀ 1, which it hands to producer 0 (`zready`); in the inference forward, the moments
-  M = Σ [k, 1]ᵀ k (below), which it puts in the slot;
-- the consumer (`_consumer`, the default partition): holds the state and, per chunk, reads the slot:
-  numᵀ = vᵀ wᵀ + Σ_blk Sᵀ_blk ψ_blkᵀ, then Sᵀ_blk += vᵀ φ_blk, and stores o = num / den (and den, for a backward).
-  It also loads v by TMA into the slot, two chunks ahead (`vbar`), and takes vᵀ from there into registers once, the
-  A operand of its four MMAs. In the inference forward the updates queue behind the reads, num is awaited alone and
-  the output goes out while they run (session 23), and it makes den itself (session 24).
+  w = 1 + s + s²/2 (s = q_s kᵀ, causal) into a slot; storing states, also the denominators den = w·1 + Σ ψ_blk z_blk;
+- producer 1 (ROLE 1): loads k, builds the key features φ(k); storing states it keeps z_blk = Σ φ_blkᵀ 1 and hands
+  it to producer 0 (`zready`); for inference it keeps the moments M = [Σ k kᵀ; Σ kᵀ] (one MMA a chunk) and puts
+  them, rows 0-15 halved, in the slot as a bf16 head and tail;
+- the consumer (`_consumer`): holds the state transposed, Sᵀ_blk [V, 64] in fp32 MMA accumulators (the register
+  operand of its reads, so it never goes through shared memory; read in bf16, as the Triton kernels do), and per
+  chunk computes numᵀ = vᵀ wᵀ + Σ_blk Sᵀ_blk ψ_blkᵀ, then Sᵀ_blk += vᵀ φ_blk, and stores o = num / den. It loads v
+  by TMA two chunks ahead (`vbar`) and takes vᵀ into registers once. For inference its updates queue behind the
+  reads and it makes den itself: with q_s = scale·q, ψ(q)·z = n + q_s·z₁ + ½ q_sᵀ Z₂ q_s, i.e. Σ_j q_s,j p_j + w·1 + n
+  with p = q_s M₀₋₁₅ + 1·M₁₆ (four K = 16 MMAs).
 
-The inference forward's denominators (session 24). With the query's scale in q_s, ψ(q)·φ(k) = 1 + q_s·k + (q_s·k)²/2,
-so over the keys before a chunk ψ(q)·z = n + q_s·z₁ + ½ q_sᵀ Z₂ q_s, with n the count, z₁ = Σ k and Z₂ = Σ k kᵀ: the
-Taylor-order z itself. Producer 1 keeps M = [Z₂; z₁ᵀ] (rows 0-16 of [64, 16]) by one MMA a chunk, [k, 1, 0…]ᵀ k from
-a [C, 64] buffer whose first 16 columns are the keys its features read, and puts M (rows 0-15 halved) in the slot as
-a bf16 head and tail. The consumer issues, with its reads, p = q_s M₀₋₁₅ + 1·M₁₆ ([C, 16], four K = 16 MMAs) and w·1
-(one), and takes den = Σ_j q_s,j p_j + w·1 + n. Before, producer 0 made den from z in the features' layout (14 N = 8
-MMAs, `zready`) and producer 1 summed z by 12: T=4096 0.1040 → 0.0967 ms (H200, graphed); z₂ now sums exact
-products (no bf16 rounding of each k_a k_b), and the final k_sum is as close or closer to float64.
+`fence_async_shared` compiles to MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S on sm_90a, and the MEMBAR waits for every global
+load and store the thread has in flight; so v comes by TMA (which no fence waits for), k is loaded after producer 1's
+fences, and den is stored by the consumer.
 
-Fences. `fence_async_shared` compiles to MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S on sm_90a, and the MEMBAR waits for every
-global load and store the thread has in flight. Until session 21 producer 1 loaded the next chunk's v (8 KB) and k
-into registers just before its fence, so it paid the load's latency every chunk (per-section clock stamps: 2,134 of
-its 4,459 cycles a chunk at T=4096); producer 0 stored den just before its next fence. v now comes by TMA (which no
-fence waits for), issued by the consumer into the slot it has just read, k is loaded after producer 1's fences, and
-den is stored by the consumer: T=4096 0.1238 → 0.1139 ms, storing states 0.1372 → 0.1280 (bit-identical). Loading q
-and k by TMA as well, and making den in producer 1 or w in the consumer, were slower (`experiments/LOG.md`).
-
-Two slots (`ready` / `free` mbarriers) let the producers build chunk c+1 while the consumer runs chunk c. The state
-is transposed, Sᵀ_blk [V, 64] in fp32 MMA accumulators, so that it is the register (A) operand of the reads and never
-goes through shared memory; only z does, as a bf16 head plus tail (≈ 16 bits, for the denominator). The state reads
-take S in bf16, as the Triton kernels do for bf16 inputs. Until session 20 the consumer also kept z and made den:
-28 of its 56 wgmma instructions, N = 8 each; in the producers (after their features became K = 16 MMAs, which left
-them room) the consumer's loop has 305 instructions instead of 555, and the forward storing states for training went
-from 0.160 to 0.143 ms at T=4096 (outputs, states and den bit-identical).
-
-Features. Each is a product of two factors, each factor a dot of the chunk's inputs x [C, 16] with a 0/1 matrix
-(one K = 16 MMA), so no register shuffles. Two layouts (`_factor_mats`, `feature_rows`):
+Features. Each is a product of two factors, each a dot of the chunk's inputs x [C, 16] with a 0/1 matrix (one
+K = 16 MMA), so no register shuffles. Two layouts (`_factor_mats`, `feature_rows`):
 
     wide (192 = 3 blocks of 64), where states are stored for a backward (whose kernels read it):
       block 0: x_a (16), x_a² (16), 1 (1), zeros (31); the x_a are the first factor alone and the constant is added
-      block 1, 2: the pairs x_a·x_b, b = (a + d) mod 16, d = 1..8 (row j = (d-1)·16 + a; `chunk._pair_cols`)
-    narrow (160 = 64 + 64 + 32, session 22), the inference forward:
+      block 1, 2: the pairs x_a·x_b, b = (a + d) mod 16, d = 1..8 (row j = (d-1)·16 + a; `primitives._pair_cols`)
+    narrow (160 = 64 + 64 + 32), the inference forward: the 153 distinct features, a sixth less work than 192
       block 0, 1: the pairs (a, a + d mod 16), d = 0..3 and 4..7 (d = 0: x_a²)
       block 2: x_a (16), the pairs (a, a + 8) for a < 8 (8, each once), 1 (1), zeros (7)
 
-The narrow layout holds the 153 distinct features in 160 columns instead of 192: a sixth less of every feature MMA,
-store, state update and state read. Block 2's z does not fill an MMA's 64 rows, so producer 1 keeps it as 1 φ₂ in
-every row of [64, 32] (an MMA with a tile of ones as A). T=4096: 0.1132 → 0.1075 ms, outputs within 2e-5 of the wide
-layout's and the final state bit-identical.
-
-The first factor is x_(c mod 16) in column c of every block (the query's ½ weights sit in the second factor), so the
-inference forward makes it once a chunk for blocks 0 and 1; storing states, the register it holds cost more than the
-two MMAs it saves.
-
-(Until session 20 the factors were dots of x_ext = [x, 1, 0…] [C, 32], whose appended one made the order-1 features
-and the constant: K = 32, twice the producers' MMA work; the features are the same to the bit, and the forward went
-from 0.150 to 0.1375 ms at T=4096.)
-
-The query side (q_s = scale·q, rounded to bf16 as in the Triton kernels) weighs the diagonal (and in the wide
-layout d = 8, held twice) by ½, so
-Σ_f ψ_f(q) φ_f(k) = 1 + s + s²/2. The initial and final states travel in this kernel's row order (`feature_rows`),
+The first factor is x_(c mod 16) in column c of every block, so inference makes it once a chunk for blocks 0 and 1.
+The query side (q_s rounded to bf16, as in the Triton kernels) weighs the diagonal (and in the wide layout d = 8, held
+twice) by ½, so Σ_f ψ_f(q) φ_f(k) = 1 + s + s²/2. The states travel in this kernel's row order (`feature_rows`),
 converted from and to the Taylor-order form in PyTorch.
-
-H200, B=8, H=16, T=4096 (`experiments/LOG.md`, session 16): 0.153 ms, against 0.382 for `_fwd_kernel`; one partition
-doing all of it (8 warps) took 0.250, one producer 0.170. Forward+backward with the states stored for the split
-backward: 1.166 ms, against 1.263 with the split forward; with the Gluon backward (session 17): 0.750.
 """
 
 import torch
@@ -102,8 +62,7 @@ C_ = gl.constexpr(64)  # tokens per chunk
 K_ = gl.constexpr(16)  # feature dim
 V_ = gl.constexpr(64)  # value dim
 NB = gl.constexpr(3)  # feature blocks of 64
-R_ = gl.constexpr(161)  # rows of split.py's pair-layout state: 1 + 2·16 + 16²/2
-ZR_ = gl.constexpr(273)  # its denominator state: 1 + 16 + 16²
+ZR_ = gl.constexpr(273)  # rows of the Taylor-order denominator state: 1 + 16 + 16²
 
 
 @gluon.jit
@@ -134,13 +93,13 @@ def _block0(f, fa, c, one, CONST: gl.constexpr):
 def _factor_mats(ra, rb, BLK: gl.constexpr, QUERY: gl.constexpr, L: gl.constexpr, NARROW: gl.constexpr,
                  W: gl.constexpr):
     """The 0/1 matrices [K_, W] of feature block BLK for one side, so that feature = (x·ra) ⊙ (x·rb): factor a into
-    ra, factor b (with the query's ½ weights) into rb. Factor a is x_(c mod 16) in column c of every block (session
-    21: one MMA a chunk for blocks 0 and 1). The block holding orders 0 and 1 (`_block0`) has a second factor of zero
+    ra, factor b (with the query's ½ weights) into rb. Factor a is x_(c mod 16) in column c of every block (so one
+    MMA a chunk makes it for blocks 0 and 1). The block holding orders 0 and 1 (`_block0`) has a second factor of zero
     in columns 0-15 and at its constant, where x·ra is added and the 1.
 
     The wide layout (3 blocks of 64, the states stored for a backward): block 0 = x_a, x_a² (½ on the query side),
     the constant at 32 and 31 zeros; blocks 1 and 2: the pairs (a, a + d mod 16), d = 1..8, d = 8 twice (½ each).
-    The narrow layout (64 + 64 + 32 = 160, session 22, the inference forward): blocks 0 and 1: the pairs d = 0..3 and
+    The narrow layout (64 + 64 + 32 = 160, the inference forward): blocks 0 and 1: the pairs d = 0..3 and
     4..7 (d = 0 the diagonal, ½ on the query side); block 2: x_a (16), the pairs (a, a + 8) for a < 8 once each, the
     constant at 24 and 7 zeros."""
     r = gl.arange(0, K_, layout=gl.SliceLayout(1, L))[:, None]
@@ -187,36 +146,6 @@ def _publish_z(zt01_s, zt2_s, slot, Z0, Z1, Z2, c8):
 
 
 @gluon.jit
-def _store_pairs(h, St, BLK: gl.constexpr, vo, fo, LO: gl.constexpr):
-    """Block BLK of the transposed state Sᵀ [V, 64] into a state of `split.py`'s pair layout h [R_, V] (bf16): order
-    0, order 1, the diagonal, then pair row j at 33 + j doubled where it stands for both (a, b) and (b, a)
-    (`split.orders_to_pairs`)."""
-    x = gl.convert_layout(St.to(gl.bfloat16), LO)
-    if BLK == 0:
-        row = gl.where(fo < 32, 1 + fo, gl.where(fo == 32, 0, -1))
-        gl.store(h + row * V_ + vo, x, mask=(row >= 0) & (vo >= 0))
-    else:
-        j = fo + 64 * (BLK - 1)
-        gl.store(h + (33 + j) * V_ + vo, x * gl.where(j < 112, 2.0, 1.0).to(gl.bfloat16), mask=(j >= 0) & (vo >= 0))
-
-
-@gluon.jit
-def _store_orders(z, Zb, BLK: gl.constexpr, r8, c8):
-    """Block BLK of z (rows of Zb [64, 8], equal columns) into the Taylor-order denominator state z [ZR_] (n, z1, the
-    full K×K Z2) that `split.py` keeps per chunk."""
-    if BLK == 0:
-        pos = gl.where(r8 < 16, 1 + r8, gl.where(r8 < 32, 17 + (r8 - 16) * 17, gl.where(r8 == 32, 0, -1)))
-        gl.store(z + pos + c8 * 0, Zb, mask=(c8 == 0) & (pos >= 0))
-    else:
-        j = r8 + 64 * (BLK - 1)
-        d = 1 + j // 16
-        a = j % 16
-        b = (a + d) % 16
-        gl.store(z + 17 + a * 16 + b + c8 * 0, Zb, mask=c8 == 0)
-        gl.store(z + 17 + b * 16 + a + c8 * 0, Zb, mask=(c8 == 0) & (d < 8))  # d = 8: the mirror has its own row
-
-
-@gluon.jit
 def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.constexpr,
               STORE_HT: gl.constexpr, STORE_STATES: gl.constexpr, x_s, q16_s, k16_s, ra_s, rb_s, ra2_s, rb2_s, f01_s,
               f2_s, w_s, zt01_s, zt2_s, dn_s, ones_s, one0_s, kt_s, ready, free, zready, NSLOT: gl.constexpr,
@@ -228,8 +157,8 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
     states z = Σ φ(k), which it hands to ROLE 0 as a bf16 head and tail (`zt01_s`, `zt2_s`, `zready`); narrow, the
     moments M = Σ [k, 1]ᵀ k [64, 16], which it puts in the slot (`zt2_s`) for the consumer's den (module docstring).
     Each feature block takes two K = 16 MMAs; in the narrow layout (NARROW: 64 + 64 + 32 features, the inference
-    forward) blocks 0 and 1 share factor a (session 20: K = 32 before, with an appended one; den and z were the
-    consumer's). q and k come through registers, loaded one chunk ahead; v comes by TMA (the consumer's)."""
+    forward) blocks 0 and 1 share factor a. q and k come through registers, loaded one chunk ahead; v comes by TMA
+    (the consumer's)."""
     LV: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     L16: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
     LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -275,9 +204,7 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
         else:
             ones_s.store(gl.full([8, C_], 1.0, gl.bfloat16, LV))
         fence_async_shared()
-        if STORE_STATES == 1:
-            zs += i_bh.to(gl.int64) * gl.cdiv(T, C_) * ZR_
-        elif STORE_STATES == 2:
+        if STORE_STATES == 2:
             zs += i_bh.to(gl.int64) * gl.cdiv(T, 2 * C_) * (NB * 64)
         if NARROW:  # z as M = Σ [k, 1]ᵀ k [64, 16] (rows 0-15: Σ k kᵀ, row 16: Σ k; the count apart, n0 + start)
             if USE_H0:
@@ -327,20 +254,16 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
                 _barrier()
                 mbarrier.arrive(zready.index(slot))
             # the next chunk's keys, after this chunk's fences: each fence (MEMBAR.ALL.CTA in SASS) waits for the
-            # loads in flight, which cost producer 1 the load's latency every chunk (session 21)
+            # loads in flight, so loading before them would cost producer 1 the load's latency every chunk
             nk16 = gl.load(k + t16 * (H * K_) + c16, mask=t16 < T, other=0.0)
-            if STORE_STATES == 1:  # every chunk's, in the Taylor-order layout of `split.state_pass`'s zs
-                _store_orders(zs + c * ZR_, Z0, 0, r8, c8)
-                _store_orders(zs + c * ZR_, Z1, 1, r8, c8)
-                _store_orders(zs + c * ZR_, Z2, 2, r8, c8)
-            elif STORE_STATES == 2:  # every second chunk's, in this kernel's rows
+            if STORE_STATES == 2:  # every second chunk's, in this kernel's rows
                 if c % 2 == 0:
                     zc = zs + (c // 2) * (NB * 64)
                     gl.store(zc + r8 + c8 * 0, Z0, mask=c8 == 0)
                     gl.store(zc + 64 + r8 + c8 * 0, Z1, mask=c8 == 0)
                     gl.store(zc + 128 + r8 + c8 * 0, Z2, mask=c8 == 0)
         z = gl.zeros([C_, 64], gl.float32, A64)
-        if NARROW:  # factor a once a chunk for blocks 0 and 1 (session 21, T=4096: 0.1275 → 0.1236 ms)
+        if NARROW:  # factor a once a chunk for blocks 0 and 1
             z2 = gl.zeros([C_, W2], gl.float32, AW2)
             fa = warpgroup_mma(xin, ra_s.index(0), z, use_acc=False, is_async=True)
             fb = warpgroup_mma(xin, rb_s.index(0), z, use_acc=False, is_async=True)
@@ -463,8 +386,6 @@ def _consumer(o, den_out, h0, hT, hs, hs_desc, v_desc, i_bh, T, H: gl.constexpr,
     c2 = gl.arange(0, W2, layout=gl.SliceLayout(0, AW2))[None, :]
     vo = gl.arange(0, V_, layout=gl.SliceLayout(1, LO))[:, None]
     to = gl.arange(0, C_, layout=gl.SliceLayout(0, LO))[None, :]
-    if STORE_STATES == 1:
-        hs += i_bh.to(gl.int64) * gl.cdiv(T, C_) * (R_ * V_)
     if USE_H0:
         h0 += i_bh.to(gl.int64) * (NR * V_)
         S0 = gl.load(h0 + ca * V_ + ra)
@@ -475,8 +396,8 @@ def _consumer(o, den_out, h0, hT, hs, hs_desc, v_desc, i_bh, T, H: gl.constexpr,
         S1 = gl.zeros([V_, 64], gl.float32, A64)
         S2 = gl.zeros([V_, W2], gl.float32, AW2)
     NC = gl.cdiv(T, C_)
-    # v comes by TMA (rows past T zero), issued here NSLOT chunks ahead into the slot just read (session 21: from
-    # producer 1's registers before, whose loads the fences waited for; T=4096 0.1232 → 0.1130 ms)
+    # v comes by TMA (rows past T zero), issued here NSLOT chunks ahead into the slot just read: no fence waits for a
+    # TMA load, where the producers' fences would wait for loads into registers
     for i in gl.static_range(NSLOT):
         if i < NC:
             mbarrier.expect(vbar.index(i), C_ * V_ * 2)
@@ -488,8 +409,8 @@ def _consumer(o, den_out, h0, hT, hs, hs_desc, v_desc, i_bh, T, H: gl.constexpr,
         mbarrier.wait(ready.index(slot), (c // NSLOT) & 1)
         mbarrier.wait(vbar.index(slot), (c // NSLOT) & 1)
         b = slot * 2
-        # vᵀ once from shared memory into registers, the A operand of its four MMAs (session 21: 24 KB less of shared
-        # memory read a chunk; T=4096 0.1332 → 0.1284 ms)
+        # vᵀ once from shared memory into registers, the A operand of its four MMAs (24 KB less of shared memory read a
+        # chunk than four shared-memory operands)
         vt = v_s.index(slot).permute((1, 0)).load(AOP)
         if NARROW:  # den's MMAs first, done when num is
             dd, p = _den_mmas(w_s, one0_s, q16_s, zt2_s, slot)
@@ -501,11 +422,7 @@ def _consumer(o, den_out, h0, hT, hs, hs_desc, v_desc, i_bh, T, H: gl.constexpr,
                             is_async=True)
         num = warpgroup_mma(gl.convert_layout(S2.to(gl.bfloat16), AOP), psi2_s.index(slot).permute((1, 0)), num,
                             is_async=True)
-        if STORE_STATES == 1:  # the state entering chunk c, for the split backward (`split.state_pass`'s hs)
-            _store_pairs(hs + c * (R_ * V_), S0, 0, vo, to, LO)
-            _store_pairs(hs + c * (R_ * V_), S1, 1, vo, to, LO)
-            _store_pairs(hs + c * (R_ * V_), S2, 2, vo, to, LO)
-        elif STORE_STATES == 2:  # in this kernel's rows, every second chunk's: what `gluon_backward` reads
+        if STORE_STATES == 2:  # in this kernel's rows, every second chunk's: what `gluon_backward` reads
             if c % 2 == 0:  # Sᵀ as the MMAs hold it, through shared memory and a TMA store (hs: [B·H·NQ·V, 192])
                 tma.store_wait(0)  # the copies of two chunks ago have left the buffers
                 _barrier()
@@ -519,7 +436,7 @@ def _consumer(o, den_out, h0, hT, hs, hs_desc, v_desc, i_bh, T, H: gl.constexpr,
                 _tma_store(hs_desc, [row, 64], hst_s.index(1))
                 _tma_store(hs_desc, [row, 128], hst_s.index(2))
         if NARROW:  # the state updates queued behind the reads (whose bf16 copies of S are registers of their own),
-            # num awaited while they run (session 23: T=4096 0.1057 → 0.1040 ms with the output tile below)
+            # num awaited while they run
             S0, S1, S2 = _update(vt, phi01_s, phi2_s, slot, S0, S1, S2)
             qa = q16_s.index(slot).load(A16).to(gl.float32)
             dd, p, num = warpgroup_mma_wait(3, deps=[dd, p, num])
@@ -568,10 +485,9 @@ def _gluon_fwd_kernel(q, k, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, T, 
     shared-memory slots while the default partition (the consumer) runs the chunk before. h0/hT: [B·H, NR, V] and
     z0/zT: [B·H, NR], fp32, the state in this kernel's row order (`feature_rows`): NR = 160 in the narrow layout of
     the inference forward (STORE_STATES = 0), whose z0/zT are the Taylor-order [B·H, 273] (n, Σ k, Σ k kᵀ), 192 in
-    the wide one. With STORE_STATES = 1, hs [B·H, NC, 161, V] bf16,
-    zs [B·H, NC, 273] fp32 and den [B, T, H] fp32 receive what `split.split_backward` reads; with STORE_STATES = 2, zs
-    [B·H, NQ, 192] and, through hs_desc (TMA stores), hs [B·H, NQ, V, 192] (NQ = ⌈T/128⌉: the state entering every
-    second chunk, transposed), what `gluon_backward` reads."""
+    the wide one. With STORE_STATES = 2 (training; 0: inference), den [B, T, H] fp32, zs [B·H, NQ, 192] and, through
+    hs_desc (TMA stores), hs [B·H, NQ, V, 192] (NQ = ⌈T/128⌉: the state entering every second chunk, transposed)
+    receive what `gluon_backward` reads."""
     i_bh = gl.program_id(0)
     ok, ov, od = _offsets(i_bh, T, H)
     q += ok
@@ -579,7 +495,7 @@ def _gluon_fwd_kernel(q, k, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, T, 
     o += ov
     if STORE_STATES:
         den += od
-    # the narrow layout (64 + 64 + 32 features, session 22) where no states are stored for a backward, whose kernels
+    # the narrow layout (64 + 64 + 32 features) where no states are stored for a backward, whose kernels
     # read the wide one (3 × 64)
     NARROW: gl.constexpr = STORE_STATES == 0
     W2: gl.constexpr = 32 if NARROW else 64
@@ -718,16 +634,8 @@ def from_kernel_rows(h: torch.Tensor, z: torch.Tensor, B: int, H: int):
     return h[:, idx].reshape(B, H, len(idx), h.shape[-1]), (z if narrow else z[:, idx]).reshape(B, H, len(idx))
 
 
-# Where `applies` sends a forward: one program per sequence, so the kernel wants enough sequences, or short ones.
-# H200, session 16, bf16, B=1, ms, this kernel / `chunk._fwd_kernel` (which walks few sequences in parallel segments):
-#   B·H = 4:  T=1024 0.060 / 0.201, T=4096 0.149 / 0.226, T=16384 0.580 / 0.226
-#   B·H = 16: T=1024 0.043 / 0.177, T=4096 0.151 / 0.159, T=16384 0.582 / 0.511
-#   B·H = 32: T=1024 0.043 / 0.335, T=4096 0.151 / 0.244, T=16384 0.584 / 0.825
-#   B·H = 64: T=4096 0.152 / 0.343, T=16384 0.589 / 1.215; B·H = 128 (B=8, H=16): T=4096 0.153 / 0.382
-MIN_SEQUENCES = 32
-MAX_SHORT_T = 4096  # below MIN_SEQUENCES sequences, up to this length
-# Registers per thread of each producer partition (setmaxnreg; the consumer gets what is left, 248 at 128). H200,
-# T=4096: 144 → 0.215 ms, 136 → 0.156, 128 → 0.152, 120 → 0.170 (the producers spill).
+# Registers per thread of each producer partition (setmaxnreg; the consumer gets what is left, 248 at 128): the
+# fastest on an H200 (fewer spill, more starve the consumer).
 PRODUCER_REGS = 128
 
 
@@ -748,69 +656,38 @@ def _states_descriptor(hs: torch.Tensor | None, device) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(hs.view(-1, hs.shape[-1]), _STATES_BLOCK, _STATES_LAYOUT)
 
 
-def applies(q: torch.Tensor, v: torch.Tensor, normalize: bool) -> bool:
-    """This kernel's case: bf16 on a Hopper GPU (sm_90), K = 16, V = 64, normalised, at least MIN_SEQUENCES
-    sequences or at most MAX_SHORT_T tokens, and not inside torch.compile's tracing. The caller decides what follows:
-    no gradient, or a backward (`chunk.ChunkBasedFunction`, with `store_states`)."""
-    B, T, H, K = q.shape
-    return (q.is_cuda and q.dtype == torch.bfloat16 and K == 16 and v.shape[-1] == 64 and normalize
-            and (B * H >= MIN_SEQUENCES or T <= MAX_SHORT_T) and not torch.compiler.is_compiling()
-            and _is_sm90(q.device))
-
-
-_SM90 = {}
-
-
-def _is_sm90(device) -> bool:
-    """Whether `device` is a Hopper GPU (sm_90), asked of the driver once per device."""
-    if device not in _SM90:
-        _SM90[device] = torch.cuda.get_device_capability(device) == (9, 0)
-    return _SM90[device]
-
-
-def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                  hv0: torch.Tensor | None = None, hz0: torch.Tensor | None = None, output_final_state: bool = False,
-                  store_states: str | None = None):
-    """Normalised Based attention, bf16, K = 16, V = 64 (the kernel itself has no backward). hv0/hz0: the initial
-    state in Taylor-order form (`naive.state_to_orders`) or None. Returns o [B, T, H, V] and the final state in
-    Taylor-order form (or None, None). With store_states it also returns den [B, T, H] fp32 and (hs, zs), the state
-    entering chunks, as (o, den, hvT, hzT, (hs, zs)): "rows", every second chunk's in this kernel's rows (hs [B·H, NQ,
-    V, 192] bf16, transposed, zs [B·H, NQ, 192] fp32, NQ = ⌈T/128⌉), what `gluon_backward.gluon_backward` reads;
-    "pairs", every chunk's in `split.state_pass`'s layout, what `split.split_backward` reads."""
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, hv0: torch.Tensor | None = None,
+            hz0: torch.Tensor | None = None, output_final_state: bool = False, store_states: bool = False):
+    """Normalised Based attention, bf16, K = 16, V = 64, q, k, v contiguous. hv0/hz0: the initial state in
+    Taylor-order form (`naive.state_to_orders`, fp32) or None. Returns (o, den, hvT, hzT, hs, zs): o [B, T, H, V],
+    the final state in Taylor-order form (or None, None), and with store_states what `gluon_backward.backward`
+    reads: den [B, T, H] fp32 and every second chunk's entering state in this kernel's wide rows, hs [B·H, NQ, V,
+    192] bf16 (transposed) and zs [B·H, NQ, 192] fp32, NQ = ⌈T/128⌉ (else None, None, None)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if K != 16 or V != 64 or q.dtype != torch.bfloat16:
-        raise ValueError(f"gluon_forward takes bf16 inputs with K=16 and V=64, got K={K}, V={V}, {q.dtype}")
-    scale = K ** -0.5 if scale is None else scale
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        raise ValueError(f"the Gluon forward takes bf16 inputs with K=16 and V=64, got K={K}, V={V}, {q.dtype}")
     o = torch.empty_like(v)
-    if store_states not in (None, "rows", "pairs"):
-        raise ValueError(f"store_states must be None, 'rows' or 'pairs', got {store_states!r}")
-    narrow = store_states is None  # the kernel's narrow layout: 160 state rows (`_factor_mats`)
+    narrow = not store_states  # the kernel's narrow layout: 160 state rows (`_factor_mats`)
     h0 = z0 = hT = zT = hs = zs = den = o  # placeholders where unused
     if hv0 is not None:
-        h0, z0 = to_kernel_rows(hv0.float(), hz0.float(), narrow)
+        h0, z0 = to_kernel_rows(hv0, hz0, narrow)
     if output_final_state:
         hT = torch.empty(B * H, 160 if narrow else 192, V, device=q.device, dtype=torch.float32)
         zT = torch.empty(B * H, 1 + K + K * K if narrow else 192, device=q.device, dtype=torch.float32)
     if store_states:
-        NC = (T + 127) // 128 if store_states == "rows" else (T + 63) // 64  # rows: every second chunk's state
-        if store_states == "rows":  # transposed, [V, 192] per state, written by TMA stores
-            hs = torch.empty(B * H, NC, V, 3 * 64, device=q.device, dtype=torch.bfloat16)
-            zs = torch.empty(B * H, NC, 3 * 64, device=q.device, dtype=torch.float32)
-        else:  # rows the kernel does not write (order-2 rows past K, none at K = 16) stay zero
-            hs = torch.empty(B * H, NC, 161, V, device=q.device, dtype=torch.bfloat16)
-            zs = torch.empty(B * H, NC, 273, device=q.device, dtype=torch.float32)
+        NQ = (T + 127) // 128
+        hs = torch.empty(B * H, NQ, V, 3 * 64, device=q.device, dtype=torch.bfloat16)
+        zs = torch.empty(B * H, NQ, 3 * 64, device=q.device, dtype=torch.float32)
         den = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
-    mode = {None: 0, "pairs": 1, "rows": 2}[store_states]
-    hs_desc = _states_descriptor(hs if mode == 2 else None, q.device)
+    hs_desc = _states_descriptor(hs if store_states else None, q.device)
     v_desc = TensorDescriptor.from_tensor(v.view(B, T, H * V), [1, 64, 64], _V_LAYOUT)
     launch(_gluon_fwd_kernel, (B * H,), q, k, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, T, scale, H,
-           USE_H0=hv0 is not None, STORE_HT=output_final_state, STORE_STATES=mode, NSLOT=2,
+           USE_H0=hv0 is not None, STORE_HT=output_final_state, STORE_STATES=2 if store_states else 0, NSLOT=2,
            PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     hvT = hzT = None
     if output_final_state:
         hvT, hzT = from_kernel_rows(hT, zT, B, H)
     if store_states:
-        return o, den, hvT, hzT, (hs, zs)
-    return o, hvT, hzT
+        return o, den, hvT, hzT, hs, zs
+    return o, None, hvT, hzT, None, None

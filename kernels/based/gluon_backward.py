@@ -1,10 +1,10 @@
-"""Based backward as Gluon kernels for Hopper (sm_90), the twin of `gluon.py`'s forward (session 17).
+"""Based backward as Gluon kernels for Hopper (sm_90), the twin of `gluon.py`'s forward.
 
-The forward (`gluon.gluon_forward(..., store_states="rows")`) leaves three things behind: the output o, its
-denominator den, and the state entering every second chunk (tokens 0, 128, 256, …) in this module's row order
-(`gluon.feature_rows`: 192 rows, 3 blocks of 64 features), hs [B·H, NQ, V, 192] in bf16 (transposed, as the
-forward's MMAs hold it) and zs [B·H, NQ, 192] in fp32, NQ = ⌈T/128⌉ (session 18: half the states of one per chunk,
-which cost the forward 0.04 ms). With g = dO/den and e = −(dO·o)/den (the normalisation's chain rule) the gradient
+The forward (`gluon.forward(..., store_states=True)`) leaves three things behind: the output o, its denominator den,
+and the state entering every second chunk (tokens 0, 128, 256, …) in this module's row order (`gluon.feature_rows`:
+192 rows, 3 blocks of 64 features), hs [B·H, NQ, V, 192] in bf16 (transposed, as the forward's MMAs hold it) and zs
+[B·H, NQ, 192] in fp32, NQ = ⌈T/128⌉ (half the states of one per chunk, half the forward's stores). With
+g = dO/den and e = −(dO·o)/den (the normalisation's chain rule) the gradient
 is that of Σ_i g_i·num_i + e_i·den_i, and two kernels take it:
 
 - `_dq_kernel`, fully parallel over steps of two chunks (each program loops over steps; every chunk's inputs and
@@ -14,8 +14,8 @@ is that of Σ_i g_i·num_i + e_i·den_i, and two kernels take it:
   chunk's own keys, and for the second chunk the first one's too. It also stores g and e for the walk.
 - `_dkv_kernel`, one program per sequence, walking the chunks backwards with the reverse state dS = Σ_{later i}
   ψ(q_i) g_iᵀ [192, V] and dz = Σ ψ(q_i) e_i, in three partitions of 4 warps: the producer loads each chunk and
-  builds ψ(q) and φ(k) into one of two shared-memory slots, with dz entering the chunk (it keeps dz itself, session
-  20); the consumer holds dS (fp32 accumulators), adds each chunk's queries and publishes it (double-buffered, in
+  builds ψ(q) and φ(k) into one of two shared-memory slots, with dz entering the chunk (it keeps dz itself); the
+  consumer holds dS (fp32 accumulators), adds each chunk's queries and publishes it (double-buffered, in
   bf16), then computes dv = φ(k) dS + wᵀ g; the dk partition computes dk = the feature map's Jacobian of
   dφ(k) = v dSᵀ + dz, plus dsᵀ q_s. ptxas holds every
   partition to 168 registers (65536 / 384 threads), which is what sets this split: dS alone takes 96.
@@ -30,9 +30,7 @@ block:
 
 (the kernels take h inside a third matrix, B ⊙ h, on the query side)
 
-and w = ((1+s)² + 1)/2 with s = q_s·kᵀ from one K = 16 MMA. (Until session 20 the inputs carried an appended one,
-x_ext = [x, 1, 0…] [C, 32], which made the order-1 features, the constant and the 1 of 1 + s: K = 32 in the feature
-MMAs and N = 32 in the Jacobians, twice the work.)
+and w = ((1+s)² + 1)/2 with s = q_s·kᵀ from one K = 16 MMA.
 """
 
 import torch
@@ -155,7 +153,7 @@ def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, dq, g_out, e_out, T, scale, BH
     the query's ½ weights) are loaded once per program. Also stores g = dO/den and e = −(dO·o)/den, which the dk/dv
     walk reads instead of dO, o and den.
 
-    Loads run one chunk ahead (session 19): each chunk's q, k, v, dO and o are copied into shared memory (cp.async)
+    Loads run one chunk ahead: each chunk's q, k, v, dO and o are copied into shared memory (cp.async)
     while the chunk before computes, the next step's state once this step's reads of it are done."""
     LV: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
@@ -214,7 +212,7 @@ def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, dq, g_out, e_out, T, scale, BH
                              xk_s.index(1), v_s.index(1), start + C_, T, H, True)
             er = gl.convert_layout(e, gl.SliceLayout(1, A64))[:, None]
             acc = gl.zeros([C_, K_], gl.float32, A16)
-            # q_s and g once from shared memory into registers, the A operand of their MMAs below (session 21)
+            # q_s and g once from shared memory into registers, the A operand of their MMAs below
             xqa = xq_s.load(OP64)
             ga = g_s.load(OP64)
             for j in gl.static_range(jc + 1):  # keys of the step's chunks up to this one (causal for its own)
@@ -275,7 +273,7 @@ def _producer(q, k, v, g_in, e_in, dzT, dz0, i_bh, T, scale, H: gl.constexpr, US
     """Worker partition 0 (4 warps): loads the factor matrices for all three partitions, then for each chunk from
     the last stores its inputs, e (as a bf16 head and tail), ψ(q), φ(k) and dz entering the chunk (the dk partition's)
     into the slot the others read next. It keeps dz = Σ_{later} ψᵀ e itself (fp32 MMA accumulators [64, 8] per block:
-    column 0 sums ψ·e's bf16 head, column 1 its tail; session 20, the consumer's until then). Once a chunk is handed
+    column 0 sums ψ·e's bf16 head, column 1 its tail). Once a chunk is handed
     over, the producer waits for the other slot to be free and starts the next chunk's v and g copies into it
     (cp.async), which fly while that chunk's features are built."""
     LE: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
@@ -396,8 +394,7 @@ def _dk_partition(dk, T, H: gl.constexpr, xq_s, xk_s, v_s, g_s, e_s, ra_s, rb_s,
         slot = i % NSLOT
         buf = i % 2
         mbarrier.wait(ready.index(slot), (i // NSLOT) & 1)
-        # k and v once from shared memory into registers, the A operand of their MMAs below (session 21: T=4096
-        # backward 0.3689 → 0.3616 ms with dq's likewise)
+        # k and v once from shared memory into registers, the A operand of their MMAs below
         xk = xk_s.index(slot).load(OP64)
         va = v_s.index(slot).load(OP64)
         # the chunk's own part: dsᵀ [j, i] = ((g_i·v_j) + e_i)(1 + s_ij), i ≥ j
@@ -461,7 +458,7 @@ def _consumer(dv, dhT, dh0, i_bh, T, H: gl.constexpr, USE_DHT: gl.constexpr, STO
               g_s, psi_s, phi_s, dS_s, mats_ready, ready, free, ds_ready, ds_free, NSLOT: gl.constexpr):
     """The default partition (4 warps): holds the reverse state dS (fp32, [64, V] per feature block); per chunk
     dv = wᵀ g + Σ_b φ_b dS_b, after dS_b += ψ_bᵀ g is published (double-buffered, in bf16) for the next chunk's reads
-    here and in the dk partition. (dz is the producer's since session 20.)"""
+    here and in the dk partition (dz is the producer's)."""
     LO: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     rs = gl.arange(0, 64, layout=gl.SliceLayout(1, A64))[:, None]  # rows of dS: features; of wᵀ: keys j
@@ -663,8 +660,8 @@ def rows_grad_to_state(dh: torch.Tensor, dz: torch.Tensor, B: int, H: int):
     return dhv.reshape(B, H, F, V), dhz.reshape(B, H, F)
 
 
-def gluon_backward(q, k, v, o, do, den, hs, zs, scale, dhvT=None, dhzT=None, need_dh0=False):
-    """The gradient of `gluon.gluon_forward(..., store_states="rows")`: q, k, v, o, do [B, T, H, ·] (bf16), den
+def backward(q, k, v, o, do, den, hs, zs, scale, dhvT=None, dhzT=None, need_dh0=False):
+    """The gradient of `gluon.forward(..., store_states=True)`: q, k, v, o, do [B, T, H, ·] (bf16), den
     [B, T, H] fp32, (hs, zs) the stored states (the forward's rows, every second chunk's). dhvT/dhzT: the final
     state's gradient in Taylor-order form (or None). Returns dq, dk, dv (bf16) and, with need_dh0, the initial
     state's gradient in Taylor-order form."""
@@ -694,30 +691,3 @@ def gluon_backward(q, k, v, o, do, den, hs, zs, scale, dhvT=None, dhzT=None, nee
     if need_dh0:
         dhv0, dhz0 = rows_grad_to_state(dh0, dz0, B, H)
     return dq, dk, dv, dhv0, dhz0
-
-
-class GluonBasedFunction(torch.autograd.Function):
-    """(q, k, v, hv0, hz0) -> (o, hvT, hzT) through the Gluon kernels alone: `gluon.gluon_forward` storing the states
-    (rows) and `gluon_backward`. `chunk.chunk_based` takes it wherever the Gluon forward applies and a gradient
-    follows. It does no more on the host than those two calls: at short T an eager step waits on the host (session
-    20, H200, T=1024: 586 µs of host time a forward+backward through `ChunkBasedFunction` against a GPU time of 144).
-    Gradients of outputs that are not used arrive as None (no zero tensors are made and read for them)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, hv0, hz0, scale, output_final_state):
-        from kernels.based.gluon import gluon_forward
-
-        ctx.set_materialize_grads(False)
-        o, den, hvT, hzT, (hs, zs) = gluon_forward(q, k, v, scale, hv0, hz0, output_final_state, store_states="rows")
-        ctx.save_for_backward(q, k, v, o, den, hs, zs)
-        ctx.scale, ctx.need_dh0 = scale, hv0 is not None
-        return o, hvT, hzT
-
-    @staticmethod
-    def backward(ctx, do, dhvT, dhzT):
-        q, k, v, o, den, hs, zs = ctx.saved_tensors
-        if do is None:  # only the final state reaches the loss
-            do = torch.zeros_like(o)
-        dq, dk, dv, dhv0, dhz0 = gluon_backward(q, k, v, o, do, den, hs, zs, ctx.scale, dhvT, dhzT,
-                                                need_dh0=ctx.need_dh0)
-        return dq, dk, dv, dhv0, dhz0, None, None

@@ -24,7 +24,7 @@ def taylor_feature_map(x: torch.Tensor) -> torch.Tensor:
     i, j = torch.triu_indices(f, f, offset=1, device=x.device)
     diag = x * x / (math.sqrt(2.0) * math.sqrt(f))  # [..., f]
     # index_select, not x[..., i]: its backward is an index_add, where advanced indexing's is a sorting
-    # index_put (a tenth of a Fig. 2 training step on the H200, session 4's profile)
+    # index_put (a tenth of a Fig. 2 training step on the H200 when profiled)
     off = x.index_select(-1, i) * x.index_select(-1, j) / math.sqrt(f)  # [..., f(f-1)/2]
     return torch.cat([torch.ones_like(x[..., :1]), x / f**0.25, diag, off], dim=-1)
 
@@ -154,6 +154,18 @@ def naive_chunk_based(q, k, v, scale=None, initial_state=None, output_final_stat
 
 
 def _order_maps(f: int, device, dtype):
+    """`_make_order_maps`, made once per (f, device, dtype): the conversions then cost no host work but the einsums,
+    and run under CUDA-graph capture."""
+    key = (f, torch.device(device), dtype)
+    if key not in _ORDER_MAPS:
+        _ORDER_MAPS[key] = _make_order_maps(f, device, dtype)
+    return _ORDER_MAPS[key]
+
+
+_ORDER_MAPS: dict = {}
+
+
+def _make_order_maps(f: int, device, dtype):
     """Linear maps between the E-feature state and the Taylor-order state (rows 1 + f + f², f² row-major).
 
     to_orders [1+f+f², E]: order 0 = kv[0]; order 1 = f^¼·kv[1:1+f]; order 2 (a,a) = √2·√f·kv[diag a],
@@ -196,4 +208,5 @@ def orders_to_state(hv: torch.Tensor, hz: torch.Tensor):
     if 1 + f + f * f != F:
         raise ValueError(f"{F} rows is not 1 + f + f² for any f")
     _, to_state = _order_maps(f, hv.device, hv.dtype)
-    return torch.einsum("ef,bhfv->bhev", to_state, hv), torch.einsum("ef,bhf->bhe", to_state, hz)
+    kv = torch.einsum("ef,bhfv->bhev", to_state, hv).contiguous()  # contiguous: what decoding updates in place
+    return kv, torch.einsum("ef,bhf->bhe", to_state, hz).contiguous()

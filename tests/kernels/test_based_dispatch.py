@@ -1,140 +1,101 @@
-"""Which kernels `chunk_based` runs (kernels/based/chunk.py FORWARD, BACKWARD): the split kernels only where they
-were measured faster and checked on the H200, the fused ones elsewhere."""
+"""The rule that picks `chunk_based`'s kernels (kernels/based/ops.py `choose_path`), case by case, and the ways to
+force a path. Nothing launches here."""
 
 import pytest
 import torch
 
-from kernels.based import chunk, split
+from kernels.based import ops
+from kernels.based.ops import BasedConfig, choose_path
 
-BIG = 8 * 16 * 4096  # B·H·T of the benchmark at T=4096
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+BIG = dict(B=8, T=4096, H=16)  # the benchmark's shape: B·H·T ≥ SPLIT_MIN_WORK
+SMALL = dict(B=1, T=300, H=2)  # B·H·T < SPLIT_MIN_WORK
+FEW_LONG = dict(B=1, T=16384, H=16)  # B·H < MIN_SEQUENCES and T > MAX_SHORT_T
 
-
-def test_auto_backward_takes_the_split_kernels_only_where_measured(monkeypatch):
-    monkeypatch.setattr(chunk, "BACKWARD", "auto")
-    assert chunk.split_backward_applies(16, 64, torch.bfloat16, BIG)
-    assert chunk.split_backward_applies(16, 112, torch.float16, BIG)
-    assert chunk.split_backward_applies(8, 40, torch.bfloat16, BIG)
-    assert not chunk.split_backward_applies(16, 64, torch.float32, BIG)  # fp32: not measured faster
-    assert not chunk.split_backward_applies(16, 32, torch.bfloat16, BIG)  # value blocks of 32 fault on Triton 3.6
-    assert not chunk.split_backward_applies(32, 64, torch.bfloat16, BIG)  # the split kernels hold K ≤ 16
-
-
-def test_auto_backward_leaves_small_problems_fused_unless_captured(monkeypatch):
-    """Below SPLIT_MIN_WORK (B·H·T) the fused kernels' fewer launches win eagerly; in a CUDA graph the split ones."""
-    monkeypatch.setattr(chunk, "BACKWARD", "auto")
-    small = chunk.SPLIT_MIN_WORK - 1
-    assert not chunk.split_backward_applies(16, 64, torch.bfloat16, small)
-    assert chunk.split_backward_applies(16, 64, torch.bfloat16, small + 1)
-    assert chunk.split_backward_applies(16, 64, torch.bfloat16, small, capturing=True)
-    assert not chunk.split_backward_applies(16, 64, torch.float32, small, capturing=True)
-
-
-def test_forced_choices(monkeypatch):
-    monkeypatch.setattr(chunk, "BACKWARD", "split")
-    assert chunk.split_backward_applies(16, 32, torch.float32, 1)
-    assert not chunk.split_backward_applies(32, 64, torch.bfloat16, BIG)
-    monkeypatch.setattr(chunk, "BACKWARD", "fused")
-    assert not chunk.split_backward_applies(16, 64, torch.bfloat16, BIG, capturing=True)
-
-
-class Chosen(Exception):
-    pass
+# (id, sm90, dtype, shape, K, V, normalize, grad, capturing, expected path)
+RULE = [
+    ("sm90-bf16-train", True, BF16, BIG, 16, 64, True, True, False, "gluon"),
+    ("sm90-bf16-infer", True, BF16, BIG, 16, 64, True, False, False, "gluon"),
+    ("sm90-bf16-small-train", True, BF16, SMALL, 16, 64, True, True, False, "gluon"),
+    ("sm90-bf16-few-long-infer", True, BF16, FEW_LONG, 16, 64, True, False, False, "fused"),
+    ("sm90-bf16-few-long-train", True, BF16, FEW_LONG, 16, 64, True, True, False, "split"),
+    ("sm90-bf16-unnormalized-train", True, BF16, BIG, 16, 64, False, True, False, "split"),
+    ("sm90-bf16-V112-train", True, BF16, BIG, 16, 112, True, True, False, "split"),
+    ("sm90-bf16-K8-infer", True, BF16, BIG, 8, 64, True, False, False, "fused"),
+    ("sm90-fp16-train", True, FP16, BIG, 16, 64, True, True, False, "split"),
+    ("sm90-fp32-train", True, FP32, BIG, 16, 64, True, True, False, "fused"),
+    ("other-gpu-bf16-train", False, BF16, BIG, 16, 64, True, True, False, "split"),
+    ("other-gpu-bf16-infer", False, BF16, BIG, 16, 64, True, False, False, "fused"),
+    ("other-gpu-bf16-small-train", False, BF16, SMALL, 16, 64, True, True, False, "fused"),
+    ("other-gpu-bf16-small-train-captured", False, BF16, SMALL, 16, 64, True, True, True, "split"),
+    ("other-gpu-fp16-train", False, FP16, BIG, 16, 64, True, True, False, "split"),
+    ("other-gpu-fp32-train-captured", False, FP32, BIG, 16, 64, True, True, True, "fused"),
+    ("other-gpu-bf16-K32-train", False, BF16, BIG, 32, 64, True, True, False, "fused"),
+    ("other-gpu-bf16-V32-train", False, BF16, BIG, 16, 32, True, True, False, "fused"),
+    ("other-gpu-bf16-V128-train", False, BF16, BIG, 16, 128, True, True, False, "split"),
+    ("other-gpu-bf16-K8-V40-train", False, BF16, BIG, 8, 40, True, True, False, "split"),
+]
 
 
-def _which_forward(monkeypatch, dtype, requires_grad, grad_enabled=True):
-    """"split" or "fused": the forward `chunk_based` starts, stopped at its first kernel (nothing runs)."""
-
-    def split_forward(*args, return_states=False, **kwargs):
-        raise Chosen("split" if return_states else "split without states")
-
-    class Fused:
-        def __getitem__(self, grid):
-            raise Chosen("fused")
-
-    monkeypatch.setattr(split, "split_forward", split_forward)
-    monkeypatch.setattr(chunk, "_fwd_kernel", Fused())
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors pass the device check; no kernel launches here
-    q, k = (torch.randn(1, 64, 2, 16, dtype=dtype, requires_grad=requires_grad) for _ in range(2))
-    v = torch.randn(1, 64, 2, 64, dtype=dtype, requires_grad=requires_grad)
-    with torch.set_grad_enabled(grad_enabled), pytest.raises(Chosen) as chosen:
-        chunk.chunk_based(q, k, v)
-    return str(chosen.value)
+@pytest.mark.parametrize(("sm90", "dtype", "shape", "K", "V", "normalize", "grad", "capturing", "expected"),
+                         [r[1:] for r in RULE], ids=[r[0] for r in RULE])
+def test_dispatch_rule(sm90, dtype, shape, K, V, normalize, grad, capturing, expected):
+    assert choose_path(sm90=sm90, dtype=dtype, K=K, V=V, normalize=normalize, grad=grad, capturing=capturing,
+                       **shape) == expected
 
 
-def test_auto_forward_is_split_only_for_a_split_backward(monkeypatch):
-    monkeypatch.setattr(chunk, "SPLIT_MIN_WORK", 1)  # the inputs below are small
-    monkeypatch.setattr(chunk, "FORWARD", "auto")
-    monkeypatch.setattr(chunk, "BACKWARD", "auto")
-    assert _which_forward(monkeypatch, torch.bfloat16, requires_grad=True) == "split"
-    assert _which_forward(monkeypatch, torch.bfloat16, requires_grad=True, grad_enabled=False) == "fused"
-    assert _which_forward(monkeypatch, torch.bfloat16, requires_grad=False) == "fused"
-    assert _which_forward(monkeypatch, torch.float32, requires_grad=True) == "fused"  # fp32: fused backward
-    # fp16: the split forward as for bf16 where the split kernels take fp16 operands (the default settings); where
-    # they would take tf32 ones (here: the features computed inside the walk), the fused forward's fp16 operands win
-    # (the split backward then computes the states again); with tf32 operands everywhere (FP16_DOT), split again
-    assert _which_forward(monkeypatch, torch.float16, requires_grad=True) == "split"
-    monkeypatch.setattr(split, "CONFIG", {**split.CONFIG, "features": False})
-    assert _which_forward(monkeypatch, torch.float16, requires_grad=True) == "fused"
-    monkeypatch.setattr(chunk, "FP16_DOT", "tf32")
-    assert _which_forward(monkeypatch, torch.float16, requires_grad=True) == "split"
-    monkeypatch.setattr(chunk, "BACKWARD", "fused")
-    assert _which_forward(monkeypatch, torch.bfloat16, requires_grad=True) == "fused"
-    monkeypatch.setattr(chunk, "FORWARD", "fused")
-    monkeypatch.setattr(chunk, "BACKWARD", "auto")
-    assert _which_forward(monkeypatch, torch.bfloat16, requires_grad=True) == "fused"
+def test_split_min_work_is_the_boundary():
+    args = dict(sm90=False, dtype=BF16, B=1, H=1, K=16, V=64, normalize=True, grad=True, capturing=False)
+    assert choose_path(T=ops.SPLIT_MIN_WORK, **args) == "split"
+    assert choose_path(T=ops.SPLIT_MIN_WORK - 1, **args) == "fused"
 
 
-def test_auto_forward_of_a_small_problem_is_fused(monkeypatch):
-    """B·H·T = 128 here: under the default SPLIT_MIN_WORK the forward (and so the backward) stays fused."""
-    monkeypatch.setattr(chunk, "FORWARD", "auto")
-    monkeypatch.setattr(chunk, "BACKWARD", "auto")
-    assert _which_forward(monkeypatch, torch.bfloat16, requires_grad=True) == "fused"
-    monkeypatch.setattr(chunk, "SPLIT_MIN_WORK", 128)
-    assert _which_forward(monkeypatch, torch.bfloat16, requires_grad=True) == "split"
-
-
-def test_auto_forward_under_torch_compile_is_split(monkeypatch):
-    """While torch.compile traces, a small problem takes the split kernels too (as under CUDA-graph capture)."""
-    monkeypatch.setattr(chunk, "FORWARD", "auto")
-    monkeypatch.setattr(chunk, "BACKWARD", "auto")
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert _which_forward(monkeypatch, torch.bfloat16, requires_grad=True) == "split"
-    assert _which_forward(monkeypatch, torch.float32, requires_grad=True) == "fused"  # fp32: fused backward
-
-
-def test_fp32_dot_precision(monkeypatch):
-    """fp32 inputs take tf32x3 dots by default (the tensor cores at ≈ fp32 accuracy), exact ones on request; bf16 and
-    fp16 are unaffected; anything else is refused in one line."""
-    assert chunk._dot_mode(torch.float32) == chunk.DOT_TF32X3
-    assert chunk._dot_mode(torch.float32, 32) == chunk.DOT_IEEE  # tf32x3 overflows shared memory at K=32
-    monkeypatch.setattr(chunk, "FP32_DOT", "ieee")
-    assert chunk._dot_mode(torch.float32) == chunk.DOT_IEEE
-    assert chunk._dot_mode(torch.bfloat16) == chunk.DOT_BF16
-    assert chunk._dot_mode(torch.float16) == chunk.DOT_TF32
-    monkeypatch.setattr(chunk, "FP32_DOT", "tf32")
-    with pytest.raises(ValueError, match="FP32_DOT"):
-        chunk._dot_mode(torch.float32)
-
-
-def test_fp16_operands_in_the_fused_forward_and_the_split_kernels(monkeypatch):
-    """fp16 inputs: the fused forward and the split kernels take fp16 operands (FP16_DOT = "fp16", the default) or
-    tf32 ones on request; the fused backward keeps tf32 (`_dot_mode`); other dtypes are unaffected; anything else is
-    refused in one line. The split kernels take fp16 only on their default path (stored features, one segment, no
-    scan), whose kernels scale what they carry into fp16's range."""
-    assert split.takes_fp16(chunk.DOT_FP16) == chunk.DOT_FP16
-    assert split.takes_fp16(chunk.DOT_BF16) == chunk.DOT_BF16
-    for config in ({"features": False}, {"NS": 2}, {"scan": True}):
-        monkeypatch.setattr(split, "CONFIG", {**split.CONFIG, **config})
-        assert split.takes_fp16(chunk.DOT_FP16) == chunk.DOT_TF32
-        assert split.takes_fp16(chunk.DOT_BF16) == chunk.DOT_BF16
-    monkeypatch.undo()
-    assert chunk._fused_forward_dot(torch.float16) == chunk.DOT_FP16
-    assert chunk._dot_mode(torch.float16) == chunk.DOT_TF32
-    assert chunk._fused_forward_dot(torch.bfloat16) == chunk.DOT_BF16
-    assert chunk._fused_forward_dot(torch.float32) == chunk.DOT_TF32X3
-    monkeypatch.setattr(chunk, "FP16_DOT", "tf32")
-    assert chunk._fused_forward_dot(torch.float16) == chunk.DOT_TF32
-    monkeypatch.setattr(chunk, "FP16_DOT", "bf16")
-    with pytest.raises(ValueError, match="FP16_DOT") as e:
-        chunk._fused_forward_dot(torch.float16)
+@pytest.mark.parametrize(("forced", "K", "message"), [("gluon", 16, "sm_90"), ("split", 32, "K ≤ 16")])
+def test_a_forced_path_that_cannot_take_the_call_says_why(forced, K, message):
+    with pytest.raises(ValueError, match=message) as e:
+        choose_path(sm90=False, dtype=BF16, K=K, V=64, normalize=True, grad=True, capturing=False, forced=forced,
+                    **BIG)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("forced", ["split", "fused"])
+def test_a_forced_path_is_taken(forced):
+    assert choose_path(sm90=True, dtype=BF16, K=16, V=64, normalize=True, grad=True, capturing=False, forced=forced,
+                       **BIG) == forced
+
+
+def test_config_is_frozen_and_checked():
+    with pytest.raises(ValueError, match="BasedConfig.path"):
+        BasedConfig(path="walk")
+    with pytest.raises(AttributeError):
+        BasedConfig().path = "fused"
+
+
+@pytest.mark.parametrize(("env", "path"), [(None, "auto"), ("fused", "fused"), ("split", "split")])
+def test_environment_variable(env, path, monkeypatch):
+    if env is None:
+        monkeypatch.delenv("ZOO_BASED_PATH", raising=False)
+    else:
+        monkeypatch.setenv("ZOO_BASED_PATH", env)
+    assert BasedConfig.from_env().path == path
+
+
+@pytest.mark.parametrize(("grad", "expected"), [(False, "fused"), (True, "split")])
+def test_chunk_based_passes_its_choice_to_the_kernels(grad, expected, monkeypatch):
+    """chunk_based decides from the inputs' metadata (the gradient mode included) and hands the path to the forms;
+    stopped at the first kernel call, so nothing runs."""
+    class Chosen(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Chosen(args[6])  # _forward's path argument
+
+    monkeypatch.setattr(ops, "SPLIT_MIN_WORK", 1)
+    monkeypatch.setattr(ops, "_PLANS", {})
+    monkeypatch.setattr(ops, "_forward", stop)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors pass the device check; nothing launches
+    q, k = (torch.randn(1, 64, 2, 16, dtype=BF16, requires_grad=grad) for _ in range(2))
+    v = torch.randn(1, 64, 2, 64, dtype=BF16, requires_grad=grad)
+    with pytest.raises(Chosen) as chosen:
+        ops.chunk_based(q, k, v)
+    assert str(chosen.value) == expected

@@ -5,11 +5,13 @@ chained calls; decode), at T up to 16384, against float64 references, with kerne
 T=65536 the bar is absolute: everything finite and within 1e-2 of float64.
 """
 
+import functools
+
 import pytest
 import torch
 from based_cases import Case, check_against_naive, chunked_reference, make_inputs, nan_empty, run
 
-from kernels.based import chunk_based, fused_recurrent_based, naive_parallel_based, naive_recurrent_based
+from kernels.based import BasedConfig, chunk_based, fused_recurrent_based, naive_parallel_based, naive_recurrent_based
 from kernels.testing import GPU_T, assert_close, rel_error
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -21,6 +23,11 @@ CASES = [Case(B=1, T=T, H=2, K=16, V=64) for T in GPU_T] + [
     Case(B=1, T=4096, H=2, K=8, V=64, normalize=False),
     Case(B=1, T=1000, H=1, K=32, V=128, initial_state=False),
 ]
+
+
+def forced(path):
+    """chunk_based on one path (kernels/based/ops.py `BasedConfig`)."""
+    return functools.partial(chunk_based, config=BasedConfig(path=path))
 
 
 def _reference(case):
@@ -41,54 +48,12 @@ SPLIT_CASES = [Case(B=1, T=T, H=2, K=16, V=64) for T in GPU_T] + [
 ]
 
 
-# the default settings (the key features stored first, CONFIG["features"]) at every case and dtype; the state
-# passes walking with the features computed inside the walk (features off), alone, in four segments and with the
-# pair features by tl.gather, at two cases in bf16; that walk also at V=112 in fp16
-WALK = {"features": False}
-SPLIT_RUNS = [(c, {}, dt, f"{c.id}-default-{n}") for c in SPLIT_CASES for dt, n in zip(DTYPES, DT_IDS)] + [
-    (c, {**WALK, **cfg}, torch.bfloat16, f"{c.id}-{name}-bf16")
-    for c in SPLIT_CASES if c.T in (1000, 4096) and c.V == 64 and c.normalize
-    for cfg, name in (({"NS": 4}, "ns4"), ({"gather": True}, "gather"), ({}, "walk"))
-] + [(SPLIT_CASES[-2], WALK, torch.float16, f"{SPLIT_CASES[-2].id}-walk-fp16")]
-
-
-@pytest.mark.parametrize(("case", "config", "dtype"), [r[:3] for r in SPLIT_RUNS], ids=[r[3] for r in SPLIT_RUNS])
-def test_split_matches_naive_gpu(case, config, dtype, monkeypatch):
-    """chunk.FORWARD = chunk.BACKWARD = "split" (kernels/based/split.py) compiled for this GPU, at its default
-    settings and with segments: outputs, final state and every gradient."""
-    from kernels.based import chunk, split
-
-    monkeypatch.setattr(chunk, "FORWARD", "split")
-    monkeypatch.setattr(chunk, "BACKWARD", "split")
-    monkeypatch.setattr(split, "CONFIG", {**split.CONFIG, **config})
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=[c.id for c in SPLIT_CASES])
+def test_split_matches_naive_gpu(case, dtype):
+    """The split kernels (kernels/based/split.py) compiled for this GPU: outputs, final state and every gradient."""
     with nan_empty():
-        check_against_naive(chunk_based, case, dtype, "cuda", reference=_reference(case))
-
-
-@pytest.mark.parametrize("case", [c for c in CASES if c.T in (1000, 4096)], ids=lambda c: c.id)
-def test_fp32_ieee_dots_match_naive_gpu(case, monkeypatch):
-    """fp32 with exact fp32 dots (chunk.FP32_DOT = "ieee", the vector units) instead of the default tf32x3."""
-    from kernels.based import chunk
-
-    monkeypatch.setattr(chunk, "FP32_DOT", "ieee")
-    with nan_empty():
-        check_against_naive(chunk_based, case, torch.float32, "cuda", reference=_reference(case))
-
-
-MODE_CASES = [c for c in CASES if c.T in (1000, 4096) and c.K <= 16]  # K > 16 runs mode 0
-
-
-@pytest.mark.parametrize("dtype", DTYPES[:2], ids=DT_IDS[:2])
-@pytest.mark.parametrize("case", MODE_CASES, ids=[c.id for c in MODE_CASES])
-def test_order2_mode6_matches_naive_gpu(case, dtype, monkeypatch):
-    """The fused kernels at order-2 mode 6 (mode 5 with the pair features by tl.gather), forward and backward."""
-    from kernels.based import chunk
-
-    monkeypatch.setattr(chunk, "FWD_EXPAND", 6)
-    monkeypatch.setattr(chunk, "BWD_EXPAND", 6)
-    monkeypatch.setattr(chunk, "BACKWARD", "fused")
-    with nan_empty():
-        check_against_naive(chunk_based, case, dtype, "cuda", reference=_reference(case))
+        check_against_naive(forced("split"), case, dtype, "cuda", reference=_reference(case))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
@@ -111,21 +76,19 @@ def test_direct_launch_equals_the_jit_path_gpu(path, monkeypatch):
     Outputs, final state and every gradient are bit-identical to Triton's JIT path; misaligned inputs (another
     specialization) get their own compiled kernel and the same result."""
     from kernels import launch as L
-    from kernels.based import chunk
 
-    monkeypatch.setattr(chunk, "FORWARD", path)
-    monkeypatch.setattr(chunk, "BACKWARD", path)
+    fn = forced(path)
     case = Case(B=2, T=1000, H=2, K=16, V=64)
     inputs = make_inputs(case, "cuda")
     direct, stream = [], L._stream
     monkeypatch.setattr(L, "_stream", lambda device: direct.append(device) or stream(device))
-    monkeypatch.setattr(L, "FAST_LAUNCH", False)
-    ref_out, ref_grad, cot = run(chunk_based, inputs, case, torch.bfloat16)
+    monkeypatch.setattr(L, "_FAST", False)
+    ref_out, ref_grad, cot = run(fn, inputs, case, torch.bfloat16)
     assert not direct
     reference = ref_out + list(ref_grad)
-    monkeypatch.setattr(L, "FAST_LAUNCH", True)
+    monkeypatch.setattr(L, "_FAST", True)
     for _ in range(2):
-        out, grad, _ = run(chunk_based, inputs, case, torch.bfloat16, cot)
+        out, grad, _ = run(fn, inputs, case, torch.bfloat16, cot)
         for name, a, r in zip(("o", "kv", "k_sum", "dq", "dk", "dv", "dkv0", "dk_sum0"), out + list(grad), reference):
             assert torch.equal(a, r), name
     assert direct  # the second round launched straight through the compiled kernels
@@ -137,7 +100,7 @@ def test_direct_launch_equals_the_jit_path_gpu(path, monkeypatch):
 
         q, k, v = shift(q), shift(k), shift(v)
         assert q.data_ptr() % 16 != 0 and q.is_contiguous()
-        return chunk_based(q, k, v, **kwargs)
+        return fn(q, k, v, **kwargs)
 
     out, grad, _ = run(misaligned, inputs, case, torch.bfloat16, cot)
     for a, r in zip(out + list(grad), reference):
@@ -154,7 +117,7 @@ def test_direct_launch_decode_equals_the_jit_path_gpu(monkeypatch):
     monkeypatch.setattr(L, "_stream", lambda device: direct.append(device) or stream(device))
     results = []
     for fast in (False, True):
-        monkeypatch.setattr(L, "FAST_LAUNCH", fast)
+        monkeypatch.setattr(L, "_FAST", fast)
         kv, ks = kv0.float().clone(), ks0.float().clone()
         outs = [fused_recurrent_based(q[:, t].bfloat16(), k[:, t].bfloat16(), v[:, t].bfloat16(), (kv, ks))
                 for t in range(case.T)]
@@ -177,14 +140,11 @@ def test_65536_tokens_bf16():
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.T in (1000, 4096) and c.K <= 16], ids=lambda c: c.id)
-def test_fp16_default_split_backward_matches_naive_gpu(case, monkeypatch):
-    """fp16 where the split backward applies (here forced by a small SPLIT_MIN_WORK): the split forward and backward
-    with fp16 operands (before session 15: the fused forward, then the split backward with tf32 ones)."""
-    from kernels.based import chunk
-
-    monkeypatch.setattr(chunk, "SPLIT_MIN_WORK", 1)
+def test_fp16_fused_matches_naive_gpu(case):
+    """fp16 through the fused kernels (fp16 operands in the forward, tf32 in the backward), which serve small fp16
+    problems and other V: everything by the rule."""
     with nan_empty():
-        check_against_naive(chunk_based, case, torch.float16, "cuda", reference=_reference(case))
+        check_against_naive(forced("fused"), case, torch.float16, "cuda", reference=_reference(case))
 
 
 def test_65536_tokens_fp16_forward_large_state():
@@ -200,18 +160,13 @@ def test_65536_tokens_fp16_forward_large_state():
     assert rel_error(o, ref) <= 1e-2, rel_error(o, ref)
 
 
-@pytest.mark.parametrize("forward", ["fused", "split"])
 @pytest.mark.parametrize("inputs", ["large", "small-grad"])
-def test_65536_tokens_fp16_split_kernels_in_range(inputs, forward, monkeypatch):
-    """fp16 through the split backward's fp16 operands (and the split forward's), 65536 tokens: large, biased inputs
-    (k·4, v + 8: the order-2 state ≈ 8e6, past fp16's 65504, so the stored states must be over n), or dO·1e-3
-    (dO/den ≈ 1e-8, zero in fp16 unless carried times the chunk's den). Everything finite; the small gradients
-    within 1e-2 of float64; at the large inputs, whose dq cancels (o ≈ 8 + a small part), within twice the error of
-    the split kernels with tf32 operands (fp32's range, the same 10-bit mantissa) run on the same inputs."""
-    from kernels.based import chunk, split
-
-    monkeypatch.setattr(chunk, "SPLIT_MIN_WORK", 1)
-    monkeypatch.setattr(chunk, "FORWARD", "auto" if forward == "fused" else "split")
+def test_65536_tokens_fp16_split_kernels_in_range(inputs):
+    """fp16 through the split kernels' fp16 operands, 65536 tokens: large, biased inputs (k·4, v + 8: the order-2
+    state ≈ 8e6, past fp16's 65504, so the stored states must be over n), or dO·1e-3 (dO/den ≈ 1e-8, zero in fp16
+    unless carried times the chunk's den). Everything finite; the small gradients within 1e-2 of float64; at the
+    large inputs, whose dq cancels (o ≈ 8 + a small part), within twice the error of the fused kernels (whose
+    backward takes tf32 operands: fp32's range, the same 10-bit mantissa) run on the same inputs."""
     case = Case(B=1, T=65536, H=1, K=16, V=64)
     leaves = make_inputs(case, "cuda")
     with torch.no_grad():
@@ -222,15 +177,14 @@ def test_65536_tokens_fp16_split_kernels_in_range(inputs, forward, monkeypatch):
     if inputs == "small-grad":
         cot = [c * 1e-3 for c in cot]
     ref_out, ref_grad, _ = run(chunked_reference(4096), leaves, case, torch.float64, cot)
-    out, grad, _ = run(chunk_based, leaves, case, torch.float16, cot)
-    monkeypatch.setattr(split, "takes_fp16", lambda dot: chunk.DOT_TF32 if dot == chunk.DOT_FP16 else dot)
-    base_out, base_grad, _ = run(chunk_based, leaves, case, torch.float16, cot)
+    out, grad, _ = run(forced("split"), leaves, case, torch.float16, cot)
+    base_out, base_grad, _ = run(forced("fused"), leaves, case, torch.float16, cot)
     names = ("o", "kv", "k_sum", "dq", "dk", "dv", "dkv0", "dk_sum0")
     for name, a, r, b in zip(names, out + list(grad), ref_out + list(ref_grad), base_out + list(base_grad)):
         assert torch.isfinite(a).all(), f"{name} has inf or NaN"
         err = rel_error(a, r)
         bound = 1e-2 if inputs == "small-grad" else 2 * rel_error(b, r) + 1e-3
-        assert err <= bound, f"{name}: relative error {err:.3g} > {bound:.3g} (tf32 operands: {rel_error(b, r):.3g})"
+        assert err <= bound, f"{name}: relative error {err:.3g} > {bound:.3g} (fused: {rel_error(b, r):.3g})"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
@@ -263,28 +217,30 @@ def test_decode_in_cuda_graph(dtype):
     assert_close(f"decode {dtype} k_sum", state[1], ref_ks, base_ks, dtype)
 
 
-@pytest.mark.parametrize("path", ["triton", "gluon"])
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _count(monkeypatch, module, name, calls, tag=1):
+    """Record every call of module.name (the kernels ops.py dispatches to) in calls."""
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(tag) or real(*a, **kw))
+
+
+@pytest.mark.parametrize("path", ["split", "gluon"])
 def test_forward_backward_in_cuda_graph(path, monkeypatch):
     """A forward+backward captured in a CUDA graph and replayed, output and gradients by the rule against float64.
-    triton (the Gluon kernels off): "auto" takes the split kernels under capture even below SPLIT_MIN_WORK (eagerly
-    it stays fused there). gluon (Hopper): the Gluon forward and backward, eagerly and under capture."""
-    from kernels.based import chunk, gluon_backward, split
+    split: off Hopper (or at V=64 in fp16 on it) the auto rule takes the split kernels under capture even below
+    SPLIT_MIN_WORK (eagerly it stays fused there). gluon (Hopper): the Gluon forward and backward, eagerly and under
+    capture."""
+    from kernels.based import gluon_backward, ops, split
 
     if path == "gluon" and not HOPPER:
         pytest.skip("the Gluon kernels need a Hopper GPU (sm_90)")
-    monkeypatch.setattr(chunk, "FORWARD", "auto")
-    monkeypatch.setattr(chunk, "BACKWARD", "auto")
-    monkeypatch.setattr(chunk, "GLUON_FORWARD", path == "gluon")
+    dt = torch.bfloat16 if path == "gluon" or not HOPPER else torch.float16
     taken = []
-    if path == "gluon":
-        real = gluon_backward.gluon_backward
-        monkeypatch.setattr(gluon_backward, "gluon_backward", lambda *a, **kw: taken.append(1) or real(*a, **kw))
-    else:
-        split_backward = split.split_backward
-        monkeypatch.setattr(split, "split_backward", lambda *a, **kw: taken.append(1) or split_backward(*a, **kw))
-    dt = torch.bfloat16
+    _count(monkeypatch, gluon_backward if path == "gluon" else split, "backward", taken)
     case = Case(B=1, T=300, H=2, K=16, V=64)
-    assert case.B * case.H * case.T < chunk.SPLIT_MIN_WORK
+    assert case.B * case.H * case.T < ops.SPLIT_MIN_WORK
     q, k, v = (x.detach() for x in make_inputs(case, "cuda")[:3])
     do = torch.randn(q.shape[:3] + (case.V,), device="cuda", dtype=torch.float64)
     outs = {}
@@ -301,9 +257,7 @@ def test_forward_backward_in_cuda_graph(path, monkeypatch):
     with torch.cuda.stream(side):  # compile both paths outside the capture
         chunk_based(qs, ks, vs)[0].backward(dos)
         assert bool(taken) == (path == "gluon")  # eagerly, below SPLIT_MIN_WORK: fused, or the Gluon kernels
-        with monkeypatch.context() as m:
-            m.setattr(chunk, "SPLIT_MIN_WORK", 1)
-            chunk_based(qs, ks, vs)[0].backward(dos)
+        forced(path)(qs, ks, vs)[0].backward(dos)
         assert taken
     torch.cuda.current_stream().wait_stream(side)
     taken.clear()
@@ -322,25 +276,30 @@ def test_forward_backward_in_cuda_graph(path, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-def test_under_torch_compile(dtype):
-    """torch.compile over a forward+backward of chunk_based (a small problem: bf16/fp16 take the split kernels under
-    torch.compile, fp32 the fused ones; inductor passes the float scale as fp64, which each kernel casts to fp32):
-    output and gradients pass the rule against float64."""
+def test_under_torch_compile(dtype, monkeypatch):
+    """torch.compile(fullgraph=True) over a forward+backward of chunk_based goes through the custom ops
+    zoo_based::chunk_fwd / chunk_bwd and runs the kernels an eager call runs: on Hopper the Gluon ones for bf16 (a
+    small problem: the fused ones for fp16 and fp32). Output and gradients pass the rule against float64."""
+    from kernels.based import fused, gluon_backward
+
+    calls = []
+    _count(monkeypatch, gluon_backward, "backward", calls, "gluon")
+    _count(monkeypatch, fused, "backward", calls, "fused")
     case = Case(B=1, T=300, H=2, K=16, V=64, initial_state=False, final_state=False)
     q, k, v = (x.detach() for x in make_inputs(case, "cuda")[:3])
     do = torch.randn(q.shape[:3] + (case.V,), device="cuda", dtype=torch.float64)
     results = {}
     for name, fn, d in (("ref", naive_parallel_based, torch.float64), ("base", naive_parallel_based, dtype),
-                        ("compiled", torch.compile(chunk_based), dtype)):
+                        ("compiled", torch.compile(chunk_based, fullgraph=True), dtype)):
         qd, kd, vd = (x.to(d, copy=True).requires_grad_() for x in (q, k, v))
         o = fn(qd, kd, vd)[0]
         results[name] = (o, *torch.autograd.grad(o, (qd, kd, vd), do.to(d)))
     for i, name in enumerate(("o", "dq", "dk", "dv")):
         assert_close(f"compiled {name}", results["compiled"][i], results["ref"][i], results["base"][i], dtype)
+    assert calls == ["gluon" if HOPPER and dtype == torch.bfloat16 else "fused"]
 
 
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-# B·H ≥ 128 ≥ gluon.MIN_SEQUENCES, so that chunk_based takes the Gluon kernel at any length
+# B·H ≥ 128 ≥ ops.MIN_SEQUENCES, so that chunk_based takes the Gluon kernel at any length
 GLUON_CASES = [Case(B=2, T=63, H=64, K=16, V=64, initial_state=False), Case(B=2, T=1000, H=64, K=16, V=64),
                Case(B=1, T=2000, H=128, K=16, V=64, scale=0.3)]
 
@@ -348,13 +307,12 @@ GLUON_CASES = [Case(B=2, T=63, H=64, K=16, V=64, initial_state=False), Case(B=2,
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel needs a Hopper GPU (sm_90)")
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: c.id)
 def test_gluon_forward_matches_naive_gpu(case, monkeypatch):
-    """A bf16 forward that no gradient follows runs kernels/based/gluon.py: output and final state against float64,
-    by the tolerance rule; the state goes in and comes out in FLA's order."""
+    """A bf16 forward that no gradient follows runs kernels/based/gluon.py (its narrow layout): output and final state
+    against float64, by the tolerance rule; the state goes in and comes out in FLA's order, contiguous."""
     from kernels.based import gluon
 
     calls = []
-    real = gluon.gluon_forward
-    monkeypatch.setattr(gluon, "gluon_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    _count(monkeypatch, gluon, "forward", calls)
     q, k, v, kv0, ks0 = (x.detach() if x is not None else None for x in make_inputs(case, "cuda"))
     h0 = (kv0.float(), ks0.float()) if case.initial_state else None
     args = dict(scale=case.scale, output_final_state=True)
@@ -365,8 +323,21 @@ def test_gluon_forward_matches_naive_gpu(case, monkeypatch):
         o, state = chunk_based(*bf, initial_state=h0, **args)
     assert calls, "chunk_based did not take the Gluon kernel"
     assert o.dtype == torch.bfloat16 and state[0].dtype == torch.float32
+    assert state[0].is_contiguous() and state[1].is_contiguous()
     for name, a, r, b in zip(("o", "kv", "k_sum"), (o, *state), (ref_o, *ref_state), (base_o, *base_state)):
         assert_close(f"{case.id} gluon {name}", a, r, b, torch.bfloat16)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernel needs a Hopper GPU (sm_90)")
+def test_gluon_prefill_then_decode_gpu():
+    """Prefill → decode composes: the Gluon prefill's final state goes to fused_recurrent_based as it is, and the
+    step's output equals one prefill over all tokens."""
+    q, k, v = (torch.randn(2, 1001, 64, d, device="cuda").bfloat16() for d in (16, 16, 64))
+    with torch.no_grad():
+        o, _ = chunk_based(q, k, v)
+        _, state = chunk_based(q[:, :-1], k[:, :-1], v[:, :-1], output_final_state=True)
+        o_t = fused_recurrent_based(q[:, -1], k[:, -1], v[:, -1], state)
+    assert rel_error(o_t, o[:, -1]) < 1e-2
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel needs a Hopper GPU (sm_90)")
@@ -381,63 +352,39 @@ def test_gluon_forward_chained_calls_equal_one_gpu():
     assert rel_error(kv2, kv) < 1e-5 and rel_error(ks2, ks) < 1e-5
 
 
-# T = 900: 15 chunks, so the Gluon dq kernel's last 128-token step holds one partial chunk
-TRAIN_CASES = [Case(B=1, T=T, H=2, K=16, V=64) for T in (63, 1000, 4096)] + [
+# T = 900: 15 chunks, so the Gluon dq kernel's last 128-token step holds one partial chunk; T = 16384 (B·H = 2,
+# forced: the auto rule leaves few long sequences to the fused kernels) walks 256 chunks each way
+TRAIN_CASES = [Case(B=1, T=T, H=2, K=16, V=64) for T in (63, 1000, 4096, 16384)] + [
     Case(B=2, T=900, H=2, K=16, V=64, scale=0.3, initial_state=False)]
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel needs a Hopper GPU (sm_90)")
 @pytest.mark.parametrize("case", TRAIN_CASES, ids=lambda c: c.id)
-@pytest.mark.parametrize("backward", ["gluon", "split"])
-def test_gluon_training_matches_naive_gpu(case, backward, monkeypatch):
-    """Training in bf16 through the Gluon forward, which stores the state entering every chunk (and den) for the
-    backward after it: the Gluon backward (kernels/based/gluon_backward.py, the default), or with
-    chunk.GLUON_BACKWARD = False the split backward (chunk.SPLIT_MIN_WORK = 0 takes it at these small sizes). Output,
-    final state and every gradient, the initial state's included, by the tolerance rule, with every output and stored
-    buffer NaN-poisoned first."""
-    from kernels.based import chunk, gluon, gluon_backward
+def test_gluon_training_matches_naive_gpu(case, monkeypatch):
+    """Training in bf16 through the Gluon forward, which stores every second chunk's entering state (and den), and the
+    Gluon backward (kernels/based/gluon_backward.py). Output, final state and every gradient, the initial state's
+    included, by the tolerance rule, with every output and stored buffer NaN-poisoned first."""
+    from kernels.based import gluon, gluon_backward
 
-    monkeypatch.setattr(chunk, "SPLIT_MIN_WORK", 0)
-    monkeypatch.setattr(chunk, "GLUON_BACKWARD", backward == "gluon")
     calls = []
-    real, real_bwd = gluon.gluon_forward, gluon_backward.gluon_backward
-    monkeypatch.setattr(gluon, "gluon_forward", lambda *a, **kw: calls.append(kw.get("store_states")) or real(*a, **kw))
-    monkeypatch.setattr(gluon_backward, "gluon_backward", lambda *a, **kw: calls.append("bwd") or real_bwd(*a, **kw))
+    _count(monkeypatch, gluon, "forward", calls, "fwd")
+    _count(monkeypatch, gluon_backward, "backward", calls, "bwd")
     with nan_empty():
-        check_against_naive(chunk_based, case, torch.bfloat16, "cuda")
-    expected = ["rows", "bwd"] if backward == "gluon" else ["pairs"]
-    assert calls == expected, f"training took {calls}, expected {expected}"
-
-
-@pytest.mark.skipif(not HOPPER, reason="the Gluon kernel needs a Hopper GPU (sm_90)")
-def test_gluon_training_16384_tokens_gpu(monkeypatch):
-    """The Gluon forward and backward over 16384 tokens (256 chunks each way; `gluon.MAX_SHORT_T` raised so that two
-    sequences take it), every gradient by the tolerance rule against the chunked float64 reference."""
-    from kernels.based import chunk, gluon, gluon_backward
-
-    monkeypatch.setattr(gluon, "MAX_SHORT_T", 16384)
-    calls = []
-    real_bwd = gluon_backward.gluon_backward
-    monkeypatch.setattr(gluon_backward, "gluon_backward", lambda *a, **kw: calls.append(1) or real_bwd(*a, **kw))
-    assert chunk.GLUON_BACKWARD
-    case = Case(B=1, T=16384, H=2, K=16, V=64)
-    with nan_empty():
-        check_against_naive(chunk_based, case, torch.bfloat16, "cuda", reference=_reference(case))
-    assert calls, "training did not take the Gluon backward"
+        check_against_naive(forced("gluon"), case, torch.bfloat16, "cuda", reference=_reference(case))
+    assert calls == ["fwd", "bwd"], f"training took {calls}"
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon kernel needs a Hopper GPU (sm_90)")
 @pytest.mark.parametrize("used", ["o", "state"])
 def test_gluon_training_one_output_in_the_loss_gpu(used, monkeypatch):
-    """The final state returned but only one of (o, final state) in the loss: the other's gradient reaches
-    `gluon_backward.GluonBasedFunction` as None (no zeros are made for the state's; dO is taken as zeros). Every
-    gradient against float64 by the tolerance rule; with the state alone, dq is exactly zero (the state does not
-    depend on q)."""
+    """The final state returned but only one of (o, final state) in the loss: the other's gradient reaches the
+    backward as None (no zeros are made for the state's; dO is taken as zeros). Every gradient against float64 by the
+    tolerance rule; with the state alone, dq is exactly zero (the state does not depend on q)."""
     from kernels.based import gluon_backward
 
     calls = []
-    real_bwd = gluon_backward.gluon_backward
-    monkeypatch.setattr(gluon_backward, "gluon_backward", lambda *a, **kw: calls.append(a[4]) or real_bwd(*a, **kw))
+    real_bwd = gluon_backward.backward
+    monkeypatch.setattr(gluon_backward, "backward", lambda *a, **kw: calls.append(a[4]) or real_bwd(*a, **kw))
     case = Case(B=1, T=1000, H=2, K=16, V=64)
     inputs = make_inputs(case, "cuda")
 

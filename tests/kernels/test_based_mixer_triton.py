@@ -27,8 +27,8 @@ def test_mixer_triton_bf16_generation_gpu(monkeypatch):
     from zoo.models.mixers import Based
 
     calls = []
-    real = gluon.gluon_forward
-    monkeypatch.setattr(gluon, "gluon_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = gluon.forward
+    monkeypatch.setattr(gluon, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     torch.manual_seed(0)
     ref = Based(128, num_heads=2, feature_dim=16, impl="naive").to("cuda", torch.float64)
     base = Based(128, num_heads=2, feature_dim=16, impl="naive").to("cuda", torch.bfloat16)

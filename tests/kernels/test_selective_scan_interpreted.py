@@ -1,18 +1,13 @@
 """Mamba's selective scan in Triton (kernels/selective_scan/scan.py) on the CPU through the interpreter, fp32,
-against the float64 loop: outputs, final state and every gradient (u, Δ, A, B, C, h0). Run in its own process
-by test_selective_scan.py (TRITON_INTERPRET=1 must be set before Triton is imported)."""
-
-import os
+against the float64 loop: outputs, final state and every gradient (u, Δ, A, B, C, h0). Each case is its own
+item; tests/kernels/conftest.py runs them in a child process under TRITON_INTERPRET=1 where this process was started
+without it."""
 
 import pytest
 import torch
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("needs TRITON_INTERPRET=1 before Triton is imported; run via test_selective_scan.py",
-                allow_module_level=True)
-
-from kernels.selective_scan import selective_scan, selective_scan_naive  # noqa: E402
-from kernels.testing import assert_close  # noqa: E402
+from kernels.selective_scan import selective_scan, selective_scan_naive
+from kernels.testing import assert_close
 
 # (B, T, D, N, initial state): a single token, odd sizes, several channel blocks (D > 64), N not a power of two
 CASES = [(1, 1, 8, 16, False), (2, 7, 5, 3, True), (2, 33, 70, 16, True), (1, 64, 130, 4, False)]

@@ -1,16 +1,13 @@
-"""Compile a Based chunk kernel for an H100/H200 (sm_90a) on any machine, GPU or not, and report what
-the compiler made of it: dot instructions (wgmma vs mma.sync), layout conversions and shared-memory
-allocations per program (Triton's TTGIR), and registers and spills (ptxas). The GPU-free half of kernel work:
-a variant that spills or lowers its dots to mma.sync where it meant wgmma shows here before it is timed.
+"""Compile a Based kernel for an H100/H200 (sm_90a) on any machine, GPU or not, and report what the compiler made
+of it: dot instructions (wgmma vs mma.sync), layout conversions and shared-memory allocations per program (Triton's
+TTGIR), and registers and spills (ptxas). The GPU-free half of kernel work: a change that spills or lowers its dots
+to mma.sync where it meant wgmma shows here before it is timed, and an unchanged PTX proves a refactor harmless.
 
-    python -m kernels.based.sm90_report [--kernel fwd|dq|dkv|split_state|split_output|split_reverse|split_dq|
-        split_dkv|split_dv|split_dk|split_prefix|split_features|split_chain] [--mode 3] [--bv 32]
-        [--bc 64] [--warps 4] [--states] [--np 4] [--op 2] [--maxnreg 168]
+    python -m kernels.sm90 [--kernel fwd|dq|dkv|split_output|split_features|split_chain|split_dq|split_dv|split_dk]
+        [--mode 5] [--bv 32] [--bc 64] [--warps 4] [--states] [--op 2] [--maxnreg 168]
 
-Uses the ptxas that ships with Triton (ptxas-blackwell where the bundled ptxas is older than the PTX Triton
-emits). The counts are per kernel (the chunk loop body dominates), at the benchmark's constexprs H=16, K=16,
-V=64, bf16 operands, normalised output. The tests compile every kernel in the default mode this way, since the
-interpreter accepts code that the compiler refuses.
+Uses the ptxas that ships with Triton (ptxas-blackwell where the bundled ptxas is older than the PTX Triton emits).
+The counts are per kernel at the benchmark's constexprs H=16, K=16, V=64, bf16 operands, normalised output.
 """
 
 import argparse
@@ -23,57 +20,47 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-import kernels.based.chunk as chunk
+import kernels.based.fused as fused
 import kernels.based.split as split
 
 KERNELS = {
     # name: (the kernel, its bf16 pointers; every other pointer is fp32, the scalars are scale, T, SEG and NC)
-    "fwd": (chunk._fwd_kernel, ("q", "k", "v", "o")),
-    "dq": (chunk._bwd_dq_kernel, ("q", "k", "v", "do")),
-    "dkv": (chunk._bwd_dkv_kernel, ("q", "k", "v", "do", "dv")),
-    # the split forward (kernels/based/split.py): its state pass and its output pass
-    "split_state": (split._state_kernel, ("k", "v", "hs")),
+    "fwd": (fused._fwd_kernel, ("q", "k", "v", "o")),
+    "dq": (fused._bwd_dq_kernel, ("q", "k", "v", "do")),
+    "dkv": (fused._bwd_dkv_kernel, ("q", "k", "v", "do", "dv")),
+    # the split forward: its output pass, the features kernel (with --states: the reverse pass's, dden weights and
+    # dO/den stored) and the walk over the stored features
     "split_output": (split._output_kernel, ("q", "k", "v", "o", "hs")),
-    # the split backward: its reverse state pass and its per-chunk dq and dk, dv kernels
-    "split_reverse": (split._reverse_state_kernel, ("q", "do", "ds")),
-    "split_dq": (split._dq_kernel, ("q", "k", "v", "do", "hs")),
-    "split_dkv": (split._dkv_kernel, ("q", "k", "v", "do", "dv", "ds")),
-    "split_dv": (split._dkv_kernel, ("q", "k", "v", "do", "dv", "ds")),  # split_dkv with DK=False
-    "split_dk": (split._dkv_kernel, ("q", "k", "v", "do", "dv", "ds")),  # split_dkv with DV=False
-    # CONFIG["scan"]: the in-place prefix over the per-chunk sums (the bf16 states)
-    "split_prefix": (split._prefix_kernel, ("x",)),
-    # CONFIG["features"]: the features kernel (with --states: the reverse pass's, dden weights and dO/den stored)
-    # and the walk over the stored features
     "split_features": (split._features_kernel, ("k", "F", "w", "wout")),
     "split_chain": (split._chain_kernel, ("F", "v", "hs")),
+    # the split backward's per-chunk dq and dk, dv kernels (dv and dk: its two launches)
+    "split_dq": (split._dq_kernel, ("q", "k", "v", "do", "hs")),
+    "split_dv": (split._dkv_kernel, ("q", "k", "v", "do", "dv", "ds")),
+    "split_dk": (split._dkv_kernel, ("q", "k", "v", "do", "dv", "ds")),
 }
 
 
 def compile_kernel(kind: str, mode: int, BV: int, BC: int, warps: int, stages: int = 2, states: bool = False,
-                   NP: int = 4, OP: int = 2, NS: int = 1, prefetch: bool = False, gather: bool = False,
-                   maxnreg: int | None = None, G: int = 1, chunk_stages: int = 1, scale_dtype: str = "fp32",
-                   dot: int = 2):
-    """Compile one of KERNELS for sm_90a at H=16, K=16, V=64, bf16 operands, normalised; `states` turns on the
-    state inputs and outputs (their loads and stores compiled too); NP / OP: the split passes' row parts; NS: the
-    state passes' segments per sequence; prefetch, gather: split.CONFIG's; maxnreg: a register cap per thread; G,
-    chunk_stages: the per-chunk kernels' chunks per program and pipeline stages (split.CONFIG's); scale_dtype: the
-    scalar type of `scale` ("fp64" is what torch.compile's inductor passes for a Python float); dot: the kernels'
-    DOT (chunk.py's DOT_*: 2 for bf16 inputs, 4 for fp16 inputs with fp16 operands; any other compiles for fp32
-    inputs, every tensor fp32)."""
+                   OP: int = 2, maxnreg: int | None = None, G: int = 1, chunk_stages: int = 1,
+                   scale_dtype: str = "fp32", dot: int = 2):
+    """Compile one of KERNELS for sm_90a at H=16, K=16, V=64, normalised; `states` turns on the state inputs and
+    outputs (their loads and stores compiled too); mode: the fused kernels' order-2 layout (EXPAND, 5 or 0); OP: the
+    split per-chunk kernels' parts of the pair rows; maxnreg: a register cap per thread; G, chunk_stages: the split
+    per-chunk kernels' chunks per program and pipeline stages; scale_dtype: the scalar type of `scale` ("fp64" is
+    what torch.compile's inductor passes for a Python float); dot: the kernels' DOT (primitives.DOT_*: 2 for bf16
+    inputs, 4 for fp16 inputs; any other compiles for fp32 inputs, every tensor fp32)."""
     fn, bf16 = KERNELS[kind]
     const = dict(H=16, K=16, V=64, BK=16, BV=BV, BC=BC, NORMALIZE=True, DOT=dot, EXPAND=mode, STATE_ONLY=False,
-                 USE_H0=states, STORE_HT=states, USE_DHT=states, STORE_DH0=states, NP=NP, OP=OP, NS=NS,
-                 STORE_HS=True, STORE_DS=True, PREFETCH=prefetch, GATHER=gather,
+                 USE_H0=states, STORE_HT=states, USE_DHT=states, STORE_DH0=states, OP=OP,
                  DV=kind != "split_dk", DK=kind != "split_dv", G=G, STAGES=chunk_stages, REVERSE=False,
-                 USE_X0=states, STORE_XT=states, BW=1024 if kind == "split_prefix" else BV, R=161, RP=64, NPF=2,
-                 USE_G=states, STORE_W=states, ZR=273, BZ=512, SCALED_W=dot == 4)
+                 BW=BV, R=161, RP=64, NPF=2, USE_G=states, STORE_W=states, ZR=273, BZ=512, SCALED_W=dot == 4)
     sig = {}
     for name in fn.arg_names:
         if name in const:
             sig[name] = "constexpr"
         elif name == "scale":
             sig[name] = scale_dtype
-        elif name in ("T", "SEG", "NC", "CPS", "W"):
+        elif name in ("T", "SEG", "NC"):
             sig[name] = "i32"
         else:
             sig[name] = {2: "*bf16", 4: "*fp16"}.get(dot, "*fp32") if name in bf16 else "*fp32"
@@ -87,9 +74,8 @@ def compile_kernel(kind: str, mode: int, BV: int, BC: int, warps: int, stages: i
 
 def compile_gluon_forward(states: int = 0):
     """kernels/based/gluon.py's forward for sm_90a at H=16 (its default partition of 4 warps and two producers of
-    4), with or without its state in and out and the states it stores for a backward (`states`: 0 none, 1 every
-    chunk's for the split backward, 2 every second chunk's for the Gluon backward; 1 and 2 also take the state in
-    and out)."""
+    4): `states` 0, the inference forward, or 2, storing every second chunk's state for the Gluon backward (and
+    taking the state in and out)."""
     import torch
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -158,24 +144,18 @@ def ptxas_report(ptx: str) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kernel", choices=sorted(KERNELS), default="fwd")
-    p.add_argument("--mode", type=int, default=chunk.FWD_EXPAND, help="order-2 mode (chunk.py): 0, 1, 2, 3 or 5")
+    p.add_argument("--mode", type=int, default=5, help="the fused kernels' order-2 layout: 5 (pairs) or 0 (K²)")
     p.add_argument("--bv", type=int, default=32)
     p.add_argument("--bc", type=int, default=64)
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--states", action="store_true", help="with the state inputs and outputs")
-    p.add_argument("--np", type=int, default=4, help="split_state: row parts of the order-2 pairs")
-    p.add_argument("--op", type=int, default=2, help="split_output: parts of the order-2 pair read")
-    p.add_argument("--ns", type=int, default=1, help="split_state, split_reverse: segments per sequence")
-    p.add_argument("--prefetch", action="store_true", help="split_state, split_reverse: loads a chunk ahead")
-    p.add_argument("--gather", action="store_true", help="split kernels: pair features by tl.gather")
-    p.add_argument("--maxnreg", type=int, default=None, help="register cap per thread (split.CONFIG's *_maxnreg)")
+    p.add_argument("--op", type=int, default=2, help="split per-chunk kernels: parts of the order-2 pair read")
+    p.add_argument("--maxnreg", type=int, default=None, help="register cap per thread")
     p.add_argument("--chunks", type=int, default=1, help="split per-chunk kernels: chunks per program")
-    p.add_argument("--chunk-stages", type=int, default=1,
-                   help="split per-chunk kernels and state passes: pipeline stages")
+    p.add_argument("--chunk-stages", type=int, default=1, help="split kernels: pipeline stages")
     args = p.parse_args()
-    k = compile_kernel(args.kernel, args.mode, args.bv, args.bc, args.warps, states=args.states, NP=args.np,
-                       OP=args.op, NS=args.ns, prefetch=args.prefetch, gather=args.gather, maxnreg=args.maxnreg,
-                       G=args.chunks, chunk_stages=args.chunk_stages)
+    k = compile_kernel(args.kernel, args.mode, args.bv, args.bc, args.warps, states=args.states, OP=args.op,
+                       maxnreg=args.maxnreg, G=args.chunks, chunk_stages=args.chunk_stages)
     ttgir = k.asm["ttgir"]
     print(f"{args.kernel} mode {args.mode} BV={args.bv} BC={args.bc} warps={args.warps}: "
           f"wgmma {ttgir.count('ttng.warp_group_dot ')}, "

@@ -1,0 +1,197 @@
+"""What the Triton forms of Based share: operand precision, the pair layout of the order-2 state, and the
+conversions between the state layouts.
+
+The order-2 state Σ (k⊗k) vᵀ is symmetric, so the Triton kernels keep it as a diagonal block [BK, BV] plus one row
+per unordered pair {a, b}, a ≠ b, laid out cyclically: row j = (d-1)·BK + a holds the pair (a, (a+d) mod BK),
+d = 1..BK/2, with weight w_j = 2 (or 1 at d = BK/2, where both orders have a row). That is BK²/2 rows instead of
+BK², and each pair feature x_a·x_b is a product of two dots with 0/1 matrices, which keeps every tensor in the
+matrix units' layouts. The rows come in two halves (d = 1..BK/4 and the rest) so that one half's features are live
+at a time.
+
+DOT names the operand precision of a kernel's dots (`_mm`); accumulation is fp32 throughout.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+DOT_IEEE, DOT_TF32, DOT_BF16, DOT_TF32X3, DOT_FP16 = 0, 1, 2, 3, 4
+BK_PAIRS = 16  # the feature block of the pair layout (K ≤ 16)
+
+
+def backward_dot(dtype: torch.dtype, K: int = 16) -> int:
+    """The fused backward's DOT for inputs of `dtype` with feature dim K.
+
+    fp32: three tf32 products per dot ("tf32x3", ≈ fp32's accuracy on the tensor cores; ieee fp32 dots run on the
+    vector units), except at K > 16, where the split operands overflow an H200's shared memory and ieee fits. fp16:
+    tf32 operands (fp16's mantissa, fp32's range: the order-2 state and dO/den leave fp16's range at long T). bf16:
+    bf16 operands."""
+    if dtype == torch.float32:
+        return DOT_TF32X3 if K <= 16 else DOT_IEEE
+    if dtype == torch.float16:
+        return DOT_TF32
+    if dtype == torch.bfloat16:
+        return DOT_BF16
+    raise TypeError(f"chunk_based supports fp32, fp16 and bf16 inputs, got {dtype}")
+
+
+def forward_dot(dtype: torch.dtype, K: int = 16) -> int:
+    """The fused forward's and the split kernels' DOT: `backward_dot`'s, except fp16 operands for fp16 inputs (those
+    kernels keep what they carry in fp16's range: the fused forward reads the state as S/n, the split kernels store it
+    so and carry dO/den times each chunk's smallest den)."""
+    return DOT_FP16 if dtype == torch.float16 else backward_dot(dtype, K)
+
+
+@triton.jit
+def _mm(a, b, DOT: tl.constexpr):
+    """a @ b with fp32 accumulation; DOT picks the operand precision (DOT_*: bf16, fp16, tf32, tf32x3 or ieee)."""
+    if DOT == 2:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif DOT == 4:
+        return tl.dot(a.to(tl.float16), b.to(tl.float16))
+    elif DOT == 1:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32")
+    elif DOT == 3:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32x3")
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def _pair_cols(BK: tl.constexpr, P: tl.constexpr, NP: tl.constexpr):
+    """The pair layout's rows j = (d-1)·BK + a, d = 1..BK/2: the pair (a_j, b_j = (a_j + d) mod BK) and its
+    weight w_j, the number of ordered pairs (a, b), a≠b, it stands for (2, or 1 at d = BK/2, where (a, a+BK/2)
+    and (a+BK/2, a) both have rows). So Σ_{a≠b} x_a x_b S_ab = Σ_j w_j x_{a_j} x_{b_j} S_{a_j b_j} for symmetric S."""
+    j = P * (BK * (BK // 2) // NP) + tl.arange(0, BK * (BK // 2) // NP)  # part P of NP (NP = 2: the two halves)
+    d = 1 + j // BK
+    a = j % BK
+    b = (a + d) % BK
+    w = tl.where(d < BK // 2, 2.0, 1.0)
+    return a, b, w
+
+
+@triton.jit
+def _pair_reps(BK: tl.constexpr, TRANSPOSED: tl.constexpr, WEIGHTED: tl.constexpr, P: tl.constexpr,
+               NP: tl.constexpr):
+    """0/1 matrices selecting a_j and b_j: [BK, J] (x @ rep puts x_{a_j} at column j), or [J, BK] transposed;
+    WEIGHTED puts w_j instead of 1 in the a_j matrix (exact: 1 or 2)."""
+    a, b, w = _pair_cols(BK, P, NP)
+    rows = tl.arange(0, BK)
+    if TRANSPOSED:
+        rep_a = (a[:, None] == rows[None, :]).to(tl.float32)
+        rep_b = (b[:, None] == rows[None, :]).to(tl.float32)
+        if WEIGHTED:
+            rep_a = rep_a * w[:, None]
+    else:
+        rep_a = (rows[:, None] == a[None, :]).to(tl.float32)
+        rep_b = (rows[:, None] == b[None, :]).to(tl.float32)
+        if WEIGHTED:
+            rep_a = rep_a * w[None, :]
+    return rep_a, rep_b
+
+
+@triton.jit
+def _pairs(x, BK: tl.constexpr, DOT: tl.constexpr, P: tl.constexpr, NP: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """The pair features of part P of NP: x [BC, BK] -> [BC, J] with x_{a_j}·x_{b_j} (the reads' form), or with
+    TRANSPOSED x [BK, BC] -> [J, BC] with w_j·x_{a_j}·x_{b_j} (the updates' form, weights included). x is first
+    rounded to the dot's operand dtype; the two factors come from dots with 0/1 matrices (exact: one nonzero term
+    each)."""
+    if DOT == 2:
+        x = x.to(tl.bfloat16)
+    rep_a, rep_b = _pair_reps(BK, TRANSPOSED, TRANSPOSED, P, NP)
+    if TRANSPOSED:
+        return _mm(rep_a, x, DOT) * _mm(rep_b, x, DOT)
+    else:
+        return _mm(x, rep_a, DOT) * _mm(x, rep_b, DOT)
+
+
+@triton.jit
+def _pair_contract(g, x, BK: tl.constexpr, DOT: tl.constexpr, P: tl.constexpr, NP: tl.constexpr):
+    """½ ∂/∂x_r of Σ_j g_j x_{a_j} x_{b_j}, per row: g [BC, J], x [BC, BK] -> [BC, BK]. With g_j = w_j·(G_{a_j b_j})
+    for a symmetric G this is Σ_{b≠r} G_rb x_b, the off-diagonal part of `_contract`."""
+    rep_a, rep_b = _pair_reps(BK, False, False, P, NP)
+    rep_at, rep_bt = _pair_reps(BK, True, False, P, NP)
+    xa = _mm(x, rep_a, DOT)
+    xb = _mm(x, rep_b, DOT)
+    # tf32 operands keep the products' precision in bf16 mode, and their range in fp16 mode (g·x_b is the state times
+    # dO/den times a key: past fp16's 65504 for large inputs, where dq and dk themselves are not)
+    PREC: tl.constexpr = 1 if DOT == 2 or DOT == 4 else DOT
+    return 0.5 * (_mm(g * xb, rep_at, PREC) + _mm(g * xa, rep_bt, PREC))
+
+
+@triton.jit
+def _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H: tl.constexpr, V: tl.constexpr, BC: tl.constexpr,
+               NORMALIZE: tl.constexpr):
+    """The gradients reaching the numerator, dO/den [BC, BV], and the denominator [BC]; the latter only in the
+    first V block (zero elsewhere), so that sums over V blocks count it once."""
+    dnum = tl.load(do + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+    dnum = dnum.to(tl.float32)
+    if NORMALIZE:
+        d = tl.load(den + t * H, mask=m_t, other=1.0)
+        dnum = dnum / d[:, None]
+        dd = tl.where(first, tl.load(dden + t * H, mask=m_t, other=0.0), 0.0)
+    else:
+        dd = tl.zeros([BC], dtype=tl.float32)
+    return dnum, dd
+
+
+def _pair_index(BK: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pair rows j = (d-1)·BK + a, d = 1..BK/2: a_j, b_j = (a_j + d) mod BK, weight w_j and validity (a, b < K)."""
+    j = torch.arange(BK * BK // 2, device=device)
+    d = 1 + j // BK
+    a = j % BK
+    b = (a + d) % BK
+    w = torch.where(d < BK // 2, 2.0, 1.0)
+    return a, b, w, (a < K) & (b < K)
+
+
+def orders_to_pairs(h: torch.Tensor, K: int, BK: int) -> torch.Tensor:
+    """A Taylor-order state [N, 1 + K + K², C] (order-2 rows (a, b) at 1 + K + a·K + b) -> the pair layout
+    [N, 1 + 2·BK + BK²/2, C]: order 0, order 1, the diagonal, then pair row j = h_(a,b) + h_(b,a) where w_j = 2
+    and h_(a,b) where w_j = 1 (the mirror has its own row); rows past K are zero."""
+    N, _, C = h.shape
+    a, b, w, ok = _pair_index(BK, K, h.device)
+    o2 = h[:, 1 + K :].reshape(N, K, K, C)
+    out = h.new_zeros(N, 1 + 2 * BK + BK * BK // 2, C)
+    out[:, : 1 + K] = h[:, : 1 + K]
+    idx = torch.arange(K, device=h.device)
+    out[:, 1 + BK + idx] = o2[:, idx, idx]
+    a, b, w = a[ok], b[ok], w[ok].to(h.dtype)
+    out[:, 1 + 2 * BK + ok.nonzero()[:, 0]] = o2[:, a, b] + (w > 1.5).to(h.dtype)[:, None] * o2[:, b, a]
+    return out
+
+
+def pairs_to_orders(p: torch.Tensor, K: int, BK: int) -> torch.Tensor:
+    """Inverse of `orders_to_pairs` for symmetric order-2 states: [N, 1 + 2·BK + BK²/2, C] -> [N, 1 + K + K², C]."""
+    N, _, C = p.shape
+    a, b, w, ok = _pair_index(BK, K, p.device)
+    o2 = p.new_zeros(N, K, K, C)
+    idx = torch.arange(K, device=p.device)
+    o2[:, idx, idx] = p[:, 1 + BK + idx]
+    x = p[:, 1 + 2 * BK + ok.nonzero()[:, 0]] / w[ok].to(p.dtype)[:, None]
+    a, b, two = a[ok], b[ok], w[ok] > 1.5
+    o2[:, a, b] = x
+    o2[:, b[two], a[two]] = x[:, two]
+    return torch.cat([p[:, : 1 + K], o2.reshape(N, K * K, C)], dim=1)
+
+
+def _pad_orders(z: torch.Tensor, K: int, BK: int) -> torch.Tensor:
+    """A Taylor-order vector [N, 1 + K + K²] -> [N, 1 + BK + BK²], zeros in the rows past K."""
+    N = z.shape[0]
+    out = z.new_zeros(N, 1 + BK + BK * BK)
+    out[:, : 1 + K] = z[:, : 1 + K]
+    out[:, 1 + BK :].view(N, BK, BK)[:, :K, :K] = z[:, 1 + K :].reshape(N, K, K)
+    return out
+
+
+def _unpad_orders(z: torch.Tensor, K: int, BK: int) -> torch.Tensor:
+    """Inverse of `_pad_orders`."""
+    N = z.shape[0]
+    return torch.cat([z[:, : 1 + K], z[:, 1 + BK :].reshape(N, BK, BK)[:, :K, :K].reshape(N, K * K)], dim=1)
+
+
+def _symmetrise_order2(hv: torch.Tensor, K: int) -> torch.Tensor:
+    """G + Gᵀ on the order-2 rows of a Taylor-order tensor [B, H, 1+K+K², *] (orders 0 and 1 unchanged)."""
+    head, o2 = hv[:, :, : 1 + K], hv[:, :, 1 + K:]
+    o2 = o2.reshape(*o2.shape[:2], K, K, *o2.shape[3:])
+    return torch.cat([head, (o2 + o2.transpose(2, 3)).flatten(2, 3)], dim=2)

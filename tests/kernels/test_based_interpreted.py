@@ -1,0 +1,239 @@
+"""The Based Triton kernels on the CPU through Triton's interpreter, in fp32 (and fp16), at small odd shapes: every
+path `chunk_based` can take off a Hopper GPU (fused, split), decoding, torch.compile through the custom ops.
+
+Each case is its own item. TRITON_INTERPRET=1 must be set before the kernels are defined; tests/kernels/conftest.py
+runs this module's items in a child process with it set when this process was started without it.
+"""
+
+import functools
+
+import pytest
+import torch
+from based_cases import Case, check_against_naive, make_inputs, nan_empty, run
+
+from kernels.based import (
+    BasedConfig,
+    chunk_based,
+    feature_dim,
+    fused_recurrent_based,
+    naive_parallel_based,
+    naive_recurrent_based,
+)
+from kernels.testing import CPU_T, assert_close, rel_error
+
+
+def forced(path):
+    """chunk_based on one path (kernels/based/ops.py `BasedConfig`)."""
+    return functools.partial(chunk_based, config=BasedConfig(path=path))
+
+
+CASES = [Case(B=1, T=T, H=2, K=16, V=64) for T in CPU_T] + [
+    Case(B=2, T=100, H=2, K=8, V=40),  # MQAR's feature dim, V not a power of two
+    Case(B=1, T=64, H=1, K=32, V=128),  # the largest shape: two V blocks, order 2 as K² rows
+    Case(B=1, T=15, H=2, K=16, V=112, scale=0.3),  # based-1b's V, a non-default scale
+    Case(B=1, T=37, H=1, K=5, V=16, normalize=False),  # numerator only, with the final state's gradient
+    Case(B=1, T=64, H=2, K=16, V=64, initial_state=False, final_state=False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_fused_matches_naive(case):
+    """The auto rule on the CPU (small problems: the fused kernels): outputs, final state and every gradient."""
+    with nan_empty():
+        check_against_naive(chunk_based, case, torch.float32, "cpu")
+
+
+SPLIT = [c for c in CASES if c.K <= 16] + [Case(B=1, T=200, H=1, K=16, V=64)]  # T=200: four chunks of 64
+
+
+@pytest.mark.parametrize("case", SPLIT, ids=[c.id for c in SPLIT])
+def test_split_matches_naive(case):
+    """The split kernels (the states entering every chunk first, then every chunk at once; the backward likewise):
+    outputs, final state and every gradient, the initial state's included."""
+    with nan_empty():
+        check_against_naive(forced("split"), case, torch.float32, "cpu")
+
+
+# B·H = 1, 16 chunks of 32: the fused forward walks two segments of 256 tokens in parallel (`fused.segment_tokens`)
+SEGMENTED = [Case(B=1, T=512, H=1, K=5, V=16), Case(B=1, T=500, H=1, K=16, V=16, normalize=False)]
+
+
+@pytest.mark.parametrize("case", SEGMENTED, ids=[c.id for c in SEGMENTED])
+def test_segmented_forward_matches_naive(case):
+    """The fused forward in segments, each from the prefix state of the segments before it: outputs, final state and
+    every gradient."""
+    from kernels.based import fused
+
+    assert fused.segment_tokens(case.T, 1, 32) == 256
+    with nan_empty():
+        check_against_naive(chunk_based, case, torch.float32, "cpu")
+
+
+def test_fused_forward_in_chunks_of_64(monkeypatch):
+    """bf16 and fp16 forwards on the GPU run the fused forward in chunks of 64 (the backward in 32): that split, here
+    in fp32, with a partial last chunk and both states."""
+    from kernels.based import fused
+
+    default = fused._config
+    monkeypatch.setattr(fused, "_config", lambda K, V, dtype, kind: (16, 32, 64, 4, 2) if kind == "fwd"
+                        else default(K, V, dtype, kind))
+    with nan_empty():
+        check_against_naive(chunk_based, Case(B=1, T=100, H=2, K=16, V=64), torch.float32, "cpu")
+
+
+FP16_CASES = [Case(B=1, T=100, H=2, K=16, V=64), Case(B=1, T=37, H=1, K=5, V=16, normalize=False)]
+
+
+@pytest.mark.parametrize("path", ["fused", "split"])
+@pytest.mark.parametrize("case", FP16_CASES, ids=[c.id for c in FP16_CASES])
+def test_fp16_inputs_match_naive(case, path):
+    """fp16 inputs: the fused forward with fp16 operands (the state read as S/n) and its backward with tf32 ones, or
+    the split kernels with fp16 operands (states over n, dO/den times the chunk's smallest den): everything against
+    the naive form in fp16 (kernels/testing.py's rule)."""
+    with nan_empty():
+        check_against_naive(forced(path), case, torch.float16, "cpu")
+
+
+def test_fp16_fused_forward_reads_a_large_state_in_range():
+    """Large, biased inputs (k·10, v + 100) grow the order-2 state past fp16's range within 200 tokens; the fused
+    forward's fp16 operands read it as S/n, so the output stays finite and within 1e-2 of float64."""
+    case = Case(B=1, T=200, H=1, K=16, V=16, initial_state=False)
+    inputs = make_inputs(case, "cpu")
+    with torch.no_grad():
+        inputs[1].mul_(10)
+        inputs[2].add_(100)
+    ref, _, cot = run(naive_parallel_based, inputs, case, torch.float64)
+    out, _, _ = run(forced("fused"), inputs, case, torch.float16, cot)
+    for name, a, r in zip(("o", "kv", "k_sum"), out, ref):
+        assert torch.isfinite(a).all(), f"{name} has inf or NaN"
+        assert rel_error(a, r) <= 1e-2, (name, rel_error(a, r))
+
+
+def _fp16_split_errors(k_mul=1.0, v_add=0.0, cot_mul=1.0):
+    """Relative errors against float64 of the split kernels' outputs and gradients for fp16 inputs (T=200)."""
+    case = Case(B=1, T=200, H=1, K=16, V=64)
+    inputs = make_inputs(case, "cpu")
+    with torch.no_grad():
+        inputs[1].mul_(k_mul)
+        inputs[2].add_(v_add)
+    _, _, cot = run(naive_parallel_based, inputs, case, torch.float64)
+    cot = [c * cot_mul for c in cot]
+    ref, ref_grad, _ = run(naive_parallel_based, inputs, case, torch.float64, cot)
+    out, grad, _ = run(forced("split"), inputs, case, torch.float16, cot)
+    names = ("o", "kv", "k_sum", "dq", "dk", "dv", "dkv0", "dk_sum0")
+    # o, dq, dk and dv come out of the kernels in fp16: where fp16 cannot hold them they are inf by rights (dk at the
+    # large inputs), and only the rest is compared
+    return {n: rel_error(a, r) for n, a, r in zip(names, list(out) + list(grad), list(ref) + list(ref_grad))
+            if n not in ("o", "dq", "dk", "dv") or r.abs().max() < torch.finfo(torch.float16).max}
+
+
+def test_fp16_split_backward_keeps_small_gradients():
+    """dO ≈ 1e-3: dO/den falls to ≈ 1e-6, fp16's subnormals, where it would lose most of its bits; the split kernels
+    carry it times the chunk's smallest den, so every gradient keeps fp16's own precision."""
+    errors = _fp16_split_errors(cot_mul=1e-3)
+    assert all(e <= 2e-3 for e in errors.values()), errors
+
+
+def test_fp16_split_kernels_keep_a_large_state_in_range():
+    """Large, biased inputs (k·10, v + 100, dO·10): the state passes fp16's range within 200 tokens, and so does the
+    order-2 contraction in dq; the split kernels store the states over n and contract with tf32 operands, so
+    everything fp16 can hold (all but dk) is finite and within 1e-2 of float64."""
+    errors = _fp16_split_errors(k_mul=10.0, v_add=100.0, cot_mul=10.0)
+    assert set(errors) == {"o", "kv", "k_sum", "dq", "dv", "dkv0", "dk_sum0"}
+    assert all(e <= 1e-2 for e in errors.values()), errors
+
+
+@pytest.mark.parametrize("path", ["fused", "split"])
+def test_two_chained_calls_equal_one(path):
+    """Prefill in two pieces with the state carried equals one call: outputs, final state and gradients (which flow
+    back through the carried state). The split point is not a multiple of the chunk."""
+    case = Case(B=1, T=100, H=2, K=16, V=64)
+    split = 37
+    fn = forced(path)
+
+    def chained(q, k, v, scale, initial_state, output_final_state, normalize):
+        o1, mid = fn(q[:, :split], k[:, :split], v[:, :split], scale, initial_state, True, normalize)
+        o2, final = fn(q[:, split:], k[:, split:], v[:, split:], scale, mid, output_final_state, normalize)
+        return torch.cat([o1, o2], dim=1), final
+
+    with nan_empty():
+        check_against_naive(chained, case, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("normalize", [True, False], ids=["normalized", "unnormalized"])
+def test_decode_steps_match_recurrent(normalize):
+    """T steps of fused_recurrent_based from a state equal the recurrent form: outputs and the state."""
+    case = Case(B=2, T=3, H=2, K=16, V=64, normalize=normalize)
+    q, k, v, kv0, ks0 = (x.detach() for x in make_inputs(case, "cpu"))
+    ref_o, (ref_kv, ref_ks) = naive_recurrent_based(q, k, v, initial_state=(kv0, ks0), output_final_state=True,
+                                                    normalize=normalize)
+    base_o, (base_kv, base_ks) = naive_recurrent_based(q.float(), k.float(), v.float(), initial_state=(
+        kv0.float(), ks0.float()), output_final_state=True, normalize=normalize)
+    state = (kv0.float().contiguous(), ks0.float().contiguous())
+    outs = []
+    for t in range(case.T):
+        out = torch.full((case.B, case.H, case.V), float("nan"))
+        fused_recurrent_based(q[:, t].float(), k[:, t].float(), v[:, t].float(), state, normalize=normalize, out=out)
+        outs.append(out)
+    assert_close("decode o", torch.stack(outs, 1), ref_o, base_o, torch.float32)
+    assert_close("decode kv", state[0], ref_kv, base_kv, torch.float32)
+    assert_close("decode k_sum", state[1], ref_ks, base_ks, torch.float32)
+
+
+@pytest.mark.parametrize("path", ["fused", "split"])
+def test_decode_continues_chunked_prefill(path):
+    """Prefill with chunk_based, then decode one token from its final state as returned (contiguous fp32, no copy):
+    equals one call over all tokens."""
+    case = Case(B=1, T=20, H=2, K=16, V=64, initial_state=False)
+    q, k, v, _, _ = (x.detach().float() if x is not None else None for x in make_inputs(case, "cpu"))
+    fn = forced(path)
+    o_all, (kv_all, ks_all) = fn(q, k, v, output_final_state=True)
+    _, state = fn(q[:, :-1], k[:, :-1], v[:, :-1], output_final_state=True)
+    assert state[0].is_contiguous() and state[1].is_contiguous() and state[0].dtype == torch.float32
+    o_last = fused_recurrent_based(q[:, -1], k[:, -1], v[:, -1], state)
+    torch.testing.assert_close(o_last, o_all[:, -1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state[0], kv_all, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(state[1], ks_all, rtol=1e-5, atol=1e-4)
+    assert state[0].shape[-2] == feature_dim(case.K)
+
+
+def test_mixer_triton_matches_naive():
+    from based_cases import check_mixer_triton_vs_naive
+
+    check_mixer_triton_vs_naive("cpu")
+
+
+@pytest.mark.parametrize("path", ["fused", "split"])
+def test_torch_compile_fullgraph_runs_the_custom_ops(path, monkeypatch):
+    """torch.compile(fullgraph=True) of a training step through chunk_based traces the custom ops (their fake
+    implementations give the shapes) and runs the same kernels: outputs, final state and gradients equal eager ones."""
+    from kernels.based import fused, split
+
+    calls = []
+    module = fused if path == "fused" else split
+    for name in ("forward", "backward"):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, functools.partial(lambda real, name, *a, **kw: calls.append(name)
+                                                            or real(*a, **kw), real, name))
+    case = Case(B=1, T=40, H=2, K=16, V=64)
+    inputs = make_inputs(case, "cpu")
+    fn = forced(path)
+    eager_out, eager_grad, cot = run(fn, inputs, case, torch.float32)
+    calls.clear()
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    out, grad, _ = run(compiled, inputs, case, torch.float32, cot)
+    assert calls == ["forward", "backward"]
+    for a, r in zip(out + list(grad), eager_out + list(eager_grad)):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
+
+
+def test_custom_op_passes_opcheck():
+    """torch.library.opcheck of zoo_based::chunk_fwd (schema, fake implementation, autograd registration)."""
+    from kernels.based import ops  # noqa: F401 (registers the ops)
+
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 20, 1, 5, generator=g, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, 20, 1, 16, generator=g, requires_grad=True)
+    torch.library.opcheck(torch.ops.zoo_based.chunk_fwd.default, (q, k, v, None, None, 0.4, "fused", True, True, True),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
