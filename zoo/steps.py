@@ -222,6 +222,7 @@ class PackedParams:
                 losses = self.losses(*batch)
             # members do not interact, so the gradient of the sum holds each member's own gradient in its row
             (grad,) = torch.autograd.grad(losses.sum(), self.flat)
+            losses = losses.detach()
         except RuntimeError as e:  # e.g. a vmapped backward with no rule for this dtype on this device
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise PackError(
@@ -232,6 +233,7 @@ class PackedParams:
             with amp:
                 loss = query_loss(model, *batch)
             ref = torch.autograd.grad(loss, [p for _, p in model.named_parameters()])
+            loss = loss.detach()
             ref = torch.cat([g.reshape(-1) for g in ref]).float()
             got = grad[row].float()
             err = float((got - ref).norm() / ref.norm().clamp_min(1e-30))

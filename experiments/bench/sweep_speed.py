@@ -58,7 +58,8 @@ def run_probe(label: str, overrides: str, flags: str, env: dict[str, str]) -> di
     if record_path.exists():
         for r in json.loads(record_path.read_text())["runs"]:
             if r.get("run_dir") and r["status"] == "finished":
-                accuracies[Path(r["run_dir"]).name] = r["valid/accuracy"]
+                # the name without its config hash: the hash covers the runs root and the setting's overrides
+                accuracies[Path(r["run_dir"]).name.rsplit("-", 1)[0]] = r["valid/accuracy"]
     out = {"label": label, "overrides": overrides, "flags": flags, "wall_s": wall, "rc": proc.returncode,
            "finished": len(accuracies), "valid_accuracy": accuracies}
     if proc.returncode != 0:
@@ -163,9 +164,10 @@ def main() -> None:
         if base is not None and best is not None:
             out["probe16_today_s"] = base["wall_s"]
             out["probe16_speedup"] = base["wall_s"] / best["wall_s"]
-            diffs = [abs(best["valid_accuracy"][k] - base["valid_accuracy"][k])
-                     for k in base["valid_accuracy"] if k in best["valid_accuracy"]]
-            out["probe16_max_valid_accuracy_diff"] = max(diffs, default=None)
+            for r in probes:
+                diffs = [abs(r["valid_accuracy"][k] - v) for k, v in base["valid_accuracy"].items()
+                         if k in r["valid_accuracy"]]
+                r["max_valid_accuracy_diff_vs_today"] = max(diffs, default=None)
 
     if not args.skip_configs:
         runs, groups = grid_configs(args.tiny)
