@@ -18,6 +18,7 @@ import torch
 from cartridges.cache import cache_kwargs
 from cartridges.engine.attention import SharedPrefixCache
 from cartridges.engine.errors import ServeError
+from zoo.graphs import StaticGraph
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class SharedDecoder:
         self.tokens = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # [B, 1]
         self.positions = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # [B, 1]
         self.ones = torch.ones(batch_size, 1, dtype=torch.bool, device=device)  # [B, 1]
-        self.graph = None  # torch.cuda.CUDAGraph once captured
+        self.graph = None  # a zoo.graphs.StaticGraph once captured
         self.logits: torch.Tensor | None = None  # the graph's output buffer [B, V]
         self.use_graph = False  # capture at the first decode step
         self.graph_required = False  # a failed capture raises instead of falling back to eager steps
@@ -100,8 +101,7 @@ class SharedDecoder:
             raise ServeError(f"the batch needs more than its {self.cache.capacity} preallocated positions")
         self.tokens.copy_(tokens[:, None])
         if self.graph is not None:
-            self.graph.replay()
-            logits = self.logits
+            logits = self.graph()
         elif self.use_graph:
             self.use_graph = False
             try:
@@ -127,16 +127,10 @@ class SharedDecoder:
         the same step again and must agree with it, else `GraphCheckError`. Neither moves a counter, so the
         cache ends as one eager step would leave it.
         """
-        device = self.tokens.device
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            eager = self._step().clone()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            logits = self._step()
-        graph.replay()
+        graph = StaticGraph(self._step, (), warmup=1, device=self.tokens.device, capture_error_mode="thread_local",
+                            name="the shared-prefix decode step")
+        eager = graph.warmup_outputs.clone()
+        logits = graph()
         # the same kernels on the same inputs: equal up to library-level nondeterminism
         tolerance = 1e-3 * float(eager.abs().max()) + 1e-5
         diff = float((logits - eager).abs().max())
