@@ -12,8 +12,10 @@ What is unusual here (decoding a long convolution):
 - A long convolution has no finite recurrent state, so `step` is exact by keeping the whole history of z:
   the state holds z for every past token in a buffer of `max_seq_len` rows, like attention's KV buffer,
   and each step sums h[pos - s] · z_s over the buffer with a mask (fixed shapes, CUDA-graph friendly).
-- state_size(T) = d·T (the live z history: REFERENCE's "long conv / Hyena: d·L") + 3d·(k-1) for the short
-  conv's inputs, the exact count of what decoding keeps. Sequences longer than max_seq_len raise.
+- `state_size(seq_len)` is what the state holds, whatever seq_len (≤ max_seq_len) is: d·max_seq_len for the z
+  buffer + 3d·(k-1) for the short conv's inputs, the element count of the real state tensors. At
+  max_seq_len = L (Zoology's `l_max=L`, its Fig. 2 setting) the buffer is REFERENCE's "long conv / Hyena: d·L".
+  Sequences longer than max_seq_len raise.
 """
 
 from __future__ import annotations
@@ -166,5 +168,5 @@ class Hyena(nn.Module):
         }
 
     def state_size(self, seq_len: int) -> int:
-        """d·seq_len (live z history) + 3d·(k-1) (short-conv inputs)."""
-        return self.d_model * seq_len + 3 * self.d_model * (self.k - 1)
+        """d·max_seq_len (the z buffer, held whatever seq_len is) + 3d·(k-1) (short-conv inputs)."""
+        return self.d_model * self.config.max_seq_len + 3 * self.d_model * (self.k - 1)
