@@ -43,7 +43,7 @@ class LongConvConfig:
     num_bands: int = 1  # sin/cos pairs of the filter's position features (Zoology's (d_emb - 1) / 2)
 
     def validate(self, d_model: int) -> None:
-        check_int("long_conv: max_seq_len", self.max_seq_len, minimum=2)
+        check_int("long_conv: max_seq_len", self.max_seq_len, minimum=1)
         check_int("long_conv: filter_hidden", self.filter_hidden, minimum=1)
         check_int("long_conv: num_bands", self.num_bands, minimum=1)
 
