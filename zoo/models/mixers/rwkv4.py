@@ -49,7 +49,9 @@ NO_TOKEN = -1e30
 class RWKV4Config:
     """Options of `rwkv4` (d_model comes from the model)."""
 
-    chunk_size: int = 16  # tokens per chunk of the parallel form
+    # tokens per chunk of the parallel form: the [chunk, chunk] weights cost B·T·chunk·d, the scan over chunks
+    # T/chunk small steps
+    chunk_size: int = 8
 
     def validate(self, d_model: int) -> None:
         check_int("rwkv4: chunk_size", self.chunk_size, minimum=1)
