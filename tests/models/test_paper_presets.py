@@ -218,3 +218,13 @@ def test_identity_mlp_block_ends_with_x_plus_its_norm():
         state = block.init_state(2)
         steps = torch.stack([block.step(x[:, t], state) for t in range(5)], dim=1)
         torch.testing.assert_close(steps, block(x), rtol=1e-12, atol=1e-12)
+
+
+def test_hf_config_refuses_position_tables_and_keeps_dropout():
+    from zoo.models.hf import ZooConfig
+
+    cfg, _ = preset("zoology_fig2/attention", 16)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        ZooConfig.from_model_config(cfg)
+    cfg, _ = preset("zoology_fig2/based", 16)
+    assert ZooConfig.from_model_config(cfg).model_config() == cfg
