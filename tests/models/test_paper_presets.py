@@ -50,8 +50,9 @@ def based_params(d: int, f: int) -> int:
 
 
 def hyena_params(d: int) -> int:
-    # in-proj 3d (bias), short conv 3d x 3, filter MLP 1 -> 64 -> 64 -> d (no last bias), bias d, out-proj (bias)
-    return 3 * d * d + 3 * d + 9 * d + (64 + 64) + (64 * 64 + 64) + 64 * d + d + d * d + d
+    # in-proj 3d (bias), short conv 3d x 3 (bias), filter MLP 1 -> 64 -> 64 -> 64 -> d (no last bias) with 64
+    # shared sine frequencies, bias d, out-proj (bias)
+    return 3 * d * d + 3 * d + 9 * d + 3 * d + (64 + 64) + 2 * (64 * 64 + 64) + 64 + 64 * d + d + d * d + d
 
 
 def h3_params(d: int, N: int, shift: int) -> int:
