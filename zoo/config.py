@@ -17,6 +17,8 @@ class ModelConfig:
     The layer pattern is data: `pattern` lists mixer names (keys of `zoo.models.mixers.MIXERS`) and is
     repeated to fill `n_layers`. `mixers` holds the options of each mixer, keyed by the same names, e.g.
     `{"based": {"feature_dim": 8, "num_heads": 2}}`; options not given take the mixer's defaults.
+    `max_position_embeddings` > 0 adds a learned absolute position table of that many rows to the token
+    embeddings, and `embed_dropout` drops embedding elements while training (both Zoology's; off by default).
     """
 
     vocab_size: int = 8192
@@ -24,10 +26,12 @@ class ModelConfig:
     n_layers: int = 2
     pattern: list[str] = field(default_factory=lambda: ["base_conv", "based"])
     mixers: dict[str, dict[str, Any]] = field(default_factory=dict)
-    mlp: str = "none"  # none | swiglu | gelu
+    mlp: str = "none"  # none | swiglu | gelu | identity (Zoology's state_mixer=Identity: x + norm(x))
     mlp_hidden: int = 0  # 0: 2·d_model for swiglu, 4·d_model for gelu
     norm: str = "layernorm"  # layernorm | rmsnorm
     tie_embeddings: bool = True
+    max_position_embeddings: int = 0  # rows of a learned absolute position table added to the embeddings; 0: none
+    embed_dropout: float = 0.0  # dropout on the embeddings while training
 
     def __post_init__(self) -> None:
         if self.vocab_size < 2:
@@ -36,12 +40,16 @@ class ModelConfig:
             raise ValueError(f"model.d_model and model.n_layers must be >= 1, got {self.d_model}, {self.n_layers}")
         if not self.pattern:
             raise ValueError("model.pattern must list at least one mixer")
-        if self.mlp not in ("none", "swiglu", "gelu"):
-            raise ValueError(f"model.mlp must be one of none|swiglu|gelu, got {self.mlp!r}")
+        if self.mlp not in ("none", "swiglu", "gelu", "identity"):
+            raise ValueError(f"model.mlp must be one of none|swiglu|gelu|identity, got {self.mlp!r}")
         if self.norm not in ("layernorm", "rmsnorm"):
             raise ValueError(f"model.norm must be one of layernorm|rmsnorm, got {self.norm!r}")
         if self.mlp_hidden < 0:
             raise ValueError(f"model.mlp_hidden must be >= 0, got {self.mlp_hidden}")
+        if self.max_position_embeddings < 0:
+            raise ValueError(f"model.max_position_embeddings must be >= 0, got {self.max_position_embeddings}")
+        if not 0 <= self.embed_dropout < 1:
+            raise ValueError(f"model.embed_dropout must be in [0, 1), got {self.embed_dropout}")
         from zoo.models.mixers import check_mixer_options
 
         for name in self.pattern:

@@ -1,21 +1,243 @@
-"""Figures of the Based frontier sweep: `python experiments/based_frontier/plot.py [runs dir] [out dir]`.
+"""Based Fig. 2 (the recall–state frontier) from the committed run summaries: results.json, the figure and the
+README's comparison table.
 
-Defaults: runs/based_frontier -> experiments/based_frontier/ (accuracy_vs_d_model.png, accuracy_vs_state.png,
-summary.json). Pass runs/based_frontier_tiny and experiments/based_frontier/tiny for the CPU smoke grid.
+    python experiments/based_frontier/plot.py collect runs/based_frontier   # copy finished runs' summaries here
+    python experiments/based_frontier/plot.py                               # build everything from summaries/
+
+`collect` copies every finished run below a runs dir (its summary.json, plus the `model` section of its
+config.yaml) to `summaries/<run>.json`; commit those. The build step reads `summaries/` only and writes
+- `results.json`: {"rows": [...]}, one row per run: mixer (the preset's name), dial (feature_dim, window or
+  d_state where the grid sweeps one), d_model, seq_len (the longest training length, 256), lr, epochs,
+  state_bytes (fp32, at seq_len), valid_accuracy, test_accuracy, test_accuracy_by_slice, best_lr_by_valid;
+- `accuracy_vs_state.png`: test accuracy of every (model, d_model, dial) point at its best lr (chosen on
+  validation) against its state in bytes, one series per model, and the frontier over all of them;
+- the table between the `comparison` markers of README.md: the paper's readings (shared/REFERENCE.md §1) beside
+  ours, "matches" or "differs".
 """
 
-import sys
-from pathlib import Path
+from __future__ import annotations
 
-from zoo.plot import make_figures
+import json
+import math
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from zoo.runs import atomic_write_text, find_runs
+
+HERE = Path(__file__).resolve().parent
+SUMMARIES = HERE / "summaries"
+# Layer kinds of each preset (configs/model/based_fig2/<name>.yaml) -> (name, the mixer option the grid sweeps).
+PRESETS = {
+    ("short_conv", "attention"): ("attention", None),
+    ("short_conv", "based"): ("based", ("based", "feature_dim")),
+    ("short_conv", "sliding_window"): ("sliding_window", ("sliding_window", "window")),
+    ("mamba", "mamba"): ("mamba", ("mamba", "d_state")),
+    ("mamba2", "mamba2"): ("mamba2", ("mamba2", "d_state")),
+    ("hyena", "hyena"): ("hyena", None),
+    ("h3", "h3"): ("h3", None),
+    ("short_conv", "gla"): ("gla", None),
+    ("short_conv", "gated_deltanet"): ("gated_deltanet", None),
+}
+ORDER = ["based", "attention", "sliding_window", "mamba", "mamba2", "hyena", "h3", "gla", "gated_deltanet"]
+TOLERANCE = 0.05
+START, END = "<!-- comparison:start -->", "<!-- comparison:end -->"
+
+
+def collect(runs_dir: Path, out: Path = SUMMARIES) -> int:
+    """Copy each finished run's summary (+ its resolved model config) to out/<run>.json; returns the count."""
+    out.mkdir(parents=True, exist_ok=True)
+    count = 0
+    for run in find_runs(runs_dir):
+        if not run.is_finished():
+            continue
+        summary = run.read_summary()
+        config = yaml.safe_load((run.path / "config.yaml").read_text()) or {}
+        record = summary | {"model": config.get("model", {})}
+        atomic_write_text(out / f"{summary['run']}.json", json.dumps(record, indent=1, sort_keys=True) + "\n")
+        count += 1
+    return count
+
+
+def load_summaries(directory: Path = SUMMARIES) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))]
+
+
+def name_and_dial(summary: dict[str, Any]) -> tuple[str, int | None]:
+    layers = tuple(summary["layers"])
+    if layers not in PRESETS:
+        return "+".join(dict.fromkeys(layers)), None
+    name, dial = PRESETS[layers]
+    if dial is None:
+        return name, None
+    mixer, option = dial
+    return name, summary.get("model", {}).get("mixers", {}).get(mixer, {}).get(option)
+
+
+def rows(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per run; best_lr_by_valid marks the run each (mixer, dial, d_model) point reports."""
+    out = []
+    for s in summaries:
+        mixer, dial = name_and_dial(s)
+        out.append(
+            {
+                "mixer": mixer,
+                "dial": dial,
+                "d_model": s["d_model"],
+                "seq_len": s["state_bytes_seq_len"],
+                "lr": s["lr"],
+                "epochs": s["epochs"],
+                "state_bytes": s["state_bytes_fp32"],
+                "valid_accuracy": s.get("valid/accuracy"),
+                "test_accuracy": s.get("test/accuracy"),
+                "test_accuracy_by_slice": {
+                    k[len("test/accuracy/") :]: v for k, v in s.items() if k.startswith("test/accuracy/")
+                },
+                "parameters": s.get("parameters"),
+                "stopped_early": s.get("stopped_early"),
+                "run": s["run"],
+            }
+        )
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for r in out:
+        groups[(r["mixer"], r["dial"], r["d_model"])].append(r)
+    for group in groups.values():
+        best = max(group, key=lambda r: (r["valid_accuracy"] if r["valid_accuracy"] is not None else -1.0, -r["lr"]))
+        for r in group:
+            r["best_lr_by_valid"] = r is best
+    order = {m: i for i, m in enumerate(ORDER)}
+    return sorted(out, key=lambda r: (order.get(r["mixer"], len(order)), r["d_model"], r["dial"] or 0, r["lr"]))
+
+
+def points(result_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in result_rows if r["best_lr_by_valid"]]
+
+
+def _of(pts: list[dict[str, Any]], mixer: str, max_bytes: float = math.inf) -> list[dict[str, Any]]:
+    return [p for p in pts if p["mixer"] == mixer and p["state_bytes"] <= max_bytes]
+
+
+def comparison(result_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The paper's readings of Based Fig. 2 (REFERENCE §1) against our best-lr points."""
+    pts = points(result_rows)
+    out = []
+
+    def claim(mixer: str, where: str, paper: str, found: list[dict[str, Any]], measure, ok) -> None:
+        if not found:
+            out.append({"mixer": mixer, "where": where, "paper": paper, "ours": None, "verdict": "not run"})
+            return
+        ours = measure(found)
+        out.append({"mixer": mixer, "where": where, "paper": paper, "ours": ours, "verdict": "matches" if ok(ours)
+                    else "differs"})
+
+    def best(ps):
+        return max(p["test_accuracy"] for p in ps)
+
+    def within(low, high):
+        return lambda v: low - TOLERANCE <= v <= high + TOLERANCE
+
+    claim("based", "state ≤ 2^14 B", "≈0.55–0.7", _of(pts, "based", 2**14), best, within(0.55, 0.7))
+    claim("based", "state ≤ 2^18 B", "≈1.0", _of(pts, "based", 2**18), best, within(1.0, 1.0))
+    claim("mamba", "best over d, d_state", "saturates ≈0.9 (near 2^19 B)", _of(pts, "mamba"), best, within(0.9, 0.9))
+    small_swa = _of(pts, "sliding_window", 2**19 - 1)
+    claim("sliding_window", "state < 2^19 B", "below its plateau: needs ≥ 2^19 B", small_swa, best,
+          lambda v: v < 0.9)
+    claim("h3", "best over d", "< 0.4", _of(pts, "h3"), best, lambda v: v < 0.4 + TOLERANCE)
+    hyena = _of(pts, "hyena")
+    claim("hyena", "largest state", "≈0.5 (at 2^22 B)", hyena,
+          lambda ps: max(ps, key=lambda p: p["state_bytes"])["test_accuracy"], within(0.5, 0.5))
+    claim("attention", "best over d", "≈1.0 (at 2^20–2^21 B)", _of(pts, "attention"), best, within(1.0, 1.0))
+    return out
+
+
+def comparison_table(entries: list[dict[str, Any]]) -> str:
+    lines = [
+        "| model | where | paper (Based Fig. 2) | ours (best lr by valid, test) | verdict |",
+        "|---|---|---|---|---|",
+    ]
+    for e in entries:
+        ours = "—" if e["ours"] is None else f"{e['ours']:.3f}"
+        lines.append(f"| {e['mixer']} | {e['where']} | {e['paper']} | {ours} | {e['verdict']} |")
+    return "\n".join(lines)
+
+
+def fill_readme(table: str, readme: Path = HERE / "README.md") -> None:
+    text = readme.read_text()
+    if START not in text or END not in text:
+        raise ValueError(f"{readme} has no {START} ... {END} markers")
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    atomic_write_text(readme, f"{head}{START}\n{table}\n{END}{tail}")
+
+
+def frontier(pts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The points no point of smaller or equal state beats: ascending state, rising accuracy."""
+    out, top = [], -math.inf
+    for p in sorted(pts, key=lambda p: (p["state_bytes"], -p["test_accuracy"])):
+        if p["test_accuracy"] > top:
+            out.append(p)
+            top = p["test_accuracy"]
+    return out
+
+
+def plot(result_rows: list[dict[str, Any]], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = points(result_rows)
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for mixer in ORDER:
+        ps = sorted(_of(pts, mixer), key=lambda p: p["state_bytes"])
+        if ps:
+            ax.plot([p["state_bytes"] for p in ps], [p["test_accuracy"] for p in ps], "o", label=mixer, alpha=0.8)
+    front = frontier(pts)
+    if front:
+        ax.step([p["state_bytes"] for p in front], [p["test_accuracy"] for p in front], "k--", where="post",
+                label="frontier", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("recurrent state (bytes, fp32, at L = 256)")
+    ax.set_ylabel("MQAR test accuracy (best lr by valid)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("Based Fig. 2: recall vs state")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "accuracy_vs_state.png"
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+def build(summaries_dir: Path = SUMMARIES, out: Path = HERE) -> dict[str, Any]:
+    summaries = load_summaries(summaries_dir)
+    if not summaries:
+        raise SystemExit(f"no summaries in {summaries_dir}: run `plot.py collect <runs dir>` first")
+    result_rows = rows(summaries)
+    atomic_write_text(out / "results.json", json.dumps({"rows": result_rows}, indent=1) + "\n")
+    figure = plot(result_rows, out)
+    entries = comparison(result_rows)
+    fill_readme(comparison_table(entries), out / "README.md")
+    return {"runs": len(result_rows), "figure": figure.name, "comparison": entries}
 
 
 def main(argv: list[str]) -> None:
-    here = Path(__file__).resolve().parent
-    runs = Path(argv[0]) if argv else Path("runs/based_frontier")
-    out = Path(argv[1]) if len(argv) > 1 else here
-    record = make_figures(runs, out, title="MQAR recall-state frontier (L = 256)")
-    print(f"{record['num_runs']} runs -> {len(record['points'])} points; figures and summary.json in {out}")
+    if argv[:1] == ["collect"]:
+        if len(argv) != 2:
+            raise SystemExit("usage: plot.py collect <runs dir>")
+        print(f"{collect(Path(argv[1]))} summaries -> {SUMMARIES}")
+        return
+    if argv:
+        raise SystemExit("usage: plot.py [collect <runs dir>]")
+    record = build()
+    verdicts = defaultdict(int)
+    for e in record["comparison"]:
+        verdicts[e["verdict"]] += 1
+    print(f"{record['runs']} runs -> results.json, {record['figure']}, README table ({dict(verdicts)})")
 
 
 if __name__ == "__main__":

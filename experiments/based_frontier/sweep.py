@@ -1,25 +1,41 @@
-"""The Based recall–state frontier (Arora et al., 2024, Fig. 2 left): MQAR accuracy against recurrent state
-size at L = 256, with each architecture's own state dial.
+"""The Based recall–state frontier (Arora et al., 2024, Fig. 2 left), as Zoology's arxiv24_based_figure2 config
+defines it: MQAR accuracy against recurrent state size, each architecture at its own state dials.
 
-- Based (after a gated short conv): feature dim f ∈ {4, 8, 16, 24} × d_model ∈ {64, 128, 256}; state
-  H·(E·d_v + E), E = 1 + f + f(f+1)/2.
-- Sliding-window attention: window ∈ {16, 32, 64, 128} × d_model ∈ {64, 128}; state 2·w·d.
-- Attention: d_model ∈ {64, 128, 256}; state 2·L·d (the ceiling).
-- Mamba: d_state ∈ {8, 16, 32} × d_model ∈ {64, 128, 256}; state d_inner·(N + k - 1).
-- GLA and Gated DeltaNet through FLA (impl=fla on the GPU): d_model ∈ {64, 128, 256}; state H·d_k·d_v. Gated
-  DeltaNet falls back to its chunked PyTorch form (impl=chunk) where FLA refuses its backward (Hopper,
-  Triton < 3.7.1).
-Every model gets lr ∈ {3e-4, 1e-3, 3e-3} (chosen on validation) and trains on the L = 256 part of Zoology's
-mixture (n = 16, 32, 64; 20k each), 32 epochs, early stop at 0.99.
+Models (presets `configs/model/based_fig2/*.yaml`; each header says where ours differs):
+- Hybrid[BaseConv k=3, X] (layer 0 the gated short conv, layer 1 X) for X = attention (d ∈ {64, 128}, 1 head,
+  dropout 0.1, no positions), Based (d ∈ {48, 64, 128} × feature_dim ∈ {8, 16, 24}, 1 head) and sliding-window
+  attention (d = 128, window ∈ {8, 16, ..., 1024}).
+- Alone, as the config has them: Mamba and Mamba-2 (d ∈ {64, 128, 256} × d_state ∈ {8, 16, 24}), Hyena
+  (d ∈ {64, 128, 256}, l_max 1024) and H3 (d ∈ {64, 128, 256}, d_state = d/4, head_dim 2). REFERENCE §1 says
+  every model but Mamba is wrapped; the config wraps only attention, Based and the sliding window (Hyena and H3
+  carry their own short convolutions).
+- Extra rows beyond the paper: Hybrid[BaseConv k=3, GLA] and Hybrid[BaseConv k=3, Gated DeltaNet], d ∈ {64, 128,
+  256}, 1 head.
+Data: Zoology's standard mixture, (L, n) = (64, 4) 100k, (128, 8) 20k, (256, 16/32/64) 20k each, batch 256
+for every segment (180k examples an epoch); test 1k each of (64, 4), (64, 8), (64, 16), (128, 32), (256, 64),
+(512, 128), (1024, 256); a validation split of the same (L, n) list, drawn from its own seeds, selects the lr
+and stops early at 0.99 (Zoology stopped on its test set). 32 epochs, lr ∈ logspace(-3, -1.5, 4) = {1e-3,
+3.16e-3, 1e-2, 3.16e-2}, AdamW as Zoology runs it (wd 0.1, betas (0.9, 0.999), no gradient clipping), cosine to
+0, no warmup. 49 models × 4 lrs = 196 runs.
 
-    zoo-sweep experiments/based_frontier/sweep.py --runs-root runs
-    python experiments/based_frontier/plot.py runs/based_frontier
-    ZOO_FRONTIER=reduced zoo-sweep experiments/based_frontier/sweep.py --pack-lrs train.cuda_graph=true  # H200
+    zoo-sweep experiments/based_frontier/sweep.py --pack-lrs --runs-root runs
+    python experiments/based_frontier/plot.py
     ZOO_FRONTIER=tiny zoo-sweep experiments/based_frontier/sweep.py --device cpu --runs-root runs   # CPU smoke
+
+Selectors (environment variables, all optional): `ZOO_FRONTIER` = full (default) | reduced (the same grid at 8
+epochs and lr ∈ {1e-3, 3.16e-3}, experiment based_frontier_reduced: a first look) | tiny; `MODELS`, a comma list
+of preset names (e.g. `based,attention`); `D`, a comma list of d_models. Runs come narrowest d_model first,
+Based before the others.
 """
 
 import os
 import re
+
+# Preset names (configs/model/based_fig2/<name>.yaml) in run order within one d_model.
+MODELS = ["based", "attention", "sliding_window", "mamba", "mamba2", "hyena", "h3", "gla", "gated_deltanet"]
+LRS = [float(f"{10 ** (-3 + 0.5 * i):.4g}") for i in range(4)]  # logspace(-3, -1.5, 4)
+TRAIN = [(64, 4, 100_000), (128, 8, 20_000), (256, 16, 20_000), (256, 32, 20_000), (256, 64, 20_000)]
+TEST = [(64, 4), (64, 8), (64, 16), (128, 32), (256, 64), (512, 128), (1024, 256)]
 
 
 def _fla_gated_backward_refused() -> bool:
@@ -33,65 +49,124 @@ def _fla_gated_backward_refused() -> bool:
     return (int(major), int(minor), int(patch or 0)) < (3, 7, 1)
 
 
-def sweep():
-    grid = os.environ.get("ZOO_FRONTIER", "full")
-    if grid not in ("full", "reduced", "tiny"):
-        raise ValueError(f"ZOO_FRONTIER must be full, reduced or tiny, got {grid!r}")
-    tiny = grid == "tiny"
-    if tiny:
-        L, pairs, n_train, n_eval, epochs, lrs, dims = 64, [4, 8], 1000, 200, 6, [3e-3], [16, 32]
-        features, windows, states, experiment = [2, 4, 8], [8, 16], [4, 8], "based_frontier_tiny"
-    else:
-        L, pairs, n_train, n_eval, epochs, lrs, dims = (
-            256,
-            [16, 32, 64],
-            20_000,
-            1000,
-            32,
-            [3e-4, 1e-3, 3e-3],
-            [64, 128, 256],
-        )
-        features, windows, states, experiment = [4, 8, 16, 24], [16, 32, 64, 128], [8, 16, 32], "based_frontier"
-        if grid == "reduced":  # one H200 call of a few minutes: d_model 128 only, fewer dials, 2 lrs, 12 epochs
-            dims, features, windows, states = [128], [4, 8, 16], [16, 32, 64], [8, 16]
-            lrs, epochs, experiment = [1e-3, 3e-3], 12, "based_frontier_reduced"
-    batch = 256 if L >= 256 else 64
+def _csv(name: str) -> list[str] | None:
+    value = os.environ.get(name, "").strip()
+    return [v.strip() for v in value.split(",") if v.strip()] or None
 
-    def segs(k: int) -> list[dict]:
-        return [{"seq_len": L, "num_kv_pairs": n, "num_examples": k, "batch_size": batch} for n in pairs]
 
+def paper_models() -> list[dict]:
+    """Every model of the grid: {"preset", "d", dial overrides}."""
+    models = []
+    for d in (48, 64, 128):
+        models += [{"preset": "based", "d": d, "model.mixers.based.feature_dim": f} for f in (8, 16, 24)]
+    models += [{"preset": "attention", "d": d} for d in (64, 128)]
+    models += [{"preset": "sliding_window", "d": 128, "model.mixers.sliding_window.window": 2**i} for i in range(3, 11)]
+    for preset in ("mamba", "mamba2"):
+        for d in (64, 128, 256):
+            models += [{"preset": preset, "d": d, f"model.mixers.{preset}.d_state": n} for n in (8, 16, 24)]
+    for d in (64, 128, 256):
+        models += [{"preset": "hyena", "d": d}]
+        models += [{"preset": "h3", "d": d, "model.mixers.h3.d_state": d // 4, "model.mixers.h3.shift_size": d // 4}]
+        models += [{"preset": "gla", "d": d}, {"preset": "gated_deltanet", "d": d}]
+    return models
+
+
+def impl_overrides(preset: str, gpu: bool) -> dict:
+    """The fast path per preset on the GPU; the PyTorch paths (which pack) elsewhere."""
+    if not gpu:
+        return {}
+    if preset == "mamba":
+        # the Triton selective scan; these runs then train one at a time instead of as a vmapped lr pack
+        return {"+model.mixers.mamba.impl": "triton"}
+    if preset == "gla":
+        return {"+model.mixers.gla.impl": "fla"}
+    if preset == "gated_deltanet":
+        # FLA 0.6 refuses the gated chunk backward on Hopper with Triton < 3.7.1 (wrong results, FLA #640); there
+        # Gated DeltaNet trains on its chunked PyTorch form (impl=chunk) instead.
+        return {"+model.mixers.gated_deltanet.impl": "chunk" if _fla_gated_backward_refused() else "fla"}
+    return {}
+
+
+def _segments(pairs, num_examples: int | None) -> list[dict]:
+    def batch(L: int) -> int:
+        return 256 if L <= 256 else 65536 // L
+
+    return [
+        {"seq_len": L, "num_kv_pairs": n, "num_examples": num_examples or k[0], "batch_size": batch(L)}
+        for L, n, *k in pairs
+    ]
+
+
+def full_runs(epochs: int, lrs: list[float], experiment: str) -> list[dict]:
+    wanted_models, wanted_d = _csv("MODELS"), _csv("D")
+    if wanted_models is not None and set(wanted_models) - set(MODELS):
+        unknown = sorted(set(wanted_models) - set(MODELS))
+        raise ValueError(f"MODELS: unknown presets {unknown} (known: {','.join(MODELS)})")
+    try:
+        wanted_d = None if wanted_d is None else {int(d) for d in wanted_d}
+    except ValueError:
+        raise ValueError(f"D must be a comma list of integers, got {os.environ['D']!r}") from None
     common = {
         "data.vocab_size": 8192,
-        "data.train": segs(n_train),
-        "data.valid": segs(n_eval),
-        "data.test": segs(n_eval),
+        "data.train": _segments(TRAIN, None),
+        "data.valid": _segments(TEST, 1000),
+        "data.test": _segments(TEST, 1000),
         "optim.weight_decay": 0.1,
+        "optim.beta2": 0.999,
+        "optim.grad_clip": 0.0,
         "optim.warmup_frac": 0.0,
         "train.epochs": epochs,
         "train.early_stop": 0.99,
         "experiment_name": experiment,
     }
-    impl = "naive" if tiny else "fla"
-    # FLA 0.6 refuses the gated chunk backward on Hopper with Triton < 3.7.1 (wrong results, FLA #640); the H200
-    # machine has Triton 3.6, so there Gated DeltaNet trains on its chunked PyTorch form (impl=chunk) instead.
-    gdn_impl = "naive" if tiny else "chunk" if _fla_gated_backward_refused() else "fla"
-    # Mamba's scan on the GPU: the Triton selective scan (13-20x the PyTorch loop's forward+backward on the H200,
-    # bench/mamba_scan.py, session 6); its runs then train one at a time instead of as a vmapped lr pack.
-    scan = {} if tiny else {"+model.mixers.mamba.impl": "triton"}
-    models = []
-    for d in dims:
-        models += [{"model": "based", "model.d_model": d, "model.mixers.based.feature_dim": f} for f in features]
-        models += [{"model": "attention", "model.d_model": d}]
-        models += [{"model": "mamba", "model.d_model": d, "model.mixers.mamba.d_state": n, **scan} for n in states]
-        models += [{"model": "gla", "model.d_model": d, "+model.mixers.gla.impl": impl}]
-        models += [{"model": "gated_deltanet", "model.d_model": d, "+model.mixers.gated_deltanet.impl": gdn_impl}]
-        if d <= dims[min(1, len(dims) - 1)]:
-            models += [
-                {
-                    "model": "sliding_window",
-                    "model.d_model": d,
-                    "model.mixers.sliding_window.window": w,
-                }
-                for w in windows
-            ]
-    return [m | common | {"optim.lr": lr} for m in models for lr in lrs]
+    models = sorted(paper_models(), key=lambda m: (m["d"], MODELS.index(m["preset"])))
+    runs = []
+    for m in models:
+        if (wanted_models is not None and m["preset"] not in wanted_models) or (
+            wanted_d is not None and m["d"] not in wanted_d
+        ):
+            continue
+        dials = {k: v for k, v in m.items() if k not in ("preset", "d")}
+        model = {"model": f"based_fig2/{m['preset']}", **impl_overrides(m["preset"], gpu=True), "model.d_model": m["d"]}
+        runs += [model | dials | common | {"optim.lr": lr} for lr in lrs]
+    return runs
+
+
+def tiny_runs() -> list[dict]:
+    """The CPU smoke grid: every preset at d ∈ {16, 32}, L = 64 (n = 4, 8), one lr, 1k examples, 6 epochs."""
+    segs = [{"seq_len": 64, "num_kv_pairs": n, "num_examples": 1000, "batch_size": 64} for n in (4, 8)]
+    evals = [s | {"num_examples": 200} for s in segs]
+    common = {
+        "data.vocab_size": 8192,
+        "data.train": segs,
+        "data.valid": evals,
+        "data.test": evals,
+        "optim.lr": 3e-3,
+        "optim.weight_decay": 0.1,
+        "optim.warmup_frac": 0.0,
+        "train.epochs": 6,
+        "train.early_stop": 0.99,
+        "experiment_name": "based_frontier_tiny",
+    }
+    dials = {
+        "based": {"model.mixers.based.feature_dim": 4},
+        "sliding_window": {"model.mixers.sliding_window.window": 8},
+        "mamba": {"model.mixers.mamba.d_state": 4},
+        "mamba2": {"model.mixers.mamba2.d_state": 4, "model.mixers.mamba2.head_dim": 16},
+        "h3": {"model.mixers.h3.d_state": 4, "model.mixers.h3.shift_size": 4},
+        "gated_deltanet": {"+model.mixers.gated_deltanet.impl": "naive"},
+    }
+    return [
+        {"model": f"based_fig2/{p}", "model.d_model": d, **dials.get(p, {})} | common for d in (16, 32) for p in MODELS
+    ]
+
+
+def sweep() -> list[dict]:
+    grid = os.environ.get("ZOO_FRONTIER", "full").strip()
+    if grid == "tiny":
+        return tiny_runs()
+    if grid == "full":
+        return full_runs(32, LRS, "based_frontier")
+    if grid == "reduced":
+        return full_runs(8, LRS[:2], "based_frontier_reduced")
+    raise ValueError(f"ZOO_FRONTIER must be full, reduced or tiny, got {grid!r}")

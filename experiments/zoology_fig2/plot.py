@@ -1,21 +1,229 @@
-"""Figures of the Fig. 2 sweep: `python experiments/zoology_fig2/plot.py [runs dir] [out dir]`.
+"""Zoology Fig. 2 from the committed run summaries: results.json, the figure and the README's comparison table.
 
-Defaults: runs/zoology_fig2 -> experiments/zoology_fig2/ (accuracy_vs_d_model.png, accuracy_vs_state.png,
-summary.json). Pass runs/zoology_fig2_tiny and experiments/zoology_fig2/tiny for the CPU smoke grid.
+    python experiments/zoology_fig2/plot.py collect runs/zoology_fig2   # copy finished runs' summaries here
+    python experiments/zoology_fig2/plot.py                             # build everything from summaries/
+
+`collect` copies every finished run below a runs dir (its summary.json, plus the `model` section of its
+config.yaml) to `summaries/<run>.json`; commit those. The build step reads `summaries/` only (never a runs dir or
+a tracker) and writes
+- `results.json`: {"rows": [...]}, one row per run: mixer (the preset's name), d_model, seq_len (the training
+  length, the panel), lr, epochs, state_bytes (fp32, at seq_len), valid_accuracy, test_accuracy,
+  test_accuracy_by_slice, and best_lr_by_valid (true for the run whose lr the point reports);
+- `accuracy_vs_d_model.png`: one panel per L, test accuracy of the best-lr run (chosen on validation) against
+  d_model, one line per model, as in the paper's figure;
+- the table between the `comparison` markers of README.md: every reading of Fig. 2 in shared/REFERENCE.md §1
+  beside ours, "matches" (within 0.05 of the paper's range) or "differs".
 """
 
-import sys
-from pathlib import Path
+from __future__ import annotations
 
-from zoo.plot import make_figures
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from zoo.runs import atomic_write_text, find_runs
+
+HERE = Path(__file__).resolve().parent
+SUMMARIES = HERE / "summaries"
+# Layer kinds of each preset (configs/model/zoology_fig2/<name>.yaml) -> the preset's name.
+PRESETS = {
+    ("attention", "attention"): "attention",
+    ("short_conv", "long_conv"): "base_conv",
+    ("hyena", "hyena"): "hyena",
+    ("h3", "h3"): "h3",
+    ("rwkv4", "rwkv4"): "rwkv",
+    ("short_conv", "based"): "based",
+    ("mamba", "mamba"): "mamba",
+}
+ORDER = ["attention", "based", "base_conv", "rwkv", "hyena", "h3", "mamba"]
+GATED_CONVS = ["base_conv", "hyena", "h3"]
+OTHERS = [m for m in ORDER if m != "attention"]
+# The paper's readings (REFERENCE §1, max over the 4 lrs, approximate): (L, model, d_models, text, low, high).
+# "d_models" None means every d; the reading is checked against the lowest of our accuracies over them.
+CLAIMS = (
+    [(64, "attention", None, "≈0.97–1.0", 0.97, 1.0)]
+    + [(64, m, [64], "≥0.5", 0.5, 1.0) for m in OTHERS]
+    + [(64, m, [256, 512], "0.85–0.97", 0.85, 0.97) for m in OTHERS]
+    + [(128, "attention", None, "≈1.0", 1.0, 1.0)]
+    + [(128, m, [64], "0.2–0.37", 0.2, 0.37) for m in GATED_CONVS]
+    + [(128, m, [512], "0.75–0.93", 0.75, 0.93) for m in GATED_CONVS]
+    + [(256, "attention", None, "≈1.0", 1.0, 1.0)]
+    + [(256, m, [64], "≤0.15", 0.0, 0.15) for m in OTHERS]
+    + [
+        (256, "base_conv", [512], "≈0.92", 0.92, 0.92),
+        (256, "rwkv", [512], "≈0.78", 0.78, 0.78),
+        (256, "hyena", [512], "≈0.66–0.68", 0.66, 0.68),
+        (256, "h3", [512], "≈0.66–0.68", 0.66, 0.68),
+    ]
+    + [(512, "attention", None, "≈1.0", 1.0, 1.0)]
+    + [(512, m, [64, 128, 256], "≈0", 0.0, 0.0) for m in OTHERS]
+    + [
+        (512, "base_conv", [512], "≈0.7", 0.7, 0.7),
+        (512, "rwkv", [512], "≈0.37", 0.37, 0.37),
+        (512, "hyena", [512], "≈0.18", 0.18, 0.18),
+        (512, "h3", [512], "≈0.1", 0.1, 0.1),
+    ]
+)
+TOLERANCE = 0.05
+START, END = "<!-- comparison:start -->", "<!-- comparison:end -->"
+
+
+def collect(runs_dir: Path, out: Path = SUMMARIES) -> int:
+    """Copy each finished run's summary (+ its resolved model config) to out/<run>.json; returns the count."""
+    out.mkdir(parents=True, exist_ok=True)
+    count = 0
+    for run in find_runs(runs_dir):
+        if not run.is_finished():
+            continue
+        summary = run.read_summary()
+        config = yaml.safe_load((run.path / "config.yaml").read_text()) or {}
+        record = summary | {"model": config.get("model", {})}
+        atomic_write_text(out / f"{summary['run']}.json", json.dumps(record, indent=1, sort_keys=True) + "\n")
+        count += 1
+    return count
+
+
+def load_summaries(directory: Path = SUMMARIES) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))]
+
+
+def mixer_name(summary: dict[str, Any]) -> str:
+    layers = tuple(summary["layers"])
+    return PRESETS.get(layers, "+".join(dict.fromkeys(layers)))
+
+
+def rows(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per run; best_lr_by_valid marks the run each (mixer, d_model, seq_len) point reports."""
+    out = []
+    for s in summaries:
+        out.append(
+            {
+                "mixer": mixer_name(s),
+                "d_model": s["d_model"],
+                "seq_len": s["state_bytes_seq_len"],
+                "lr": s["lr"],
+                "epochs": s["epochs"],
+                "state_bytes": s["state_bytes_fp32"],
+                "valid_accuracy": s.get("valid/accuracy"),
+                "test_accuracy": s.get("test/accuracy"),
+                "test_accuracy_by_slice": {
+                    k[len("test/accuracy/") :]: v for k, v in s.items() if k.startswith("test/accuracy/")
+                },
+                "parameters": s.get("parameters"),
+                "stopped_early": s.get("stopped_early"),
+                "run": s["run"],
+            }
+        )
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for r in out:
+        groups[(r["mixer"], r["d_model"], r["seq_len"])].append(r)
+    for group in groups.values():
+        best = max(group, key=lambda r: (r["valid_accuracy"] if r["valid_accuracy"] is not None else -1.0, -r["lr"]))
+        for r in group:
+            r["best_lr_by_valid"] = r is best
+    order = {m: i for i, m in enumerate(ORDER)}
+    return sorted(out, key=lambda r: (r["seq_len"], order.get(r["mixer"], len(order)), r["d_model"], r["lr"]))
+
+
+def points(result_rows: list[dict[str, Any]]) -> dict[tuple[int, str, int], dict[str, Any]]:
+    """(seq_len, mixer, d_model) -> the best-lr row."""
+    return {(r["seq_len"], r["mixer"], r["d_model"]): r for r in result_rows if r["best_lr_by_valid"]}
+
+
+def comparison(result_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every paper reading beside ours: ours is the lowest best-lr test accuracy over the reading's d_models."""
+    best = points(result_rows)
+    out = []
+    for L, mixer, ds, text, low, high in CLAIMS:
+        chosen = ds or sorted({d for (sl, m, d) in best if sl == L and m == mixer})
+        found = [best[(L, mixer, d)] for d in chosen if (L, mixer, d) in best]
+        if not found or len(found) < len(chosen):
+            ours, verdict = None, "not run"
+        else:
+            ours = min(r["test_accuracy"] for r in found)
+            verdict = "matches" if low - TOLERANCE <= ours <= high + TOLERANCE else "differs"
+        d_text = "every d" if ds is None else "d=" + "/".join(map(str, ds))
+        out.append({"L": L, "mixer": mixer, "d": d_text, "paper": text, "ours": ours, "verdict": verdict})
+    return out
+
+
+def comparison_table(entries: list[dict[str, Any]]) -> str:
+    lines = [
+        "| L | model | d_model | paper (Fig. 2) | ours (best lr by valid, test) | verdict |",
+        "|---|---|---|---|---|---|",
+    ]
+    for e in entries:
+        ours = "—" if e["ours"] is None else f"{e['ours']:.3f}"
+        lines.append(f"| {e['L']} | {e['mixer']} | {e['d']} | {e['paper']} | {ours} | {e['verdict']} |")
+    return "\n".join(lines)
+
+
+def fill_readme(table: str, readme: Path = HERE / "README.md") -> None:
+    text = readme.read_text()
+    if START not in text or END not in text:
+        raise ValueError(f"{readme} has no {START} ... {END} markers")
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    atomic_write_text(readme, f"{head}{START}\n{table}\n{END}{tail}")
+
+
+def plot(result_rows: list[dict[str, Any]], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    best = points(result_rows)
+    lengths = sorted({L for L, _, _ in best})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(4 * len(lengths), 3.6), squeeze=False, sharey=True)
+    for ax, L in zip(axes[0], lengths):
+        for mixer in ORDER:
+            ds = sorted(d for (sl, m, d) in best if sl == L and m == mixer)
+            if ds:
+                ax.plot(ds, [best[(L, mixer, d)]["test_accuracy"] for d in ds], "o-", label=mixer, alpha=0.85)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("d_model")
+        ax.set_title(f"L = {L}")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("MQAR test accuracy (best lr by valid)")
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "accuracy_vs_d_model.png"
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+def build(summaries_dir: Path = SUMMARIES, out: Path = HERE) -> dict[str, Any]:
+    summaries = load_summaries(summaries_dir)
+    if not summaries:
+        raise SystemExit(f"no summaries in {summaries_dir}: run `plot.py collect <runs dir>` first")
+    result_rows = rows(summaries)
+    atomic_write_text(out / "results.json", json.dumps({"rows": result_rows}, indent=1) + "\n")
+    figure = plot(result_rows, out)
+    entries = comparison(result_rows)
+    fill_readme(comparison_table(entries), out / "README.md")
+    return {"runs": len(result_rows), "figure": figure.name, "comparison": entries}
 
 
 def main(argv: list[str]) -> None:
-    here = Path(__file__).resolve().parent
-    runs = Path(argv[0]) if argv else Path("runs/zoology_fig2")
-    out = Path(argv[1]) if len(argv) > 1 else here
-    record = make_figures(runs, out, title="MQAR recall vs state (Zoology Fig. 2 grid)")
-    print(f"{record['num_runs']} runs -> {len(record['points'])} points; figures and summary.json in {out}")
+    if argv[:1] == ["collect"]:
+        if len(argv) != 2:
+            raise SystemExit("usage: plot.py collect <runs dir>")
+        print(f"{collect(Path(argv[1]))} summaries -> {SUMMARIES}")
+        return
+    if argv:
+        raise SystemExit("usage: plot.py [collect <runs dir>]")
+    record = build()
+    verdicts = defaultdict(int)
+    for e in record["comparison"]:
+        verdicts[e["verdict"]] += 1
+    print(f"{record['runs']} runs -> results.json, {record['figure']}, README table ({dict(verdicts)})")
 
 
 if __name__ == "__main__":

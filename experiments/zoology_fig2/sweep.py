@@ -1,81 +1,142 @@
-"""Zoology Fig. 2 (Arora et al., 2023): MQAR accuracy against d_model for seven mixers at three lengths.
+"""Zoology Fig. 2 (Arora et al., 2023): MQAR accuracy against d_model for seven models at three lengths.
 
-Grid (shared/REFERENCE.md §1): (L, n) ∈ {(64, 4), (128, 8), (256, 16)}, d_model ∈ {64, 128, 256, 512},
-lr ∈ logspace(-4, -2, 4), mixers attention, Hyena, RWKV, BaseConv, H3 (d_state = L), Based (feature dim 8
-after a gated short conv) and Mamba: 7·4·4·3 = 336 runs. 2 layers, no MLP, 100k train / 1k valid / 3k test
-examples, batch 512/512/256, 64 epochs, early stop at 0.99 valid accuracy, AdamW wd 0.1, cosine, no warmup.
-Each length is its own run (one panel of the figure). Learning rates are selected on validation.
+The models are the paper presets `configs/model/zoology_fig2/*.yaml`, each as Zoology's Fig. 2 config defines
+it (shared/REFERENCE.md §1; every preset's header says where ours differs): attention (1 head, dropout 0.1,
+learned absolute positions), base_conv (gated short conv k=3, then a gated long conv over L), hyena (l_max=L),
+h3 (d_state=L, head_dim 2), rwkv (RWKV-4 time mixing), based (gated short conv, then Based f=8, 1 head) and
+mamba (d_state 16, expand 2). Grid: (L, n) ∈ {(64, 4), (128, 8), (256, 16)}, d_model ∈ {64, 128, 256, 512},
+lr ∈ logspace(-4, -2, 4): 7·4·4·3 = 336 runs. 2 layers, no MLP, 100k train / 1k valid / 3k test examples,
+batch 512/512/256, 64 epochs, early stop at 0.99 valid accuracy; AdamW as Zoology runs it (wd 0.1, betas
+(0.9, 0.999), no gradient clipping), cosine to 0, no warmup. Each length is its own run (one panel).
+Learning rates are selected on validation (Zoology selected and stopped on test).
 
-    zoo-sweep experiments/zoology_fig2/sweep.py --runs-root runs          # the full grid (GPU)
-    ZOO_FIG2=tiny zoo-sweep experiments/zoology_fig2/sweep.py --device cpu --runs-root runs   # CPU smoke grid
+    ZOO_FIG2=L64 zoo-sweep experiments/zoology_fig2/sweep.py --pack-lrs --runs-root runs    # one panel (GPU)
+    zoo-sweep experiments/zoology_fig2/sweep.py --pack-lrs --runs-root runs                 # all three panels
+    ZOO_FIG2=tiny zoo-sweep experiments/zoology_fig2/sweep.py --device cpu --runs-root runs  # CPU smoke grid
 
-`ZOO_FIG2=reduced` keeps the grid's settings but runs the L=64 panel only, d_model ∈ {64, 128}, at most 16 epochs
-(56 runs, experiment zoology_fig2_reduced): the part one H200 call of a few minutes holds.
-`ZOO_FIG2=tiny` shrinks everything (L ∈ {32, 64}, d ∈ {16, 32}, one lr, 2k examples, 8 epochs, naive impls)
-so the whole pipeline runs on a laptop CPU; it lands in its own experiment, zoology_fig2_tiny.
+Selectors (environment variables, all optional):
+- `ZOO_FIG2`: `full` (default: L64, L128, L256), one or more panels (`L64`, `L128,L256`; `L512` is the paper's
+  optional (512, 64) panel, batch 128) or `tiny`.
+- `MIXERS`: a comma list of preset names (e.g. `attention,base_conv`); `D`: a comma list of d_models.
+Runs come cheapest and most informative first: panel by panel from L=64, each panel from the narrowest
+d_model, and within one d the models that stop early or train fastest first (attention, based, base_conv,
+rwkv, hyena, h3, mamba).
+`ZOO_FIG2=tiny` shrinks everything (L ∈ {32, 64}, d ∈ {16, 32}, one lr, 2k examples, 8 epochs) so the whole
+pipeline runs on a laptop CPU; it lands in its own experiment, zoology_fig2_tiny.
 """
 
 import os
 
-# Run order: the sweep starts runs in this order, so a grid cut by a time limit has Based and attention first and
-# the slowest runs (Mamba's PyTorch scan, H3, RWKV) last.
-MIXERS = ["based", "attention", "base_conv", "hyena", "rwkv", "h3", "mamba"]
+# Preset names (configs/model/zoology_fig2/<name>.yaml), in run order within one (L, d).
+MIXERS = ["attention", "based", "base_conv", "rwkv", "hyena", "h3", "mamba"]
+PANELS = {"L64": (64, 4, 512), "L128": (128, 8, 512), "L256": (256, 16, 256), "L512": (512, 64, 128)}
+FULL = ["L64", "L128", "L256"]
+D_MODELS = [64, 128, 256, 512]
+LRS = [float(f"{10 ** (-4 + 2 * i / 3):.4g}") for i in range(4)]  # logspace(-4, -2, 4)
 
 
-def model_overrides(mixer: str, L: int, gpu: bool) -> dict:
-    """The model of one mixer at length L (2 layers, no MLP: the presets' defaults)."""
-    if mixer == "based":
-        return {"model": "based", "model.mixers.based.feature_dim": 8}
-    if mixer == "h3":
-        return {"model": "h3", "model.mixers.h3.d_state": L}
-    if mixer == "hyena":
-        return {"model": "hyena", "model.mixers.hyena.max_seq_len": L}
-    if mixer == "rwkv":
-        return {"model": "rwkv", "model.mixers.rwkv.num_heads": 1, "+model.mixers.rwkv.impl": "fla" if gpu else "naive"}
-    if mixer == "mamba":
-        # the Triton selective scan on the GPU: 13-20x the PyTorch loop's forward+backward on the H200
-        # (bench/mamba_scan.py, session 6); these runs then train one at a time instead of as a vmapped lr pack
-        return {"model": "mamba", **({"+model.mixers.mamba.impl": "triton"} if gpu else {})}
-    return {"model": mixer}
+def _csv(name: str) -> list[str] | None:
+    value = os.environ.get(name, "").strip()
+    return [v.strip() for v in value.split(",") if v.strip()] or None
 
 
-def sweep():
-    grid = os.environ.get("ZOO_FIG2", "full")
-    if grid not in ("full", "reduced", "tiny"):
-        raise ValueError(f"ZOO_FIG2 must be full, reduced or tiny, got {grid!r}")
-    tiny = grid == "tiny"
-    if tiny:
-        lengths, d_models, lrs = [(32, 2, 64), (64, 4, 64)], [16, 32], [3e-3]
-        n_train, n_valid, n_test, epochs, experiment = 2000, 200, 300, 8, "zoology_fig2_tiny"
-    else:
-        lengths, d_models = [(64, 4, 512), (128, 8, 512), (256, 16, 256)], [64, 128, 256, 512]
-        lrs = [1e-4, 10 ** (-4 + 2 / 3), 10 ** (-4 + 4 / 3), 1e-2]
-        n_train, n_valid, n_test, epochs, experiment = 100_000, 1000, 3000, 64, "zoology_fig2"
-        if grid == "reduced":  # what one H200 call of a few minutes holds: the L=64 panel, d <= 128, 16 epochs
-            lengths, d_models, epochs, experiment = lengths[:1], d_models[:2], 16, "zoology_fig2_reduced"
+def _selected_mixers() -> list[str]:
+    chosen = _csv("MIXERS")
+    if chosen is None:
+        return MIXERS
+    unknown = sorted(set(chosen) - set(MIXERS))
+    if unknown:
+        raise ValueError(f"MIXERS: unknown presets {unknown} (known: {','.join(MIXERS)})")
+    return [m for m in MIXERS if m in chosen]
+
+
+def _selected_d_models() -> list[int]:
+    chosen = _csv("D")
+    if chosen is None:
+        return D_MODELS
+    try:
+        ds = sorted({int(d) for d in chosen})
+    except ValueError:
+        raise ValueError(f"D must be a comma list of integers, got {os.environ['D']!r}") from None
+    if any(d < 1 for d in ds):
+        raise ValueError(f"D: d_model must be >= 1, got {ds}")
+    return ds
+
+
+def gpu_overrides(mixer: str) -> dict:
+    """Mamba's scan through the Triton selective scan on the GPU (its runs then train one at a time, unpacked);
+    every other preset runs its PyTorch path, which packs."""
+    return {"+model.mixers.mamba.impl": "triton"} if mixer == "mamba" else {}
+
+
+def panel_runs(panels: list[str], mixers: list[str], d_models: list[int]) -> list[dict]:
     runs = []
-    for L, n, batch in lengths:
+    for panel in panels:
+        L, n, batch = PANELS[panel]
         seg = {"seq_len": L, "num_kv_pairs": n, "batch_size": batch}
         data = {
             "data.vocab_size": 8192,
-            "data.train": [seg | {"num_examples": n_train}],
-            "data.valid": [seg | {"num_examples": n_valid}],
-            "data.test": [seg | {"num_examples": n_test}],
+            "data.train": [seg | {"num_examples": 100_000}],
+            "data.valid": [seg | {"num_examples": 1000}],
+            "data.test": [seg | {"num_examples": 3000}],
         }
-        for mixer in MIXERS:
-            for d in d_models:
-                for lr in lrs:
+        for d in d_models:
+            for mixer in mixers:
+                for lr in LRS:
                     runs.append(
                         {
-                            **model_overrides(mixer, L, gpu=not tiny),
+                            "model": f"zoology_fig2/{mixer}",
+                            **gpu_overrides(mixer),
                             "model.d_model": d,
                             **data,
-                            "optim.lr": float(f"{lr:.4g}"),
+                            "optim.lr": lr,
                             "optim.weight_decay": 0.1,
+                            "optim.beta2": 0.999,
+                            "optim.grad_clip": 0.0,
                             "optim.warmup_frac": 0.0,
-                            "train.epochs": epochs,
+                            "train.epochs": 64,
                             "train.early_stop": 0.99,
-                            "experiment_name": experiment,
+                            "experiment_name": "zoology_fig2",
                         }
                     )
     return runs
+
+
+def tiny_runs() -> list[dict]:
+    """The CPU smoke grid: every preset at L ∈ {32, 64}, d ∈ {16, 32}, one lr, 2k examples, 8 epochs."""
+    runs = []
+    for L, n, batch in [(32, 2, 64), (64, 4, 64)]:
+        seg = {"seq_len": L, "num_kv_pairs": n, "batch_size": batch}
+        data = {
+            "data.vocab_size": 8192,
+            "data.train": [seg | {"num_examples": 2000}],
+            "data.valid": [seg | {"num_examples": 200}],
+            "data.test": [seg | {"num_examples": 300}],
+        }
+        for mixer in MIXERS:
+            for d in [16, 32]:
+                runs.append(
+                    {
+                        "model": f"zoology_fig2/{mixer}",
+                        "model.d_model": d,
+                        **data,
+                        "optim.lr": 3e-3,
+                        "optim.weight_decay": 0.1,
+                        "optim.warmup_frac": 0.0,
+                        "train.epochs": 8,
+                        "train.early_stop": 0.99,
+                        "experiment_name": "zoology_fig2_tiny",
+                    }
+                )
+    return runs
+
+
+def sweep() -> list[dict]:
+    grid = os.environ.get("ZOO_FIG2", "full").strip()
+    if grid == "tiny":
+        return tiny_runs()
+    panels = FULL if grid == "full" else [p.strip() for p in grid.split(",") if p.strip()]
+    unknown = [p for p in panels if p not in PANELS]
+    if unknown or not panels:
+        raise ValueError(f"ZOO_FIG2 must be full, tiny or a comma list of {','.join(PANELS)}, got {grid!r}")
+    return panel_runs(panels, _selected_mixers(), _selected_d_models())

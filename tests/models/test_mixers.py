@@ -26,8 +26,21 @@ CASES = [
     ("base_conv-k1", "base_conv", {"kernel_size": 1}),  # no history at all
     ("hyena", "hyena", {"filter_hidden": 8, "num_freqs": 2}),
     ("hyena-k2", "hyena", {"filter_hidden": 8, "short_kernel_size": 2}),
+    ("hyena-zoology", "hyena", {"filter_hidden": 8, "num_freqs": 0, "filter_depth": 2, "learn_freq": True,
+                                "short_bias": True}),
     ("h3-n8", "h3", {"d_state": 8}),
     ("h3-n3-shift2", "h3", {"d_state": 3, "shift_size": 2}),
+    ("h3-p2", "h3", {"d_state": 4, "head_dim": 2}),
+    ("h3-p4-shift40", "h3", {"d_state": 3, "head_dim": 4, "shift_size": 40}),  # a shift filter through the FFT
+    ("short_conv-k3", "short_conv", {}),
+    ("short_conv-k5", "short_conv", {"kernel_size": 5}),
+    ("short_conv-k1", "short_conv", {"kernel_size": 1}),
+    ("long_conv", "long_conv", {}),
+    ("long_conv-h4b3", "long_conv", {"filter_hidden": 4, "num_bands": 3}),
+    ("rwkv4-c8", "rwkv4", {}),
+    ("rwkv4-c16", "rwkv4", {"chunk_size": 16}),
+    ("rwkv4-c5", "rwkv4", {"chunk_size": 5}),
+    ("rwkv4-c1", "rwkv4", {"chunk_size": 1}),
     ("mamba-n4", "mamba", {"d_state": 4}),
     ("mamba-e1-k2", "mamba", {"d_state": 3, "expand": 1, "conv_size": 2, "dt_rank": 2}),
     ("mamba-c5", "mamba", {"d_state": 4, "chunk_size": 5}),
@@ -57,7 +70,7 @@ def build(case, max_seq_len: int = 64, seed: int = 0) -> torch.nn.Module:
     """The mixer of a case in float64; attention gets a KV buffer of max_seq_len rows."""
     _, name, options = case
     options = dict(options)
-    if name in ("attention", "hyena"):
+    if name in ("attention", "hyena", "long_conv"):
         options["max_seq_len"] = max_seq_len
     torch.manual_seed(seed)
     return MIXERS[name](D_MODEL, **options).double()
@@ -112,7 +125,8 @@ def test_prefill_then_decode_equals_full_forward(case):
 
 
 def expected_state_size(case, T: int) -> int:
-    """REFERENCE §1 / DESIGN formulas, written out from the options."""
+    """REFERENCE §1 / DESIGN formulas, written out from the options; the long convolutions are built with
+    max_seq_len = T, the rows their buffers hold."""
     _, name, options = case
     d = D_MODEL
     if name == "attention":
@@ -128,7 +142,13 @@ def expected_state_size(case, T: int) -> int:
     if name == "hyena":
         return d * T + 3 * d * (options.get("short_kernel_size", 3) - 1)
     if name == "h3":
-        return d * options["d_state"] + d * (options.get("shift_size", 4) - 1)
+        return options.get("head_dim", 1) * d * options["d_state"] + d * (options.get("shift_size", 4) - 1)
+    if name == "short_conv":
+        return d * (options.get("kernel_size", 3) - 1)
+    if name == "long_conv":
+        return d * T
+    if name == "rwkv4":
+        return 4 * d
     if name == "mamba":
         d_inner = options.get("expand", 2) * d
         return d_inner * options["d_state"] + d_inner * (options.get("conv_size", 4) - 1)
@@ -229,6 +249,13 @@ BAD_OPTIONS = [
     ("expand", "base_conv", {"expand": 0}, "expand must be >= 1"),
     ("hyena-decay", "hyena", {"decay_min": 5.0, "decay_max": 1.0}, "decay_min=5.0 exceeds decay_max=1.0"),
     ("h3-d_state", "h3", {"d_state": 0}, "d_state must be >= 1"),
+    ("h3-head_dim", "h3", {"head_dim": 3}, "divisible by head_dim=3"),
+    ("short_conv-k0", "short_conv", {"kernel_size": 0}, "kernel_size must be >= 1"),
+    ("long_conv-bands", "long_conv", {"num_bands": 0}, "num_bands must be >= 1"),
+    ("long_conv-len", "long_conv", {"max_seq_len": 0}, "max_seq_len must be >= 1"),
+    ("rwkv4-chunk", "rwkv4", {"chunk_size": 0}, "chunk_size must be >= 1"),
+    ("attention-dropout", "attention", {"dropout": 1.0}, r"dropout must be a number in \[0, 1\)"),
+    ("attention-bias", "attention", {"bias": 1}, "bias must be true or false"),
     ("mamba-dt", "mamba", {"dt_min": 0.5, "dt_max": 0.1}, "0 < dt_min <= dt_max"),
     ("mamba2-head_dim", "mamba2", {"head_dim": 5}, "divisible by head_dim=5"),
     ("feature_map", "linear_attention", {"feature_map": "softmax"}, "performer|cosformer|pos_elu|relu|hedgehog|taylor"),
@@ -347,3 +374,77 @@ def test_chunked_delta_rule_equals_the_token_loop(name, T, chunk):
     torch.testing.assert_close(s1, s0, rtol=1e-10, atol=1e-12)
     for a, b in zip(g1, g0):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_long_conv_matches_a_direct_sum_and_reaches_every_lag():
+    """long_conv's FFT path against y = (Σ_{s≤t} h[t-s] u_s + u_t) ⊙ proj(u_t) + u_t summed directly, and the
+    input at position 0 reaches the output at the filter's last lag (max_seq_len - 1)."""
+    T = 24
+    mixer = build(("", "long_conv", {}), max_seq_len=T)
+    with torch.no_grad():
+        for p in mixer.filter.parameters():
+            p.normal_(generator=torch.Generator().manual_seed(4))
+    x = inputs(2, T)
+    h = mixer.filter(T)  # [T, d]
+    assert h.shape == (T, D_MODEL)
+    conv = torch.stack([sum(h[t - s] * x[:, s] for s in range(t + 1)) for t in range(T)], dim=1)
+    expected = (conv + x) * mixer.projection(x) + x
+    torch.testing.assert_close(mixer(x), expected, rtol=1e-10, atol=1e-12)
+    xi = x.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(mixer(xi)[:, T - 1].sum(), xi)
+    assert grad[:, 0].abs().sum() > 0
+
+
+def test_long_conv_longer_than_its_filter_raises():
+    mixer = build(("", "long_conv", {}), max_seq_len=8)
+    with pytest.raises(ValueError, match="exceeds max_seq_len=8"):
+        mixer(inputs(1, 9))
+
+
+def wkv_reference(w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """RWKV-4's WKV written as the paper's equation, exponentials taken directly (fp64, small k).
+    w, u: [d]; k, v: [B, T, d] -> [B, T, d]."""
+    T = k.shape[1]
+    out = []
+    for t in range(T):
+        num, den = torch.exp(u + k[:, t]) * v[:, t], torch.exp(u + k[:, t])
+        for i in range(t):
+            weight = torch.exp((t - 1 - i) * w + k[:, i])
+            num, den = num + weight * v[:, i], den + weight
+        out.append(num / den)
+    return torch.stack(out, dim=1)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 16], ids=lambda c: f"chunk{c}")
+def test_rwkv4_matches_the_wkv_equation(chunk):
+    mixer = build(("", "rwkv4", {"chunk_size": chunk}))
+    x = inputs(2, 11)
+    with torch.no_grad():
+        sr, k, v = mixer._inputs(x, x.new_zeros(2, D_MODEL))
+        w = -torch.exp(mixer.time_decay)
+        expected = mixer.output(sr * wkv_reference(w, mixer.time_first, k, v))
+        torch.testing.assert_close(mixer(x), expected, rtol=1e-10, atol=1e-12)
+
+
+def test_rwkv4_stays_finite_where_direct_exponentials_overflow():
+    """Keys of size ~10^3 overflow e^k even in fp64; the max-normalised forms stay finite and agree."""
+    mixer = build(("", "rwkv4", {"chunk_size": 4}))
+    with torch.no_grad():
+        mixer.key.weight.mul_(3000.0)
+        x = inputs(2, 19)
+        full = mixer(x)
+        state = mixer.init_state(2)
+        steps = torch.stack([mixer.step(x[:, t], state) for t in range(19)], dim=1)
+    assert torch.isfinite(full).all()
+    torch.testing.assert_close(steps, full, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["hyena", "long_conv"])
+def test_long_convolution_state_size_is_the_buffer_held(name):
+    """The decode buffer holds max_seq_len rows from the start, so state_size reports them at every seq_len."""
+    mixer = build(("", name, {}), max_seq_len=40)
+    state = mixer.init_state(3)
+    with torch.no_grad():
+        mixer(inputs(3, 5), state)
+    real = sum(t.numel() for t in state.values() if t.is_floating_point()) // 3
+    assert mixer.state_size(1) == mixer.state_size(5) == real

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MLPS = ("none", "swiglu", "gelu")
+MLPS = ("none", "swiglu", "gelu", "identity")
 NORMS = ("layernorm", "rmsnorm")
 
 
@@ -62,8 +62,12 @@ class GeluMLP(nn.Module):
 class Block(nn.Module):
     """norm -> mixer -> residual -> norm -> mlp -> residual, on [B, T, d_model].
 
-    mixer: a module of the mixer protocol; mlp: none | swiglu | gelu; mlp_hidden: 0 picks 2·d (swiglu) or
-    4·d (gelu); norm: layernorm | rmsnorm. forward/step/init_state/state_size pass the mixer's state through.
+    mixer: a module of the mixer protocol; mlp: none | swiglu | gelu | identity; mlp_hidden: 0 picks 2·d
+    (swiglu) or 4·d (gelu); norm: layernorm | rmsnorm. forward/step/init_state/state_size pass the mixer's
+    state through.
+
+    `identity` is Zoology's block with `state_mixer=Identity` (its Fig. 2 models): the MLP is the identity but
+    its norm and residual remain, so the block ends with x + norm(x).
     """
 
     def __init__(self, d_model: int, mixer: nn.Module, mlp: str = "none", mlp_hidden: int = 0, norm: str = "layernorm"):
@@ -79,6 +83,8 @@ class Block(nn.Module):
             self.mlp = SwiGLU(d_model, mlp_hidden or 2 * d_model)
         elif mlp == "gelu":
             self.mlp = GeluMLP(d_model, mlp_hidden or 4 * d_model)
+        elif mlp == "identity":
+            self.mlp = nn.Identity()
         else:
             self.mlp = None
 

@@ -66,6 +66,7 @@ class ZooConfig(PretrainedConfig):
     mlp_hidden: int = 0
     norm: str = "rmsnorm"
     tie_word_embeddings: bool = True
+    embed_dropout: float = 0.0
     use_cache: bool = True
     decode_cuda_graph: bool = True
     prefill_chunk_tokens: int = 0
@@ -86,11 +87,16 @@ class ZooConfig(PretrainedConfig):
             mlp_hidden=self.mlp_hidden,
             norm=self.norm,
             tie_embeddings=self.tie_word_embeddings,
+            embed_dropout=self.embed_dropout,
         )
 
     @classmethod
     def from_model_config(cls, model_config: ModelConfig, **kwargs) -> ZooConfig:
         """A ZooConfig holding `model_config`'s fields; kwargs set transformers fields (eos_token_id, ...)."""
+        if model_config.max_position_embeddings:
+            # transformers reads `max_position_embeddings` as a context limit; the MQAR baselines' absolute
+            # position table has no place in the wrapper
+            raise ValueError("ZooConfig cannot hold model.max_position_embeddings > 0 (absolute position tables)")
         return cls(
             vocab_size=model_config.vocab_size,
             d_model=model_config.d_model,
@@ -101,6 +107,7 @@ class ZooConfig(PretrainedConfig):
             mlp_hidden=model_config.mlp_hidden,
             norm=model_config.norm,
             tie_word_embeddings=model_config.tie_embeddings,
+            embed_dropout=model_config.embed_dropout,
             **kwargs,
         )
 

@@ -1,6 +1,9 @@
 """LanguageModel: token embedding, pre-norm blocks whose mixers follow `ModelConfig.pattern`, final norm, head.
 
 `hidden_states` and `logits` are separate so training can project only the positions that carry a label.
+With `max_position_embeddings` > 0 a learned absolute position table is added to the token embeddings
+(Zoology's attention baseline); the decode state then ends with one extra entry, {"pos": [] int64}, the
+position of the next token.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels.launch import is_capturing
 from zoo.config import ModelConfig
 from zoo.models.block import Block, make_norm
 from zoo.models.mixers import MIXERS
@@ -26,6 +30,9 @@ class LanguageModel(nn.Module):
         self.config = config
         d = config.d_model
         self.embedding = nn.Embedding(config.vocab_size, d)
+        self.max_positions = config.max_position_embeddings
+        self.position = nn.Embedding(self.max_positions, d) if self.max_positions else None
+        self.embed_dropout = nn.Dropout(config.embed_dropout) if config.embed_dropout else None
         self.blocks = nn.ModuleList(
             Block(d, MIXERS[name](d, **config.mixers.get(name, {})), config.mlp, config.mlp_hidden, config.norm)
             for name in config.layers()
@@ -37,15 +44,39 @@ class LanguageModel(nn.Module):
             self.head.weight = self.embedding.weight
 
     def _check_state(self, state: list[Any] | None) -> None:
-        if state is not None and len(state) != len(self.blocks):
-            raise ValueError(f"state must hold one entry per layer ({len(self.blocks)}), got {len(state)}")
+        expected = len(self.blocks) + (self.position is not None)
+        if state is not None and len(state) != expected:
+            raise ValueError(
+                f"state must hold one entry per layer ({len(self.blocks)}) and, with positions, one for the "
+                f"position ({expected} in all), got {len(state)}"
+            )
+
+    def _embed(self, input_ids: torch.Tensor, state: list[Any] | None) -> torch.Tensor:
+        """input_ids: [B, T] -> [B, T, d]: token embeddings, plus positions, then dropout while training."""
+        x = self.embedding(input_ids)  # [B, T, d]
+        if self.position is not None:
+            T = input_ids.shape[1]
+            if state is None:
+                if T > self.max_positions:
+                    raise ValueError(f"T={T} exceeds model.max_position_embeddings={self.max_positions}")
+                positions = torch.arange(T, device=input_ids.device)
+            else:
+                pos = state[-1]["pos"]
+                if not is_capturing(input_ids) and int(pos) + T > self.max_positions:
+                    raise ValueError(
+                        f"{int(pos)} + {T} tokens exceed model.max_position_embeddings={self.max_positions}"
+                    )
+                positions = pos + torch.arange(T, device=input_ids.device)
+                pos.add_(T)
+            x = x + self.position(positions)  # [B, T, d]
+        return x if self.embed_dropout is None else self.embed_dropout(x)
 
     def hidden_states(self, input_ids: torch.Tensor, state: list[Any] | None = None) -> torch.Tensor:
         """input_ids: [B, T] integer -> final-norm hidden states [B, T, d_model]. A state is continued in place."""
         if input_ids.dim() != 2 or input_ids.is_floating_point():
             raise ValueError(f"input_ids must be integer [B, T], got {input_ids.dtype} {list(input_ids.shape)}")
         self._check_state(state)
-        x = self.embedding(input_ids)  # [B, T, d]
+        x = self._embed(input_ids, state)  # [B, T, d]
         for i, block in enumerate(self.blocks):
             x = block(x, None if state is None else state[i])
         return self.norm(x)
@@ -63,7 +94,7 @@ class LanguageModel(nn.Module):
         if input_ids_t.dim() != 1 or input_ids_t.is_floating_point():
             raise ValueError(f"input_ids_t must be integer [B], got {input_ids_t.dtype} {list(input_ids_t.shape)}")
         self._check_state(state)
-        x = self.embedding(input_ids_t)  # [B, d]
+        x = self._embed(input_ids_t[:, None], state)[:, 0]  # [B, d]
         for block, layer_state in zip(self.blocks, state):
             x = block.step(x, layer_state)
         return self.logits(self.norm(x))
@@ -71,8 +102,13 @@ class LanguageModel(nn.Module):
     def init_state(
         self, batch_size: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
     ) -> list[Any]:
-        """One preallocated state per layer (on the model's device and dtype unless given)."""
-        return [block.init_state(batch_size, device=device, dtype=dtype) for block in self.blocks]
+        """One preallocated state per layer (on the model's device and dtype unless given), then, with
+        positions, {"pos": [] int64}."""
+        states = [block.init_state(batch_size, device=device, dtype=dtype) for block in self.blocks]
+        if self.position is not None:
+            device = device if device is not None else self.embedding.weight.device
+            states.append({"pos": torch.zeros((), device=device, dtype=torch.int64)})
+        return states
 
     def state_size(self, seq_len: int) -> int:
         """Recurrent-state elements per sequence after seq_len tokens, summed over layers."""

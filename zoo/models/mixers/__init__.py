@@ -19,9 +19,12 @@ from zoo.models.mixers.gla import GLA
 from zoo.models.mixers.h3 import H3
 from zoo.models.mixers.hyena import Hyena
 from zoo.models.mixers.linear_attention import LinearAttention
+from zoo.models.mixers.long_conv import LongConv
 from zoo.models.mixers.mamba import Mamba
 from zoo.models.mixers.mamba2 import Mamba2
 from zoo.models.mixers.rwkv import RWKV
+from zoo.models.mixers.rwkv4 import RWKV4
+from zoo.models.mixers.short_conv import ShortConv
 from zoo.models.mixers.sliding_window import SlidingWindowAttention
 
 MIXERS: dict[str, type] = {
@@ -38,6 +41,9 @@ MIXERS: dict[str, type] = {
     "deltanet": DeltaNet,
     "gated_deltanet": GatedDeltaNet,
     "rwkv": RWKV,
+    "short_conv": ShortConv,
+    "long_conv": LongConv,
+    "rwkv4": RWKV4,
 }
 
 
@@ -53,6 +59,7 @@ __all__ = [
     "H3",
     "MIXERS",
     "RWKV",
+    "RWKV4",
     "Attention",
     "BaseConv",
     "Based",
@@ -60,8 +67,10 @@ __all__ = [
     "GatedDeltaNet",
     "Hyena",
     "LinearAttention",
+    "LongConv",
     "Mamba",
     "Mamba2",
+    "ShortConv",
     "SlidingWindowAttention",
     "check_mixer_options",
 ]

@@ -1,4 +1,4 @@
-"""Causal convolutions shared by the long-convolution mixers (Hyena, H3): FFT for long filters."""
+"""Causal convolutions shared by the convolution mixers (Hyena, H3, short_conv, long_conv): FFT for long filters."""
 
 from __future__ import annotations
 
@@ -30,3 +30,20 @@ def depthwise_causal_conv(u: torch.Tensor, weight: torch.Tensor, history: torch.
     u_full = torch.cat([history.to(u.dtype), u], dim=1)  # [B, T + k - 1, C]
     windows = u_full.unfold(1, k, 1)  # [B, T, C, k]
     return torch.einsum("btck,ck->btc", windows, weight)
+
+
+# Above this many taps an explicit filter runs through the FFT: the unfolded windows of depthwise_causal_conv
+# hold B·T·C·k elements (k = 256 at d = 512, B = 256, T = 256: 8.6·10⁹).
+FFT_TAPS = 32
+
+
+def explicit_causal_conv(u: torch.Tensor, weight: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+    """depthwise_causal_conv's result for any kernel length: unfolded windows up to FFT_TAPS taps, else an FFT.
+
+    u: [B, T, C]; weight: [C, k] (weight[:, k-1] multiplies the current input); history: [B, k-1, C] -> [B, T, C].
+    """
+    k = weight.shape[1]
+    if k <= FFT_TAPS:
+        return depthwise_causal_conv(u, weight, history)
+    u_full = torch.cat([history.to(u.dtype), u], dim=1)  # [B, T + k - 1, C]
+    return fft_causal_conv(u_full, weight.flip(1).T)[:, k - 1 :]  # h[lag] = weight[:, k-1-lag]

@@ -6,6 +6,10 @@ elements: keys and values of every past token).
 What is unusual here:
 - Positions are one option: `rotary` (Su et al., 2021, applied to q and k), `learned` (a table of
   `max_seq_len` rows added to the input of the q and k projections only, inside the mixer) or `none`.
+  Zoology's absolute positions, added to the token embeddings, are the LanguageModel's
+  `max_position_embeddings` (with `positional: none` here).
+- `dropout` drops attention weights while training (Zoology's MHA: 0.1); `bias` gives the qkv and output
+  projections biases (Zoology's MHA has them).
 - The decode state is a KV buffer preallocated at `max_seq_len` rows plus an integer position, so `step`
   has fixed shapes (CUDA-graph friendly): each step attends over the whole buffer with a mask instead of
   slicing the live prefix. `state_size(T)` counts the live part, 2·T·d_model; the buffer holds
@@ -41,6 +45,8 @@ class AttentionConfig:
     num_heads: int | None = None  # None: default_num_heads(d_model), heads of width about 64
     positional: str = "rotary"  # rotary | learned | none
     max_seq_len: int = 2048  # rows of the decode KV buffer (and of the learned position table)
+    dropout: float = 0.0  # attention-weight dropout while training
+    bias: bool = False  # biases on the qkv and output projections
 
     def validate(self, d_model: int) -> None:
         if self.num_heads is not None:
@@ -49,6 +55,10 @@ class AttentionConfig:
                 raise ValueError(f"attention: d_model={d_model} must be divisible by num_heads={self.num_heads}")
         check_choice("attention: positional", self.positional, ("rotary", "learned", "none"))
         check_int("attention: max_seq_len", self.max_seq_len, minimum=1)
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise ValueError(f"attention: dropout must be a number in [0, 1), got {self.dropout!r}")
+        if not isinstance(self.bias, bool):
+            raise ValueError(f"attention: bias must be true or false, got {self.bias!r}")
         if self.positional == "rotary" and (d_model // self.heads(d_model)) % 2:
             raise ValueError(
                 f"attention: rotary needs an even head dim, got d_model={d_model} / num_heads={self.heads(d_model)}"
@@ -74,8 +84,8 @@ class Attention(nn.Module):
         self.d_model = d_model
         self.num_heads = self.config.heads(d_model)
         self.head_dim = d_model // self.num_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
-        self.out = nn.Linear(d_model, d_model, bias=False)
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=self.config.bias)
+        self.out = nn.Linear(d_model, d_model, bias=self.config.bias)
         if self.config.positional == "learned":
             self.pos_table = nn.Parameter(torch.empty(self.config.max_seq_len, d_model))
             nn.init.normal_(self.pos_table, std=0.02)
@@ -84,9 +94,10 @@ class Attention(nn.Module):
         """x: [B, T, d_model], positions: [T] -> q, k, v: [B, T, H, D] (q and k carry the positions)."""
         d = self.d_model
         w_qk, w_v = self.qkv.weight[: 2 * d], self.qkv.weight[2 * d :]
+        b_qk, b_v = (None, None) if self.qkv.bias is None else (self.qkv.bias[: 2 * d], self.qkv.bias[2 * d :])
         x_qk = x + self.pos_table[positions] if self.config.positional == "learned" else x
-        q, k = F.linear(x_qk, w_qk).chunk(2, dim=-1)  # [B, T, d] each
-        v = F.linear(x, w_v)  # [B, T, d]
+        q, k = F.linear(x_qk, w_qk, b_qk).chunk(2, dim=-1)  # [B, T, d] each
+        v = F.linear(x, w_v, b_v)  # [B, T, d]
         q, k, v = (rearrange(t, "b t (h d) -> b t h d", h=self.num_heads) for t in (q, k, v))  # [B, T, H, D]
         if self.config.positional == "rotary":
             q, k = apply_rotary(q, positions), apply_rotary(k, positions)
@@ -96,7 +107,8 @@ class Attention(nn.Module):
         """q: [B, T, H, D], k, v: [B, S, H, D], mask: [T, S] or [B, 1, T, S] bool (None: causal, S == T)
         -> [B, T, d_model]."""
         q, k, v = (rearrange(t, "b t h d -> b h t d") for t in (q, k, v))  # [B, H, T, D]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # [B, H, T, D]
+        dropout = self.config.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout)
         return self.out(rearrange(y, "b h t d -> b t (h d)"))  # [B, T, d_model]
 
     def forward(self, x: torch.Tensor, state: dict[str, torch.Tensor] | None = None) -> torch.Tensor:

@@ -8,14 +8,16 @@ SSM_diag runs `d_state` real diagonal modes per channel (S4D-real style):
 
     s_t = a ⊙ s_{t-1} + b · u_t,   out_t = Σ_n c_n s_{t,n} + D · u_t,   a = exp(-Δ·A) ∈ (0, 1)
 
-with A_n = n + 1 and Δ per channel. Heads have width 1 (the form Zoology sweeps), so q ⊙ and k' ⊙ v are
-elementwise.
+with A_n = n + 1 and Δ per head. With `head_dim` p > 1 (Zoology Fig. 2 uses p = 2) the d channels form
+H = d/p heads: every head's p×p outer products k'_h v_hᵀ each run through that head's SSM, and the head's
+output is q_hᵀ · SSM(k'_h v_hᵀ). With p = 1 (the default) q ⊙ and k' ⊙ v are elementwise, one SSM per channel.
 
 What is unusual here:
 - The parallel form builds the SSM's kernel K[l, c] = Σ_n c_n b_n a_n^l and convolves through an FFT; a
   carried state enters as Σ_n c_n a_n^{t+1} s_0 and the final state is a^T s_0 + Σ_s a^{T-1-s} b u_s.
-- State: {"shift": [B, shift_size-1, d], "ssm": [B, d, d_state]}, the SSM part in fp32 (fp64 for fp64
-  models). state_size = d·d_state (REFERENCE's "H3: d·d_state") + d·(shift_size-1) for the shift register.
+- State: {"shift": [B, shift_size-1, d], "ssm": [B, d·p, d_state]} (the H·p·p SSM inputs), the SSM part in
+  fp32 (fp64 for fp64 models). state_size = p·d·d_state (REFERENCE's "H3: d·d_state" at p = 1) +
+  d·(shift_size-1) for the shift register.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from einops import rearrange
 from torch import nn
 
 from zoo.models.mixers._common import (
@@ -34,7 +37,7 @@ from zoo.models.mixers._common import (
     make_config,
     module_device_dtype,
 )
-from zoo.models.mixers._long_conv import depthwise_causal_conv, fft_causal_conv
+from zoo.models.mixers._long_conv import explicit_causal_conv, fft_causal_conv
 
 
 @dataclass
@@ -42,13 +45,17 @@ class H3Config:
     """Options of `h3` (d_model comes from the model)."""
 
     d_state: int = 64  # diagonal SSM modes per channel (Zoology Fig. 2 uses d_state = L)
-    shift_size: int = 4  # length of the shift filter on k
+    head_dim: int = 1  # p: width of the heads whose p×p outer products share one SSM (Zoology Fig. 2: 2)
+    shift_size: int = 4  # length of the shift filter on k (Zoology's shift SSM has d_state taps)
     dt_min: float = 1e-3
     dt_max: float = 1e-1
 
     def validate(self, d_model: int) -> None:
         check_int("h3: d_state", self.d_state, minimum=1)
         check_int("h3: shift_size", self.shift_size, minimum=1)
+        check_int("h3: head_dim", self.head_dim, minimum=1)
+        if d_model % self.head_dim:
+            raise ValueError(f"h3: d_model={d_model} must be divisible by head_dim={self.head_dim}")
         for name in ("dt_min", "dt_max"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -58,9 +65,9 @@ class H3Config:
 
 
 class H3(nn.Module):
-    """H3 with width-1 heads: [B, T, d_model] -> [B, T, d_model].
+    """H3: [B, T, d_model] -> [B, T, d_model].
 
-    State: {"shift": [B, shift_size-1, d] past k, "ssm": [B, d, d_state] diagonal SSM state (fp32)}.
+    State: {"shift": [B, shift_size-1, d] past k, "ssm": [B, d·head_dim, d_state] diagonal SSM state (fp32)}.
     """
 
     Config = H3Config
@@ -71,26 +78,43 @@ class H3(nn.Module):
         self.config = make_config(self.name, self.Config, d_model, options)
         self.d_model = d_model
         d, N, k = d_model, self.config.d_state, self.config.shift_size
+        self.p = self.config.head_dim
+        H = d // self.p
+        self.channels = H * self.p * self.p  # SSM inputs: one per (head, i, j)
         self.qkv = nn.Linear(d, 3 * d)
         self.shift_weight = nn.Parameter(torch.randn(d, k) / math.sqrt(k))
         lo, hi = math.log(self.config.dt_min), math.log(self.config.dt_max)
-        self.log_dt = nn.Parameter(torch.rand(d) * (hi - lo) + lo)  # [d]
-        self.log_A = nn.Parameter(torch.log(torch.arange(1, N + 1, dtype=torch.float32)).repeat(d, 1))  # [d, N]
-        self.B = nn.Parameter(torch.ones(d, N))
-        self.C = nn.Parameter(torch.randn(d, N) / math.sqrt(N))
-        self.D = nn.Parameter(torch.randn(d))
+        self.log_dt = nn.Parameter(torch.rand(H) * (hi - lo) + lo)  # [H]
+        self.log_A = nn.Parameter(torch.log(torch.arange(1, N + 1, dtype=torch.float32)).repeat(H, 1))  # [H, N]
+        self.B = nn.Parameter(torch.ones(H, N))
+        self.C = nn.Parameter(torch.randn(H, N) / math.sqrt(N))
+        self.D = nn.Parameter(torch.randn(H))
         self.out = nn.Linear(d, d)
 
+    def _per_channel(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A per-head parameter [H, ...] -> [H·p·p, ...] (every SSM input of the head), in `dtype`."""
+        return t.to(dtype).repeat_interleave(self.p * self.p, dim=0)
+
+    def _read_out(self, q: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """q: [..., d], y: [..., H·p·p] SSM outputs -> [..., d]: per head, q_hᵀ · Y_h (Y_h of shape p×p)."""
+        q = rearrange(q, "... (h i) -> ... h i", i=self.p)
+        y = rearrange(y.to(q.dtype), "... (h i j) -> ... h i j", i=self.p, j=self.p)
+        return rearrange(torch.einsum("...hi,...hij->...hj", q, y), "... h j -> ... (h j)")
+
     def _log_a(self, dtype: torch.dtype) -> torch.Tensor:
-        """log a = -Δ·A: [d, N], in `dtype`."""
-        return -(torch.exp(self.log_dt.to(dtype))[:, None] * torch.exp(self.log_A.to(dtype)))
+        """log a = -Δ·A per SSM input: [H·p·p, N], in `dtype`."""
+        log_a = -(torch.exp(self.log_dt.to(dtype))[:, None] * torch.exp(self.log_A.to(dtype)))  # [H, N]
+        return self._per_channel(log_a, dtype)
 
     def _inputs(self, x: torch.Tensor, history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [B, T, d] -> q, u = shift(k) ⊙ v: [B, T, d], and the new shift history [B, k-1, d]."""
+        """x: [B, T, d] -> q [B, T, d], u = shift(k)_h v_hᵀ per head [B, T, H·p·p] and the new shift history
+        [B, k-1, d]."""
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # [B, T, d] each
-        k_shift = depthwise_causal_conv(k, self.shift_weight, history)  # [B, T, d]
+        k_shift = explicit_causal_conv(k, self.shift_weight, history)  # [B, T, d]
         new_history = torch.cat([history.to(k.dtype), k], dim=1)[:, k.shape[1] :]  # [B, k-1, d]
-        return q, k_shift * v, new_history
+        k_h = rearrange(k_shift, "b t (h i) -> b t h i 1", i=self.p)
+        v_h = rearrange(v, "b t (h j) -> b t h 1 j", j=self.p)
+        return q, rearrange(k_h * v_h, "b t h i j -> b t (h i j)"), new_history  # [B, T, H·p·p]
 
     def forward(self, x: torch.Tensor, state: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """x: [B, T, d_model] -> [B, T, d_model]. With a state: continues the shift and the SSM from it."""
@@ -103,21 +127,19 @@ class H3(nn.Module):
             log_a = self._log_a(dtype)  # [d, N]
             lags = torch.arange(T, device=x.device, dtype=dtype)  # [T]
             powers = torch.exp(lags[:, None, None] * log_a[None])  # [T, d, N]: a^l
-            cb = (self.C * self.B).to(dtype)  # [d, N]
-            kernel = torch.einsum("ldn,dn->ld", powers, cb)  # [T, d]
+            C, Bm = self._per_channel(self.C, dtype), self._per_channel(self.B, dtype)  # [H·p·p, N]
+            kernel = torch.einsum("ldn,dn->ld", powers, C * Bm)  # [T, H·p·p]
             u32 = u.to(dtype)
-            y = fft_causal_conv(u32, kernel) + self.D.to(dtype) * u32  # [B, T, d]
+            y = fft_causal_conv(u32, kernel) + self._per_channel(self.D, dtype) * u32  # [B, T, H·p·p]
             if state is not None:
-                s0 = state["ssm"].to(dtype)  # [B, d, N]
-                carried = powers * torch.exp(log_a)[None]  # [T, d, N]: a^{t+1}
-                y = y + torch.einsum("tdn,bdn,dn->btd", carried, s0, self.C.to(dtype))
+                s0 = state["ssm"].to(dtype)  # [B, H·p·p, N]
+                carried = powers * torch.exp(log_a)[None]  # [T, H·p·p, N]: a^{t+1}
+                y = y + torch.einsum("tdn,bdn,dn->btd", carried, s0, C)
                 # s_T = a^T s_0 + Σ_s a^{T-1-s} b u_s; powers.flip(0)[s] = a^{T-1-s}.
-                s_T = powers[-1] * torch.exp(log_a) * s0 + torch.einsum(
-                    "tdn,btd,dn->bdn", powers.flip(0), u32, self.B.to(dtype)
-                )
+                s_T = powers[-1] * torch.exp(log_a) * s0 + torch.einsum("tdn,btd,dn->bdn", powers.flip(0), u32, Bm)
                 state["ssm"].copy_(s_T)
                 state["shift"].copy_(new_history)
-        return self.out(q * y.to(x.dtype))  # [B, T, d_model]
+        return self.out(self._read_out(q, y))  # [B, T, d_model]
 
     def step(self, x_t: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
         """x_t: [B, d_model] -> [B, d_model]: s = a ⊙ s + b·u, out = c·s + D·u, in place."""
@@ -127,23 +149,27 @@ class H3(nn.Module):
         s = state["ssm"]
         dtype = torch.promote_types(x_t.dtype, s.dtype)
         with torch.autocast(device_type=x_t.device.type, enabled=False):
-            u32 = u[:, 0].to(dtype)  # [B, d]
-            s_new = torch.exp(self._log_a(dtype))[None] * s.to(dtype) + self.B.to(dtype) * u32[..., None]
+            u32 = u[:, 0].to(dtype)  # [B, H·p·p]
+            Bm = self._per_channel(self.B, dtype)
+            s_new = torch.exp(self._log_a(dtype))[None] * s.to(dtype) + Bm * u32[..., None]
             s.copy_(s_new)
-            y = torch.einsum("bdn,dn->bd", s_new, self.C.to(dtype)) + self.D.to(dtype) * u32  # [B, d]
-        return self.out(q[:, 0] * y.to(x_t.dtype))  # [B, d_model]
+            C, D = self._per_channel(self.C, dtype), self._per_channel(self.D, dtype)
+            y = torch.einsum("bdn,dn->bd", s_new, C) + D * u32  # [B, H·p·p]
+        return self.out(self._read_out(q[:, 0], y))  # [B, d_model]
 
     def init_state(
         self, batch_size: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
     ) -> dict[str, torch.Tensor]:
-        """Zeroed shift history [B, shift_size-1, d] (module dtype) and SSM state [B, d, d_state] (fp32+)."""
+        """Zeroed shift history [B, shift_size-1, d] (module dtype) and SSM state [B, d·head_dim, d_state] (fp32+)."""
         device, dtype = module_device_dtype(self, device, dtype)
         d = self.d_model
         return {
             "shift": torch.zeros(batch_size, self.config.shift_size - 1, d, device=device, dtype=dtype),
-            "ssm": torch.zeros(batch_size, d, self.config.d_state, device=device, dtype=compute_dtype(dtype)),
+            "ssm": torch.zeros(
+                batch_size, self.channels, self.config.d_state, device=device, dtype=compute_dtype(dtype)
+            ),
         }
 
     def state_size(self, seq_len: int) -> int:
-        """d·d_state + d·(shift_size-1), constant in seq_len."""
-        return self.d_model * (self.config.d_state + self.config.shift_size - 1)
+        """head_dim·d·d_state + d·(shift_size-1), constant in seq_len."""
+        return self.channels * self.config.d_state + self.d_model * (self.config.shift_size - 1)

@@ -5,15 +5,19 @@
     y = Linear(d → d)(x2 ⊙ (h ∗ z + bias ⊙ z))               h: a long causal filter per channel
 
 The long filter is implicit: h[t, c] = MLP(pos(t))[c] · exp(-α_c · t / max_seq_len), where pos(t) holds
-t / max_seq_len and `num_freqs` sin/cos pairs, the MLP has sine activations, and the decay rates α_c are
-spread over [decay_min, decay_max] across channels. The convolution runs through an FFT (O(T log T)).
+t / max_seq_len and `num_freqs` sin/cos pairs, the MLP has sine activations (`filter_depth` hidden-to-hidden
+layers; with `learn_freq` one learned frequency per hidden unit, shared by every activation, as in Zoology's
+Hyena), and the decay rates α_c are spread over [decay_min, decay_max] across channels. The convolution runs
+through an FFT (O(T log T)). `short_bias` gives the short conv a bias (Zoology's has one).
 
 What is unusual here (decoding a long convolution):
 - A long convolution has no finite recurrent state, so `step` is exact by keeping the whole history of z:
   the state holds z for every past token in a buffer of `max_seq_len` rows, like attention's KV buffer,
   and each step sums h[pos - s] · z_s over the buffer with a mask (fixed shapes, CUDA-graph friendly).
-- state_size(T) = d·T (the live z history: REFERENCE's "long conv / Hyena: d·L") + 3d·(k-1) for the short
-  conv's inputs, the exact count of what decoding keeps. Sequences longer than max_seq_len raise.
+- `state_size(seq_len)` is what the state holds, whatever seq_len (≤ max_seq_len) is: d·max_seq_len for the z
+  buffer + 3d·(k-1) for the short conv's inputs, the element count of the real state tensors. At
+  max_seq_len = L (Zoology's `l_max=L`, its Fig. 2 setting) the buffer is REFERENCE's "long conv / Hyena: d·L".
+  Sequences longer than max_seq_len raise.
 """
 
 from __future__ import annotations
@@ -45,12 +49,19 @@ class HyenaConfig:
     short_kernel_size: int = 3
     decay_min: float = 0.5  # slowest channel decay rate α over t / max_seq_len
     decay_max: float = 20.0  # fastest
+    filter_depth: int = 1  # hidden-to-hidden layers of the filter MLP (Zoology's Hyena: 2)
+    learn_freq: bool = False  # learned sine frequencies (one per hidden unit, initialised at 1)
+    short_bias: bool = False  # a bias on the short conv
 
     def validate(self, d_model: int) -> None:
         check_int("hyena: max_seq_len", self.max_seq_len, minimum=1)
         check_int("hyena: filter_hidden", self.filter_hidden, minimum=1)
         check_int("hyena: num_freqs", self.num_freqs, minimum=0)
         check_int("hyena: short_kernel_size", self.short_kernel_size, minimum=1)
+        check_int("hyena: filter_depth", self.filter_depth, minimum=0)
+        for name in ("learn_freq", "short_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"hyena: {name} must be true or false, got {getattr(self, name)!r}")
         for name in ("decay_min", "decay_max"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
@@ -67,13 +78,11 @@ class ImplicitFilter(nn.Module):
         self.max_seq_len = config.max_seq_len
         self.num_freqs = config.num_freqs
         width = config.filter_hidden
-        self.mlp = nn.Sequential(
-            nn.Linear(1 + 2 * config.num_freqs, width),
-            Sine(),
-            nn.Linear(width, width),
-            Sine(),
-            nn.Linear(width, channels, bias=False),
-        )
+        sine = Sine(width, config.learn_freq)  # one module: every activation shares its frequencies
+        layers = [nn.Linear(1 + 2 * config.num_freqs, width), sine]
+        for _ in range(config.filter_depth):
+            layers += [nn.Linear(width, width), sine]
+        self.mlp = nn.Sequential(*layers, nn.Linear(width, channels, bias=False))
         self.register_buffer("decay", torch.linspace(config.decay_min, config.decay_max, channels), persistent=False)
 
     def forward(self, length: int) -> torch.Tensor:
@@ -86,8 +95,14 @@ class ImplicitFilter(nn.Module):
 
 
 class Sine(nn.Module):
+    """sin(ω ⊙ x) over the last dim, ω = 1 fixed or learned (one per unit)."""
+
+    def __init__(self, width: int, learn_freq: bool) -> None:
+        super().__init__()
+        self.freq = nn.Parameter(torch.ones(width)) if learn_freq else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sin(x)
+        return torch.sin(x if self.freq is None else self.freq.to(x.dtype) * x)
 
 
 class Hyena(nn.Module):
@@ -107,6 +122,7 @@ class Hyena(nn.Module):
         self.k = self.config.short_kernel_size
         self.in_proj = nn.Linear(d_model, 3 * d_model)
         self.short_weight = nn.Parameter(torch.randn(3 * d_model, self.k) / math.sqrt(self.k))
+        self.short_bias = nn.Parameter(torch.zeros(3 * d_model)) if self.config.short_bias else None
         self.filter = ImplicitFilter(d_model, self.config)
         self.bias = nn.Parameter(torch.randn(d_model))
         self.out = nn.Linear(d_model, d_model)
@@ -115,6 +131,8 @@ class Hyena(nn.Module):
         """x: [B, T, d], history: [B, k-1, 3d] -> x2, z: [B, T, d] and the new short history [B, k-1, 3d]."""
         u = self.in_proj(x)  # [B, T, 3d]
         u_conv = depthwise_causal_conv(u, self.short_weight, history)  # [B, T, 3d]
+        if self.short_bias is not None:
+            u_conv = u_conv + self.short_bias.to(u_conv.dtype)
         new_history = torch.cat([history.to(u.dtype), u], dim=1)[:, u.shape[1] :]  # [B, k-1, 3d]
         x1, x2, v = u_conv.chunk(3, dim=-1)  # [B, T, d] each
         return x2, x1 * v, new_history
@@ -166,5 +184,5 @@ class Hyena(nn.Module):
         }
 
     def state_size(self, seq_len: int) -> int:
-        """d·seq_len (live z history) + 3d·(k-1) (short-conv inputs)."""
-        return self.d_model * seq_len + 3 * self.d_model * (self.k - 1)
+        """d·max_seq_len (the z buffer, held whatever seq_len is) + 3d·(k-1) (short-conv inputs)."""
+        return self.d_model * self.config.max_seq_len + 3 * self.d_model * (self.k - 1)
