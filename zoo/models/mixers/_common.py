@@ -38,7 +38,7 @@ def check_int(what: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{what} must be >= {minimum}, got {value}")
 
 
-# The impls written in PyTorch, which torch.func.vmap can batch (zoo/packed.py packs only these): the token
+# The impls written in PyTorch, which torch.func.vmap can batch (zoo/steps.py packs only these): the token
 # loops and the chunked forms; `fla` and `triton` call kernels with no vmap rule.
 PYTORCH_IMPLS = ("naive", "chunk")
 

@@ -57,7 +57,7 @@ class BaseConv(nn.Module):
     def _conv_valid(self, u: torch.Tensor) -> torch.Tensor:
         """u: [B, T + k - 1, C] (history first) -> [B, T, C]: the unpadded depthwise conv."""
         # weight and bias in u's dtype: autocast casts them for a plain conv1d but not for vmap's batched one
-        # (zoo/packed.py under bf16 autocast), where an fp32 bias beside bf16 inputs is an error
+        # (zoo/steps.py under bf16 autocast), where an fp32 bias beside bf16 inputs is an error
         w, b = self.conv.weight.to(u.dtype), self.conv.bias.to(u.dtype)
         y = F.conv1d(rearrange(u, "b t c -> b c t"), w, b, groups=self.channels)
         return rearrange(y, "b c t -> b t c")  # [B, T, C]
