@@ -343,3 +343,15 @@ def test_the_agreement_check_covers_every_member(tmp_path, monkeypatch):
     with pytest.raises(PackError, match="for member 1"):
         train_runs(pack_members(cfg, LRS[:2]))
     assert not (tmp_path / "default").exists()
+
+
+@pytest.mark.parametrize("preset", ["zoology_fig2/attention", "zoology_fig2/based"])
+def test_paper_presets_with_dropout_train_as_a_pack(tmp_path, preset):
+    """The papers' models keep dropout (attention weights, embeddings): the pack draws each member's own masks
+    (vmap randomness="different") and checks agreement with the plain model in eval mode, so they pack."""
+    one = "{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:32}"
+    cfg, _ = load_config([*TINY, f"data.test=[{one}]", f"model={preset}", f"runs_root={tmp_path}",
+                          "train.epochs=1", "train.early_stop=null"])
+    summaries = train_runs(pack_members(cfg, LRS[:2]))
+    assert [s["pack_size"] for s in summaries] == [2, 2]
+    assert all(0.0 <= s["test/accuracy"] <= 1.0 for s in summaries)
