@@ -102,7 +102,7 @@ def synthesize_batch(
     """The records of conversations `indices`; with `model` (in-process) each gets its `info_kl`."""
     plans = [conversation_plan(cfg, corpus, i) for i in indices]
     contexts = [context_ids(tokenizer, chunk.text) for chunk, _, _ in plans]
-    users: list[str] = [prompt.format(start=opening(chunk.text)) for chunk, _, prompt in plans]
+    users = [prompt.format(start=opening(c.text)) if t in DIRECT_TYPES else "" for c, t, prompt in plans]
     ask = [j for j, (_, seed_type, _) in enumerate(plans) if seed_type not in DIRECT_TYPES]
     seed = cfg.seed * 1_000_003 + indices[0]
     if ask:
