@@ -92,7 +92,7 @@ def settings(args) -> dict:
                     eval_batch=8, top_logprobs=5)  # fmt: skip
     return dict(conversations=args.conversations, paper_conversations=args.paper_conversations, steps=args.steps,
                 pack_len=2048, batch_size=4, synth_batch=args.synth_batch, user_tokens=64, answer_tokens=160,
-                chunks=(64, 512), paper_chunks=(512, 1024), max_new_tokens=24, eval_batch=128,
+                chunks=(64, 512), paper_chunks=(512, 1024), max_new_tokens=32, eval_batch=128,
                 top_logprobs=20)  # fmt: skip
 
 
