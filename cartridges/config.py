@@ -21,6 +21,7 @@ SEED_PROMPT_TYPES = (
     "generic",
     "quiz",
     "extraction",
+    "recall",
 )
 METHODS = ("self_study", "hard_labels", "ntp")
 INITS = ("first_tokens", "corpus_tokens", "random", "peft")

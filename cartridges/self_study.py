@@ -79,7 +79,12 @@ SEED_PROMPTS: dict[str, list[str]] = {
         '"{start}", and what the text says about each.',
     ],
 }
-DIRECT_TYPES = ("extraction",)
+# direct: the teacher restates the chunk itself, from its opening words
+SEED_PROMPTS["recall"] = [
+    'Repeat the part of the document that begins "{start}", word for word.',
+    'Continue the document from "{start}", exactly as it is written.',
+]
+DIRECT_TYPES = ("extraction", "recall")
 OPENING_WORDS = 8  # how a direct seed prompt names its chunk
 
 

@@ -4,8 +4,8 @@ cartridge beat the truncated context of equal memory and approach ICL?
 Arms (all evaluated on the same questions, `cartridges/eval.py`):
     icl, none, truncated_<p>       the document in context, no document, its first p tokens of context
     ss                             self-study with the recipe: chunks of 64-512 tokens, fact-stating seed prompts
-                                   (question, quiz, extraction, structuring, summarization), --conversations of
-                                   them, lr 2e-2, first-tokens init, frozen sink
+                                   (question, quiz, extraction, recall), --conversations of them, lr 2e-2,
+                                   first-tokens init, frozen sink
     ss_lr1e-3                      the same at PEFT's example lr
     ss_corpus_init                 initialised from corpus tokens drawn across the document
     ss_no_sink                     no frozen first token
@@ -43,7 +43,7 @@ DOCUMENTS = {
     "merrowby": (HERE / "document.md", HERE / "qa.json"),
     "quellmere": (HERE.parent / "cartridges_tradeoff" / "document.md", HERE.parent / "cartridges_tradeoff" / "qa.json"),
 }
-RECIPE_SEEDS = ["question", "quiz", "extraction", "structuring", "summarization"]
+RECIPE_SEEDS = ["question", "quiz", "extraction", "recall"]
 PAPER_SEEDS = ["structuring", "summarization", "question", "use_case", "creative"]
 # arm -> (data, overrides of cartridges-distill); data: recipe | paper | few | none
 ARMS = {

@@ -168,18 +168,19 @@ def test_self_study_reports_the_information_in_its_data(synthesized):
     assert all(k >= 0 for k in ds["info_kl"])
 
 
-def test_direct_seed_prompts_name_their_chunk(tmp_path):
-    """`extraction` prompts skip model A: the user message is the instruction with the chunk's opening words."""
+@pytest.mark.parametrize("seed_type", ["extraction", "recall"])
+def test_direct_seed_prompts_name_their_chunk(tmp_path, seed_type):
+    """Direct prompts skip model A: the user message is the instruction with the chunk's opening words."""
     (tmp_path / "doc.md").write_text(DOC)
     args = [*COMMON, f"corpus.path={tmp_path / 'doc.md'}", f"output={tmp_path / 'ss'}", "num_conversations=3",
-            "max_answer_tokens=4", "top_logprobs=3", "seed_prompt_types=[extraction]"]  # fmt: skip
+            "max_answer_tokens=4", "top_logprobs=3", f"seed_prompt_types=[{seed_type}]"]  # fmt: skip
     self_study.main(args)
     ds = datasets.load_from_disk(str(tmp_path / "ss" / "dataset"))
     for row in ds:
-        assert row["seed_type"] == "extraction" and self_study.opening(row["user"]) != ""
         start, end = (int(x) for x in row["chunk_id"].split(":")[1:])
         chunk = ByteTokenizer().decode(ByteTokenizer().encode(DOC)[start:end])
-        assert f'"{self_study.opening(chunk)}"' in row["user"]
+        expected = [p.format(start=self_study.opening(chunk)) for p in self_study.SEED_PROMPTS[seed_type]]
+        assert row["seed_type"] == seed_type and row["user"] in expected
 
 
 @pytest.mark.parametrize("method", ["hard_labels", "ntp"])
