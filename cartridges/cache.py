@@ -285,6 +285,19 @@ class Cartridge(nn.Module):
         )
         return cls(keys, values, info, num_frozen=first.num_frozen)
 
+    def to_peft(self, model, adapter_name: str = "default"):
+        """A PEFT `PeftModel` around `model` holding this cartridge as its CARTRIDGE adapter (`cartridges.peft`)."""
+        from cartridges.peft import to_peft
+
+        return to_peft(self, model, adapter_name)
+
+    @classmethod
+    def from_peft(cls, peft_model, adapter_name: str | None = None) -> "Cartridge":
+        """The cartridge of a `PeftModel`'s CARTRIDGE adapter (`cartridges.peft`)."""
+        from cartridges.peft import from_peft
+
+        return from_peft(peft_model, adapter_name)
+
     def _tensors(self) -> dict[str, torch.Tensor]:
         keys, values = self.keys().detach().cpu(), self.values().detach().cpu()
         out = {}

@@ -12,9 +12,19 @@ from typing import Any
 
 from zoo.config import ConfigError, compose_config
 
-SEED_PROMPT_TYPES = ("structuring", "summarization", "question", "use_case", "creative", "generic")
+SEED_PROMPT_TYPES = (
+    "structuring",
+    "summarization",
+    "question",
+    "use_case",
+    "creative",
+    "generic",
+    "quiz",
+    "extraction",
+    "recall",
+)
 METHODS = ("self_study", "hard_labels", "ntp")
-INITS = ("first_tokens", "random")
+INITS = ("first_tokens", "corpus_tokens", "random", "peft")
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "cartridge"
 
 
@@ -104,7 +114,10 @@ class DistillConfig:
     method: str = "self_study"  # self_study (top-k KL) | hard_labels | ntp
     num_tokens: int = 256  # p, cartridge size
     num_frozen: int = 1
-    init: str = "first_tokens"  # first_tokens (of the corpus in context) | random
+    init: str = "first_tokens"  # first_tokens | corpus_tokens | random | peft (cartridges/init.py)
+    peft_adapter: str = ""  # init=peft: a PEFT CARTRIDGE adapter directory to start from
+    save_peft: bool = False  # also write <output>/peft_adapter/, the result as a PEFT adapter
+    heldout_fraction: float = 0.05  # conversations held out of training, for the logged held-out KL
     lr: float = 2e-2
     steps: int = 1000
     pack_len: int = 2048  # tokens per packed sequence
@@ -126,6 +139,10 @@ class DistillConfig:
             raise ValueError(f"method={self.method} needs data=<cartridges-synthesize output dir>")
         if self.init not in INITS:
             raise ValueError(f"init must be one of {INITS}, got {self.init!r}")
+        if (self.init == "peft") != bool(self.peft_adapter):
+            raise ValueError("init=peft and peft_adapter=<PEFT adapter dir> go together")
+        if not 0 <= self.heldout_fraction < 1:
+            raise ValueError(f"heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
         if self.num_tokens < 1 or not 0 <= self.num_frozen <= self.num_tokens:
             raise ValueError(
                 f"need num_tokens >= 1 and 0 <= num_frozen <= num_tokens ({self.num_tokens}, {self.num_frozen})"

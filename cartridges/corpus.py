@@ -121,12 +121,33 @@ class Corpus:
         return Chunk(doc, start, end, self.tokenizer.decode(self.tokens[doc][start:end]))
 
     def sample_chunk(self, rng: random.Random) -> Chunk:
-        """A span of min..max tokens at a random place of a random document long enough for min_tokens."""
+        """A span of min..max tokens at a random place of a random document long enough for min_tokens.
+
+        The span is drawn over the document extended by its length on both sides and then clipped (never below
+        min_tokens), so a document's first and last tokens are covered about as often as its middle: uniform
+        starts in [0, n - length] would cover token 0 only when the start is exactly 0."""
         doc = rng.choice(self._eligible)
         n = len(self.tokens[doc])
         length = rng.randint(self.min_tokens, min(self.max_tokens, n))
-        start = rng.randint(0, n - length)
-        return self.chunk(doc, start, start + length)
+        start = rng.randint(self.min_tokens - length, n - self.min_tokens)
+        start, end = max(0, start), min(n, start + length)
+        return self.chunk(doc, start, end)
+
+    def coverage(self, chunks: list[Chunk]) -> dict[str, float]:
+        """How often the chunks cover each corpus token: min, mean, and the fraction never covered."""
+        counts = [[0] * len(t) for t in self.tokens]
+        for c in chunks:
+            row = counts[c.doc]
+            for i in range(c.start, c.end):
+                row[i] += 1
+        flat = [x for i in self._eligible for x in counts[i]]
+        if not flat:
+            return {"min": 0.0, "mean": 0.0, "uncovered_fraction": 1.0}
+        return {
+            "min": float(min(flat)),
+            "mean": sum(flat) / len(flat),
+            "uncovered_fraction": sum(x == 0 for x in flat) / len(flat),
+        }
 
     def windows(self) -> list[list[int]]:
         """Consecutive spans of max_tokens of every document; a tail shorter than min_tokens is dropped."""

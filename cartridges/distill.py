@@ -1,7 +1,7 @@
 """Cartridge training against a frozen model: context distillation and its baselines.
 
-Methods (one loss, different targets; `loss = Σ_k p_k (log p_k − log q_k)` over target tokens, i.e. the KL
-from the teacher's top-k to the student restricted to those k tokens):
+Methods (one loss, different targets; `loss = Σ_k p_k (log p_k − log q_k)` over target tokens, the paper's
+objective: cross-entropy of the student against the teacher's top-k, shifted to be 0 when they agree):
 - `self_study`: the teacher's top-k log-probs from `cartridges-synthesize` (the teacher read the chunk; the
   student reads only the cartridge).
 - `hard_labels`: the same conversations, the teacher's chosen tokens as one-hot targets (k = 1, p = 1: CE).
@@ -15,8 +15,16 @@ Both kinds of cartridge train here: a KV `Cartridge` for transformers LMs and a 
 cartridge the examples of a step's packs become one row each (`collate_rows`, right-padded), every row
 starting from its own copy of the state. The model stays frozen; only the cartridge's parameters are optimised.
 
-The run dir `<output>/` holds `metrics.jsonl`, `ckpt/` (cartridge + optimizer, written atomically every
-`checkpoint_every` steps; `resume=true` continues exactly), `cartridge.safetensors` and `summary.json`.
+The loss restricted to k tokens is no divergence: it goes below 0 once the student puts more mass on the
+teacher's top-k than the teacher did. What the run logs as `kl` (training batch) and `heldout_kl` (a held-out
+slice of the conversations, `heldout_fraction`, never trained on) is a true KL ≥ 0: teacher and student are each
+reduced to k + 1 outcomes, the top-k tokens and one tail bucket holding the rest of the mass (`tail_kl`). It is a
+lower bound on the full KL and 0 exactly when the two agree on those k + 1 probabilities.
+
+The run dir `<output>/` holds `metrics.jsonl`, `ckpt/state.pt` (step, cartridge and optimizer in one file,
+written atomically every `checkpoint_every` steps; `resume=true` continues exactly and drops the metrics rows
+logged after the checkpoint), `cartridge.safetensors` and `summary.json`; with `save_peft=true` also
+`peft_adapter/`, the cartridge as a PEFT CARTRIDGE adapter. `init=peft peft_adapter=<dir>` starts from one.
 """
 
 import functools
@@ -26,15 +34,17 @@ import os
 import random
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
-from cartridges.cache import Cartridge, cache_kwargs, load_cartridge
+from cartridges.cache import Cartridge, cache_kwargs
 from cartridges.config import ConfigError, DistillConfig, run_command
-from cartridges.corpus import Corpus, context_ids
+from cartridges.corpus import Corpus
+from cartridges.init import init_cartridge
 from cartridges.state import StateCartridge, differentiable
+from zoo.runs import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +202,9 @@ def make_batch(cartridge, batch: list[list[Example]], model, device) -> dict[str
 
 
 def topk_kl(logq: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """logq [N, V] student log-probs at the target positions -> mean over targets of Σ_k p_k (log p_k − log q_k)."""
+    """logq [N, V] student log-probs at the target positions -> mean over targets of Σ_k p_k (log p_k − log q_k).
+
+    The training objective: its gradient is the paper's top-k cross-entropy. Not a divergence (see `tail_kl`)."""
     logq_top = logq.gather(1, batch["top_ids"])  # [N, k]
     logp = batch["top_logprobs"]
     p = logp.exp()
@@ -200,21 +212,32 @@ def topk_kl(logq: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return per_token.mean()
 
 
-def state_distill_loss(model, cartridge: StateCartridge, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """`distill_loss` for a StateCartridge: every row continues its own copy of the state (`collate_rows`)."""
-    lm = model.model  # the LanguageModel inside ZooForCausalLM: hidden states, then logits at targets only
+def tail_kl(logq: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-token KL [N] ≥ 0 between teacher and student reduced to k + 1 outcomes: the teacher's top-k tokens
+    and a tail bucket holding the rest of each distribution's mass.
+
+    The teacher's top-k log-probs come from its full softmax, so its tail is 1 − Σ p_k; both (k + 1)-vectors are
+    renormalised (rounding can push a sum past 1) and the arithmetic runs in float64, so the result is a KL of two
+    distributions and never negative. One-hot targets (hard labels, NTP) give the cross-entropy."""
+    valid = batch["top_logprobs"] > float("-inf")  # [N, k], padded entries excluded
+    logq_top = logq.detach().gather(1, batch["top_ids"]).double()
+    p = torch.where(valid, batch["top_logprobs"].double().exp(), 0.0)
+    q = torch.where(valid, logq_top.exp(), 0.0)
+    p = torch.cat([p, (1 - p.sum(-1, keepdim=True)).clamp_min(0)], dim=-1)  # [N, k + 1]
+    q = torch.cat([q, (1 - q.sum(-1, keepdim=True)).clamp_min(0)], dim=-1)
+    p, q = p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True)
+    terms = torch.where(p > 0, p * (p.log() - q.clamp_min(1e-300).log()), 0.0)
+    return terms.sum(-1).clamp_min(0).float()  # [N]
+
+
+def student_logprobs(model, cartridge: Cartridge | StateCartridge, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The student's log-probs [N, V] at the batch's target positions, reading only the cartridge."""
     cache = cartridge.as_cache(batch["input_ids"].shape[0], dtype=model.dtype, config=model.config)
-    with differentiable(cache):
-        hidden = lm.hidden_states(batch["input_ids"], cache.states)  # [B, T, d]
-        logq = lm.logits(hidden[batch["rows"], batch["cols"]]).float().log_softmax(-1)  # [N, V]
-    return topk_kl(logq, batch)
-
-
-def distill_loss(model, cartridge: Cartridge | StateCartridge, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Mean over target tokens of Σ_k p_k (log p_k − log q_k); 0 when the student matches the teacher's top-k."""
     if isinstance(cartridge, StateCartridge):
-        return state_distill_loss(model, cartridge, batch)
-    cache = cartridge.as_cache(batch["input_ids"].shape[0], dtype=model.dtype, config=model.config)
+        lm = model.model  # the LanguageModel inside ZooForCausalLM: hidden states, then logits at targets only
+        with differentiable(cache):
+            hidden = lm.hidden_states(batch["input_ids"], cache.states)  # [B, T, d]
+            return lm.logits(hidden[batch["rows"], batch["cols"]]).float().log_softmax(-1)  # [N, V]
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     hidden = decoder(
         input_ids=batch["input_ids"],
@@ -223,52 +246,71 @@ def distill_loss(model, cartridge: Cartridge | StateCartridge, batch: dict[str, 
         use_cache=True,
         **cache_kwargs(model, cache),
     ).last_hidden_state  # [B, T, d]
-    logq = head(hidden[batch["rows"], batch["cols"]]).float().log_softmax(-1)  # [N, V], only target positions
-    return topk_kl(logq, batch)
+    return head(hidden[batch["rows"], batch["cols"]]).float().log_softmax(-1)  # [N, V], only target positions
 
 
-def is_state_model(model) -> bool:
-    """Zoo models (recurrent and hybrid) get state cartridges; every other causal LM a KV cartridge."""
-    from zoo.models.hf import ZooForCausalLM
-
-    return isinstance(model, ZooForCausalLM)
+def distill_loss(model, cartridge: Cartridge | StateCartridge, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean over target tokens of Σ_k p_k (log p_k − log q_k); 0 when the student matches the teacher's top-k."""
+    return topk_kl(student_logprobs(model, cartridge, batch), batch)
 
 
-def init_cartridge(cfg: DistillConfig, model, tokenizer, corpus: Corpus, device) -> Cartridge | StateCartridge:
-    """A KV cartridge of `num_tokens` tokens, or for a Zoo model the state after `num_tokens` tokens (`num_frozen`
-    does not apply to states)."""
-    state = is_state_model(model)
-    if cfg.init == "random":
-        if state:
-            c = StateCartridge.random(model, cfg.num_tokens, seed=cfg.seed)
-        else:
-            c = Cartridge.random(model, cfg.num_tokens, num_frozen=cfg.num_frozen, seed=cfg.seed)
-        c.info.corpus_hash = corpus.hash
-        return c.to(device)
-    ctx = context_ids(tokenizer, corpus.full_text())
-    if len(ctx) < cfg.num_tokens:
-        raise ConfigError(f"num_tokens={cfg.num_tokens} exceeds the corpus in context ({len(ctx)} tokens)")
-    prefix = torch.tensor(ctx[: cfg.num_tokens])
-    if state:
-        return StateCartridge.from_prefix(model, prefix, corpus_hash=corpus.hash, init_method="first_tokens").to(device)
-    return Cartridge.from_prefix(
-        model, prefix, num_frozen=cfg.num_frozen, corpus_hash=corpus.hash, init_method="first_tokens"
-    ).to(device)
+@torch.no_grad()
+def mean_kl(model, cartridge, examples: list["Example"], pack_len: int, batch_size: int, device) -> tuple[float, int]:
+    """(token-weighted mean `tail_kl`, target tokens) of `examples` read after `cartridge`, without gradients."""
+    packs = pack(examples, pack_len)
+    total, count = 0.0, 0
+    for start in range(0, len(packs), batch_size):
+        batch = make_batch(cartridge, packs[start : start + batch_size], model, device)
+        kl = tail_kl(student_logprobs(model, cartridge, batch), batch)
+        total, count = total + float(kl.sum()), count + kl.numel()
+    return (total / count if count else float("nan")), count
 
 
 def load_examples(cfg: DistillConfig, corpus: Corpus) -> list[Example]:
-    if cfg.method == "ntp":
-        return ntp_examples(corpus.windows())
-    import datasets
+    """Every example of the method, the held-out slice included (`load_split` separates it)."""
+    return load_split(replace(cfg, heldout_fraction=0.0), corpus)[0]
 
-    data = Path(cfg.data)
-    meta_path = data / "meta.json"
-    if not (data / "dataset").is_dir() or not meta_path.is_file():
-        raise ConfigError(f"data={data} is not a cartridges-synthesize output (no dataset/ and meta.json)")
-    meta = json.loads(meta_path.read_text())
-    if meta["corpus_hash"] != corpus.hash:
-        raise ConfigError(f"data={data} was synthesized from another corpus than corpus.path={cfg.corpus.path}")
-    return conversation_examples(datasets.load_from_disk(str(data / "dataset")), cfg.method)
+
+def load_split(cfg: DistillConfig, corpus: Corpus) -> tuple[list[Example], list[Example]]:
+    """(training examples, held-out examples). The held-out slice is `heldout_fraction` of the conversations (a
+    seeded choice, at least 1 when there are 2 or more), kept as teacher top-k targets for every method; NTP trains
+    on the corpus and is measured on the conversations when `data` is given."""
+    rows = None
+    if cfg.data:
+        import datasets
+
+        data = Path(cfg.data)
+        meta_path = data / "meta.json"
+        if not (data / "dataset").is_dir() or not meta_path.is_file():
+            raise ConfigError(f"data={data} is not a cartridges-synthesize output (no dataset/ and meta.json)")
+        meta = json.loads(meta_path.read_text())
+        if meta["corpus_hash"] != corpus.hash:
+            raise ConfigError(f"data={data} was synthesized from another corpus than corpus.path={cfg.corpus.path}")
+        rows = datasets.load_from_disk(str(data / "dataset")).to_list()
+    held: list[int] = []
+    if rows and cfg.heldout_fraction > 0 and len(rows) >= 2:
+        n = min(len(rows) - 1, max(1, round(cfg.heldout_fraction * len(rows))))
+        held = sorted(random.Random(f"{cfg.seed}:heldout").sample(range(len(rows)), n))
+    heldout = conversation_examples([rows[i] for i in held], "self_study") if held else []
+    if cfg.method == "ntp":
+        return ntp_examples(corpus.windows()), heldout
+    keep = set(range(len(rows))) - set(held)
+    return conversation_examples([rows[i] for i in sorted(keep)], cfg.method), heldout
+
+
+def truncate_metrics(path: Path, max_step: int) -> None:
+    """Keep the metrics rows of steps ≤ `max_step` (a resume redoes the rest); a torn last line is dropped."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            break
+        if row.get("step", 0) <= max_step:
+            kept.append(line + "\n")
+    atomic_write_text(path, "".join(kept))
 
 
 def _atomic_torch_save(obj, path: Path) -> None:
@@ -282,6 +324,9 @@ def _atomic_torch_save(obj, path: Path) -> None:
         raise
 
 
+CHECKPOINT = "ckpt/state.pt"
+
+
 def distill(cfg: DistillConfig, model=None, tokenizer=None) -> dict:
     """Train a cartridge; returns the summary (also written to `<output>/summary.json`)."""
     from tqdm.auto import tqdm
@@ -290,19 +335,13 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None) -> dict:
     from zoo.device import resolve_device
 
     out = Path(cfg.output)
-    ckpt_dir = out / "ckpt"
-    if (ckpt_dir / "state.pt").exists() and not (cfg.resume or cfg.overwrite):
+    ckpt_path = out / CHECKPOINT
+    if ckpt_path.exists() and not (cfg.resume or cfg.overwrite):
         raise ConfigError(f"{out} already holds a run: pass resume=true to continue or overwrite=true")
     if cfg.overwrite:
-        for f in (
-            "metrics.jsonl",
-            "summary.json",
-            "cartridge.safetensors",
-            "ckpt/state.pt",
-            "ckpt/cartridge.safetensors",
-        ):
+        for f in ("metrics.jsonl", "summary.json", "cartridge.safetensors", CHECKPOINT):
             (out / f).unlink(missing_ok=True)
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_path.parent.mkdir(parents=True, exist_ok=True)
     device = resolve_device(cfg.device)
     if model is None or tokenizer is None:
         bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
@@ -311,20 +350,21 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None) -> dict:
     corpus = Corpus.from_path(
         cfg.corpus.path, tokenizer, cfg.corpus.min_tokens, cfg.corpus.max_tokens, cfg.corpus.text_field
     )
-    examples = load_examples(cfg, corpus)
+    examples, heldout = load_split(cfg, corpus)
     if not examples:
         raise ConfigError("no training examples (empty dataset or corpus shorter than corpus.min_tokens)")
     steps = schedule(examples, cfg)
 
-    start = 0
-    if cfg.resume and (ckpt_dir / "state.pt").exists():
-        cartridge = load_cartridge(ckpt_dir / "cartridge.safetensors", model, device=device)
-        state = torch.load(ckpt_dir / "state.pt", map_location=device, weights_only=True)
-        start = state["step"]
-        log.info("resuming at step %d", start)
-    else:
-        cartridge = init_cartridge(cfg, model, tokenizer, corpus, device)
-        state = None
+    cartridge = init_cartridge(cfg, model, tokenizer, corpus, device)
+    state = None
+    if cfg.resume and ckpt_path.exists():
+        state = torch.load(ckpt_path, map_location=device, weights_only=True)
+        if "cartridge" not in state:
+            raise ConfigError(f"{ckpt_path} predates single-file checkpoints; rerun with overwrite=true")
+        cartridge.load_state_dict(state["cartridge"])
+        log.info("resuming at step %d", state["step"])
+    start = state["step"] if state is not None else 0
+    truncate_metrics(out / "metrics.jsonl", start)
     cartridge.info.training_config = {"distill": asdict(cfg)}
     optimizer = torch.optim.Adam(cartridge.parameters(), lr=cfg.lr)
     if state is not None:
@@ -337,48 +377,86 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None) -> dict:
         wandb_run = wandb.init(project=cfg.logger.project, mode=cfg.logger.mode, config=asdict(cfg), dir=str(out))
 
     def checkpoint(step: int) -> None:
-        cartridge.save(ckpt_dir / "cartridge.safetensors")
-        _atomic_torch_save({"step": step, "optimizer": optimizer.state_dict()}, ckpt_dir / "state.pt")
+        # One file: the cartridge, the optimizer and the step can never disagree after a kill.
+        state = {"step": step, "cartridge": cartridge.state_dict(), "optimizer": optimizer.state_dict()}
+        if initial_kl is not None:
+            state["initial_heldout_kl"] = initial_kl
+        _atomic_torch_save(state, ckpt_path)
 
+    def heldout_kl() -> dict:
+        if not heldout:
+            return {}
+        kl, n = mean_kl(model, cartridge, heldout, cfg.pack_len, cfg.batch_size, device)
+        return {"heldout_kl": kl, "heldout_tokens": n}
+
+    if state is not None:
+        initial_kl = state.get("initial_heldout_kl")
+    else:
+        initial_kl = heldout_kl().get("heldout_kl")
+        if initial_kl is not None:
+            log.info("initial cartridge: held-out KL %.4f over %d conversations", initial_kl, len(heldout))
     metrics = open(out / "metrics.jsonl", "a")
-    t0, tokens, loss_sum, loss_n = time.time(), 0, 0.0, 0
+    t0, tokens, loss_sum, kl_sum, kl_n, loss_n = time.time(), 0, 0.0, 0.0, 0, 0
     bar = tqdm(total=cfg.steps, initial=start, desc=f"distill {cfg.method}", disable=not cfg.progress)
     for step in range(start, cfg.steps):
         batch = make_batch(cartridge, steps[step], model, device)
-        loss = distill_loss(model, cartridge, batch)
+        logq = student_logprobs(model, cartridge, batch)
+        loss = topk_kl(logq, batch)
+        kl = tail_kl(logq, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         tokens += int(batch["input_ids"].numel())
-        # the loss is read back only at log lines, so the host collates the next batch while the GPU works
+        # losses are read back only at log lines, so the host collates the next batch while the GPU works
         loss_sum, loss_n = loss_sum + loss.detach(), loss_n + 1
+        kl_sum, kl_n = kl_sum + kl.sum(), kl_n + kl.numel()
         bar.update(1)
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-            row = {"step": step + 1, "loss": float(loss_sum) / loss_n, "tokens": tokens, "time_s": time.time() - t0}
+            row = {
+                "step": step + 1,
+                "loss": float(loss_sum) / loss_n,
+                "kl": float(kl_sum) / max(kl_n, 1),
+                **heldout_kl(),
+                "tokens": tokens,
+                "time_s": time.time() - t0,
+            }
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
-            bar.set_postfix(loss=f"{row['loss']:.4f}")
+            bar.set_postfix(loss=f"{row['loss']:.4f}", kl=f"{row['kl']:.4f}")
+            if "heldout_kl" in row:
+                log.info("step %d: loss %.4f, KL %.4f, held-out KL %.4f", row["step"], row["loss"], row["kl"],
+                         row["heldout_kl"])  # fmt: skip
             if wandb_run is not None:
                 wandb_run.log(row, step=step + 1)
-            loss_sum, loss_n = 0.0, 0
+            loss_sum, kl_sum, kl_n, loss_n = 0.0, 0.0, 0, 0
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
             checkpoint(step + 1)
     bar.close()
     metrics.close()
     final = cartridge.save(out / "cartridge.safetensors")
+    if cfg.save_peft:
+        from cartridges.peft import save_adapter
+
+        save_adapter(cartridge, model, out / "peft_adapter")
     wall = time.time() - t0
+    last = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        last.update({k: v for k, v in json.loads(line).items() if k in ("loss", "kl", "heldout_kl")})
     summary = {
         "kind": cartridge.KIND,
         "method": cfg.method,
         "num_tokens": cartridge.num_tokens,
         "steps": cfg.steps,
         "examples": len(examples),
+        "heldout_examples": len(heldout),
+        "initial_heldout_kl": initial_kl,
+        **{f"final_{k}": v for k, v in last.items()},
         "memory_bytes": cartridge.memory_bytes(model.dtype),
         "wall_time_s": wall,
         "tokens_per_s": tokens / wall if wall > 0 else 0.0,
         "cartridge": str(final),
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     if wandb_run is not None:
         wandb_run.finish()
     return summary

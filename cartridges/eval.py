@@ -8,6 +8,12 @@ An answer counts as correct when the normalised reference answer (or one of its 
 normalised generation. Prints a table, then one line of JSON; `output` also gets results.json and
 answers.jsonl.
 
+Each arm of p KV tokens is also scored apart on the questions whose answer lies inside the truncated context of
+p tokens (the same memory) and on those outside it (`in_prefix` per answer; `accuracy_in_prefix`,
+`accuracy_outside_prefix` and `n_in_prefix` per arm). A cartridge that only keeps what its first tokens held
+scores like truncation on both; one that learnt the rest of the document gains outside. ICL holds the whole
+document, so all its questions count as inside.
+
     python -m cartridges.eval corpus.path=doc.md qa=qa.json +cartridges.ss256=runs/c256/cartridge.safetensors \
         truncated_tokens=[256]
 """
@@ -114,6 +120,18 @@ def truncated_context(tokenizer, corpus: Corpus, max_tokens: int) -> list[int]:
     raise ConfigError(f"truncated_tokens={max_tokens} is below the chat template's own {overhead} tokens")
 
 
+def in_prefix_flags(tokenizer, corpus: Corpus, items: list[dict], num_tokens: int, full: int) -> list[bool]:
+    """Per question, whether its answer (or an alias) appears as whole words in the truncated context of
+    `num_tokens` tokens: all True when that holds the whole context of `full` tokens, all False when it holds no
+    document at all."""
+    if num_tokens >= full:
+        return [True] * len(items)
+    if num_tokens <= len(context_ids(tokenizer, "")):
+        return [False] * len(items)
+    text = tokenizer.decode(truncated_context(tokenizer, corpus, num_tokens), skip_special_tokens=True)
+    return [is_correct(text, it) for it in items]
+
+
 def build_arms(cfg: EvalConfig, model, tokenizer, corpus: Corpus) -> dict[str, Cartridge]:
     arms = {}
     as_prefix = lambda ids, how: Cartridge.from_prefix(  # noqa: E731
@@ -148,7 +166,13 @@ def evaluate(cfg: EvalConfig, model=None, tokenizer=None) -> dict:
     if not arms:
         raise ConfigError("no arms to evaluate: set arms, truncated_tokens or cartridges")
     results, answers = {}, []
+    full = len(context_ids(tokenizer, corpus.full_text()))
+    flags: dict[int, list[bool]] = {}  # by KV tokens
     for name, prefix in arms.items():
+        p = prefix.num_tokens
+        if p not in flags:
+            flags[p] = in_prefix_flags(tokenizer, corpus, items, p, full)
+        inside = flags[p]
         outs = answer(
             model,
             tokenizer,
@@ -160,16 +184,22 @@ def evaluate(cfg: EvalConfig, model=None, tokenizer=None) -> dict:
             desc=name,
         )
         correct = [is_correct(o, it) for o, it in zip(outs, items)]
+        hits_in = [c for c, i in zip(correct, inside) if i]
+        hits_out = [c for c, i in zip(correct, inside) if not i]
         results[name] = {
             "accuracy": sum(correct) / len(correct),
             "kv_tokens": prefix.num_tokens,
             "memory_bytes": kv_bytes(model, prefix.num_tokens),
             "n": len(correct),
+            "n_in_prefix": len(hits_in),
+            "accuracy_in_prefix": sum(hits_in) / len(hits_in) if hits_in else None,
+            "accuracy_outside_prefix": sum(hits_out) / len(hits_out) if hits_out else None,
         }
         answers += [
-            {"arm": name, "question": it["question"], "reference": it["answer"], "output": o, "correct": c}
-            for it, o, c in zip(items, outs, correct)
-        ]
+            {"arm": name, "question": it["question"], "reference": it["answer"], "output": o, "correct": c,
+             "in_prefix": i}
+            for it, o, c, i in zip(items, outs, correct, inside)
+        ]  # fmt: skip
         r = results[name]
         log.info("%s: accuracy %.3f (%d questions), %d kv tokens", name, r["accuracy"], r["n"], r["kv_tokens"])
         if cfg.output:  # after every arm: an eval stopped part-way keeps the arms it finished
@@ -187,12 +217,17 @@ def _write_results(out: Path, results: dict, answers: list[dict]) -> None:
 
 def format_table(results: dict) -> str:
     icl = results.get("icl", {}).get("memory_bytes")
-    lines = [f"{'arm':<24}{'kv tokens':>10}{'memory MB':>12}{'vs ICL':>8}{'accuracy':>10}{'n':>6}"]
+    fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    lines = [
+        f"{'arm':<24}{'kv tokens':>10}{'memory MB':>12}{'vs ICL':>8}{'accuracy':>10}{'n':>6}"
+        f"{'in prefix':>11}{'outside':>9}{'n in':>6}"
+    ]
     for name, r in results.items():
         ratio = f"{icl / r['memory_bytes']:.1f}x" if icl else "-"
         lines.append(
             f"{name:<24}{r['kv_tokens']:>10}{r['memory_bytes'] / 2**20:>12.2f}{ratio:>8}"
-            f"{r['accuracy']:>10.3f}{r['n']:>6}"
+            f"{r['accuracy']:>10.3f}{r['n']:>6}{fmt(r.get('accuracy_in_prefix')):>11}"
+            f"{fmt(r.get('accuracy_outside_prefix')):>9}{r.get('n_in_prefix', '-'):>6}"
         )
     return "\n".join(lines)
 

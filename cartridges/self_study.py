@@ -3,14 +3,23 @@
 For conversation i: pick a chunk (consecutive conversations share one, so a server reuses the prefix) and a
 seed-prompt type. Model A reads the chunk and the seed instruction and writes a user message (sampled at
 `temperature`). Model B, the same model, reads the chunk and that message and answers greedily; the top-k
-log-probs of its distribution at each answer token are kept. One round.
+log-probs of its distribution at each answer token are kept. One round. Types in `DIRECT_TYPES` skip model A:
+their seed prompt, which names the chunk by its opening words, is the user message itself, so a small model
+that writes poor questions still makes the teacher state the chunk's facts.
+
+How much a conversation can teach is measured on the data itself: `info_kl` is the mean per-token KL (top-k
+plus a tail bucket, `distill.tail_kl`) between the teacher, who read the chunk, and the same model answering the
+same turn after an empty document. No cartridge can recover more than that from the data: it is the gap
+distillation closes. `<output>/summary.json` holds its token-weighted mean, overall and per seed type, and how
+often the chunks covered each corpus token.
 
 Each record holds the student's view of the conversation: `input_ids` = the user turn (rendered to follow a
 context, ending in the assistant header) + B's answer tokens, with `answer_start` where the answer begins, and
 `top_ids` / `top_logprobs` `[answer_len, k]`. A cartridge trained on it stands in for the chunk.
 
-Output: `<output>/dataset` (an HF dataset saved with `save_to_disk`) and `<output>/meta.json`. Work is written
-per batch to `<output>/shards/`, atomically, so an interrupted run continues where it stopped.
+Output: `<output>/dataset` (an HF dataset saved with `save_to_disk`), `<output>/meta.json` and
+`<output>/summary.json`. Work is written per batch to `<output>/shards/`, atomically, so an interrupted run
+continues where it stopped.
 """
 
 import json
@@ -55,7 +64,28 @@ SEED_PROMPTS: dict[str, list[str]] = {
         "Output only the message.",
     ],
     "generic": ["Write a message about the document above. Output only the message."],
+    "quiz": [
+        "Write a quiz of three short questions about the names, numbers, dates and places in the document above. "
+        "Output only the questions.",
+        "Write two questions whose answers are single facts stated in the document above, such as who, when, "
+        "how many or where. Output only the questions.",
+    ],
+    # direct: the user message itself; {start} is the chunk's opening words
+    "extraction": [
+        'List every name, date, number and place in the part of the document that begins "{start}", each with '
+        "what it refers to.",
+        'Rewrite the part of the document that begins "{start}" as short factual statements, one fact per line.',
+        "Answer as a JSON object: the people, places, dates and numbers in the part of the document that begins "
+        '"{start}", and what the text says about each.',
+    ],
 }
+# direct: the teacher restates the chunk itself, from its opening words
+SEED_PROMPTS["recall"] = [
+    'Repeat the part of the document that begins "{start}", word for word.',
+    'Continue the document from "{start}", exactly as it is written.',
+]
+DIRECT_TYPES = ("extraction", "recall")
+OPENING_WORDS = 8  # how a direct seed prompt names its chunk
 
 
 def conversation_plan(cfg: SynthesizeConfig, corpus: Corpus, index: int):
@@ -67,16 +97,27 @@ def conversation_plan(cfg: SynthesizeConfig, corpus: Corpus, index: int):
     return chunk, seed_type, rng.choice(SEED_PROMPTS[seed_type])
 
 
-def synthesize_batch(cfg: SynthesizeConfig, corpus: Corpus, client, tokenizer, indices: list[int]) -> list[dict]:
+def opening(text: str, words: int = OPENING_WORDS) -> str:
+    return " ".join(text.split()[:words])
+
+
+def synthesize_batch(
+    cfg: SynthesizeConfig, corpus: Corpus, client, tokenizer, indices: list[int], model=None
+) -> list[dict]:
+    """The records of conversations `indices`; with `model` (in-process) each gets its `info_kl`."""
     plans = [conversation_plan(cfg, corpus, i) for i in indices]
     contexts = [context_ids(tokenizer, chunk.text) for chunk, _, _ in plans]
-    a_prompts = [
-        ctx + turn_ids(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
-        for ctx, (_, _, prompt) in zip(contexts, plans)
-    ]
+    users = [prompt.format(start=opening(c.text)) if t in DIRECT_TYPES else "" for c, t, prompt in plans]
+    ask = [j for j, (_, seed_type, _) in enumerate(plans) if seed_type not in DIRECT_TYPES]
     seed = cfg.seed * 1_000_003 + indices[0]
-    a_out = client.complete(a_prompts, cfg.max_user_tokens, cfg.temperature, 0, seed=seed)
-    users = [tokenizer.decode(c.token_ids, skip_special_tokens=True).strip() for c in a_out]
+    if ask:
+        a_prompts = [
+            contexts[j] + turn_ids(tokenizer, [{"role": "user", "content": plans[j][2]}], add_generation_prompt=True)
+            for j in ask
+        ]
+        a_out = client.complete(a_prompts, cfg.max_user_tokens, cfg.temperature, 0, seed=seed)
+        for j, c in zip(ask, a_out):
+            users[j] = tokenizer.decode(c.token_ids, skip_special_tokens=True).strip()
     user_turns = [turn_ids(tokenizer, [{"role": "user", "content": u}], add_generation_prompt=True) for u in users]
     b_prompts = [ctx + turn for ctx, turn in zip(contexts, user_turns)]
     b_out = client.complete(b_prompts, cfg.max_answer_tokens, 0.0, cfg.top_logprobs, seed=seed)
@@ -98,7 +139,72 @@ def synthesize_batch(cfg: SynthesizeConfig, corpus: Corpus, client, tokenizer, i
                 "context_tokens": len(context_ids(tokenizer, chunk.text)),
             }
         )
+    if model is not None and records:
+        for r, kl in zip(records, information_kl(model, tokenizer, records)):
+            r["info_kl"] = kl
     return records
+
+
+def information_kl(model, tokenizer, records: list[dict], pack_len: int = 4096, batch_size: int = 8) -> list[float]:
+    """Per record, the mean over its answer tokens of the KL (top-k + tail bucket) between the teacher's recorded
+    distribution (it read the chunk) and the model reading the same turn after an empty document.
+
+    The empty document is the chat context of "" as a prefix cache: the student's view with an uninformative
+    cartridge. 0 when the chunk adds nothing the model did not already say."""
+    import torch
+
+    from cartridges.cache import Cartridge
+    from cartridges.distill import conversation_examples, make_batch, pack, student_logprobs, tail_kl
+    from cartridges.init import is_state_model
+    from cartridges.state import StateCartridge
+
+    ids = torch.tensor(context_ids(tokenizer, ""))
+    if is_state_model(model):
+        empty = StateCartridge.from_prefix(model, ids)
+    else:
+        empty = Cartridge.from_prefix(model, ids, num_frozen=0, dtype=model.dtype)
+    examples = conversation_examples(records, "self_study")
+    width = max(pack_len, max(len(ex.ids) for ex in examples))  # no example is cut
+    packs = pack(examples, width)  # in order: the per-token KLs split back per record
+    out: list[float] = []
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for start in range(0, len(packs), batch_size):
+            rows = packs[start : start + batch_size]
+            batch = make_batch(empty, rows, model, device)
+            kl = tail_kl(student_logprobs(model, empty, batch), batch).cpu()
+            sizes = [len(ex.positions) for row in rows for ex in row]
+            out += [float(piece.mean()) for piece in kl.split(sizes)]
+    return out
+
+
+def summarize(out: Path, corpus: Corpus, rows: list[dict]) -> dict:
+    """summary.json of a synthesis output: counts, the information diagnostic and chunk coverage."""
+    from cartridges.corpus import Chunk
+
+    def weighted(rs):
+        pairs = [(r["info_kl"], len(r["top_ids"])) for r in rs if "info_kl" in r]
+        n = sum(w for _, w in pairs)
+        return sum(k * w for k, w in pairs) / n if n else None
+
+    chunks = []
+    for chunk_id in sorted({r["chunk_id"] for r in rows}):
+        doc, start, end = (int(x) for x in chunk_id.split(":"))
+        chunks.append(Chunk(doc, start, end, ""))
+    counts = {}
+    for r in rows:
+        counts.setdefault(r["seed_type"], []).append(r)
+    summary = {
+        "conversations": len(rows),
+        "answer_tokens": sum(len(r["top_ids"]) for r in rows),
+        "info_kl": weighted(rows),
+        "info_kl_by_seed_type": {t: weighted(rs) for t, rs in sorted(counts.items())},
+        "conversations_by_seed_type": {t: len(rs) for t, rs in sorted(counts.items())},
+        "chunks": len(chunks),
+        "chunk_coverage": corpus.coverage(chunks),
+    }
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
+    return summary
 
 
 # Settings that may change between an interrupted run and its continuation without changing the data.
@@ -152,19 +258,26 @@ def synthesize(cfg: SynthesizeConfig, model=None, tokenizer=None) -> Path:
     bar.update(sum(min(cfg.batch_size, cfg.num_conversations - s) for s in starts if s not in todo))
     for start in todo:
         indices = list(range(start, min(start + cfg.batch_size, cfg.num_conversations)))
-        records = synthesize_batch(cfg, corpus, client, tokenizer, indices)
+        records = synthesize_batch(cfg, corpus, client, tokenizer, indices, model=model)
         atomic_write_text(shards / f"{start:08d}.jsonl", "".join(json.dumps(r) + "\n" for r in records))
         bar.update(len(indices))
     bar.close()
-    return write_dataset(out, [shards / f"{s:08d}.jsonl" for s in starts])
-
-
-def write_dataset(out: Path, shard_files: list[Path]) -> Path:
-    import datasets
-
-    rows = [json.loads(line) for f in shard_files for line in f.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for s in starts for line in (shards / f"{s:08d}.jsonl").read_text().splitlines() if line]
     if not rows:
         raise RuntimeError("self-study produced no conversations (every answer was empty)")
+    summary = summarize(out, corpus, rows)
+    log.info(
+        "self-study: %d conversations, %d answer tokens; information KL (teacher with chunk vs without) %s nats/token",
+        summary["conversations"],
+        summary["answer_tokens"],
+        "n/a" if summary["info_kl"] is None else f"{summary['info_kl']:.4f}",
+    )
+    return write_dataset(out, rows)
+
+
+def write_dataset(out: Path, rows: list[dict]) -> Path:
+    import datasets
+
     target = out / "dataset"
     staging = Path(tempfile.mkdtemp(dir=out, prefix=".dataset-"))
     datasets.Dataset.from_list(rows).save_to_disk(str(staging))

@@ -100,3 +100,68 @@ def test_collate_targets_equal_a_per_token_reference():
     assert allowed[:, :, :3].all()  # every token sees the cartridge
     assert allowed[0, 5, 3 + 4] and not allowed[0, 5, 3 + 3]  # own example only, across the packed boundary
     assert not allowed[0, 4, 3 + 5]  # causal
+
+
+def _kl_of(model, cartridge, rows) -> torch.Tensor:
+    from cartridges.distill import student_logprobs, tail_kl
+
+    batch = collate(pack(conversation_examples(rows, "self_study"), 10_000), cartridge.num_tokens, model.dtype, "cpu")
+    return tail_kl(student_logprobs(model, cartridge, batch), batch)
+
+
+def test_true_kl_is_zero_for_the_exact_chunk_kv(setup):
+    model, _, ctx, rows = setup
+    kl = _kl_of(model, Cartridge.from_prefix(model, torch.tensor(ctx)), rows)
+    assert kl.min() >= 0 and kl.max().item() == pytest.approx(0.0, abs=1e-5)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_true_kl_is_positive_for_other_cartridges(setup, seed):
+    model, _, ctx, rows = setup
+    kl = _kl_of(model, Cartridge.random(model, num_tokens=len(ctx), seed=seed), rows)
+    assert kl.min() >= 0 and kl.mean() > 1e-2
+
+
+@pytest.mark.parametrize("k", [1, 3, 20])
+def test_true_kl_stays_nonnegative_where_the_topk_loss_goes_negative(k):
+    """A student that puts more mass than the teacher on the teacher's top-k makes the training objective
+    negative; the tail-bucket KL stays ≥ 0 and equals the KL of the two (k + 1)-outcome distributions."""
+    from cartridges.distill import tail_kl, topk_kl
+
+    gen = torch.Generator().manual_seed(k)
+    teacher = (torch.randn(64, 50, generator=gen) * 2).log_softmax(-1)
+    top = teacher.topk(k, dim=-1)
+    student = teacher.clone()
+    student.scatter_(1, top.indices, top.values + 1.0)  # [N, V] more mass on the top-k
+    student = student.log_softmax(-1)
+    batch = {"top_ids": top.indices, "top_logprobs": top.values}
+    assert topk_kl(student, batch) < 0
+    kl = tail_kl(student, batch)
+    p, q = top.values.double().exp(), student.gather(1, top.indices).double().exp()
+    p = torch.cat([p, 1 - p.sum(-1, keepdim=True)], -1)
+    q = torch.cat([q, 1 - q.sum(-1, keepdim=True)], -1)
+    torch.testing.assert_close(kl.double(), (p * (p / q).log()).sum(-1), rtol=1e-4, atol=1e-6)
+    assert kl.min() >= 0 and kl.mean() > 1e-3
+
+
+@pytest.mark.parametrize("chunk", ["empty", "facts"])
+def test_information_diagnostic(chunk):
+    """The teacher-with-chunk vs model-without-it KL: ≈ 0 when the chunk is empty (both read the same context),
+    > 0 when the answers depend on the chunk."""
+    from cartridges.self_study import information_kl
+
+    model, tok = tiny_llama(seed=0), ByteTokenizer()
+    ctx = context_ids(tok, "" if chunk == "empty" else CHUNK)
+    client = TransformersClient(model, tok)
+    turns = [turn_ids(tok, [{"role": "user", "content": q}], add_generation_prompt=True) for q in ("Who?", "When?")]
+    answers = client.complete([ctx + t for t in turns], max_tokens=10, temperature=0.0, top_logprobs=5)
+    rows = [
+        {"input_ids": t + a.token_ids, "answer_start": len(t), "top_ids": a.top_ids, "top_logprobs": a.top_logprobs}
+        for t, a in zip(turns, answers)
+    ]
+    kl = information_kl(model, tok, rows)
+    assert len(kl) == 2 and min(kl) >= 0
+    if chunk == "empty":
+        assert max(kl) == pytest.approx(0.0, abs=1e-5)
+    else:
+        assert min(kl) > 1e-2

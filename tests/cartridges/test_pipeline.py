@@ -5,13 +5,14 @@ import json
 import datasets
 import httpx
 import pytest
+import torch
 
 from cartridges import distill, self_study
 from cartridges import eval as ceval
 from cartridges.cache import Cartridge
 from cartridges.clients import ClientError, OpenAIClient
 from cartridges.config import ConfigError, load_config
-from cartridges.models import tiny_llama
+from cartridges.models import ByteTokenizer, tiny_llama
 
 DOC = (
     "The river town of Osk Varen sits where the Tamel meets the Quirre. Its bridge, the Long Saddle, has nine "
@@ -84,12 +85,102 @@ def test_distill_runs_and_resumes_exactly(synthesized):
     assert a.info.init_method == "first_tokens" and a.num_tokens == 16
     assert a.keys().equal(b.keys()) and a.values().equal(b.values())
     rows = [json.loads(x) for x in (root / "straight" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and all(r["loss"] >= 0 for r in rows)
-    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and all(r["kl"] >= 0 and r["heldout_kl"] >= 0 for r in rows)
+    resumed = [json.loads(x) for x in (root / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5]  # the resume dropped nothing and duplicated nothing
     summary = json.loads((root / "straight" / "summary.json").read_text())
-    assert summary["memory_bytes"] == a.memory_bytes()
+    assert summary["memory_bytes"] == a.memory_bytes() and summary["heldout_examples"] == 1
+    # it learns what generalises to conversations it never trained on
+    assert summary["final_heldout_kl"] < summary["initial_heldout_kl"]
+    assert json.loads((root / "resumed" / "summary.json").read_text())["initial_heldout_kl"] == pytest.approx(
+        summary["initial_heldout_kl"]
+    )
     with pytest.raises(SystemExit):  # the run dir is taken
         distill.main([*base, f"output={root / 'straight'}", "steps=5"])
+
+
+@pytest.mark.parametrize("kill", ["before_rename", "mid_write"])
+def test_distill_killed_while_checkpointing_resumes_to_the_same_cartridge(synthesized, monkeypatch, kill):
+    """A kill during the second checkpoint (after its file was written, before the rename; or half-way through
+    the write) leaves the first checkpoint whole; resuming from it gives the uninterrupted run's cartridge and
+    one metrics row per step."""
+    root, _ = synthesized
+    base = [*COMMON, f"corpus.path={root / 'doc.md'}", f"data={root / 'ss'}", "num_tokens=16", "pack_len=64",
+            "batch_size=2", "log_every=1", "checkpoint_every=2", "steps=5"]  # fmt: skip
+    distill.main([*base, f"output={root / f'kill_ref_{kill}'}"])
+    calls = []
+    real_replace, real_save = distill.os.replace, distill.torch.save
+
+    def killing_replace(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_replace(src, dst)
+
+    def killing_save(obj, f):
+        calls.append(f)
+        if len(calls) == 2:
+            with open(f, "wb") as fh:
+                fh.write(b"PK\x03\x04 half a checkpoint")
+            raise KeyboardInterrupt
+        return real_save(obj, f)
+
+    if kill == "before_rename":
+        monkeypatch.setattr(distill.os, "replace", killing_replace)
+    else:
+        monkeypatch.setattr(distill.torch, "save", killing_save)
+    out = root / f"kill_{kill}"
+    with pytest.raises(KeyboardInterrupt):
+        distill.main([*base, f"output={out}"])
+    monkeypatch.undo()
+    state = torch.load(out / "ckpt" / "state.pt", weights_only=True)
+    assert state["step"] == 2 and not list((out / "ckpt").glob(".*.tmp"))
+    distill.main([*base, f"output={out}", "resume=true"])
+    model = tiny_llama()
+    a = Cartridge.load(root / f"kill_ref_{kill}" / "cartridge.safetensors", model)
+    b = Cartridge.load(out / "cartridge.safetensors", model)
+    assert a.keys().equal(b.keys()) and a.values().equal(b.values())
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5]
+
+
+def test_distill_resumes_with_metrics_cut_to_the_checkpoint(synthesized):
+    """Rows logged after the last checkpoint (work a kill threw away) are dropped on resume, not duplicated."""
+    root, _ = synthesized
+    base = [*COMMON, f"corpus.path={root / 'doc.md'}", f"data={root / 'ss'}", "num_tokens=16", "pack_len=64",
+            "log_every=1", "checkpoint_every=2"]  # fmt: skip
+    out = root / "cut"
+    distill.main([*base, f"output={out}", "steps=2"])
+    with open(out / "metrics.jsonl", "a") as f:  # what a run killed at step 3 had logged past its checkpoint
+        f.write(json.dumps({"step": 3, "loss": 9.0}) + "\n" + '{"step": 4, "lo')
+    distill.main([*base, f"output={out}", "steps=4", "resume=true"])
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[2]["loss"] != 9.0
+
+
+def test_self_study_reports_the_information_in_its_data(synthesized):
+    root, _ = synthesized
+    summary = json.loads((root / "ss" / "summary.json").read_text())
+    assert summary["conversations"] == 10 and summary["info_kl"] > 0
+    assert set(summary["info_kl_by_seed_type"]) == set(summary["conversations_by_seed_type"])
+    assert summary["chunk_coverage"]["mean"] > 0
+    ds = datasets.load_from_disk(str(root / "ss" / "dataset"))
+    assert all(k >= 0 for k in ds["info_kl"])
+
+
+@pytest.mark.parametrize("seed_type", ["extraction", "recall"])
+def test_direct_seed_prompts_name_their_chunk(tmp_path, seed_type):
+    """Direct prompts skip model A: the user message is the instruction with the chunk's opening words."""
+    (tmp_path / "doc.md").write_text(DOC)
+    args = [*COMMON, f"corpus.path={tmp_path / 'doc.md'}", f"output={tmp_path / 'ss'}", "num_conversations=3",
+            "max_answer_tokens=4", "top_logprobs=3", f"seed_prompt_types=[{seed_type}]"]  # fmt: skip
+    self_study.main(args)
+    ds = datasets.load_from_disk(str(tmp_path / "ss" / "dataset"))
+    for row in ds:
+        start, end = (int(x) for x in row["chunk_id"].split(":")[1:])
+        chunk = ByteTokenizer().decode(ByteTokenizer().encode(DOC)[start:end])
+        expected = [p.format(start=self_study.opening(chunk)) for p in self_study.SEED_PROMPTS[seed_type]]
+        assert row["seed_type"] == seed_type and row["user"] in expected
 
 
 @pytest.mark.parametrize("method", ["hard_labels", "ntp"])
@@ -125,16 +216,22 @@ def test_eval_reports_every_arm(synthesized, capsys):
             f"corpus.path={root / 'doc.md'}",
             f"qa={root / 'qa.json'}",
             "max_new_tokens=4",
-            "truncated_tokens=[100]",
+            "truncated_tokens=[100,200]",
             f"+cartridges.ss={root / 'straight' / 'cartridge.safetensors'}",
             f"output={root / 'eval'}",
         ]
     )
     results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert set(results) == {"icl", "truncated_100", "none", "ss"}
+    assert set(results) == {"icl", "truncated_100", "truncated_200", "none", "ss"}
     assert results["ss"]["kv_tokens"] == 16 and results["truncated_100"]["kv_tokens"] <= 100
     assert results["icl"]["memory_bytes"] > results["ss"]["memory_bytes"]
     assert all(r["n"] == 2 for r in results.values())
+    # 57 tokens of chat template, then the document byte by byte: "nine" starts at byte 100, "Beatrix" at 159
+    assert results["icl"]["n_in_prefix"] == 2 and results["none"]["n_in_prefix"] == 0
+    assert results["truncated_100"]["n_in_prefix"] == 0 and results["truncated_200"]["n_in_prefix"] == 1
+    rows = [json.loads(x) for x in (root / "eval" / "answers.jsonl").read_text().splitlines()]
+    inside = {(r["arm"], r["reference"]) for r in rows if r["in_prefix"]}
+    assert ("truncated_200", "nine") in inside and ("truncated_200", "Beatrix Hollund") not in inside
 
 
 def test_eval_interrupted_keeps_finished_arms(synthesized, monkeypatch):

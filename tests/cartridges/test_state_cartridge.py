@@ -205,7 +205,8 @@ def test_distillation_runs_end_to_end(tmp_path):
     doc = tmp_path / "doc.md"
     doc.write_text("Ines lit the lamp of Vellmar in 1843.")
     n_ctx = len(context_ids(tok, doc.read_text()))
-    corpus_args = [f"corpus.path={doc}", "corpus.min_tokens=30", "corpus.max_tokens=60"]
+    n_doc = len(tok.encode(doc.read_text()))  # chunks of at least the document's length: the teacher reads all of it
+    corpus_args = [f"corpus.path={doc}", f"corpus.min_tokens={n_doc}", "corpus.max_tokens=60"]
     common = ["model=unused", "device=cpu", "progress=false", *corpus_args]
     synth_cfg, _ = load_config(
         "synthesize",

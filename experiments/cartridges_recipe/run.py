@@ -1,0 +1,297 @@
+"""The self-study recipe, lever by lever, at one cartridge size p ≤ 1/14 of the document: which choices make a
+cartridge beat the truncated context of equal memory and approach ICL?
+
+Arms (all evaluated on the same questions, `cartridges/eval.py`):
+    icl, none, truncated_<p>       the document in context, no document, its first p tokens of context
+    ss                             self-study with the recipe: chunks of 64-512 tokens, fact-stating seed prompts
+                                   (question, quiz, extraction, recall), --conversations of them, lr 2e-2,
+                                   first-tokens init, frozen sink
+    ss_lr1e-3                      the same at PEFT's example lr
+    ss_corpus_init                 initialised from corpus tokens drawn across the document
+    ss_no_sink                     no frozen first token
+    ss_few                         the first --conversations / 8 conversations only
+    ss_paper_seeds                 the paper's seed types (structuring, summarization, question, use_case,
+                                   creative) on chunks of 512-1024 tokens, --paper-conversations of them
+    hard_labels, ntp               the baselines: recipe conversations with one-hot targets; the raw document
+
+Layout of `--out` (every stage is skipped when its output exists; self-study and distillation resume from their
+shards and checkpoints, so re-running the same command continues an interrupted run):
+    synth_recipe/ synth_paper/     cartridges-synthesize outputs (summary.json: information KL, coverage)
+    data_few/                      the first conversations of synth_recipe
+    c_<arm>/                       cartridges-distill outputs (metrics.jsonl with held-out KL, summary.json)
+    eval/                          results.json, answers.jsonl (with in_prefix per answer)
+    results.json, recipe.png       plot.py: one row per arm, and the figure
+    timings.json                   seconds per stage
+
+    python -m experiments.cartridges_recipe.run --out runs/cartridges_recipe --model /path/SmolLM2.gguf
+    python -m experiments.cartridges_recipe.run --smoke --out /tmp/recipe_smoke      # tiny Llama, CPU, seconds
+
+The last line printed is JSON: the table's rows and the issue's targets (ss ≥ 2× truncated, ≥ 0.7× ICL,
+ss > hard_labels > ntp).
+"""
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DOCUMENTS = {
+    "merrowby": (HERE / "document.md", HERE / "qa.json"),
+    "quellmere": (HERE.parent / "cartridges_tradeoff" / "document.md", HERE.parent / "cartridges_tradeoff" / "qa.json"),
+}
+RECIPE_SEEDS = ["question", "quiz", "extraction", "recall"]
+PAPER_SEEDS = ["structuring", "summarization", "question", "use_case", "creative"]
+# arm -> (data, overrides of cartridges-distill); data: recipe | paper | few | none
+ARMS = {
+    "ss": ("recipe", []),
+    "ss_lr1e-3": ("recipe", ["lr=1e-3"]),
+    "ss_corpus_init": ("recipe", ["init=corpus_tokens"]),
+    "ss_no_sink": ("recipe", ["num_frozen=0"]),
+    "ss_few": ("few", []),
+    "ss_paper_seeds": ("paper", []),
+    "hard_labels": ("recipe", ["method=hard_labels"]),
+    "ntp": ("none", ["method=ntp"]),
+}
+
+
+def resolve_model(name: str) -> str:
+    """A model name for `load_model`: a .gguf file, an HF dir, a known name, or a directory holding one .gguf."""
+    path = Path(name).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise SystemExit(f"--model {path}: expected one .gguf file in it, found {len(ggufs)}")
+        return str(ggufs[0])
+    return name
+
+
+def smoke_document(out: Path) -> tuple[Path, Path]:
+    """The new document's first two sections and their questions: small enough for a tiny model on a CPU."""
+    from cartridges.eval import is_correct
+
+    doc, qa = DOCUMENTS["merrowby"]
+    text = doc.read_text()
+    cut = text.index("## The glassworks")
+    small = text[:cut]
+    items = [it for it in json.loads(qa.read_text()) if is_correct(small, it)]
+    (out / "smoke").mkdir(parents=True, exist_ok=True)
+    (out / "smoke" / "document.md").write_text(small)
+    (out / "smoke" / "qa.json").write_text(json.dumps(items[:8], indent=1))
+    return out / "smoke" / "document.md", out / "smoke" / "qa.json"
+
+
+def settings(args) -> dict:
+    """Counts and sizes: the H200 defaults, or the CPU smoke run's."""
+    if args.smoke:
+        return dict(conversations=16, paper_conversations=8, steps=4, pack_len=256, batch_size=1, synth_batch=8,
+                    user_tokens=8, answer_tokens=8, chunks=(32, 128), paper_chunks=(128, 256), max_new_tokens=4,
+                    eval_batch=8, top_logprobs=5)  # fmt: skip
+    return dict(conversations=args.conversations, paper_conversations=args.paper_conversations, steps=args.steps,
+                pack_len=2048, batch_size=4, synth_batch=args.synth_batch, user_tokens=64, answer_tokens=160,
+                chunks=(64, 512), paper_chunks=(512, 1024), max_new_tokens=32, eval_batch=128,
+                top_logprobs=20)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="runs/cartridges_recipe")
+    p.add_argument(
+        "--model",
+        default=os.environ.get("CARTRIDGES_MODEL", "smollm2-135m-instruct"),
+        help="a .gguf file, a directory holding one, an HF dir or a known name ($CARTRIDGES_MODEL)",
+    )
+    p.add_argument(
+        "--document",
+        choices=sorted(DOCUMENTS),
+        default="merrowby",
+        help="merrowby: the 1.25K-token benchmark; quellmere: the 4.6K-token hard case",
+    )
+    p.add_argument("--arms", nargs="+", choices=sorted(ARMS), default=list(ARMS))
+    p.add_argument("--conversations", type=int, default=4096)
+    p.add_argument("--paper-conversations", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=160)
+    p.add_argument("--synth-batch", type=int, default=512)
+    p.add_argument("--size-ratio", type=int, default=14, help="p = context tokens // this")
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=0,
+        help="seconds after which no new stage starts (0: none); re-run to continue",
+    )
+    p.add_argument("--device", default="auto")
+    p.add_argument("--smoke", action="store_true", help="tiny random Llama on the CPU, tiny counts: seconds")
+    p.add_argument(
+        "--export",
+        default="",
+        help="also copy results.json, recipe.png, answers.jsonl and run.json (everything else a reader "
+        "needs: summaries, metrics, timings) into this directory",
+    )
+    args = p.parse_args(argv)
+
+    from cartridges import distill, self_study
+    from cartridges import eval as ceval
+    from cartridges.config import load_config
+    from cartridges.corpus import context_ids
+    from cartridges.models import TINY_MODEL, load_model, parse_dtype
+    from zoo.device import resolve_device
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    t_start = time.time()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    s = settings(args)
+    model_name = TINY_MODEL if args.smoke else resolve_model(args.model)
+    device = resolve_device("cpu" if args.smoke else args.device)
+    doc, qa = smoke_document(out) if args.smoke else DOCUMENTS[args.document]
+    timings_path = out / "timings.json"
+    timings = json.loads(timings_path.read_text()) if timings_path.is_file() else {}
+
+    def timed(stage: str, fn):
+        t0 = time.time()
+        result = fn()
+        timings[stage] = round(time.time() - t0, 2)
+        timings_path.write_text(json.dumps(timings, indent=2))
+        return result
+
+    def out_of_time() -> bool:
+        return bool(args.time_limit) and time.time() - t_start > args.time_limit
+
+    model, tokenizer = timed(
+        "load_model",
+        lambda: load_model(model_name, dtype=parse_dtype("bf16" if device.type == "cuda" else "fp32"), device=device),
+    )
+    ctx_tokens = len(context_ids(tokenizer, doc.read_text()))
+    size = ctx_tokens // args.size_ratio
+    common = [f"model={model_name}", f"device={device.type}", "progress=false"]
+
+    def synth(name: str, n: int, seeds: list[str], chunks: tuple[int, int]) -> Path:
+        target = out / name
+        if not (target / "summary.json").is_file() or not (target / "dataset").is_dir():
+            cfg, _ = load_config("synthesize", [
+                *common, f"corpus.path={doc}", f"output={target}", f"num_conversations={n}",
+                f"corpus.min_tokens={chunks[0]}", f"corpus.max_tokens={chunks[1]}",
+                f"seed_prompt_types=[{','.join(seeds)}]", f"max_user_tokens={s['user_tokens']}",
+                f"max_answer_tokens={s['answer_tokens']}", f"batch_size={s['synth_batch']}",
+                f"top_logprobs={s['top_logprobs']}", "conversations_per_chunk=4",
+            ])  # fmt: skip
+            timed(f"synthesize/{name}", lambda: self_study.synthesize(cfg, model, tokenizer))
+        return target
+
+    def few(recipe: Path) -> Path:
+        """The first conversations of the recipe data as their own synthesis output (same corpus, same meta)."""
+        import datasets
+
+        target = out / "data_few"
+        if not (target / "dataset").is_dir():
+            ds = datasets.load_from_disk(str(recipe / "dataset"))
+            staging = out / ".data_few"
+            shutil.rmtree(staging, ignore_errors=True)
+            ds.select(range(max(2, len(ds) // 8))).save_to_disk(str(staging / "dataset"))
+            shutil.copy(recipe / "meta.json", staging / "meta.json")
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(staging, target)
+        return target
+
+    data: dict[str, Path] = {}
+
+    def data_for(kind: str) -> Path | None:
+        if kind not in data:
+            if kind == "recipe":
+                data[kind] = synth("synth_recipe", s["conversations"], RECIPE_SEEDS, s["chunks"])
+            elif kind == "paper":
+                data[kind] = synth("synth_paper", s["paper_conversations"], PAPER_SEEDS, s["paper_chunks"])
+            elif kind == "few":
+                data[kind] = few(data_for("recipe"))
+            else:
+                return None
+        return data[kind]
+
+    cartridges = {}
+    stopped = []
+    for arm in args.arms:
+        kind, overrides = ARMS[arm]
+        target = out / f"c_{arm}"
+        if not (target / "summary.json").is_file():
+            if out_of_time():
+                stopped.append(arm)
+                continue
+            source = data_for(kind)
+            # NTP trains on the document; its held-out KL is measured on the recipe conversations
+            source = source or data_for("recipe")
+            cfg, _ = load_config("distill", [
+                *common, f"corpus.path={doc}", f"data={source}", f"output={target}", f"num_tokens={size}",
+                f"steps={s['steps']}", f"pack_len={s['pack_len']}", f"batch_size={s['batch_size']}",
+                f"corpus.min_tokens={s['chunks'][0]}", f"corpus.max_tokens={s['chunks'][1]}",
+                f"log_every={max(1, s['steps'] // 8)}", f"checkpoint_every={max(1, s['steps'] // 4)}",
+                f"resume={(target / distill.CHECKPOINT).is_file()}", *overrides,
+            ])  # fmt: skip
+            timed(f"distill/{arm}", lambda cfg=cfg: distill.distill(cfg, model, tokenizer))
+        cartridges[arm] = target / "cartridge.safetensors"
+
+    if stopped:
+        print(f"time limit reached; not trained yet: {', '.join(stopped)}. Re-run the same command to continue.")
+    eval_args = [
+        *common, f"corpus.path={doc}", f"qa={qa}", f"output={out / 'eval'}", f"truncated_tokens=[{size}]",
+        f"max_new_tokens={s['max_new_tokens']}", f"batch_size={s['eval_batch']}",
+        *[f"+cartridges.{arm}={path}" for arm, path in cartridges.items()],
+    ]  # fmt: skip
+    cfg, _ = load_config("eval", eval_args)
+    timed("eval", lambda: ceval.evaluate(cfg, model, tokenizer))
+    from experiments.cartridges_recipe.plot import collect, plot, targets
+
+    rows = collect(out)
+    try:
+        plot(out)
+    except ImportError as e:  # a GPU box without matplotlib: plot.py redraws it from results.json elsewhere
+        print(f"no figure ({e}); run python -m experiments.cartridges_recipe.plot {out} where matplotlib is")
+    print(ceval.format_table(json.loads((out / "eval" / "results.json").read_text())))
+    print(format_levers(rows))
+    final = {"document": args.document if not args.smoke else "smoke", "model": model_name, "p": size,
+             "context_tokens": ctx_tokens, "targets": targets(rows), "rows": rows, "timings_s": timings,
+             "wall_s": round(time.time() - t_start, 1), "incomplete": stopped}  # fmt: skip
+    if args.export:
+        export(out, Path(args.export), final)
+    print(json.dumps(final))
+    return final
+
+
+def export(out: Path, target: Path, final: dict) -> None:
+    """A few files that hold the whole run's record: results, figure, answers, and run.json with the synthesis
+    summaries and each arm's distillation summary and metrics."""
+    target.mkdir(parents=True, exist_ok=True)
+    for src, name in ((out / "results.json", "results.json"), (out / "recipe.png", "recipe.png"),
+                      (out / "eval" / "answers.jsonl", "answers.jsonl")):  # fmt: skip
+        if src.is_file():
+            shutil.copy(src, target / name)
+    record = {**final, "synthesis": {}, "distill": {}}
+    for name in ("synth_recipe", "synth_paper"):
+        if (out / name / "summary.json").is_file():
+            record["synthesis"][name] = json.loads((out / name / "summary.json").read_text())
+    for run_dir in sorted(out.glob("c_*")):
+        if (run_dir / "summary.json").is_file():
+            record["distill"][run_dir.name[2:]] = {
+                "summary": json.loads((run_dir / "summary.json").read_text()),
+                "metrics": [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()],
+            }
+    (target / "run.json").write_text(json.dumps(record, indent=1))
+
+
+def format_levers(rows: list[dict]) -> str:
+    """Held-out KL before → after training and the data's information KL, per trained arm."""
+    fmt = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
+    lines = [f"{'arm':<18}{'data info KL':>14}{'held-out KL start':>19}{'end':>9}{'train s':>9}"]
+    for r in rows:
+        if r.get("method"):
+            lines.append(
+                f"{r['arm']:<18}{fmt(r.get('data_info_kl')):>14}{fmt(r.get('initial_heldout_kl')):>19}"
+                f"{fmt(r.get('final_heldout_kl')):>9}{r.get('train_s') or 0:>9.1f}"
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

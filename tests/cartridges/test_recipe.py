@@ -1,0 +1,81 @@
+"""The recipe ablation (experiments/cartridges_recipe/run.py) end to end in its CPU smoke mode, its resume, and
+the benchmark document's questions."""
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from cartridges.corpus import Corpus
+from cartridges.eval import is_correct, load_qa
+from cartridges.models import ByteTokenizer
+
+RECIPE = Path(__file__).resolve().parents[2] / "experiments" / "cartridges_recipe"
+ARMS = ["ss", "ss_few", "hard_labels", "ntp"]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    from experiments.cartridges_recipe import run
+
+    out = tmp_path_factory.mktemp("recipe")
+    return out, run.main(["--smoke", "--out", str(out), "--arms", *ARMS])
+
+
+def test_smoke_run_writes_every_arm(smoke):
+    out, final = smoke
+    arms = [r["arm"] for r in final["rows"]]
+    assert arms == ["icl", f"truncated_{final['p']}", "none", *ARMS]
+    assert final["p"] == final["context_tokens"] // 14 and not final["incomplete"]
+    rows = {r["arm"]: r for r in json.loads((out / "results.json").read_text())}
+    for arm in ARMS:
+        r = rows[arm]
+        assert r["kv_tokens"] == final["p"] and r["n"] == 8 and r["memory_bytes"] > 0
+        assert r["initial_heldout_kl"] > 0 and r["final_heldout_kl"] >= 0
+    assert rows["ss"]["data_info_kl"] > 0 and rows["ntp"]["data_info_kl"] is None
+    assert rows["icl"]["n_in_prefix"] == rows["icl"]["n"]
+    assert (out / "recipe.png").stat().st_size > 0
+    assert set(final["targets"]) >= {"ss_over_truncated", "ss_2x_truncated", "ss_70pct_icl", "ss_gt_hard_gt_ntp"}
+
+
+def test_smoke_rerun_resumes_without_retraining(smoke):
+    from experiments.cartridges_recipe import run
+
+    out, first = smoke
+    stamp = {arm: (out / f"c_{arm}" / "cartridge.safetensors").stat().st_mtime_ns for arm in ARMS}
+    again = run.main(["--smoke", "--out", str(out), "--arms", *ARMS])
+    assert {arm: (out / f"c_{arm}" / "cartridge.safetensors").stat().st_mtime_ns for arm in ARMS} == stamp
+    assert again["rows"] == first["rows"]
+
+
+def test_benchmark_questions_are_answerable_and_spread():
+    """Every answer of the new document's questions is in the document, and their first places are spread over
+    it: each fifth of the document holds at least a tenth of the questions."""
+    text = (RECIPE / "document.md").read_text()
+    items = load_qa(RECIPE / "qa.json")
+    assert len(items) >= 60 and len({it["question"] for it in items}) == len(items)
+    places = []
+    for it in items:
+        assert is_correct(text, it), it
+        ends = [n for n in range(0, len(text) + 400, 400) if is_correct(text[:n], it)]
+        places.append(ends[0] / len(text))
+    fifths = [sum(1 for p in places if i / 5 < p <= (i + 1) / 5 + 1e-9) for i in range(5)]
+    assert min(fifths) >= len(items) / 10, fifths
+
+
+def test_chunks_cover_the_document_edges():
+    """Chunk sampling covers the first and last tokens about as often as the middle."""
+    text = (RECIPE / "document.md").read_text()
+    corpus = Corpus([("doc", text)], ByteTokenizer(), min_tokens=64, max_tokens=512)
+    rng = random.Random(0)
+    chunks = [corpus.sample_chunk(rng) for _ in range(1000)]
+    n = len(corpus.tokens[0])
+    counts = [0] * n
+    for c in chunks:
+        assert 64 <= c.end - c.start <= 512
+        for i in range(c.start, c.end):
+            counts[i] += 1
+    middle = sum(counts[n // 2 - 50 : n // 2 + 50]) / 100
+    assert counts[0] > 0.5 * middle and counts[-1] > 0.5 * middle
+    assert corpus.coverage(chunks)["uncovered_fraction"] == 0
