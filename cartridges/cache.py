@@ -293,10 +293,25 @@ class Cartridge(nn.Module):
 
     @classmethod
     def from_peft(cls, peft_model, adapter_name: str | None = None) -> "Cartridge":
-        """The cartridge of a `PeftModel`'s CARTRIDGE adapter (`cartridges.peft`)."""
-        from cartridges.peft import from_peft
+        """The cartridge of a `PeftModel`'s CARTRIDGE adapter (the active one by default), fp32, on the adapter's
+        device; its model signature is that of the wrapped base model (`cartridges.peft`)."""
+        from cartridges.peft import read_peft_model
 
-        return from_peft(peft_model, adapter_name)
+        sig = ModelSignature.of(peft_model.get_base_model())
+        keys, values, frozen = read_peft_model(peft_model, sig.num_layers, sig.num_kv_heads, sig.head_dim, adapter_name)
+        return cls(keys, values, CartridgeInfo(sig, init_method="peft"), num_frozen=frozen)
+
+    @classmethod
+    def from_peft_adapter(cls, directory: str | os.PathLike, model, device=None) -> "Cartridge":
+        """The cartridge of a PEFT CARTRIDGE adapter directory, for `model` (not wrapped), on `device` (default:
+        the model's)."""
+        from cartridges.peft import read_adapter
+
+        sig = ModelSignature.of(model)
+        keys, values, frozen = read_adapter(directory, sig.num_layers, sig.num_kv_heads, sig.head_dim)
+        device = device if device is not None else next(model.parameters()).device
+        info = CartridgeInfo(sig, init_method=f"peft({Path(directory).name})")
+        return cls(keys.to(device), values.to(device), info, num_frozen=frozen)
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         keys, values = self.keys().detach().cpu(), self.values().detach().cpu()

@@ -57,9 +57,7 @@ def init_cartridge(cfg: DistillConfig, model, tokenizer, corpus: Corpus, device)
     if cfg.init == "peft":
         if state:
             raise ConfigError("init=peft starts a KV cartridge; Zoo models train state cartridges")
-        from cartridges.peft import load_adapter
-
-        c = load_adapter(cfg.peft_adapter, model, device=device)
+        c = Cartridge.from_peft_adapter(cfg.peft_adapter, model, device=device)
         if c.num_tokens != cfg.num_tokens or c.num_frozen != cfg.num_frozen:
             raise ConfigError(
                 f"peft_adapter={cfg.peft_adapter} holds {c.num_tokens} tokens ({c.num_frozen} frozen); set "

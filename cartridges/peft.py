@@ -7,9 +7,12 @@ post-RoPE at positions 0..p-1 and queries continue at p, the convention of `Cart
 reshape and no rotation. PEFT's `num_frozen_tokens` is the cartridge's `num_frozen` (the attention sink).
 
 - `to_peft(cartridge, model)`: a `PeftModel` wrapping `model` whose adapter holds the cartridge;
-- `from_peft(peft_model)`: the `Cartridge` of a PeftModel's CARTRIDGE adapter;
-- `save_adapter(cartridge, model, dir)` / `load_adapter(dir, model)`: a PEFT adapter directory
+- `read_peft_model(peft_model)`: the keys, values and frozen count of a PeftModel's CARTRIDGE adapter;
+- `save_adapter(cartridge, model, dir)` / `read_adapter(dir, ...)`: a PEFT adapter directory
   (`adapter_config.json` + `adapter_model.safetensors`) written and read without keeping a wrapper around.
+
+This module works on tensors and on any cartridge object; `Cartridge.from_peft` and `Cartridge.from_peft_adapter`
+(cartridges/cache.py) build cartridges from what it reads, so the two modules do not import each other.
 """
 
 import os
@@ -17,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from cartridges.cache import Cartridge, CartridgeError, CartridgeFileError, CartridgeInfo, ModelSignature
+from cartridges.format import CartridgeError, CartridgeFileError
 
 
-def prompt_embeddings(cartridge: Cartridge) -> torch.Tensor:
+def prompt_embeddings(cartridge) -> torch.Tensor:
     """The cartridge as PEFT's `prompt_embeddings` `[p, L * 2 * H * D]` (detached, the cartridge's dtype)."""
     kv = torch.stack([cartridge.keys().detach(), cartridge.values().detach()], dim=1)  # [L, 2, H, p, D]
     return kv.permute(3, 0, 1, 2, 4).reshape(cartridge.num_tokens, -1)  # [p, L * 2 * H * D]
@@ -41,7 +44,7 @@ def kv_from_prompt_embeddings(
     return kv[:, 0].contiguous(), kv[:, 1].contiguous()
 
 
-def peft_config(cartridge: Cartridge):
+def peft_config(cartridge):
     from peft import CartridgeConfig
 
     return CartridgeConfig(
@@ -49,7 +52,7 @@ def peft_config(cartridge: Cartridge):
     )
 
 
-def to_peft(cartridge: Cartridge, model, adapter_name: str = "default"):
+def to_peft(cartridge, model, adapter_name: str = "default"):
     """A `PeftModel` around `model` whose CARTRIDGE adapter holds this cartridge; its logits equal
     `model` reading the cartridge as a prefix cache. The cartridge is checked against `model` first."""
     from peft import get_peft_model
@@ -68,9 +71,11 @@ def to_peft(cartridge: Cartridge, model, adapter_name: str = "default"):
     return peft_model
 
 
-def from_peft(peft_model, adapter_name: str | None = None, init_method: str = "peft") -> Cartridge:
-    """The `Cartridge` held by a PeftModel's CARTRIDGE adapter (the active one by default), fp32, on the adapter's
-    device; its model signature is that of the wrapped base model."""
+def read_peft_model(
+    peft_model, num_layers: int, num_kv_heads: int, head_dim: int, adapter_name: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(keys, values, num_frozen) of a PeftModel's CARTRIDGE adapter (the active one by default): fp32, each
+    `[L, H, p, D]`, on the adapter's device."""
     from peft.utils import PeftType
 
     name = adapter_name or peft_model.active_adapter
@@ -79,14 +84,12 @@ def from_peft(peft_model, adapter_name: str | None = None, init_method: str = "p
     config = peft_model.peft_config[name]
     if config.peft_type != PeftType.CARTRIDGE:
         raise CartridgeError(f"adapter {name!r} is a {config.peft_type} adapter, not a CARTRIDGE one")
-    base = peft_model.get_base_model()
-    sig = ModelSignature.of(base)
     weight = peft_model.prompt_encoder[name].weight.detach().float()  # [p, L * 2 * H * D]
-    keys, values = kv_from_prompt_embeddings(weight, sig.num_layers, sig.num_kv_heads, sig.head_dim)
-    return Cartridge(keys, values, CartridgeInfo(sig, init_method=init_method), num_frozen=config.num_frozen_tokens)
+    keys, values = kv_from_prompt_embeddings(weight, num_layers, num_kv_heads, head_dim)
+    return keys, values, config.num_frozen_tokens
 
 
-def save_adapter(cartridge: Cartridge, model, directory: str | os.PathLike) -> Path:
+def save_adapter(cartridge, model, directory: str | os.PathLike) -> Path:
     """Write `directory` as a PEFT CARTRIDGE adapter that `PeftModel.from_pretrained(model, directory)` loads.
 
     Written into a temporary sibling and renamed, so a kill leaves the old adapter or the new one."""
@@ -108,8 +111,10 @@ def save_adapter(cartridge: Cartridge, model, directory: str | os.PathLike) -> P
     return directory
 
 
-def load_adapter(directory: str | os.PathLike, model, device=None) -> Cartridge:
-    """The `Cartridge` of a PEFT CARTRIDGE adapter directory, for `model`; `model` is not wrapped."""
+def read_adapter(
+    directory: str | os.PathLike, num_layers: int, num_kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(keys, values, num_frozen) of a PEFT CARTRIDGE adapter directory, fp32 on the CPU, each `[L, H, p, D]`."""
     from peft import PeftConfig
     from peft.utils import PeftType
     from peft.utils.save_and_load import load_peft_weights
@@ -126,13 +131,10 @@ def load_adapter(directory: str | os.PathLike, model, device=None) -> Cartridge:
         raise CartridgeFileError(f"{directory} holds a {config.peft_type} adapter, not a CARTRIDGE one")
     if "prompt_embeddings" not in weights:
         raise CartridgeFileError(f"{directory}: the adapter weights lack 'prompt_embeddings'")
-    sig = ModelSignature.of(model)
     embeddings = weights["prompt_embeddings"].float()
     if embeddings.ndim != 2 or embeddings.shape[0] != config.num_virtual_tokens:
         raise CartridgeFileError(
             f"{directory}: prompt_embeddings {tuple(embeddings.shape)} for {config.num_virtual_tokens} virtual tokens"
         )
-    keys, values = kv_from_prompt_embeddings(embeddings, sig.num_layers, sig.num_kv_heads, sig.head_dim)
-    device = device if device is not None else next(model.parameters()).device
-    info = CartridgeInfo(sig, init_method=f"peft({directory.name})")
-    return Cartridge(keys.to(device), values.to(device), info, num_frozen=config.num_frozen_tokens)
+    keys, values = kv_from_prompt_embeddings(embeddings, num_layers, num_kv_heads, head_dim)
+    return keys, values, config.num_frozen_tokens

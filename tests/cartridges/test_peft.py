@@ -62,7 +62,7 @@ def test_a_peft_trained_adapter_converts_to_a_cartridge(case):
 
 
 def test_adapter_directory_round_trip(case, tmp_path):
-    from cartridges.peft import load_adapter, save_adapter
+    from cartridges.peft import save_adapter
 
     model, cartridge, ids = case
     expected = cartridge_logits(model, cartridge, ids)
@@ -70,26 +70,26 @@ def test_adapter_directory_round_trip(case, tmp_path):
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(tmp_path / "adapter"))
     loaded = peft.PeftModel.from_pretrained(tiny_llama(seed=0), str(tmp_path / "adapter"))
     torch.testing.assert_close(loaded(input_ids=ids).logits, expected, rtol=0, atol=0)
-    back = load_adapter(tmp_path / "adapter", model)
+    back = Cartridge.from_peft_adapter(tmp_path / "adapter", model)
     assert back.keys().equal(cartridge.keys()) and back.num_frozen == cartridge.num_frozen
 
 
 def test_bad_adapters_are_refused(case, tmp_path):
-    from cartridges.peft import load_adapter, save_adapter
+    from cartridges.peft import save_adapter
 
     model, cartridge, _ = case
     with pytest.raises(CartridgeFileError, match="not a PEFT adapter"):
-        load_adapter(tmp_path, model)
+        Cartridge.from_peft_adapter(tmp_path, model)
     save_adapter(cartridge, model, tmp_path / "adapter")
     wider = tiny_llama(hidden_size=64, num_heads=4, num_kv_heads=2)  # head dim 16, not 8
     with pytest.raises(CartridgeError, match="do not fit the model"):
-        load_adapter(tmp_path / "adapter", wider)
+        Cartridge.from_peft_adapter(tmp_path / "adapter", wider)
 
 
 def test_distill_starts_from_and_saves_a_peft_adapter(tmp_path):
     """cartridges-distill init=peft trains from a PEFT adapter; save_peft=true writes one PEFT loads back."""
     from cartridges import distill
-    from cartridges.peft import load_adapter, save_adapter
+    from cartridges.peft import save_adapter
 
     doc = tmp_path / "doc.md"
     doc.write_text("The ferry Marrow Lark crosses the Pell estuary four times a day since 1904. " * 4)
@@ -103,7 +103,7 @@ def test_distill_starts_from_and_saves_a_peft_adapter(tmp_path):
     trained = Cartridge.load(tmp_path / "run" / "cartridge.safetensors", model)
     assert trained.frozen_keys.equal(start.frozen_keys)  # the sink came from the adapter and stayed frozen
     assert not trained.trainable_keys.equal(start.trainable_keys)  # and the rest trained
-    back = load_adapter(tmp_path / "run" / "peft_adapter", model)
+    back = Cartridge.from_peft_adapter(tmp_path / "run" / "peft_adapter", model)
     assert back.keys().equal(trained.keys()) and back.values().equal(trained.values())
     with pytest.raises(SystemExit):  # the adapter's size must be the run's
         distill.main([*common[:-4], "num_tokens=8", "pack_len=64", "steps=1", f"output={tmp_path / 'bad'}",
