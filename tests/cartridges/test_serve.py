@@ -16,7 +16,7 @@ httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
 from cartridges.cache import Cartridge, cache_kwargs, generate  # noqa: E402
-from cartridges.models import ByteTokenizer, tiny_llama  # noqa: E402
+from zoo.pretrained import ByteTokenizer, tiny_llama  # noqa: E402
 from cartridges.serve import (  # noqa: E402
     CartridgeNotFound,
     CartridgeStore,
