@@ -45,7 +45,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def based_model(preset: str, vocab: int, device: torch.device, dtype: torch.dtype, impl: str) -> ZooForCausalLM:
-    node = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(REPO / "zoo/configs/model" / f"{preset}.yaml"))
+    preset_file = REPO / "zoo/configs/model" / f"{preset}.yaml"
+    node = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(preset_file))
     node.vocab_size = vocab
     node.mixers.based.impl = impl
     mc = OmegaConf.to_object(node)

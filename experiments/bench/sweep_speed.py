@@ -17,7 +17,7 @@ point one after another (`zoo.train.train`, 4 runs) and as one pack (`zoo.packed
 same process, and reports the ratio of wall times (training loop with its evaluations; and whole calls,
 where the pack also generates its data once instead of 4 times).
 
-Baseline (quoted, not run here: shared/REFERENCE.md §1, one H200): Zoology takes 9–10 s per epoch of this
+Baseline (quoted, not run here: docs/REFERENCE.md §1, one H200): Zoology takes 9–10 s per epoch of this
 config plus ≈20 s of data generation per run, ≈20–37 GPU-hours for the grid. Target: the grid in ≤ 30 min.
 A second measurement times one training step at a shape with almost no compute, where the host's dispatch
 cost dominates as kernel launches do for tiny models on a GPU: 4 steps of one run vs one step of a pack of 4.
@@ -248,7 +248,7 @@ def main() -> None:
         "zoology_grid_gpu_hours_quoted": [20, 37],
         "target_grid_s": TARGET_GRID_S,
         "note": "grid = 336 runs x (generation + 64 epochs), serial, worst case (no early stop), mean of based and "
-        "attention; Zoology figures are quoted from REFERENCE.md, not measured here"
+        "attention; Zoology figures are quoted from docs/REFERENCE.md, not measured here"
         + ("; --tiny shape, not the reference config" if args.tiny else ""),
     }
     print(f"grid, serial, worst case: {grid_worst_s / 3600:.2f} h (target {TARGET_GRID_S / 60:.0f} min on one H200)")

@@ -16,7 +16,6 @@ httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
 from cartridges.cache import Cartridge, cache_kwargs, generate  # noqa: E402
-from zoo.pretrained import ByteTokenizer, tiny_llama  # noqa: E402
 from cartridges.serve import (  # noqa: E402
     CartridgeNotFound,
     CartridgeStore,
@@ -31,6 +30,7 @@ from cartridges.serve import (  # noqa: E402
     cascade_attention,
     main,
 )
+from zoo.pretrained import ByteTokenizer, tiny_llama  # noqa: E402
 
 DOC, MAX_TOKENS, EOS = 24, 8, 2
 

@@ -131,8 +131,8 @@ class ZooPreTrainedModel(PreTrainedModel):
 
 # The file a saved checkpoint carries for `trust_remote_code=True`: the classes come from the installed package.
 REMOTE_MODULE = "modeling_zoo"
-REMOTE_CODE = f'''"""Zoo checkpoint code for transformers\' trust_remote_code: the classes live in the zoo package
-(pip install zoo); this file only imports them. Written by ZooForCausalLM.save_pretrained (zoo {{version}})."""
+REMOTE_CODE = '''"""Zoo checkpoint code for transformers\' trust_remote_code: the classes live in the zoo package
+(pip install zoo); this file only imports them. Written by ZooForCausalLM.save_pretrained (zoo {version})."""
 
 from zoo.models.hf import ZooConfig, ZooForCausalLM
 
