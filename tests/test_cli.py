@@ -156,3 +156,27 @@ def test_threads_is_run_control(tmp_path):
     a, _ = load_config(["train.threads=1"])
     b, _ = load_config(["train.threads=2"])
     assert run_name(a) == run_name(b)
+
+
+@pytest.mark.parametrize("threads", ["1", "0"])
+def test_cartridges_threads_option(threads):
+    import torch
+
+    from cartridges.config import run_command
+    from zoo.device import available_cores
+
+    before = torch.get_num_threads()
+    try:
+        got = run_command("cartridges-distill", "distill", "usage", lambda cfg: torch.get_num_threads(),
+                          ["--threads", threads, "data=x", "output=y", "corpus.path=z"])
+    finally:
+        torch.set_num_threads(before)
+    assert got == (int(threads) or available_cores())
+
+
+def test_cartridges_threads_needs_a_number(capsys):
+    from cartridges.config import run_command
+
+    with pytest.raises(SystemExit) as e:
+        run_command("cartridges-distill", "distill", "usage", lambda cfg: None, ["--threads", "many"])
+    assert e.value.code == 2 and "--threads needs a whole number" in capsys.readouterr().err
