@@ -60,6 +60,8 @@ def wheel_venv(tmp_path_factory):
     work.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ZOO_CONFIG_DIR", "CARTRIDGES_CONFIG_DIR")}
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    env["ZOO_CACHE_DIR"] = str(root / "cache")  # set here: module fixtures run before the autouse cache fixture
+    env["HF_MODULES_CACHE"] = str(root / "hf-modules")
     return {"venv": venv, "work": work, "env": env, "wheel": wheel}
 
 
