@@ -195,7 +195,9 @@ class TrainConfig:
     resume: bool = False  # continue the run in run_dir from its last checkpoint
     overwrite: bool = False  # start over in a run_dir that already holds a run
     progress: bool = True
-    threads: int = 0  # torch CPU threads; 0: the cores available to this process (zoo.device.set_threads)
+    # torch CPU threads. 0: the cores available to the process, set by zoo-train at start; inside a zoo-sweep
+    # worker, the worker's share of the cores.
+    threads: int = 0
     # Non-empty: train one run per learning rate here (optim.lr is replaced), packed into one vmapped model
     # in this process (zoo/packed.py). Each run lands in the run dir its unpacked config would use.
     pack_lrs: list[float] = field(default_factory=list)

@@ -240,6 +240,8 @@ def train(cfg: Config, resolved_yaml: str | None = None) -> dict[str, Any]:
         run.clear()
     device = resolve_device(cfg.train.device)
     amp = autocast(device, cfg.train.precision)
+    if cfg.train.threads:  # 0: as the process has it (zoo-train sets the cores available; sweep workers split them)
+        set_threads(cfg.train.threads)
 
     torch.manual_seed(cfg.train.seed)
     data = {split: load_split(cfg, split, device) for split in SPLITS}
