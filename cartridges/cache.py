@@ -51,7 +51,7 @@ class ModelSignature:
 
     @classmethod
     def of(cls, model) -> "ModelSignature":
-        from cartridges.models import config_fingerprint
+        from zoo.pretrained import config_fingerprint
 
         config = (
             model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config

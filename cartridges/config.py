@@ -1,6 +1,6 @@
 """Typed config schemas of the cartridges commands (Hydra structured configs).
 
-Merge order: dataclass defaults -> YAML preset in configs/cartridge/ -> command-line overrides (Hydra syntax,
+Merge order: dataclass defaults -> YAML preset in cartridges/configs/ -> command-line overrides (Hydra syntax,
 e.g. `cartridges-distill data=runs/ss num_tokens=256`). Unknown keys fail in Hydra's merge; impossible values
 fail in `__post_init__`. Both happen before any work starts.
 """
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from zoo.config import ConfigError, compose_config
+from zoo.paths import package_path
 
 SEED_PROMPT_TYPES = (
     "structuring",
@@ -25,7 +26,6 @@ SEED_PROMPT_TYPES = (
 )
 METHODS = ("self_study", "hard_labels", "ntp")
 INITS = ("first_tokens", "corpus_tokens", "random", "peft")
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "cartridge"
 
 
 def _check_device(name: str, device: str) -> None:
@@ -199,15 +199,18 @@ def register_configs() -> None:
 
 
 def load_config(command: str, overrides: list[str] = ()) -> tuple[Any, str]:
-    """Compose configs/cartridge/<command>.yaml with Hydra `overrides`: (typed config, resolved YAML)."""
+    """Compose cartridges/configs/<command>.yaml (package data; `$CARTRIDGES_CONFIG_DIR` replaces the
+    directory) with Hydra `overrides`: (typed config, resolved YAML)."""
     if command not in SCHEMAS:
         raise ConfigError(f"unknown command {command!r}")
     register_configs()
-    return compose_config(Path(os.environ.get("CARTRIDGES_CONFIG_DIR", CONFIG_DIR)), command, overrides)
+    env = os.environ.get("CARTRIDGES_CONFIG_DIR")
+    return compose_config(Path(env) if env else package_path("cartridges", "configs"), command, overrides)
 
 
 def run_command(prog: str, command: str, usage: str, work, argv: list[str] | None = None):
-    """The shared shell of the cartridges commands: --help, --cfg, logging, and one-line errors (exit 2).
+    """The shared shell of the cartridges commands: --help, --version, --cfg, --threads, logging, and one-line
+    errors (exit 2).
 
     `work(cfg)` does the command's job; its result is returned (None after --help or --cfg).
     """
@@ -218,14 +221,31 @@ def run_command(prog: str, command: str, usage: str, work, argv: list[str] | Non
     if "-h" in args or "--help" in args:
         print(usage)
         return None
+    if "--version" in args:
+        from zoo.cli import version_line
+
+        print(version_line(prog))
+        return None
     show = "--cfg" in args
     args = [a for a in args if a != "--cfg"]
+    threads = 0
+    if "--threads" in args:  # torch CPU threads; 0 (the default): the cores available to this process
+        i = args.index("--threads")
+        try:
+            threads = int(args[i + 1])
+        except (IndexError, ValueError):
+            print(f"{prog}: error: --threads needs a whole number (0: the cores available)", file=sys.stderr)
+            raise SystemExit(2) from None
+        del args[i : i + 2]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
         cfg, resolved = load_config(command, args)
         if show:
             print(resolved, end="")
             return None
+        from zoo.device import set_threads
+
+        set_threads(threads)
         return work(cfg)
     except ValueError as e:
         print(f"{prog}: error: {str(e).splitlines()[0]}", file=sys.stderr)

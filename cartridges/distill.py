@@ -331,8 +331,8 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None) -> dict:
     """Train a cartridge; returns the summary (also written to `<output>/summary.json`)."""
     from tqdm.auto import tqdm
 
-    from cartridges.models import load_model, parse_dtype
     from zoo.device import resolve_device
+    from zoo.pretrained import load_model, parse_dtype
 
     out = Path(cfg.output)
     ckpt_path = out / CHECKPOINT
@@ -462,13 +462,14 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None) -> dict:
     return summary
 
 
-USAGE = """usage: cartridges-distill [--cfg] KEY=VALUE ...
+USAGE = """usage: cartridges-distill [--cfg] [--threads N] [--version] KEY=VALUE ...
 
 Train a cartridge for a frozen model.
   cartridges-distill data=runs/ss corpus.path=doc.md output=runs/c256 num_tokens=256
   cartridges-distill ... method=hard_labels | method=ntp
   cartridges-distill ... resume=true
-Keys: cartridges/config.py DistillConfig; preset configs/cartridge/distill.yaml."""
+Keys: cartridges/config.py DistillConfig; preset cartridges/configs/distill.yaml. --threads: torch CPU threads
+(default: the cores available)."""
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -151,8 +151,8 @@ def build_arms(cfg: EvalConfig, model, tokenizer, corpus: Corpus) -> dict[str, C
 
 
 def evaluate(cfg: EvalConfig, model=None, tokenizer=None) -> dict:
-    from cartridges.models import load_model, parse_dtype
     from zoo.device import resolve_device
+    from zoo.pretrained import load_model, parse_dtype
 
     if model is None or tokenizer is None:
         device = resolve_device(cfg.device)
@@ -232,8 +232,17 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+USAGE = """usage: cartridges-eval [--cfg] [--threads N] [--version] KEY=VALUE ...
+
+QA accuracy and KV memory per arm: the corpus in context (ICL), truncated contexts, no context, cartridges.
+  cartridges-eval corpus.path=doc.md qa=qa.json +cartridges.ss256=runs/c256/cartridge.safetensors
+  cartridges-eval corpus.path=doc.md qa=qa.json truncated_tokens=[256,1024] output=runs/eval
+Keys: cartridges/config.py EvalConfig; preset cartridges/configs/eval.yaml. --threads: torch CPU threads
+(default: the cores available). Prints a table, then one line of JSON."""
+
+
 def main(argv: list[str] | None = None) -> None:
-    results = run_command("cartridges-eval", "eval", __doc__, evaluate, argv)
+    results = run_command("cartridges-eval", "eval", USAGE, evaluate, argv)
     if results is not None:
         print(format_table(results))
         print(json.dumps(results))

@@ -512,6 +512,8 @@ USAGE_EPILOG = """examples:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from zoo.cli import version_line
+
     parser = argparse.ArgumentParser(
         prog="cartridges-serve",
         description="Serve cartridges over an OpenAI-compatible HTTP API.",
@@ -540,6 +542,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout-keep-alive", type=int, default=5, help="close idle connections after (s)")
     parser.add_argument("--header-timeout", type=float, default=10.0, help="close connections without headers (s)")
     parser.add_argument("--body-timeout", type=float, default=30.0, help="answer 408 to a body slower than (s)")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: the cores available)")
+    parser.add_argument("--version", action="version", version=version_line("cartridges-serve"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     if args.allowed_hosts is None:
@@ -549,11 +553,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import uvicorn
 
-        from cartridges.models import load_model, parse_dtype
-        from zoo.device import resolve_device
+        from zoo.device import resolve_device, set_threads
+        from zoo.pretrained import load_model, parse_dtype
 
         if not Path(args.cartridges).is_dir():
             raise ServeError(f"--cartridges {args.cartridges} is not a directory")
+        set_threads(args.threads)
         device = resolve_device(args.device)
         bf16 = args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
         model, tokenizer = load_model(args.model, dtype=parse_dtype("bf16" if bf16 else "fp32"), device=device)

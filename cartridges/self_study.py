@@ -223,8 +223,8 @@ def synthesize(cfg: SynthesizeConfig, model=None, tokenizer=None) -> Path:
     """Run (or continue) self-study into `cfg.output`; returns the dataset directory."""
     from tqdm.auto import tqdm
 
-    from cartridges.models import load_model, parse_dtype
     from zoo.device import resolve_device
+    from zoo.pretrained import load_model, parse_dtype
 
     out = Path(cfg.output)
     shards = out / "shards"
@@ -291,13 +291,13 @@ def write_dataset(out: Path, rows: list[dict]) -> Path:
     return target
 
 
-USAGE = """usage: cartridges-synthesize [--cfg] KEY=VALUE ...
+USAGE = """usage: cartridges-synthesize [--cfg] [--threads N] [--version] KEY=VALUE ...
 
 Self-study conversations about a corpus, with the teacher's top-k log-probs, saved as an HF dataset.
   cartridges-synthesize corpus.path=doc.md output=runs/ss num_conversations=512
   cartridges-synthesize ... backend=openai base_url=http://localhost:8000/v1 server_model=<name>
-Keys: cartridges/config.py SynthesizeConfig; preset configs/cartridge/synthesize.yaml. Re-running the same
-command continues an interrupted run."""
+Keys: cartridges/config.py SynthesizeConfig; preset cartridges/configs/synthesize.yaml. Re-running the same
+command continues an interrupted run. --threads: torch CPU threads (default: the cores available)."""
 
 
 def main(argv: list[str] | None = None) -> None:

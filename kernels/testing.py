@@ -1,6 +1,6 @@
 """The one tolerance rule for kernel tests, and the shape grids they sweep.
 
-Rule (shared/STYLE.md, 2): against a float64 reference, a kernel's relative error ‖x − ref‖/‖ref‖ may be at most
+Rule (docs/STYLE.md, 2): against a float64 reference, a kernel's relative error ‖x − ref‖/‖ref‖ may be at most
 twice the error of the naive PyTorch code run in the kernel's own dtype, plus a small allowance for that dtype.
 So a bf16 kernel is held to what bf16 arithmetic allows, and an fp32 kernel to fp32's.
 """

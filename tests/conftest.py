@@ -18,3 +18,21 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     """Synthetic-data caches of tests go to a per-session temp dir, never the user's ~/.cache."""
     if "ZOO_CACHE_DIR" not in os.environ:
         monkeypatch.setenv("ZOO_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "zoo-cache"))
+
+
+@pytest.fixture(scope="session")
+def demo_runs(tmp_path_factory):
+    """The README's demo (zoo.demo.run), trained once per session: (rows, runs root). tests/test_readme.py
+    compares its table with the README's; tests/test_resume.py compares a killed and resumed run with it."""
+    from zoo import demo
+
+    root = tmp_path_factory.mktemp("demo-runs")
+    cache = os.environ.get("ZOO_CACHE_DIR") or str(tmp_path_factory.getbasetemp() / "zoo-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ZOO_CACHE_DIR", cache)
+        before = torch.get_num_threads()
+        try:
+            rows = demo.run([f"runs_root={root}", "train.progress=false"])
+        finally:
+            torch.set_num_threads(before)
+    return rows, root

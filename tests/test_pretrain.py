@@ -130,7 +130,7 @@ def test_a_tokenized_dataset_with_labels_takes_the_loss_where_they_say(tmp_path)
 def test_presets_have_the_released_layer_pattern():
     for name, d, n_layers, dv, params in (("based_360m", 1024, 27, 64, 360e6), ("based_1b", 1792, 36, 112, 1.35e9)):
         node = OmegaConf.merge(
-            OmegaConf.structured(ModelConfig), OmegaConf.load(REPO / "configs/model" / f"{name}.yaml")
+            OmegaConf.structured(ModelConfig), OmegaConf.load(REPO / "zoo/configs/model" / f"{name}.yaml")
         )
         mc = OmegaConf.to_object(node)
         layers = mc.layers()

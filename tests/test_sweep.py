@@ -83,14 +83,14 @@ def test_repo_sweep_files_compose(capsys):
 
     repo = Path(__file__).resolve().parents[1]
     experiments = [repo / "experiments" / name / "sweep.py" for name in ("zoology_fig2", "based_frontier")]
-    files = sorted(repo.glob("configs/sweep/*.yaml")) + experiments
+    files = sorted(repo.glob("zoo/configs/sweep/*.yaml")) + experiments
     assert files
     for path in files:
         runs = load_sweep(path)
         for run in runs[:: max(1, len(runs) // 8)]:
             load_config(run)
-    main([str(repo / "configs/sweep/tiny.yaml"), "--emit"])
-    assert capsys.readouterr().out.count("zoo-train ") == len(load_sweep(repo / "configs/sweep/tiny.yaml"))
+    main([str(repo / "zoo/configs/sweep/tiny.yaml"), "--emit"])
+    assert capsys.readouterr().out.count("zoo-train ") == len(load_sweep(repo / "zoo/configs/sweep/tiny.yaml"))
     # --pack-lrs --emit: one zoo-train per group of runs differing only in optim.lr (4 lrs per Fig. 2 point).
     fig2 = repo / "experiments/zoology_fig2/sweep.py"
     main([str(fig2), "--emit", "--pack-lrs"])

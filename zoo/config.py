@@ -1,4 +1,4 @@
-"""Typed config schemas (Hydra structured configs). YAML presets in configs/ only fill these in.
+"""Typed config schemas (Hydra structured configs). YAML presets in zoo/configs/ only fill these in.
 
 Merge order: dataclass defaults -> YAML preset -> command line. Unknown keys fail in Hydra's merge;
 impossible values fail in `__post_init__`, which runs when the merged config is turned into these objects
@@ -169,6 +169,8 @@ def _check_execution(train) -> None:
         raise ValueError(f"train.precision must be auto|fp32|bf16, got {train.precision!r}")
     if not (train.device in ("auto", "cpu", "cuda") or train.device.startswith("cuda:")):
         raise ValueError(f"train.device must be auto|cpu|cuda|cuda:N, got {train.device!r}")
+    if train.threads < 0:
+        raise ValueError(f"train.threads must be >= 0 (0: the cores available), got {train.threads}")
     if train.resume and train.overwrite:
         raise ValueError("train.resume and train.overwrite exclude each other")
     if train.compile_mode not in COMPILE_MODES:
@@ -201,6 +203,9 @@ class TrainConfig:
     resume: bool = False  # continue the run in run_dir from its last checkpoint
     overwrite: bool = False  # start over in a run_dir that already holds a run
     progress: bool = True
+    # torch CPU threads. 0: the cores available to the process, set by zoo-train at start; inside a zoo-sweep
+    # worker, the worker's share of the cores.
+    threads: int = 0
     # Non-empty: train one run per learning rate here (optim.lr is replaced), packed into one vmapped model
     # in this process (zoo/steps.py). Each run lands in the run dir its unpacked config would use.
     pack_lrs: list[float] = field(default_factory=list)
@@ -232,7 +237,7 @@ class LoggerConfig:
 
 @dataclass
 class Config:
-    """The root of `zoo-train`'s config tree (configs/train.yaml fills it in)."""
+    """The root of `zoo-train`'s config tree (zoo/configs/train.yaml fills it in)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -308,6 +313,7 @@ class PretrainTrainConfig:
     resume: bool = False
     overwrite: bool = False
     progress: bool = True
+    threads: int = 0  # torch CPU threads; 0: the cores available to this process (zoo.device.set_threads)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "log_every", "eval_every", "eval_windows"):
@@ -322,7 +328,7 @@ class PretrainTrainConfig:
 
 @dataclass
 class PretrainConfig:
-    """The root of `zoo-pretrain`'s config tree (configs/pretrain.yaml fills it in)."""
+    """The root of `zoo-pretrain`'s config tree (zoo/configs/pretrain.yaml fills it in)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: LMDataConfig = field(default_factory=LMDataConfig)
@@ -354,15 +360,84 @@ class ConfigError(ValueError):
     """A config that cannot run; its message is one line."""
 
 
+def _chain(exc: BaseException | None) -> list[BaseException]:
+    out = []
+    while exc is not None and exc not in out:
+        out.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return out
+
+
+def _did_you_mean(word: str, known) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _known_keys(node_type_name: str) -> list[str]:
+    """Field names of the schema dataclass called `node_type_name` (in this module or cartridges')."""
+    import dataclasses
+    import sys
+
+    for module in (sys.modules[__name__], sys.modules.get("cartridges.config")):
+        cls = getattr(module, node_type_name, None)
+        if cls is not None and dataclasses.is_dataclass(cls):
+            return [f.name for f in dataclasses.fields(cls)]
+    return []
+
+
+def _sections_with(root_schema: str, leaf: str) -> list[str]:
+    """The sections of root schema `root_schema` whose own schema has a field named `leaf`."""
+    import dataclasses
+    import sys
+
+    cls = getattr(sys.modules[__name__], root_schema, None)
+    if cls is None or not dataclasses.is_dataclass(cls):
+        return []
+    hits = []
+    for f in dataclasses.fields(cls):
+        sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        if isinstance(sub, type) and dataclasses.is_dataclass(sub):
+            if leaf in {g.name for g in dataclasses.fields(sub)}:
+                hits.append(f.name)
+    return hits
+
+
 def _one_line(exc: BaseException | None) -> str:
-    """The most specific line of a Hydra/OmegaConf error chain."""
+    """One plain line for a Hydra/OmegaConf error chain: what was wrong, what is known, the closest name."""
+    import re
+
+    chain = _chain(exc)
+    for e in chain:
+        options = getattr(e, "options", None)
+        found = re.search(r"Could not find '([^']+)/([^'/]+)'", str(e))
+        if found:
+            group, name = found.groups()
+            known = sorted(options or [])
+            listing = f" (known: {', '.join(known)})" if known else ""
+            return f"{group}={name}: no such preset in {group}/{listing}{_did_you_mean(name, known)}"
+    for e in chain:
+        key = getattr(e, "full_key", None)
+        first = str(e).splitlines()[0] if str(e) else ""
+        missing = re.match(r"Key '([^']+)' not in '([^']+)'", first)
+        if key and missing:
+            leaf, schema = missing.groups()
+            section = key.rpartition(".")[0]
+            prefix = f"{section}." if section else ""
+            known = [prefix + k for k in _known_keys(schema)]
+            if not section:  # a section's key given without its section, e.g. epochs=3 for train.epochs
+                known += [f"{k}.{leaf}" for k in _sections_with(schema, leaf)]
+            return f"{key}: no such key in {section or 'the root config'}{_did_you_mean(key, known)}"
+        if key and "$VALUE" not in first:
+            override = next((m.group(1) for x in chain if (m := re.search(r"override (\S+)", str(x)))), None)
+            return f"{override or key}: {first}"
     parts = []
-    while exc is not None:
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for e in reversed(chain):
+        lines = [line.strip() for line in str(e).splitlines() if line.strip() and "$" not in line]
         if lines and lines[0] not in parts:
             parts.append(lines[0])
-        exc = exc.__cause__ or exc.__context__
-    return " ".join(reversed(parts)) if parts else "invalid config"
+    return "; ".join(parts) if parts else "invalid config"
 
 
 def compose_config(config_dir: str | Path, config_name: str, overrides: list[str] = ()) -> tuple[Any, str]:

@@ -23,3 +23,23 @@ def autocast(device: torch.device, precision: str = "auto", cache: bool = True) 
     if not use_bf16:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=cache)
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, e.g. a container's or taskset's share)."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity API (macOS)
+        return os.cpu_count() or 1
+
+
+def set_threads(threads: int = 0) -> int:
+    """torch's intra-op CPU threads: `threads`, or with 0 the cores available to this process; returns it.
+
+    torch otherwise starts one thread per core of the machine, and when other processes take some of those
+    cores its threads wait on each other at every op: a small model's steps slow down many times over."""
+    n = threads if threads > 0 else available_cores()
+    torch.set_num_threads(n)
+    return n

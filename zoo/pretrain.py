@@ -5,7 +5,7 @@
     torchrun --nproc_per_node=2 -m zoo.pretrain train.parallel=ddp     # or train.parallel=fsdp (FSDP2)
     zoo-pretrain train.resume=true                        # continue a killed run from its last checkpoint
 
-The config tree is PretrainConfig (zoo/config.py) composed by Hydra from configs/pretrain.yaml. Each step
+The config tree is PretrainConfig (zoo/config.py) composed by Hydra from zoo/configs/pretrain.yaml. Each step
 trains on a global batch of world_size·batch_size·grad_accum packed windows, chosen by (seed, step) alone
 (zoo/lm_data.py): one process with batch 2b computes the same loss as two processes with batch b, and a
 resumed run reads exactly the tokens it would have. The run dir (zoo/runs.py) holds config.yaml,
@@ -32,10 +32,10 @@ from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from zoo.config import PretrainConfig, register_pretrain_configs
-from zoo.device import autocast, resolve_device
+from zoo.device import autocast, resolve_device, set_threads
 from zoo.lm_data import PackedWindows, TokenData, prepare, valid_windows
 from zoo.models import LanguageModel
-from zoo.runs import RunDir
+from zoo.runs import RunDir, find_resumable
 from zoo.steps import build_optimizer, lr_lambda
 from zoo.train import ConfigError, load_config, start_tracker
 
@@ -45,6 +45,7 @@ EXECUTION_KEYS = (
     "resume",
     "overwrite",
     "progress",
+    "threads",
     "device",
     "compile",
     "sample_tokens",
@@ -277,6 +278,13 @@ def _pretrain(cfg: PretrainConfig, resolved_yaml: str | None, d: Dist) -> dict[s
 
     name = run_name(cfg)
     run = RunDir(Path(cfg.runs_root) / cfg.experiment_name / name)
+    if tc.resume and not run.exists():  # the latest run of this config, whatever its dir's name
+        yaml_text = OmegaConf.to_yaml(OmegaConf.structured(cfg))  # what config.yaml holds
+        try:
+            run = find_resumable(run.path.parent, yaml_text, EXECUTION_KEYS)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        name = run.path.name
     if run.exists() and not (tc.resume or tc.overwrite):
         raise ConfigError(f"{run.path} already holds a run: pass train.resume=true or train.overwrite=true")
     if tc.resume and run.is_finished():
@@ -444,14 +452,18 @@ def _pretrain(cfg: PretrainConfig, resolved_yaml: str | None, d: Dist) -> dict[s
     return summary
 
 
-USAGE = """usage: zoo-pretrain [--config-name NAME] [KEY=VALUE ...]
+USAGE = """usage: zoo-pretrain [--cfg] [--version] [--config-name NAME] [KEY=VALUE ...]
 
-Pretrain a causal LM on text. Overrides use Hydra syntax over configs/pretrain.yaml (or NAME.yaml):
+Pretrain a causal LM on text. Overrides use Hydra syntax over zoo/configs/pretrain.yaml (or NAME.yaml):
   zoo-pretrain                                   based_tiny on the embedded corpus (CPU, ~2 minutes)
   zoo-pretrain model=based_360m lm_data@data=files data.source=/data/text
   torchrun --nproc_per_node=2 -m zoo.pretrain train.parallel=fsdp
-  zoo-pretrain train.resume=true
+  zoo-pretrain train.resume=true                 continue the latest run of this config
   zoo-pretrain --cfg [KEY=VALUE ...]            print the resolved config and exit
+Main options (every field and default: zoo/config.py PretrainConfig):
+  model=PRESET lm_data@data=embedded|files data.source=PATH data.tokenizer=bpe|smollm2|PATH
+  train.steps=N train.batch_size=N optim.lr=X train.device=auto|cpu|cuda train.threads=N (0: cores available)
+  train.resume=true | train.overwrite=true   train.compile=true   runs_root=DIR
 Runs go to runs/<experiment_name>/<run>/ (metrics.jsonl, summary.json, ckpt/, hf/)."""
 
 
@@ -474,6 +486,7 @@ def main(argv: list[str] | None = None) -> None:
         if show:
             print(resolved, end="")
             return
+        set_threads(cfg.train.threads)
         summary = pretrain(cfg, resolved)
     except ConfigError as e:
         print(f"zoo-pretrain: error: {e}", file=sys.stderr)

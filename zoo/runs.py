@@ -7,6 +7,8 @@
         ckpt/last.pt     the last checkpoint (written to a temp file, then renamed)
 
 Every write that replaces a file is atomic, so a kill at any moment leaves either the old or the new file.
+`find_resumable` finds the run that `train.resume=true` continues. torch is imported only to read and write
+checkpoints, so listing and plotting runs stays light.
 """
 
 import json
@@ -16,8 +18,6 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-import torch
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
@@ -116,6 +116,8 @@ class RunDir:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".last.", suffix=".tmp")
         os.close(fd)
+        import torch
+
         try:
             torch.save(state, tmp)
             os.replace(tmp, path)
@@ -127,6 +129,8 @@ class RunDir:
         path = self.path / CKPT
         if not path.exists():
             return None
+        import torch
+
         return torch.load(path, map_location="cpu", weights_only=True)
 
     def clear(self) -> None:
@@ -139,3 +143,58 @@ def find_runs(root: str | Path) -> Iterator[RunDir]:
     """Every run dir below `root` (a directory holding config.yaml)."""
     for config in sorted(Path(root).rglob(CONFIG)):
         yield RunDir(config.parent)
+
+
+# Top-level fields that say where a run goes and how it is logged, not what it computes.
+RUN_CONTROL = ("logger", "run", "runs_root", "run_dir")
+
+
+def run_identity(tree: dict[str, Any], train_control) -> dict[str, Any]:
+    """A config tree without its run-control fields (RUN_CONTROL, and `train_control` under train): two runs
+    with equal identities compute the same thing."""
+    out = {k: v for k, v in tree.items() if k not in RUN_CONTROL}
+    if isinstance(out.get("train"), dict):
+        out["train"] = {k: v for k, v in out["train"].items() if k not in train_control}
+    return out
+
+
+def read_config_tree(run: RunDir) -> dict[str, Any] | None:
+    import yaml
+
+    try:
+        tree = yaml.safe_load((run.path / CONFIG).read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    return tree if isinstance(tree, dict) else None
+
+
+def last_activity(run: RunDir) -> float:
+    """When the run last wrote anything (checkpoint, metrics, summary or config)."""
+    paths = [run.path / name for name in (CKPT, METRICS, SUMMARY, CONFIG)]
+    times = [p.stat().st_mtime for p in paths if p.exists()]
+    return max(times, default=0.0)
+
+
+def find_resumable(experiment_dir: str | Path, resolved_yaml: str, train_control) -> RunDir:
+    """The run `train.resume=true` continues: the latest run dir directly below `experiment_dir` whose
+    config.yaml equals `resolved_yaml` apart from run-control fields (`run_identity`).
+
+    Raises ValueError naming what it looked for when there is none."""
+    import yaml
+
+    want = run_identity(yaml.safe_load(resolved_yaml), train_control)
+    root = Path(experiment_dir)
+    candidates = []
+    for config in sorted(root.glob(f"*/{CONFIG}")):
+        run = RunDir(config.parent)
+        tree = read_config_tree(run)
+        if tree is not None and run_identity(tree, train_control) == want:
+            candidates.append((last_activity(run), str(run.path), run))
+    if not candidates:
+        ignored = ", ".join([*RUN_CONTROL, *(f"train.{k}" for k in train_control)])
+        runs = len(list(root.glob(f"*/{CONFIG}"))) if root.is_dir() else 0
+        raise ValueError(
+            f"train.resume=true: no run in {root}/ has this config ({runs} runs there; compared every config.yaml "
+            f"apart from {ignored}): repeat the killed run's overrides, or drop train.resume to start a new run"
+        )
+    return max(candidates)[2]

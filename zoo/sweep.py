@@ -1,7 +1,7 @@
 """`zoo-sweep`: run many `zoo-train` configs, each in its own run dir, resumable and failure-tolerant.
 
     zoo-sweep experiments/zoology_fig2/sweep.py                  # every GPU, 4 runs per GPU
-    zoo-sweep configs/sweep/tiny.yaml --workers 2 --device cpu
+    zoo-sweep zoo/configs/sweep/tiny.yaml --workers 2 --device cpu
     zoo-sweep experiments/zoology_fig2/sweep.py --dry-run        # list the runs and what is already done
     zoo-sweep experiments/zoology_fig2/sweep.py --emit           # one zoo-train command per line
     zoo-sweep experiments/zoology_fig2/sweep.py --pack-lrs       # the 4 lrs of each point as one packed job

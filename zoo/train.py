@@ -4,14 +4,13 @@
     zoo-train model=attention train.resume=true          # continue a killed run from its last checkpoint
     zoo-train model=based train.pack_lrs=[1e-4,1e-3,1e-2]  # three runs (one per lr) packed in one process
 
-The config tree is composed by Hydra from configs/ (presets) over the schemas in zoo/config.py; a typo or an
+The config tree is composed by Hydra from zoo/configs/ (presets) over the schemas in zoo/config.py; a typo or an
 impossible value fails here, before any work, with a one-line reason.
 """
 
 import copy
 import hashlib
 import logging
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -23,29 +22,25 @@ from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from zoo.config import SPLITS, Config, ConfigError, compose_config, register_configs
-from zoo.device import autocast, resolve_device
+from zoo.device import autocast, resolve_device, set_threads
 from zoo.eval import QuerySegment, evaluate
 from zoo.models import LanguageModel
-from zoo.runs import RunDir
+from zoo.paths import config_dir
+from zoo.runs import RunDir, find_resumable
 from zoo.steps import PackedStep, PackError, check_pack, lr_lambda, make_strategy
 from zoo.synthetics import cached_generate, generate
 
 log = logging.getLogger("zoo.train")
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 # Fields that change how a run is executed, not what it computes: left out of the run's identity.
 EXECUTION_KEYS = {
-    "train": ("resume", "overwrite", "progress", "device", "compile", "cuda_graph", "pack_lrs"),
+    "train": ("resume", "overwrite", "progress", "device", "compile", "cuda_graph", "pack_lrs", "threads"),
     "logger": None,
 }
 
 
-def config_dir() -> Path:
-    return Path(os.environ.get("ZOO_CONFIG_DIR", CONFIG_DIR))
-
-
 def load_config(overrides: list[str] = (), config_name: str = "train") -> tuple[Config, str]:
-    """Compose configs/<config_name>.yaml with `overrides`; return the typed config and its resolved YAML."""
+    """Compose zoo/configs/<config_name>.yaml with `overrides`; return the typed config and its resolved YAML."""
     register_configs()
     return compose_config(config_dir(), config_name, overrides)
 
@@ -213,6 +208,15 @@ def train_runs(members: list[Config], resolved: list[str | None] | None = None) 
     if len(members) > 1:
         check_pack(members, names)
     runs = [RunDir(Path(cfg.runs_root) / cfg.experiment_name / name) for name in names]
+    if cfg.train.resume:  # a member without its dir continues the latest run of its config, whatever its name
+        for i, member in enumerate(members):
+            if not runs[i].exists():
+                text = resolved[i] or OmegaConf.to_yaml(OmegaConf.structured(member))
+                try:
+                    runs[i] = find_resumable(runs[i].path.parent, text, EXECUTION_KEYS["train"])
+                except ValueError as e:
+                    raise ConfigError(str(e)) from None
+                names[i] = runs[i].path.name
     for run in runs:
         if run.exists() and not (cfg.train.resume or cfg.train.overwrite):
             raise ConfigError(
@@ -239,6 +243,8 @@ def train_runs(members: list[Config], resolved: list[str | None] | None = None) 
 
     device = resolve_device(cfg.train.device)
     amp = autocast(device, cfg.train.precision)
+    if cfg.train.threads:  # 0: as the process has it (zoo-train sets the cores available; sweep workers split them)
+        set_threads(cfg.train.threads)
     # Seed, then data, then the model: a member starts from the same initial weights however it is trained.
     torch.manual_seed(cfg.train.seed)
     data = {split: load_split(cfg, split, device) for split in SPLITS}
@@ -361,11 +367,11 @@ def train_runs(members: list[Config], resolved: list[str | None] | None = None) 
     return summaries
 
 
-USAGE = """usage: zoo-train [KEY=VALUE ...]
+USAGE = """usage: zoo-train [--cfg] [-m] [--version] [KEY=VALUE ...]
 
-Train one model on synthetic recall data. Overrides use Hydra syntax over configs/train.yaml:
+Train one model on synthetic recall data. Overrides use Hydra syntax over zoo/configs/train.yaml:
   zoo-train model=based data=mqar_tiny optim.lr=3e-3
-  zoo-train model=attention train.resume=true
+  zoo-train model=based optim.lr=3e-3 train.resume=true   continue the latest run of this config
   zoo-train model=based train.pack_lrs=[1e-4,1e-3,1e-2]   one run per lr, trained as one vmapped pack
   zoo-train --cfg [KEY=VALUE ...]     print the resolved config and exit
   zoo-train -m model=based,attention optim.lr=1e-3,3e-3 hydra/launcher=joblib hydra.launcher.n_jobs=4
@@ -373,7 +379,12 @@ Train one model on synthetic recall data. Overrides use Hydra syntax over config
                                       (joblib here; submitit or ray on a cluster). Finished runs are skipped,
                                       a failing run is recorded and the others go on; with GPUs, job i uses
                                       cuda:(i mod GPU count) unless train.device is given.
-Groups: model/, data/, optim/, logger/ under configs/. Runs go to runs/<experiment_name>/<run>/."""
+Main options (every field and default: zoo/config.py):
+  model=PRESET data=PRESET optim.lr=X train.epochs=N train.early_stop=X train.seed=N
+  train.device=auto|cpu|cuda|cuda:N   train.threads=N (0: the cores available)   train.progress=false
+  train.resume=true | train.overwrite=true   runs_root=DIR   experiment_name=NAME   logger=wandb
+Presets: model/, data/, optim/, logger/, experiment/ under zoo/configs/ ($ZOO_CONFIG_DIR replaces it).
+Runs go to runs/<experiment_name>/<run>/."""
 
 
 def multirun_job(overrides: list[str], job_num: int) -> dict:
@@ -431,6 +442,7 @@ def main(argv: list[str] | None = None) -> None:
         if show:
             print(resolved, end="")
             return
+        set_threads(cfg.train.threads)
         if cfg.train.pack_lrs:
             from zoo.steps import pack_members
 

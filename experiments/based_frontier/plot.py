@@ -30,7 +30,7 @@ from zoo.runs import atomic_write_text, find_runs
 
 HERE = Path(__file__).resolve().parent
 SUMMARIES = HERE / "summaries"
-# Layer kinds of each preset (configs/model/based_fig2/<name>.yaml) -> (name, the mixer option the grid sweeps).
+# Layer kinds of each preset (zoo/configs/model/based_fig2/<name>.yaml) -> (name, the mixer option the grid sweeps).
 PRESETS = {
     ("short_conv", "attention"): ("attention", None),
     ("short_conv", "based"): ("based", ("based", "feature_dim")),

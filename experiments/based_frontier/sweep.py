@@ -1,7 +1,7 @@
 """The Based recall–state frontier (Arora et al., 2024, Fig. 2 left), as Zoology's arxiv24_based_figure2 config
 defines it: MQAR accuracy against recurrent state size, each architecture at its own state dials.
 
-Models (presets `configs/model/based_fig2/*.yaml`; each header says where ours differs):
+Models (presets `zoo/configs/model/based_fig2/*.yaml`; each header says where ours differs):
 - Hybrid[BaseConv k=3, X] (layer 0 the gated short conv, layer 1 X) for X = attention (d ∈ {64, 128}, 1 head,
   dropout 0.1, no positions), Based (d ∈ {48, 64, 128} × feature_dim ∈ {8, 16, 24}, 1 head) and sliding-window
   attention (d = 128, window ∈ {8, 16, ..., 1024}).
@@ -31,7 +31,7 @@ Based before the others.
 import os
 import re
 
-# Preset names (configs/model/based_fig2/<name>.yaml) in run order within one d_model.
+# Preset names (zoo/configs/model/based_fig2/<name>.yaml) in run order within one d_model.
 MODELS = ["based", "attention", "sliding_window", "mamba", "mamba2", "hyena", "h3", "gla", "gated_deltanet"]
 LRS = [float(f"{10 ** (-3 + 0.5 * i):.4g}") for i in range(4)]  # logspace(-3, -1.5, 4)
 TRAIN = [(64, 4, 100_000), (128, 8, 20_000), (256, 16, 20_000), (256, 32, 20_000), (256, 64, 20_000)]

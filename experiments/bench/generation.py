@@ -8,7 +8,7 @@ tokens of its KV cache are 0.48 GB per sequence, so its best batch is ≤ 256):
     python experiments/bench/generation.py --based-batches 1,64,256,1024,4096 --llama-batches 1,64,128,256 \
         --budget-s 200
 
-Both models have random weights. Based: `configs/model/based_1b.yaml` (1.35B parameters, Based impl=triton on
+Both models have random weights. Based: `zoo/configs/model/based_1b.yaml` (1.35B parameters, Based impl=triton on
 CUDA) as ZooForCausalLM, whose decode steps replay a CUDA graph over the fixed recurrent state. Llama:
 `LlamaForCausalLM` with SDPA attention and a static KV cache (transformers compiles its decode step, CUDA
 graphs included), its depth chosen so its parameter count is closest to Based's. Both run through
@@ -45,7 +45,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def based_model(preset: str, vocab: int, device: torch.device, dtype: torch.dtype, impl: str) -> ZooForCausalLM:
-    node = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(REPO / "configs/model" / f"{preset}.yaml"))
+    preset_file = REPO / "zoo/configs/model" / f"{preset}.yaml"
+    node = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(preset_file))
     node.vocab_size = vocab
     node.mixers.based.impl = impl
     mc = OmegaConf.to_object(node)

@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     from cartridges import distill, self_study
     from cartridges import eval as ceval
     from cartridges.config import load_config
-    from cartridges.models import load_model, parse_dtype
     from zoo.device import resolve_device
+    from zoo.pretrained import load_model, parse_dtype
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     out = Path(args.out)

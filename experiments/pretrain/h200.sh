@@ -7,7 +7,7 @@
 #   bash experiments/pretrain/h200.sh bench   based-1b vs a same-size Llama, bf16, 1024 + 1024 tokens, batches
 # Results go to ${OUT:-runs/h200}: the run dirs (metrics.jsonl, summary.json) and each step's log.
 #
-# Data: the GPU box cannot download, so the runs read the embedded corpus (experiments/pretrain/corpus,
+# Data: the GPU box cannot download, so the runs read the embedded corpus (zoo/data/corpus,
 # ~15k tokens with its 1024-token BPE). The head keeps the real 50304-entry vocabulary so that FLOPs, MFU
 # and memory match a real run. With ~15k tokens the loss curve past the first step is memorisation, not
 # language modelling: it checks that training works and measures speed. For a real curve, pass a corpus:

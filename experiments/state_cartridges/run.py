@@ -7,7 +7,7 @@
    sheets have 1..entities entities and their questions repeat until the window is full; every document is
    exactly one packed window (README: the recipe search that led here).
 2. Pretraining (zoo.pretrain, one run per model, a BPE trained on the sheets): the Based hybrid
-   (BaseConv, Based, sliding window, as configs/model/based_tiny.yaml) and an attention LM with the same
+   (BaseConv, Based, sliding window, as zoo/configs/model/based_tiny.yaml) and an attention LM with the same
    d_model and layer count. Each model's ICL recall over 8 fresh sheets goes to summary.json.
 3. The corpus: a fresh sheet; the QA set: every (entity, attribute) of it.
 4. Self-study with each model (the model writes questions about the sheet, then answers them with the sheet
@@ -298,7 +298,7 @@ def answer_labels(
 
 
 def attention_model_args(scale: Scale) -> list[str]:
-    """zoo.pretrain overrides of the attention LM. "hybrid": the Based LM's block (configs/model/based_tiny.yaml)
+    """zoo.pretrain overrides of the attention LM. "hybrid": the Based LM's block (zoo/configs/model/based_tiny.yaml)
     with its two memory mixers, Based and the sliding window, replaced by global attention, so that the two
     models differ only in the mixer that holds the sheet; "plain": attention in every layer (the runs before
     session 5, which learnt no recall: README, "Recipe search"). Head dim 16."""
@@ -362,7 +362,7 @@ def pretrain_model(
 
 
 def load(hf_dir: Path, device: torch.device, layout: str = "kv"):
-    from cartridges.models import load_model
+    from zoo.pretrained import load_model
 
     # fp32 on every device: these models are tiny, and fp32 keeps cartridge training and the arms exact.
     model, tok = load_model(str(hf_dir), dtype=torch.float32, device=device)

@@ -29,7 +29,7 @@ from zoo.runs import atomic_write_text, find_runs
 
 HERE = Path(__file__).resolve().parent
 SUMMARIES = HERE / "summaries"
-# Layer kinds of each preset (configs/model/zoology_fig2/<name>.yaml) -> the preset's name.
+# Layer kinds of each preset (zoo/configs/model/zoology_fig2/<name>.yaml) -> the preset's name.
 PRESETS = {
     ("attention", "attention"): "attention",
     ("short_conv", "long_conv"): "base_conv",

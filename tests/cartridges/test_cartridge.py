@@ -13,7 +13,7 @@ from cartridges.cache import (
     cache_kwargs,
     generate,
 )
-from cartridges.models import tiny_llama
+from zoo.pretrained import tiny_llama
 
 PREFIX, QUERY = 24, 16
 

@@ -6,7 +6,7 @@ import datasets
 import pytest
 
 from cartridges.corpus import Corpus, CorpusError, context_ids, load_texts, turn_ids
-from cartridges.models import ByteTokenizer, ModelNotFoundError, load_model
+from zoo.pretrained import ByteTokenizer, ModelNotFoundError, load_model
 
 
 def test_load_texts_from_file_directory_and_dataset(tmp_path):

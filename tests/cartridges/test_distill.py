@@ -7,7 +7,7 @@ from cartridges.cache import Cartridge
 from cartridges.clients import TransformersClient
 from cartridges.corpus import context_ids, turn_ids
 from cartridges.distill import collate, conversation_examples, distill_loss, pack
-from cartridges.models import ByteTokenizer, tiny_llama
+from zoo.pretrained import ByteTokenizer, tiny_llama
 
 CHUNK = "The lighthouse of Vellmar was lit in 1843 by Ines Okafor, who kept it for forty-one years."
 

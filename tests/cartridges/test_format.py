@@ -20,7 +20,7 @@ from cartridges.format import (
     read_cartridge_file,
     read_header,
 )
-from cartridges.models import tiny_llama
+from zoo.pretrained import tiny_llama
 
 PACKAGE = Path(__file__).resolve().parents[2] / "cartridges"
 

@@ -20,7 +20,7 @@ httpx = pytest.importorskip("httpx")
 from cartridges.cache import Cartridge, generate  # noqa: E402
 from cartridges.engine import Server  # noqa: E402
 from cartridges.http import build_app, default_allowed_hosts  # noqa: E402
-from cartridges.models import ByteTokenizer, tiny_llama  # noqa: E402
+from zoo.pretrained import ByteTokenizer, tiny_llama  # noqa: E402
 
 DOC, EOS = 24, 2
 JSON = {"content-type": "application/json"}

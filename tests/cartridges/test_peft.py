@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cartridges.cache import Cartridge, CartridgeError, CartridgeFileError, cache_kwargs
-from cartridges.models import tiny_llama
+from zoo.pretrained import tiny_llama
 
 peft = pytest.importorskip("peft")
 
@@ -112,7 +112,7 @@ def test_distill_starts_from_and_saves_a_peft_adapter(tmp_path):
 
 def smollm2_gguf() -> Path | None:
     """The SmolLM2 GGUF if this machine already has it (tests never download): $ZOO_SMOLLM2_GGUF, or the default
-    model cache of `cartridges.models` (the tests' own ZOO_CACHE_DIR is a fresh temp dir)."""
+    model cache of `zoo.pretrained` (the tests' own ZOO_CACHE_DIR is a fresh temp dir)."""
     env = os.environ.get("ZOO_SMOLLM2_GGUF")
     candidates = [Path(env)] if env else []
     candidates.append(
@@ -127,7 +127,7 @@ def test_smollm2_round_trip():
     if gguf is None:
         pytest.skip("SmolLM2 GGUF not on this machine (set ZOO_SMOLLM2_GGUF or fetch smollm2-135m-instruct once)")
     from cartridges.corpus import context_ids
-    from cartridges.models import load_model
+    from zoo.pretrained import load_model
 
     model, tok = load_model(str(gguf))
     prefix = torch.tensor(context_ids(tok, "The Pell ferry sails at dawn.")[:12])

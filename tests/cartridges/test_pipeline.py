@@ -12,7 +12,7 @@ from cartridges import eval as ceval
 from cartridges.cache import Cartridge
 from cartridges.clients import ClientError, OpenAIClient
 from cartridges.config import ConfigError, load_config
-from cartridges.models import ByteTokenizer, tiny_llama
+from zoo.pretrained import ByteTokenizer, tiny_llama
 
 DOC = (
     "The river town of Osk Varen sits where the Tamel meets the Quirre. Its bridge, the Long Saddle, has nine "

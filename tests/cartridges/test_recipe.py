@@ -9,7 +9,7 @@ import pytest
 
 from cartridges.corpus import Corpus
 from cartridges.eval import is_correct, load_qa
-from cartridges.models import ByteTokenizer
+from zoo.pretrained import ByteTokenizer
 
 RECIPE = Path(__file__).resolve().parents[2] / "experiments" / "cartridges_recipe"
 ARMS = ["ss", "ss_few", "hard_labels", "ntp"]

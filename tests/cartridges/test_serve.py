@@ -26,7 +26,7 @@ from cartridges.engine import (  # noqa: E402
 from cartridges.engine.decoders import SharedDecoder  # noqa: E402
 from cartridges.engine.requests import Row  # noqa: E402
 from cartridges.http import build_app, main  # noqa: E402
-from cartridges.models import ByteTokenizer, tiny_llama  # noqa: E402
+from zoo.pretrained import ByteTokenizer, tiny_llama  # noqa: E402
 
 DOC, MAX_TOKENS, EOS = 24, 8, 2
 JSON = {"content-type": "application/json"}

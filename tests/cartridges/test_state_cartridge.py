@@ -18,9 +18,9 @@ from cartridges.cache import (
 )
 from cartridges.config import load_config
 from cartridges.corpus import Corpus, context_ids
-from cartridges.models import ByteTokenizer, tiny_llama
 from cartridges.state import StateCartridge, differentiable
 from zoo.models.hf import ZooConfig, ZooForCausalLM
+from zoo.pretrained import ByteTokenizer, tiny_llama
 
 WINDOW = 8
 CORPUS_LEN = 29  # > WINDOW, so the ring buffer has wrapped

@@ -1,4 +1,4 @@
-"""The paper presets (configs/model/zoology_fig2/*, configs/model/based_fig2/*) build the models the Zoology and
+"""The paper presets (zoo/configs/model/zoology_fig2/*, zoo/configs/model/based_fig2/*) build the models the Zoology and
 Based Fig. 2 configs describe: layer kinds in order, L-long filters, parameter counts against counts by hand,
 and state_size against the real decode state and REFERENCE §1's formulas."""
 

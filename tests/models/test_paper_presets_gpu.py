@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 REPO = Path(__file__).resolve().parents[2]
 PRESETS = sorted(
-    p[len(str(REPO / "configs/model")) + 1 : -5] for p in glob.glob(str(REPO / "configs/model/*_fig2/*.yaml"))
+    p[len(str(REPO / "zoo/configs/model")) + 1 : -5] for p in glob.glob(str(REPO / "zoo/configs/model/*_fig2/*.yaml"))
 )
 
 

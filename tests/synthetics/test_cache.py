@@ -99,6 +99,6 @@ def test_leftover_temp_dir_is_not_picked_up(tmp_path, calls):
 def test_default_cache_dir_follows_env(tmp_path, monkeypatch, calls):
     monkeypatch.setenv("ZOO_CACHE_DIR", str(tmp_path / "env-cache"))
     cached_generate(CFG, 3)
-    assert os.listdir(tmp_path / "env-cache") == [f"mqar-{config_hash(CFG, 3)}"]
+    assert os.listdir(tmp_path / "env-cache" / "synthetics") == [f"mqar-{config_hash(CFG, 3)}"]
     monkeypatch.delenv("ZOO_CACHE_DIR")
     assert synthetics.default_cache_dir() == Path.home() / ".cache" / "zoo" / "synthetics"

@@ -264,7 +264,7 @@ def test_iid_slot_draws_follow_power_law():
     draws = _SlotSampler(probs).draw(np.random.default_rng(0), 400_000)
     counts = np.bincount(draws, minlength=112)
     assert chi2(counts, probs) < chi2_limit(111)
-    # REFERENCE.md §1: about 0.55 of first draws land in the first 10 slots.
+    # docs/REFERENCE.md §1: about 0.55 of first draws land in the first 10 slots.
     assert abs(probs[:10].sum() - 0.55) < 0.01
     assert abs((draws < 10).mean() - probs[:10].sum()) < 5 * math.sqrt(0.25 / draws.size)
 
@@ -283,9 +283,9 @@ def test_slot_distribution_matches_reference_at_L256():
 
     (f, f_se), (r, r_se) = first10(fast), first10(ref)
     assert abs(f - r) < 5 * math.hypot(f_se, r_se)
-    assert abs(f - 0.38) < 0.02  # REFERENCE.md §1: about 0.38 of all queries fall in the first 10 slots
+    assert abs(f - 0.38) < 0.02  # docs/REFERENCE.md §1: about 0.38 of all queries fall in the first 10 slots
     assert abs(np.median(fast) - np.median(ref)) <= 2
-    assert 14 <= np.median(fast) <= 18  # REFERENCE.md §1: median slot 16
+    assert 14 <= np.median(fast) <= 18  # docs/REFERENCE.md §1: median slot 16
     # The whole histogram, slot by slot, against the reference's (two-sample chi-square).
     cf, cr = np.bincount(fast.ravel(), minlength=112), np.bincount(ref.ravel(), minlength=112)
     keep = (cf + cr) >= 20

@@ -1,11 +1,16 @@
 """transformers wrappers: `ZooConfig` and `ZooForCausalLM`, registered with `AutoConfig`/`AutoModelForCausalLM`.
 
-    import zoo                                   # registers model_type "zoo"
     from transformers import AutoModelForCausalLM
-    from zoo.models.hf import ZooConfig
+    from zoo.models.hf import ZooConfig          # importing this module registers model_type "zoo"
     model = AutoModelForCausalLM.from_config(ZooConfig())          # a small hybrid: BaseConv, SWA, Based
     out = model.generate(input_ids, attention_mask=mask, max_new_tokens=32, do_sample=True, top_p=0.9)
-    model.save_pretrained(path)                  # safetensors, tied head stored once
+    model.save_pretrained(path)                  # safetensors, tied head stored once, and modeling_zoo.py
+    AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)   # in a fresh process, no zoo import
+
+A saved checkpoint carries `auto_map` in its config.json and a two-line `modeling_zoo.py` that imports these
+classes from the installed zoo package, so `trust_remote_code=True` loads it in a process that never imported
+zoo. zoo must still be installed (the code lives in it, not in the checkpoint); without it, transformers says
+which package is missing.
 
 `ZooForCausalLM` wraps a `LanguageModel` (parameters under `model.`) and decodes with a `ZooCache`: the
 fixed-size recurrent state of every layer, filled by a prefill that keeps left padding out of the states
@@ -131,6 +136,18 @@ class ZooPreTrainedModel(PreTrainedModel):
             module.reset_parameters()
 
 
+# The file a saved checkpoint carries for `trust_remote_code=True`: the classes come from the installed package.
+REMOTE_MODULE = "modeling_zoo"
+REMOTE_CODE = '''"""Zoo checkpoint code for transformers\' trust_remote_code: the classes live in the zoo package
+(pip install zoo); this file only imports them. Written by ZooForCausalLM.save_pretrained (zoo {version})."""
+
+from zoo.models.hf import ZooConfig, ZooForCausalLM
+
+__all__ = ["ZooConfig", "ZooForCausalLM"]
+'''
+AUTO_MAP = {"AutoConfig": f"{REMOTE_MODULE}.ZooConfig", "AutoModelForCausalLM": f"{REMOTE_MODULE}.ZooForCausalLM"}
+
+
 class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
     """A `LanguageModel` as a transformers causal LM: forward (loss, logits, cache) and `generate`."""
 
@@ -140,6 +157,18 @@ class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = LanguageModel(config.model_config())
         self.post_init()
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' save_pretrained, plus `auto_map` and modeling_zoo.py for `trust_remote_code=True`."""
+        from pathlib import Path
+
+        from zoo import __version__
+
+        self.config.auto_map = dict(AUTO_MAP)
+        out = super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            (Path(save_directory) / f"{REMOTE_MODULE}.py").write_text(REMOTE_CODE.format(version=__version__))
+        return out
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
@@ -254,6 +283,9 @@ def register() -> None:
     """Register ZooConfig/ZooForCausalLM with AutoConfig and AutoModelForCausalLM (idempotent)."""
     AutoConfig.register(MODEL_TYPE, ZooConfig, exist_ok=True)
     AutoModelForCausalLM.register(ZooConfig, ZooForCausalLM, exist_ok=True)
+
+
+register()
 
 
 __all__ = ["ZooCache", "ZooConfig", "ZooForCausalLM", "register"]

@@ -82,9 +82,10 @@ def config_hash(cfg, seed: int) -> str:
 
 
 def default_cache_dir() -> Path:
-    """`$ZOO_CACHE_DIR` if set, else `~/.cache/zoo/synthetics`."""
-    env = os.environ.get("ZOO_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "zoo" / "synthetics"
+    """`$ZOO_CACHE_DIR/synthetics` (default `~/.cache/zoo/synthetics`; zoo.paths)."""
+    from zoo.paths import cache_dir
+
+    return cache_dir("synthetics")
 
 
 def cached_generate(cfg, seed: int, cache_dir: str | Path | None = None) -> Segment:

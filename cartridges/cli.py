@@ -1,0 +1,25 @@
+"""Entry points of cartridges-synthesize, cartridges-distill and cartridges-eval (pyproject's [project.scripts]).
+
+As in zoo/cli.py: `--version` and `--help` answer before torch is imported (the help is each module's USAGE,
+read from its source); anything else runs the module's `main(argv)`. cartridges-serve's entry point is
+`cartridges.http:main` itself (argparse; its --help imports torch with the module).
+"""
+
+from __future__ import annotations
+
+from zoo.cli import dispatch, module_usage
+
+
+def synthesize(argv: list[str] | None = None) -> None:
+    """cartridges-synthesize."""
+    dispatch("cartridges-synthesize", "cartridges.self_study", argv, lambda: module_usage("cartridges.self_study"))
+
+
+def distill(argv: list[str] | None = None) -> None:
+    """cartridges-distill."""
+    dispatch("cartridges-distill", "cartridges.distill", argv, lambda: module_usage("cartridges.distill"))
+
+
+def evaluate(argv: list[str] | None = None) -> None:
+    """cartridges-eval."""
+    dispatch("cartridges-eval", "cartridges.eval", argv, lambda: module_usage("cartridges.eval"))

@@ -1,0 +1,97 @@
+"""README.md tells the truth: its demo table is what zoo/demo.py prints, its Python snippets run, and every
+command in its bash blocks exists (a make target, an installed script with a valid config, a file)."""
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+
+REPO = Path(__file__).resolve().parent.parent
+README = (REPO / "README.md").read_text()
+
+
+def blocks(lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.S)
+
+
+def marked_block(marker: str) -> str:
+    """The fenced block right after the HTML comment `<!-- marker: ... -->`."""
+    found = re.search(rf"<!-- {marker}:.*?-->\n```[a-z]*\n(.*?)```", README, flags=re.S)
+    assert found, f"README.md has no block marked {marker}"
+    return found.group(1).rstrip("\n")
+
+
+def test_demo_table_is_the_code_output(demo_runs):
+    from zoo.demo import table
+
+    rows, _ = demo_runs
+    assert marked_block("demo-table") == table(rows), "README's demo table is stale: run `python -m zoo.demo`"
+
+
+PYTHON = blocks("python")
+
+
+@pytest.mark.parametrize("index", range(len(PYTHON)), ids=[f"python-{i}" for i in range(len(PYTHON))])
+def test_python_snippet_runs(index, tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-c", PYTHON[index]], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**__import__("os").environ, "HF_MODULES_CACHE": str(tmp_path / "hf-modules")},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def bash_commands() -> list[str]:
+    """The commands of the README's bash blocks: comments dropped, continued and quoted lines joined."""
+    commands = []
+    for block in blocks("bash"):
+        pending = ""
+        for line in block.replace("\\\n", " ").splitlines():
+            pending = f"{pending} {line}".strip() if pending else line.strip()
+            try:
+                shlex.split(pending, comments=True)
+            except ValueError:  # an open quote: the command goes on on the next line
+                continue
+            if shlex.split(pending, comments=True):
+                commands.append(pending)
+            pending = ""
+        assert not pending, f"unterminated command in README: {pending}"
+    return commands
+
+
+COMMANDS = bash_commands()
+SCRIPTS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+MAKE_TARGETS = set(re.findall(r"^([a-z][a-z-]*):", (REPO / "Makefile").read_text(), flags=re.M))
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=[c[:60] for c in COMMANDS])
+def test_bash_command_exists(command):
+    argv = shlex.split(command, comments=True)
+    prog = argv[0]
+    if prog == "make":
+        assert argv[1] in MAKE_TARGETS, f"Makefile has no target {argv[1]}"
+        return
+    if prog == "curl":
+        return  # talks to `make serve`'s server
+    if prog.startswith(".venv/bin/"):
+        prog = prog.removeprefix(".venv/bin/")
+    assert prog in SCRIPTS, f"{prog} is not an installed command (pyproject [project.scripts])"
+    if prog == "zoo-train":
+        overrides = [a for a in argv[1:] if a not in ("--cfg", "--help")]
+        if "-m" in overrides:
+            return
+        from zoo.train import load_config
+
+        load_config(overrides)  # a ConfigError fails the test
+
+
+def test_readme_names_no_missing_paths():
+    """Every `path/` or `path/file.ext` in backticks names something in the repo (runs/ and ~ aside)."""
+    missing = []
+    for ref in set(re.findall(r"`((?:zoo|cartridges|kernels|experiments|docs|tests)/[^`\s<>*]*)`", README)):
+        if not (REPO / ref.rstrip("/")).exists():
+            missing.append(ref)
+    assert not missing, missing
