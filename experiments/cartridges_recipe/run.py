@@ -136,8 +136,8 @@ def main(argv: list[str] | None = None) -> dict:
     from cartridges import eval as ceval
     from cartridges.config import load_config
     from cartridges.corpus import context_ids
-    from zoo.pretrained import TINY_MODEL, load_model, parse_dtype
     from zoo.device import resolve_device
+    from zoo.pretrained import TINY_MODEL, load_model, parse_dtype
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     t_start = time.time()
