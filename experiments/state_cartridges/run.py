@@ -123,7 +123,7 @@ class Scale:
                 raise ValueError(f"{field} must be one of {', '.join(allowed)}, got {getattr(self, field)!r}")
 
 
-# Recipe (README, "Recipe search", session 5): sheets of one-token names, each with one one-token value
+# Recipe (README, "Recipe search"): sheets of one-token names, each with one one-token value
 # ("Mirelo Tolmi" lines: MQAR in text), every pretraining sheet of `entities` facts followed by i.i.d. questions
 # of the same form, one document per window, the loss on the answers only, lr 3e-3 with 2% warmup. Based's block
 # recalls 4-fact sheets on the CPU with it (0.98), the plain attention LM of the runs before did not (0.27).
@@ -301,7 +301,7 @@ def attention_model_args(scale: Scale) -> list[str]:
     """zoo.pretrain overrides of the attention LM. "hybrid": the Based LM's block (zoo/configs/model/based_tiny.yaml)
     with its two memory mixers, Based and the sliding window, replaced by global attention, so that the two
     models differ only in the mixer that holds the sheet; "plain": attention in every layer (the runs before
-    session 5, which learnt no recall: README, "Recipe search"). Head dim 16."""
+    the first recipe, which learnt no recall: README, "Recipe search"). Head dim 16."""
     heads = [f"+model.mixers.attention.num_heads={max(1, scale.d_model // 16)}"]
     if scale.attention == "plain":
         return ["model=attention", heads[0][1:]]

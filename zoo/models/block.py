@@ -17,8 +17,8 @@ class LayerNorm(nn.LayerNorm):
 
     Same parameters, state dict and values; only the backward differs: PyTorch's fused kernel reduces the
     weight and bias gradients over the rows with a kernel that is slow for narrow rows on the GPU (d = 128 over
-    B·L = 65k rows: a quarter of a Fig. 2 training step on the H200, session 4's profile); as a multiply-add
-    they are ordinary sum reductions."""
+    B·L = 65k rows: a quarter of a Fig. 2 training step on the H200, experiments/LOG.md); as a multiply-add they
+    are ordinary sum reductions."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.layer_norm(x, self.normalized_shape, None, None, self.eps)
