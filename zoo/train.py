@@ -268,7 +268,8 @@ def train_runs(members: list[Config], resolved: list[str | None] | None = None) 
         c = ckpts[0]
         start_epoch, step, wall_before, tokens = c["epoch"], c["step"], c["wall_time_s"], c["train_tokens"]
         torch.set_rng_state(c["rng_cpu"])
-        log.info("resuming %d run(s) at epoch %d, step %d", n, start_epoch, step)
+        what = str(runs[todo[0]].path) if n == 1 else f"a pack of {n} runs"
+        log.info("resuming %s at epoch %d, step %d", what, start_epoch, step)
     for i in todo:
         if cfg.train.resume:
             runs[i].truncate_metrics(step)
