@@ -16,12 +16,10 @@ cancels its request (it stops at the engine's next decode step); idle connection
 headers in time are closed (`uvicorn_config`).
 """
 
-import argparse
 import asyncio
 import hmac
 import json
 import logging
-import os
 import sys
 import time
 import uuid
@@ -29,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from cartridges.engine import Completion, GenerationRequest, Prepared, Scheduler, ServeError, Server
+from cartridges.serve_args import serve_parser
 
 log = logging.getLogger(__name__)
 
@@ -505,45 +504,8 @@ def uvicorn_config(app, *, header_timeout_s: float = 10.0, timeout_keep_alive: i
     return uvicorn.Config(app, http=Protocol, timeout_keep_alive=timeout_keep_alive, **kwargs)
 
 
-USAGE_EPILOG = """examples:
-  cartridges-serve --model smollm2-135m-instruct --cartridges runs/serve_cartridges --port 8000
-  curl -s localhost:8000/v1/chat/completions -H 'content-type: application/json' \\
-    -d '{"messages": [{"role": "user", "content": "Hi"}], "cartridges": [{"id": "quellmere"}]}'"""
-
-
 def main(argv: list[str] | None = None) -> None:
-    from zoo.cli import version_line
-
-    parser = argparse.ArgumentParser(
-        prog="cartridges-serve",
-        description="Serve cartridges over an OpenAI-compatible HTTP API.",
-        epilog=USAGE_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--model", required=True, help="known name (smollm2-135m-instruct), .gguf, HF dir, tiny-llama")
-    parser.add_argument("--cartridges", required=True, help="dir of <id>.safetensors or <id>/cartridge.safetensors")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"], help="auto: bf16 on CUDA")
-    parser.add_argument("--max-batch-size", type=int, default=256)
-    parser.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA (default: graphs)")
-    parser.add_argument("--cache-bytes", type=int, default=4 << 30, help="LRU budget of loaded cartridges")
-    parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    parser.add_argument("--max-tokens-limit", type=int, default=2048)
-    parser.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the model's context")
-    parser.add_argument("--served-name", default="", help="model id in the API (default: --model)")
-    parser.add_argument(
-        "--api-key",
-        default=os.environ.get("CARTRIDGES_API_KEY") or None,
-        help="require 'Authorization: Bearer <key>' (default: $CARTRIDGES_API_KEY; none: no key)",
-    )
-    parser.add_argument("--allowed-hosts", help="Host names to accept, comma-separated; '*': any (default: loopback)")
-    parser.add_argument("--timeout-keep-alive", type=int, default=5, help="close idle connections after (s)")
-    parser.add_argument("--header-timeout", type=float, default=10.0, help="close connections without headers (s)")
-    parser.add_argument("--body-timeout", type=float, default=30.0, help="answer 408 to a body slower than (s)")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: the cores available)")
-    parser.add_argument("--version", action="version", version=version_line("cartridges-serve"))
+    parser = serve_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     if args.allowed_hosts is None:
