@@ -214,6 +214,74 @@ def make_figures(root: str | Path, out: str | Path | None = None, title: str | N
     return record
 
 
+def copy_summaries(runs_dir: str | Path, out: Path) -> int:
+    """Copy each finished run's summary.json, with its resolved model config under "model", to out/<run>.json
+    (the data a reproduction commits); returns the count."""
+    import yaml
+
+    from zoo.runs import atomic_write_text
+
+    out.mkdir(parents=True, exist_ok=True)
+    count = 0
+    for run in find_runs(runs_dir):
+        if not run.is_finished():
+            continue
+        summary = run.read_summary()
+        config = yaml.safe_load((run.path / "config.yaml").read_text()) or {}
+        record = summary | {"model": config.get("model", {})}
+        atomic_write_text(out / f"{summary['run']}.json", json.dumps(record, indent=1, sort_keys=True) + "\n")
+        count += 1
+    return count
+
+
+def load_summaries(directory: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))]
+
+
+def result_row(summary: dict[str, Any], mixer: str) -> dict[str, Any]:
+    """One run of a reproduction's results.json: its model, length, lr, epochs, state and accuracies."""
+    return {
+        "mixer": mixer,
+        "d_model": summary["d_model"],
+        "seq_len": summary["state_bytes_seq_len"],
+        "lr": summary["lr"],
+        "epochs": summary["epochs"],
+        "state_bytes": summary["state_bytes_fp32"],
+        "valid_accuracy": summary.get("valid/accuracy"),
+        "test_accuracy": summary.get("test/accuracy"),
+        "test_accuracy_by_slice": {
+            k[len("test/accuracy/") :]: v for k, v in summary.items() if k.startswith("test/accuracy/")
+        },
+        "parameters": summary.get("parameters"),
+        "stopped_early": summary.get("stopped_early"),
+        "run": summary["run"],
+    }
+
+
+def mark_best_lr(rows: list[dict[str, Any]], point: tuple[str, ...]) -> None:
+    """Set best_lr_by_valid on the run each point (rows equal in the `point` fields) reports: the highest valid
+    accuracy, ties to the smaller lr."""
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        groups[tuple(r[k] for k in point)].append(r)
+    for group in groups.values():
+        best = max(group, key=lambda r: (r["valid_accuracy"] if r["valid_accuracy"] is not None else -1.0, -r["lr"]))
+        for r in group:
+            r["best_lr_by_valid"] = r is best
+
+
+def fill_readme_block(readme: Path, start: str, end: str, block: str) -> None:
+    """Replace what lies between the `start` and `end` markers of `readme` with `block` (atomically)."""
+    from zoo.runs import atomic_write_text
+
+    text = readme.read_text()
+    if start not in text or end not in text:
+        raise ValueError(f"{readme} has no {start} ... {end} markers")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    atomic_write_text(readme, f"{head}{start}\n{block}\n{end}{tail}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="zoo-plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs_dir")

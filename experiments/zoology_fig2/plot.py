@@ -23,9 +23,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from zoo.runs import atomic_write_text, find_runs
+from zoo.plot import copy_summaries, fill_readme_block, mark_best_lr, result_row
+from zoo.plot import load_summaries as _load_summaries
+from zoo.runs import atomic_write_text
 
 HERE = Path(__file__).resolve().parent
 SUMMARIES = HERE / "summaries"
@@ -74,21 +74,11 @@ START, END = "<!-- comparison:start -->", "<!-- comparison:end -->"
 
 def collect(runs_dir: Path, out: Path = SUMMARIES) -> int:
     """Copy each finished run's summary (+ its resolved model config) to out/<run>.json; returns the count."""
-    out.mkdir(parents=True, exist_ok=True)
-    count = 0
-    for run in find_runs(runs_dir):
-        if not run.is_finished():
-            continue
-        summary = run.read_summary()
-        config = yaml.safe_load((run.path / "config.yaml").read_text()) or {}
-        record = summary | {"model": config.get("model", {})}
-        atomic_write_text(out / f"{summary['run']}.json", json.dumps(record, indent=1, sort_keys=True) + "\n")
-        count += 1
-    return count
+    return copy_summaries(runs_dir, out)
 
 
 def load_summaries(directory: Path = SUMMARIES) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))]
+    return _load_summaries(directory)
 
 
 def mixer_name(summary: dict[str, Any]) -> str:
@@ -98,33 +88,8 @@ def mixer_name(summary: dict[str, Any]) -> str:
 
 def rows(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per run; best_lr_by_valid marks the run each (mixer, d_model, seq_len) point reports."""
-    out = []
-    for s in summaries:
-        out.append(
-            {
-                "mixer": mixer_name(s),
-                "d_model": s["d_model"],
-                "seq_len": s["state_bytes_seq_len"],
-                "lr": s["lr"],
-                "epochs": s["epochs"],
-                "state_bytes": s["state_bytes_fp32"],
-                "valid_accuracy": s.get("valid/accuracy"),
-                "test_accuracy": s.get("test/accuracy"),
-                "test_accuracy_by_slice": {
-                    k[len("test/accuracy/") :]: v for k, v in s.items() if k.startswith("test/accuracy/")
-                },
-                "parameters": s.get("parameters"),
-                "stopped_early": s.get("stopped_early"),
-                "run": s["run"],
-            }
-        )
-    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
-    for r in out:
-        groups[(r["mixer"], r["d_model"], r["seq_len"])].append(r)
-    for group in groups.values():
-        best = max(group, key=lambda r: (r["valid_accuracy"] if r["valid_accuracy"] is not None else -1.0, -r["lr"]))
-        for r in group:
-            r["best_lr_by_valid"] = r is best
+    out = [result_row(s, mixer_name(s)) for s in summaries]
+    mark_best_lr(out, ("mixer", "d_model", "seq_len"))
     order = {m: i for i, m in enumerate(ORDER)}
     return sorted(out, key=lambda r: (r["seq_len"], order.get(r["mixer"], len(order)), r["d_model"], r["lr"]))
 
@@ -163,12 +128,7 @@ def comparison_table(entries: list[dict[str, Any]]) -> str:
 
 
 def fill_readme(table: str, readme: Path = HERE / "README.md") -> None:
-    text = readme.read_text()
-    if START not in text or END not in text:
-        raise ValueError(f"{readme} has no {START} ... {END} markers")
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    atomic_write_text(readme, f"{head}{START}\n{table}\n{END}{tail}")
+    fill_readme_block(readme, START, END, table)
 
 
 def plot(result_rows: list[dict[str, Any]], out: Path) -> Path:
