@@ -8,7 +8,8 @@ Capture follows PyTorch's whole-network recipe: `warmup` eager calls on a side s
 handles settle there), then the capture on the graph's own memory pool. A function with side effects (an
 optimizer update) passes `snapshot`/`restore`, so the warm-up's effects are undone and the first replay is the
 first real step. `eager=True` keeps the same static-buffer calling convention but runs the function without a
-graph: the path for CPU tests and for checking a captured function against its eager twin (`check`).
+graph (the CPU tests' path); `warmup_outputs` holds the last warm-up call's result, an eager twin of the first
+replay that callers may compare against.
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ class StaticGraph:
         log.info("captured %s as a CUDA graph (inputs %s)", name, [tuple(x.shape) for x in self.inputs])
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
+        """Copy `inputs` into the static buffers (unless they are those buffers) and replay; returns the
+        captured outputs."""
         for static, x in zip(self.inputs, inputs):
             if static.data_ptr() != x.data_ptr():
                 static.copy_(x)
@@ -81,8 +84,3 @@ class StaticGraph:
             return self.fn(*self.inputs)
         self.graph.replay()
         return self.outputs
-
-    def check(self, *inputs: torch.Tensor, reference: Callable[..., Any], compare: Callable[[Any, Any], None]) -> None:
-        """Replay on `inputs` and compare against `reference(*inputs)` run eagerly (`compare` raises)."""
-        got = self(*inputs)
-        compare(got, reference(*inputs))

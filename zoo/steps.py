@@ -28,6 +28,7 @@ under any of them. A pack's limits are each a one-line PackError before any work
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -366,10 +367,11 @@ class PackedStep:
     """N runs differing only in optim.lr as one `PackedParams`; with `graph=True` each step is a replayed CUDA
     graph per (segment, batch size), otherwise the same static-buffer step runs eagerly (the CPU tests' path)."""
 
-    def __init__(self, model: LanguageModel, scratch: LanguageModel, members: list[Config], total_steps: int,
-                 device: torch.device, graph: bool) -> None:
+    def __init__(self, model: LanguageModel, members: list[Config], total_steps: int, device: torch.device,
+                 graph: bool) -> None:
         cfg = members[0]
-        self.members, self.scratch, self.device, self.graph = members, scratch, device, graph
+        self.members, self.device, self.graph = members, device, graph
+        self.scratch = copy.deepcopy(model)  # a plain model for one member at a time: checks, eval, checkpoints
         self.precision = cfg.train.precision
         self.amp = autocast(device, self.precision)
         self.pack = PackedParams(model, [m.optim.lr for m in members], cfg.optim, total_steps)
@@ -438,7 +440,7 @@ class PackedStep:
             self.graphs.clear()  # keep() replaced the tensors they captured
 
 
-def make_strategy(model: LanguageModel, scratch: LanguageModel, members: list[Config], total_steps: int,
+def make_strategy(model: LanguageModel, members: list[Config], total_steps: int,
                   device: torch.device) -> PlainStep | PackedStep:
     """The step strategy for `members` (see the module docstring): several members are a pack; one member is a
     plain run, or a graphed pack of one with train.cuda_graph=true on CUDA."""
@@ -448,4 +450,4 @@ def make_strategy(model: LanguageModel, scratch: LanguageModel, members: list[Co
         log.warning("train.cuda_graph=true needs CUDA: on %s the step runs without a graph", device)
     if len(members) == 1 and not graph:
         return PlainStep(model, cfg, total_steps, autocast(device, cfg.train.precision))
-    return PackedStep(model, scratch, members, total_steps, device, graph)
+    return PackedStep(model, members, total_steps, device, graph)

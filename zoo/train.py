@@ -8,7 +8,6 @@ The config tree is composed by Hydra from zoo/configs/ (presets) over the schema
 impossible value fails here, before any work, with a one-line reason.
 """
 
-import copy
 import hashlib
 import logging
 import sys
@@ -252,8 +251,7 @@ def train_runs(members: list[Config], resolved: list[str | None] | None = None) 
     steps_per_epoch = sum(seg.num_batches() for seg in data["train"])
     total_steps = steps_per_epoch * cfg.train.epochs
     todo_members = [members[i] for i in todo]
-    scratch = copy.deepcopy(model) if len(todo) > 1 or cfg.train.cuda_graph else model
-    strategy = make_strategy(model, scratch, todo_members, total_steps, device)
+    strategy = make_strategy(model, todo_members, total_steps, device)
     if isinstance(strategy, PackedStep):
         first = data["train"][0]
         strategy.check((first.inputs[:8], first.query_pos[:8], first.query_labels[:8]))

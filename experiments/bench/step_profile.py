@@ -88,7 +88,7 @@ def profile_model(mixer: str, args) -> dict:
 
     cfg.train.precision = "bf16"
     members = [dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=lr)) for lr in lrs]
-    graphs = PackedStep(LanguageModel(cfg.model).to(dev), LanguageModel(cfg.model).to(dev), members, 10_000, dev, True)
+    graphs = PackedStep(LanguageModel(cfg.model).to(dev), members, 10_000, dev, True)
 
     def graphed():
         graphs.step(seg, idx, 1)

@@ -14,8 +14,7 @@
    kernel time per step (torch.profiler), eager and (with --compiled) compiled.
 3. The grid estimate: sum over the grid's runs of steps per epoch x epochs x the step's device time, which
    is what the GPU must execute when enough runs share it under MPS to hide their hosts' launch time. Runs
-   are charged the full `train.epochs` unless `--epochs-file` gives measured epochs per run (the grid's
-   summaries), so the figure is an upper bound until a grid has run.
+   are charged the full `train.epochs` (no early stop), so the figure is an upper bound.
 
 Prints tables, then one JSON line (committed as experiments/bench/results/sweep_speed.json).
 """
@@ -97,7 +96,6 @@ def time_step(run: list[str], steps: int, compiled: bool, device: torch.device) 
     steps_per_epoch = sum(math.ceil(s.num_examples / s.batch_size) for s in full.data.train)
     batch = max(s.batch_size for s in full.data.train)
     cfg, _ = load_config(shrink(run, batch) + [f"train.compile={str(compiled).lower()}", "data.cache=false"])
-    cfg.data.valid, cfg.data.test = cfg.data.train[:1], cfg.data.train[:1]
     torch.manual_seed(0)
     seg = load_split(cfg, "train", device)[0]
     model = LanguageModel(cfg.model).to(device)
@@ -138,7 +136,6 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--tiny", action="store_true", help="the tiny grid (ZOO_FIG2=tiny), for a CPU smoke run")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--epochs-file", default=None, help="JSON {run_dir_name: epochs} of a grid that ran")
     p.add_argument("--max-configs", type=int, default=0, help="time only the first N configs (0: all)")
     args = p.parse_args()
     device = torch.device(args.device)
@@ -171,7 +168,6 @@ def main() -> None:
 
     if not args.skip_configs:
         runs, groups = grid_configs(args.tiny)
-        measured_epochs = json.loads(Path(args.epochs_file).read_text()) if args.epochs_file else {}
         rows = []
         keys = list(groups)[: args.max_configs or None]
         print(f"\n{'mixer':28s} {'L':>5s} {'d':>5s} {'ms/step':>9s} {'device ms':>9s}"
@@ -205,7 +201,7 @@ def main() -> None:
             for r in ok:
                 total += r["epoch_s"] * r["epochs"] * r["runs"]
             out["grid_estimate_s"] = total
-            out["grid_estimate_epochs"] = "measured" if measured_epochs else "full train.epochs (upper bound)"
+            out["grid_estimate_epochs"] = "full train.epochs (upper bound)"
             out["grid_runs_planned"] = len(runs)
             print(f"\ngrid estimate: {total:.0f} s for {len(runs)} runs on one device "
                   f"(target {TARGET_GRID_S} s; epochs: {out['grid_estimate_epochs']})")
