@@ -69,6 +69,8 @@ CLAIMS = (
     ]
 )
 TOLERANCE = 0.05
+D_MODELS = [64, 128, 256, 512]  # the grid's widths (sweep.py)
+LRS_PER_POINT = 4  # the grid's learning rates per (L, model, d_model)
 START, END = "<!-- comparison:start -->", "<!-- comparison:end -->"
 
 
@@ -100,30 +102,41 @@ def points(result_rows: list[dict[str, Any]]) -> dict[tuple[int, str, int], dict
 
 
 def comparison(result_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every paper reading beside ours: ours is the lowest best-lr test accuracy over the reading's d_models."""
+    """Every paper reading beside ours: ours is the lowest best-lr test accuracy over the reading's d_models.
+
+    A reading whose d_models or learning rates have not all finished gets a provisional verdict ("matches so
+    far"), and its `runs` field says how many of the reading's runs (4 lrs per d_model) have finished.
+    """
     best = points(result_rows)
+    finished = defaultdict(int)
+    for r in result_rows:
+        finished[(r["seq_len"], r["mixer"], r["d_model"])] += 1
     out = []
     for L, mixer, ds, text, low, high in CLAIMS:
-        chosen = ds or sorted({d for (sl, m, d) in best if sl == L and m == mixer})
+        chosen = ds or D_MODELS
         found = [best[(L, mixer, d)] for d in chosen if (L, mixer, d) in best]
-        if not found or len(found) < len(chosen):
+        runs = sum(finished[(L, mixer, d)] for d in chosen)
+        if not found:
             ours, verdict = None, "not run"
         else:
             ours = min(r["test_accuracy"] for r in found)
             verdict = "matches" if low - TOLERANCE <= ours <= high + TOLERANCE else "differs"
+            if runs < LRS_PER_POINT * len(chosen):
+                verdict += " so far"
         d_text = "every d" if ds is None else "d=" + "/".join(map(str, ds))
-        out.append({"L": L, "mixer": mixer, "d": d_text, "paper": text, "ours": ours, "verdict": verdict})
+        out.append({"L": L, "mixer": mixer, "d": d_text, "paper": text, "ours": ours, "verdict": verdict,
+                    "runs": f"{runs}/{LRS_PER_POINT * len(chosen)}"})
     return out
 
 
 def comparison_table(entries: list[dict[str, Any]]) -> str:
     lines = [
-        "| L | model | d_model | paper (Fig. 2) | ours (best lr by valid, test) | verdict |",
-        "|---|---|---|---|---|---|",
+        "| L | model | d_model | paper (Fig. 2) | ours (best lr by valid, test) | runs finished | verdict |",
+        "|---|---|---|---|---|---|---|",
     ]
     for e in entries:
         ours = "—" if e["ours"] is None else f"{e['ours']:.3f}"
-        lines.append(f"| {e['L']} | {e['mixer']} | {e['d']} | {e['paper']} | {ours} | {e['verdict']} |")
+        lines.append(f"| {e['L']} | {e['mixer']} | {e['d']} | {e['paper']} | {ours} | {e['runs']} | {e['verdict']} |")
     return "\n".join(lines)
 
 
