@@ -20,15 +20,19 @@ For each batch size of --batches (by default ×4 from 1), until the model runs o
   compiles and captures what it needs (excluded);
 - GB/s: the bytes one decode step must read at least (weights + recurrent state or KV cache) over the time
   per step, against the copy bandwidth measured in the same process.
-The last line is JSON: every row, each model's best decode throughput, and the ratio (target ≥ 24×, the
-Based paper's claim against FlashAttention-2).
+Then `--profile-batch` (1,024; tiny: 2) profiles one Based decode step at that batch part by part
+(experiments/bench/decode_profile.py): time, bytes, FLOPs and their fractions of the copy bandwidth and of the
+GEMM rate, beside the CUDA-graph step's time.
+The last line is JSON: every row, each model's best decode throughput (`based_tok_s`, `llama_tok_s`), the ratio
+`decode_ratio_best` (target ≥ 24×, the Based paper's claim against FlashAttention-2), `decode_frac_copy_bw`
+(Based's best decode row's GB/s over the copy bandwidth; target ≥ 0.7), prefill at batch 1 and at the largest
+batch both models ran, and the decode profile.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import time
 from pathlib import Path
@@ -39,7 +43,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import zoo  # noqa: F401  (registers the zoo model type)
 from zoo.config import ModelConfig
-from zoo.models.hf import ZooConfig, ZooForCausalLM
+from zoo.models.hf import CACHE_KEY, ZooConfig, ZooForCausalLM
+
+try:  # run as a script (python experiments/bench/generation.py) or as a module
+    from decode_profile import gemm_rate, print_profile, profile_decode
+except ImportError:
+    from experiments.bench.decode_profile import gemm_rate, print_profile, profile_decode
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -204,6 +213,34 @@ def sweep(kind: str, model, args, timer: Timer, device) -> list[dict]:
     return rows
 
 
+def decode_profile(based, args, timer: Timer, device, dtype, bandwidth: float) -> dict | None:
+    """Prefill a batch of `--profile-batch` prompts, time CUDA-graph decode steps, then profile eager ones."""
+    batch = args.profile_batch
+    g = torch.Generator(device="cpu").manual_seed(batch)
+    ids = torch.randint(1, based.config.vocab_size, (batch, args.prompt), generator=g).to(device)
+    nxt = torch.randint(1, based.config.vocab_size, (batch, 1), generator=g).to(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    try:
+        with torch.no_grad():
+            cache = getattr(based(ids, use_cache=True, logits_to_keep=1, return_dict=True), CACHE_KEY)
+            graph_ms = None
+            if device.type == "cuda" and based.config.decode_cuda_graph:
+                for _ in range(3):
+                    based(nxt, cache=cache, use_cache=True)
+                steps = 20
+                graph_ms = 1e3 * timer(lambda: [based(nxt, cache=cache, use_cache=True) for _ in range(steps)]) / steps
+            result = profile_decode(based.model, cache.states, nxt[:, 0], bandwidth, gemm_rate(device, dtype))
+    except (torch.cuda.OutOfMemoryError, RuntimeError) as err:
+        if not is_oom(err):
+            raise
+        print(f"decode profile: batch {batch} does not fit ({type(err).__name__}); no profile", flush=True)
+        return None
+    result["graph_step_ms"] = graph_ms
+    print_profile(result, graph_ms)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="CPU-sized models and lengths (a smoke run)")
@@ -220,6 +257,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="prefill timings per batch (median)")
     parser.add_argument("--warmups", type=int, default=2, help="untimed prefill + short generate rounds per batch")
     parser.add_argument("--budget-s", type=float, default=0.0, help="per model: start no batch after this (0: none)")
+    parser.add_argument("--profile-batch", type=int, default=None,
+                        help="profile one Based decode step at this batch (1024; tiny: 2; 0: no profile)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -227,6 +266,7 @@ def main() -> None:
         preset, vocab, dtype, impl = "based_tiny", 512, torch.float32, "naive"
         args.prompt, args.gen, batches = args.prompt or 32, args.gen or 16, args.batches or "1,2"
         args.repeats = 1
+        args.profile_batch = 2 if args.profile_batch is None else args.profile_batch
     else:
         preset, vocab, impl = "based_1b", 50304, "triton" if device.type == "cuda" else "naive"
         dtype = torch.bfloat16
@@ -235,6 +275,7 @@ def main() -> None:
             args.gen or 1024,
             args.batches or "1,4,16,64,256,1024,4096",
         )
+        args.profile_batch = 1024 if args.profile_batch is None else args.profile_batch
     args.batches = [int(b) for b in batches.split(",")]
     args.model_batches = {
         kind: [int(b) for b in value.split(",")] if value else None
@@ -265,6 +306,13 @@ def main() -> None:
         k: max((r["decode_tokens_per_s"] for r in rows if r["model"] == k), default=0.0) for k in ("based", "llama")
     }
     at_batch1 = {k: next((r["prefill_ms"] for r in rows if r["model"] == k and r["batch"] == 1), None) for k in best}
+    ran = {k: {r["batch"] for r in rows if r["model"] == k} for k in best}
+    common = sorted(ran["based"] & ran["llama"])
+    at_common = None
+    if common:
+        at_common = {k: next(r["prefill_ms"] for r in rows if r["model"] == k and r["batch"] == common[-1])
+                     for k in best}
+    based_best = max((r for r in rows if r["model"] == "based"), key=lambda r: r["decode_tokens_per_s"], default=None)
     result = {
         "device": str(device),
         "dtype": str(dtype),
@@ -274,13 +322,22 @@ def main() -> None:
         "copy_GB_per_s": bandwidth / 1e9,
         "rows": rows,
         "best_decode_tokens_per_s": best,
-        "decode_ratio_best": best["based"] / best["llama"] if best["llama"] else math.nan,
+        "based_tok_s": best["based"],
+        "llama_tok_s": best["llama"],
+        "decode_ratio_best": best["based"] / best["llama"] if best["based"] and best["llama"] else None,
+        "decode_frac_copy_bw": based_best["decode_GB_per_s"] * 1e9 / bandwidth if based_best else None,
         "prefill_ms_batch1": at_batch1,
+        "prefill_ratio_batch1": at_batch1["llama"] / at_batch1["based"] if all(at_batch1.values()) else None,
+        "prefill_batch_common": common[-1] if common else None,
+        "prefill_ms_common": at_common,
+        "prefill_ratio_common": at_common["llama"] / at_common["based"] if at_common else None,
         "target_ratio": 24.0,
     }
+    if args.profile_batch:
+        result["decode_profile"] = decode_profile(based, args, timer, device, dtype, bandwidth)
     print(
         f"best decode: based {best['based']:,.0f} tok/s, llama {best['llama']:,.0f} tok/s, "
-        f"ratio {result['decode_ratio_best']:.2f}x (target 24x)"
+        f"ratio {result['decode_ratio_best'] or float('nan'):.2f}x (target 24x)"
     )
     print(json.dumps(result))
 

@@ -275,3 +275,11 @@ def test_generation_benchmark_runs_tiny_on_cpu():
     assert {r["model"] for r in last["rows"]} == {"based", "llama"}
     assert all(r["decode_tokens_per_s"] > 0 for r in last["rows"])
     assert abs(last["params"]["based"] - last["params"]["llama"]) / last["params"]["based"] < 0.15
+    assert last["based_tok_s"] > 0 and last["llama_tok_s"] > 0 and last["decode_frac_copy_bw"] > 0
+    assert last["prefill_ratio_batch1"] > 0 and last["prefill_batch_common"] == 2
+    profile = last["decode_profile"]
+    parts = {r["part"]: r for r in profile["parts"]}
+    # based_tiny: every layer kind of based_1b, each part charged its own time and bytes
+    assert {"embedding", "norm", "mlp", "head", "mixer based", "mixer sliding_window", "mixer base_conv"} <= set(parts)
+    assert all(r["ms"] > 0 and r["MB"] > 0 for name, r in parts.items() if name != "embedding")
+    assert sum(r["layers"] for name, r in parts.items() if name.startswith("mixer")) == parts["norm"]["layers"]

@@ -1,0 +1,180 @@
+"""One decode step of a zoo LanguageModel, part by part: device time, the bytes it must move, its FLOPs.
+
+Used by experiments/bench/generation.py (`--profile-batch`). The step is run eagerly under torch.profiler with
+a `record_function` label around each part, so every kernel (aten or Triton) is charged to the part that
+launched it. The parts are the embedding, each mixer kind, the norms, the MLPs and the head (final norm +
+vocabulary projection). For each part:
+- device time per step (on the CPU: CPU time), and the kernels it launches;
+- bytes: a lower bound on its memory traffic, its weights read once plus its layers' recurrent state read and
+  written (the activations, [B, d] per layer, are small beside both at the batches that matter);
+- FLOPs: 2 · weight parameters · batch, the matmuls (the mixers' state updates are elementwise and
+  memory-bound, so they count as bytes, not FLOPs);
+- the fraction of the copy bandwidth and of the dense-GEMM rate, both measured in the same process.
+The eager step launches every kernel from Python; the CUDA-graph step that generation runs replays the same
+kernels without the launches, so the table also gives the graph replay's time per step for comparison.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+
+def _nbytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def _state_bytes(state: Any) -> int:
+    if isinstance(state, dict):
+        return sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
+    return 0
+
+
+def _labelled_step(lm, ids: torch.Tensor, states: list) -> torch.Tensor:
+    """LanguageModel.step with a profiler label around each part (the same calls, in the same order)."""
+    with record_function("part:embedding"):
+        x = lm._embed(ids[:, None], states)[:, 0]
+    for block, state in zip(lm.blocks, states):
+        with record_function("part:norm"):
+            h = block.mixer_norm(x)
+        with record_function(f"part:mixer {block.mixer.name}"):
+            y = block.mixer.step(h, state)
+        with record_function("part:mlp"):
+            x = block._mlp(x + y)
+    with record_function("part:head"):
+        return lm.logits(lm.norm(x))
+
+
+def part_budget(lm, states: list, batch: int) -> dict[str, dict[str, float]]:
+    """Per part: layers, the bytes it must move at least and its matmul FLOPs (see the module docstring)."""
+    parts: dict[str, dict[str, float]] = defaultdict(lambda: {"layers": 0, "bytes": 0.0, "flops": 0.0})
+
+    def add(name: str, module: torch.nn.Module, state_bytes: int = 0, matmul_params: int | None = None) -> None:
+        p = parts[name]
+        p["layers"] += 1
+        p["bytes"] += _nbytes(module) + 2 * state_bytes
+        params = sum(q.numel() for q in module.parameters() if q.dim() >= 2) if matmul_params is None else matmul_params
+        p["flops"] += 2 * params * batch
+
+    emb = lm.embedding
+    parts["part:embedding"]["layers"] = 1
+    parts["part:embedding"]["bytes"] += batch * emb.weight.shape[1] * emb.weight.element_size()  # rows gathered
+    for block, state in zip(lm.blocks, states):
+        add("part:norm", block.mixer_norm, matmul_params=0)
+        add(f"part:mixer {block.mixer.name}", block.mixer, _state_bytes(state))
+        add("part:mlp", torch.nn.ModuleList([m for m in (block.mlp_norm, block.mlp) if m is not None]))
+    add("part:head", torch.nn.ModuleList([lm.norm, lm.head]))  # a tied head reads the embedding matrix whole
+    return dict(parts)
+
+
+def gemm_rate(device: torch.device, dtype: torch.dtype) -> float:
+    """Dense matmul FLOP/s at a large square shape (the ceiling a decode step's matmuls can approach)."""
+    n = 8192 if device.type == "cuda" else 512
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(10):
+            a @ b
+        end.record()
+        torch.cuda.synchronize()
+        seconds = start.elapsed_time(end) / 1e3 / 10
+    else:
+        import time
+
+        t0 = time.perf_counter()
+        for _ in range(3):
+            a @ b
+        seconds = (time.perf_counter() - t0) / 3
+    return 2 * n**3 / seconds
+
+
+def profile_decode(lm, states: list, ids: torch.Tensor, copy_bw: float, gemm: float, steps: int = 3) -> dict:
+    """Profile `steps` eager decode steps from `states` (advanced in place) -> {"parts": [...], totals}."""
+    cuda = ids.is_cuda
+    batch = ids.shape[0]
+    budget = part_budget(lm, states, batch)
+    with torch.no_grad():
+        expected = lm.step(ids, [None if s is None else {k: t.clone() for k, t in s.items()} for s in states])
+        got = _labelled_step(lm, ids, [None if s is None else {k: t.clone() for k, t in s.items()} for s in states])
+        if not torch.equal(expected, got):
+            raise RuntimeError("the labelled decode step no longer matches LanguageModel.step")
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                _labelled_step(lm, ids, states)
+            if cuda:
+                torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    kernels: dict[str, int] = {}
+    for event in prof.key_averages():
+        if event.key.startswith("part:"):
+            total = event.device_time_total if cuda else event.cpu_time_total  # µs, children included
+            times[event.key] = total / steps / 1e3  # ms per step
+    if cuda:
+        # kernels per part: the device events that fall inside each part's CPU range are counted by Kineto as
+        # that part's children; their count is the number of launches.
+        for event in prof.events():
+            if event.name.startswith("part:"):
+                kernels[event.name] = kernels.get(event.name, 0) + sum(1 for _ in _device_children(event))
+    rows = []
+    total_ms = sum(times.values())
+    for name, b in sorted(budget.items(), key=lambda kv: -times.get(kv[0], 0.0)):
+        ms = times.get(name, 0.0)
+        seconds = ms / 1e3
+        rows.append({
+            "part": name.removeprefix("part:"),
+            "layers": int(b["layers"]),
+            "kernels_per_step": kernels.get(name, 0) / steps if cuda else None,
+            "ms": ms,
+            "share": ms / total_ms if total_ms else 0.0,
+            "MB": b["bytes"] / 1e6,
+            "GB_per_s": b["bytes"] / seconds / 1e9 if seconds else None,
+            "frac_copy_bw": b["bytes"] / seconds / copy_bw if seconds else None,
+            "GFLOP": b["flops"] / 1e9,
+            "frac_gemm": b["flops"] / seconds / gemm if seconds else None,
+        })
+    total_bytes = sum(b["bytes"] for b in budget.values())
+    return {
+        "batch": batch,
+        "parts": rows,
+        "eager_step_ms": total_ms,
+        "step_MB": total_bytes / 1e6,
+        "eager_frac_copy_bw": total_bytes / (total_ms / 1e3) / copy_bw if total_ms else None,
+        "copy_GB_per_s": copy_bw / 1e9,
+        "gemm_TFLOP_per_s": gemm / 1e12,
+    }
+
+
+def _device_children(event):
+    stack = list(event.cpu_children)
+    yield from (k for k in getattr(event, "kernels", []))
+    while stack:
+        child = stack.pop()
+        yield from getattr(child, "kernels", [])
+        stack.extend(child.cpu_children)
+
+
+def print_profile(result: dict, graph_ms: float | None) -> None:
+    print(f"\ndecode step at batch {result['batch']}, part by part (eager, labelled; bytes = weights + state read "
+          f"and written; copy {result['copy_GB_per_s']:.0f} GB/s, GEMM {result['gemm_TFLOP_per_s']:.0f} TFLOP/s)")
+    print(f"{'part':24s} {'layers':>6s} {'kernels':>7s} {'ms':>8s} {'share':>6s} {'MB':>9s} {'GB/s':>7s} "
+          f"{'%copy':>6s} {'GFLOP':>8s} {'%GEMM':>6s}")
+    for r in result["parts"]:
+        k = "—" if r["kernels_per_step"] is None else f"{r['kernels_per_step']:.0f}"
+        gbs = "—" if r["GB_per_s"] is None else f"{r['GB_per_s']:.0f}"
+        fc = "—" if r["frac_copy_bw"] is None else f"{100 * r['frac_copy_bw']:.0f}"
+        fg = "—" if r["frac_gemm"] is None else f"{100 * r['frac_gemm']:.0f}"
+        print(f"{r['part']:24s} {r['layers']:6d} {k:>7s} {r['ms']:8.3f} {100 * r['share']:5.1f}% {r['MB']:9.1f} "
+              f"{gbs:>7s} {fc:>6s} {r['GFLOP']:8.1f} {fg:>6s}")
+    line = f"eager step {result['eager_step_ms']:.3f} ms for {result['step_MB']:.0f} MB"
+    if graph_ms is not None:
+        line += f"; CUDA-graph step {graph_ms:.3f} ms ({result['step_MB'] / 1e3 / (graph_ms / 1e3):.0f} GB/s)"
+    print(line)
