@@ -282,6 +282,40 @@ def fill_readme_block(readme: Path, start: str, end: str, block: str) -> None:
     atomic_write_text(readme, f"{head}{start}\n{block}\n{end}{tail}")
 
 
+def build_reproduction(summaries_dir: Path, out: Path, rows, plot, comparison, table, markers: tuple[str, str]
+                       ) -> dict[str, Any]:
+    """A reproduction's build step: its committed summaries -> results.json, its figure and the comparison block
+    between `markers` in its README.md. `rows`, `plot`, `comparison` and `table` are the experiment's own:
+    summaries -> result rows, (rows, out) -> the figure's path, rows -> entries, entries -> a markdown table."""
+    from zoo.runs import atomic_write_text
+
+    summaries = load_summaries(summaries_dir)
+    if not summaries:
+        raise SystemExit(f"no summaries in {summaries_dir}: run `plot.py collect <runs dir>` first")
+    result_rows = rows(summaries)
+    atomic_write_text(out / "results.json", json.dumps({"rows": result_rows}, indent=1) + "\n")
+    figure = plot(result_rows, out)
+    entries = comparison(result_rows)
+    fill_readme_block(out / "README.md", *markers, table(entries))
+    return {"runs": len(result_rows), "figure": figure.name, "comparison": entries}
+
+
+def reproduction_main(argv: list[str], summaries_dir: Path, collect, build) -> None:
+    """A reproduction's plot.py command line: `collect <runs dir>` copies summaries, no argument builds."""
+    if argv[:1] == ["collect"]:
+        if len(argv) != 2:
+            raise SystemExit("usage: plot.py collect <runs dir>")
+        print(f"{collect(Path(argv[1]))} summaries -> {summaries_dir}")
+        return
+    if argv:
+        raise SystemExit("usage: plot.py [collect <runs dir>]")
+    record = build()
+    verdicts: dict[str, int] = defaultdict(int)
+    for e in record["comparison"]:
+        verdicts[e["verdict"]] += 1
+    print(f"{record['runs']} runs -> results.json, {record['figure']}, README table ({dict(verdicts)})")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="zoo-plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs_dir")

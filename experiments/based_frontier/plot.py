@@ -17,16 +17,13 @@ config.yaml) to `summaries/<run>.json`; commit those. The build step reads `summ
 
 from __future__ import annotations
 
-import json
 import math
 import sys
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from zoo.plot import copy_summaries, fill_readme_block, mark_best_lr, result_row
+from zoo.plot import build_reproduction, copy_summaries, mark_best_lr, reproduction_main, result_row
 from zoo.plot import load_summaries as _load_summaries
-from zoo.runs import atomic_write_text
 
 HERE = Path(__file__).resolve().parent
 SUMMARIES = HERE / "summaries"
@@ -130,10 +127,6 @@ def comparison_table(entries: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def fill_readme(table: str, readme: Path = HERE / "README.md") -> None:
-    fill_readme_block(readme, START, END, table)
-
-
 def frontier(pts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The points no point of smaller or equal state beats: ascending state, rising accuracy."""
     out, top = [], -math.inf
@@ -175,30 +168,11 @@ def plot(result_rows: list[dict[str, Any]], out: Path) -> Path:
 
 
 def build(summaries_dir: Path = SUMMARIES, out: Path = HERE) -> dict[str, Any]:
-    summaries = load_summaries(summaries_dir)
-    if not summaries:
-        raise SystemExit(f"no summaries in {summaries_dir}: run `plot.py collect <runs dir>` first")
-    result_rows = rows(summaries)
-    atomic_write_text(out / "results.json", json.dumps({"rows": result_rows}, indent=1) + "\n")
-    figure = plot(result_rows, out)
-    entries = comparison(result_rows)
-    fill_readme(comparison_table(entries), out / "README.md")
-    return {"runs": len(result_rows), "figure": figure.name, "comparison": entries}
+    return build_reproduction(summaries_dir, out, rows, plot, comparison, comparison_table, (START, END))
 
 
 def main(argv: list[str]) -> None:
-    if argv[:1] == ["collect"]:
-        if len(argv) != 2:
-            raise SystemExit("usage: plot.py collect <runs dir>")
-        print(f"{collect(Path(argv[1]))} summaries -> {SUMMARIES}")
-        return
-    if argv:
-        raise SystemExit("usage: plot.py [collect <runs dir>]")
-    record = build()
-    verdicts = defaultdict(int)
-    for e in record["comparison"]:
-        verdicts[e["verdict"]] += 1
-    print(f"{record['runs']} runs -> results.json, {record['figure']}, README table ({dict(verdicts)})")
+    reproduction_main(argv, SUMMARIES, collect, build)
 
 
 if __name__ == "__main__":
