@@ -30,9 +30,7 @@ logged after the checkpoint), `cartridge.safetensors` and `summary.json`; with `
 import functools
 import json
 import logging
-import os
 import random
-import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -44,7 +42,7 @@ from cartridges.config import ConfigError, DistillConfig, run_command
 from cartridges.corpus import Corpus
 from cartridges.init import init_cartridge
 from cartridges.state import StateCartridge, differentiable
-from zoo.runs import atomic_write_text
+from zoo.runs import atomic_torch_save, atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -313,17 +311,6 @@ def truncate_metrics(path: Path, max_step: int) -> None:
     atomic_write_text(path, "".join(kept))
 
 
-def _atomic_torch_save(obj, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 CHECKPOINT = "ckpt/state.pt"
 
 
@@ -381,7 +368,7 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None) -> dict:
         state = {"step": step, "cartridge": cartridge.state_dict(), "optimizer": optimizer.state_dict()}
         if initial_kl is not None:
             state["initial_heldout_kl"] = initial_kl
-        _atomic_torch_save(state, ckpt_path)
+        atomic_torch_save(state, ckpt_path)
 
     def heldout_kl() -> dict:
         if not heldout:

@@ -246,25 +246,16 @@ def pretrain(cfg: PretrainConfig, resolved_yaml: str | None = None) -> dict[str,
 def _pretrain(cfg: PretrainConfig, resolved_yaml: str | None, d: Dist) -> dict[str, Any]:
     tc = cfg.train
     # The main process tokenizes (and caches) first, so the others read its cache instead of racing it.
+    dc = cfg.data
+
+    def load() -> TokenData:
+        return prepare(dc.source, dc.tokenizer, dc.bpe_vocab_size, dc.valid_frac, dc.text_field, dc.cache_dir)
+
     if d.main:
-        data = prepare(
-            cfg.data.source,
-            cfg.data.tokenizer,
-            cfg.data.bpe_vocab_size,
-            cfg.data.valid_frac,
-            cfg.data.text_field,
-            cfg.data.cache_dir,
-        )
+        data = load()
     d.barrier()
     if not d.main:
-        data = prepare(
-            cfg.data.source,
-            cfg.data.tokenizer,
-            cfg.data.bpe_vocab_size,
-            cfg.data.valid_frac,
-            cfg.data.text_field,
-            cfg.data.cache_dir,
-        )
+        data = load()
     if cfg.vocab_from_tokenizer:
         cfg.model.vocab_size = 64 * math.ceil(data.vocab_size / 64)
     elif cfg.model.vocab_size < data.vocab_size:

@@ -43,6 +43,21 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 
 
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    """torch.save to a temporary file beside `path`, then rename: a killed save leaves the old file whole."""
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def git_sha() -> str | None:
     try:
         out = subprocess.run(
@@ -112,18 +127,7 @@ class RunDir:
         return json.loads((self.path / SUMMARY).read_text())
 
     def save_checkpoint(self, state: dict[str, Any]) -> None:
-        path = self.path / CKPT
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".last.", suffix=".tmp")
-        os.close(fd)
-        import torch
-
-        try:
-            torch.save(state, tmp)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_torch_save(state, self.path / CKPT)
 
     def load_checkpoint(self) -> dict[str, Any] | None:
         path = self.path / CKPT
