@@ -64,10 +64,15 @@ def _selected_d_models() -> list[int]:
     return ds
 
 
+# Presets whose recurrence runs as a Triton kernel on the GPU: preset -> its mixer's name.
+TRITON_MIXERS = {"mamba": "mamba", "rwkv": "rwkv4"}
+
+
 def gpu_overrides(mixer: str) -> dict:
-    """Mamba's scan through the Triton selective scan on the GPU (its runs then train one at a time, unpacked);
-    every other preset runs its PyTorch path, which packs."""
-    return {"+model.mixers.mamba.impl": "triton"} if mixer == "mamba" else {}
+    """Mamba's scan (kernels/selective_scan) and RWKV-4's WKV (kernels/rwkv4) through their Triton kernels on the
+    GPU (these runs then train one at a time, unpacked: a Triton kernel has no vmap rule); every other preset runs
+    its PyTorch path, which packs."""
+    return {f"+model.mixers.{TRITON_MIXERS[mixer]}.impl": "triton"} if mixer in TRITON_MIXERS else {}
 
 
 def panel_runs(panels: list[str], mixers: list[str], d_models: list[int]) -> list[dict]:

@@ -254,6 +254,7 @@ BAD_OPTIONS = [
     ("long_conv-bands", "long_conv", {"num_bands": 0}, "num_bands must be >= 1"),
     ("long_conv-len", "long_conv", {"max_seq_len": 0}, "max_seq_len must be >= 1"),
     ("rwkv4-chunk", "rwkv4", {"chunk_size": 0}, "chunk_size must be >= 1"),
+    ("rwkv4-impl", "rwkv4", {"impl": "torch"}, "naive|triton"),
     ("attention-dropout", "attention", {"dropout": 1.0}, r"dropout must be a number in \[0, 1\)"),
     ("attention-bias", "attention", {"bias": 1}, "bias must be true or false"),
     ("mamba-dt", "mamba", {"dt_min": 0.5, "dt_max": 0.1}, "0 < dt_min <= dt_max"),

@@ -11,12 +11,18 @@ per channel, with decay w = −exp(time_decay) < 0 and bonus u = time_first for 
 
 What is unusual here:
 - Every exponential is taken after subtracting a running maximum, so nothing overflows whatever k grows to. The
-  recurrent form (`step`) keeps RWKV-4's state (a, b, p): the numerator and denominator sums scaled by e^{−p},
-  and p, the largest exponent seen. State: {"a", "b", "p", "shift": [B, d]}, a, b, p in at least fp32;
-  state_size = 4·d (three WKV vectors and the previous input).
-- The parallel form is chunked: inside a chunk of `chunk_size` tokens the decayed weights form a
-  [chunk, chunk] matrix per channel, normalised by each row's maximum; across chunks a scan over chunks (one
-  small step per chunk, never per token) carries (a, b, p). Memory is B·T·chunk_size·d per layer.
+  recurrent form (`step`, through `kernels.rwkv4.naive.wkv4_step`) keeps RWKV-4's state (a, b, p): the
+  numerator and denominator sums scaled by e^{−p}, and p, the largest exponent seen. State: {"a", "b", "p",
+  "shift": [B, d]}, a, b, p in at least fp32; state_size = 4·d (three WKV vectors and the previous input).
+- The parallel form (`impl="naive"`, the default) is chunked: inside a chunk of `chunk_size` tokens the decayed
+  weights form a [chunk, chunk] matrix per channel, normalised by each row's maximum; across chunks a scan over
+  chunks (one small step per chunk, never per token) carries (a, b, p). Memory is B·T·chunk_size·d per layer.
+- `impl="triton"` runs the WKV as one Triton kernel per direction (kernels/rwkv4: one program per sequence and
+  block of channels walks the tokens with (a, b, p) in fp32 registers; the forward keeps the state before every
+  token for the backward). It serves training and a forward from a state alike (prefill; gradients reach that
+  state too); `step` stays the PyTorch recurrence. CUDA tensors, or CPU under TRITON_INTERPRET=1; fp32 inside
+  from fp32/fp16/bf16 k, v (float64 modules raise: use impl="naive"). A Triton kernel has no vmap rule, so
+  such runs train unpacked (zoo/steps.py).
 - Initialisation follows Zoology's configs, which leave RWKV-4's layer count at its default of 12: the
   per-channel decay speeds −5 + 8·(c/(d−1))^0.7, the bonus log 0.3 with a ±0.5 zigzag, and μ_k = μ_v = c/d,
   μ_r = (c/d)^0.5, the values RWKV-4 gives layer 0. Both layers get them here (the options are per mixer name,
@@ -32,17 +38,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.rwkv4.naive import NO_TOKEN, wkv4_step
 from zoo.models.mixers._common import (
+    check_choice,
     check_input,
     check_int,
     check_step_input,
     compute_dtype,
+    log_impl,
     make_config,
     module_device_dtype,
+    require_triton_device,
 )
-
-# The exponent that stands for "no token yet": e^{NO_TOKEN − anything finite} is 0, and it stays finite in fp32.
-NO_TOKEN = -1e30
 
 
 @dataclass
@@ -52,9 +59,11 @@ class RWKV4Config:
     # tokens per chunk of the parallel form: the [chunk, chunk] weights cost B·T·chunk·d, the scan over chunks
     # T/chunk small steps
     chunk_size: int = 8
+    impl: str = "naive"  # naive (PyTorch: the chunked form) | triton (kernels/rwkv4: the recurrence, one launch)
 
     def validate(self, d_model: int) -> None:
         check_int("rwkv4: chunk_size", self.chunk_size, minimum=1)
+        check_choice("rwkv4: impl", self.impl, ("naive", "triton"))
 
 
 class RWKV4(nn.Module):
@@ -82,6 +91,7 @@ class RWKV4(nn.Module):
         self.value = nn.Linear(d, d, bias=False)
         self.receptance = nn.Linear(d, d, bias=False)
         self.output = nn.Linear(d, d, bias=False)
+        log_impl(self.name, self.config.impl)
 
     def _inputs(self, x: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [B, T, d], prev: [B, d] the input before x -> σ(r), k, v: [B, T, d]."""
@@ -96,7 +106,9 @@ class RWKV4(nn.Module):
         return torch.sigmoid(r), k, v
 
     def _wkv(self, k: torch.Tensor, v: torch.Tensor, state: dict[str, torch.Tensor] | None) -> torch.Tensor:
-        """The chunked parallel WKV. k, v: [B, T, d] -> wkv [B, T, d] in at least fp32; updates a state in place."""
+        """The parallel WKV. k, v: [B, T, d] -> wkv [B, T, d] in at least fp32; updates a state in place."""
+        if self.config.impl == "triton":
+            return self._wkv_triton(k, v, state)
         B, T, d = k.shape
         dtype = compute_dtype(k.dtype)
         c = min(self.config.chunk_size, T)
@@ -127,7 +139,8 @@ class RWKV4(nn.Module):
             b = k.new_zeros(B, d)
             p = k.new_full((B, d), NO_TOKEN)
         else:
-            a, b, p = state["a"].to(dtype), state["b"].to(dtype), state["p"].to(dtype)
+            # copies: the state is overwritten below, and autograd may still need the values entering the chunks
+            a, b, p = (state[key].to(dtype, copy=True) for key in "abp")
         entering = []
         for j in range(n):
             entering.append((a, b, p))
@@ -157,6 +170,19 @@ class RWKV4(nn.Module):
             state["p"].copy_(p)
         return wkv
 
+    def _wkv_triton(self, k: torch.Tensor, v: torch.Tensor, state: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        """`_wkv` through the Triton kernel (fp32 inside, wkv in fp32)."""
+        from kernels.rwkv4.wkv import wkv4
+
+        require_triton_device(k, self.name, "triton")
+        w, u = -torch.exp(self.time_decay.float()), self.time_first.float()
+        initial = None if state is None else (state["a"], state["b"], state["p"])
+        wkv, final = wkv4(k, v, w, u, initial)
+        if state is not None:
+            for key, value in zip("abp", final):
+                state[key].copy_(value)
+        return wkv
+
     def forward(self, x: torch.Tensor, state: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """x: [B, T, d_model] -> [B, T, d_model]. With a state: continues from it and leaves it updated."""
         check_input(x, self.d_model, self.name)
@@ -172,19 +198,10 @@ class RWKV4(nn.Module):
         check_step_input(x_t, self.d_model, self.name)
         sr, k, v = (t[:, 0] for t in self._inputs(x_t[:, None], state["shift"]))
         dtype = state["a"].dtype
-        k, v = k.to(dtype), v.to(dtype)
-        a, b, p = state["a"], state["b"], state["p"]
         w, u = -torch.exp(self.time_decay.to(dtype)), self.time_first.to(dtype)
-        now = u + k
-        q = torch.maximum(p, now)
-        e_old, e_now = torch.exp(p - q), torch.exp(now - q)
-        wkv = (e_old * a + e_now * v) / (e_old * b + e_now)  # [B, d]
-        decayed = p + w
-        q = torch.maximum(decayed, k)
-        e_old, e_new = torch.exp(decayed - q), torch.exp(k - q)
-        a.copy_(e_old * a + e_new * v)
-        b.copy_(e_old * b + e_new)
-        p.copy_(q)
+        wkv, new = wkv4_step(k.to(dtype), v.to(dtype), w, u, (state["a"], state["b"], state["p"]))  # [B, d]
+        for key, value in zip("abp", new):
+            state[key].copy_(value)
         state["shift"].copy_(x_t)
         return self.output(sr * wkv.to(sr.dtype))  # [B, d_model]
 
