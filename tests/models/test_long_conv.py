@@ -9,8 +9,11 @@ from zoo.models.mixers import _long_conv
 from zoo.models.mixers._long_conv import (
     DIRECT_MAX_T,
     TOEPLITZ_BLOCK_ELEMENTS,
+    UNFOLD_MAX_TAPS,
     causal_conv,
+    depthwise_causal_conv,
     direct_causal_conv,
+    explicit_causal_conv,
     fft_causal_conv,
 )
 
@@ -153,3 +156,20 @@ def test_direct_conv_under_vmap_equals_a_loop_over_members(batched):
         naive_conv(u[n] if in_dims[0] == 0 else u, h[n] if in_dims[1] == 0 else h) for n in range(N)]), u, h, grad_y)
     for name, g, w in zip(("y", "grad_u", "grad_h"), got, want):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("history", ["none", "given"])
+@pytest.mark.parametrize("k", [3, UNFOLD_MAX_TAPS + 8], ids=["k3-unfold", "long-k"])
+def test_explicit_conv_equals_the_unfolded_windows(k, history):
+    """explicit_causal_conv against depthwise_causal_conv (unfolded windows, any k) on outputs and gradients; no
+    history means zeros, which the long branch skips by convolving the T positions alone. T > k: every tap
+    reaches inside the sequence."""
+    B, T, C = 2, UNFOLD_MAX_TAPS + 13, 3
+    u, w = random(B, T, C, seed=16), random(C, k, seed=17)
+    past = random(B, k - 1, C, seed=18) if history == "given" else torch.zeros(B, k - 1, C, dtype=torch.float64)
+    grad_y = random(B, T, C, seed=19)
+    got = outputs_and_grads(lambda u, w: explicit_causal_conv(u, w, None if history == "none" else past), u, w,
+                            grad_y)
+    want = outputs_and_grads(lambda u, w: depthwise_causal_conv(u, w, past), u, w, grad_y)
+    for name, g, e in zip(("y", "grad_u", "grad_w"), got, want):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12, msg=name)

@@ -206,14 +206,21 @@ def depthwise_causal_conv(u: torch.Tensor, weight: torch.Tensor, history: torch.
 UNFOLD_MAX_TAPS = 32
 
 
-def explicit_causal_conv(u: torch.Tensor, weight: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+def explicit_causal_conv(u: torch.Tensor, weight: torch.Tensor, history: torch.Tensor | None) -> torch.Tensor:
     """depthwise_causal_conv's result for any kernel length: unfolded windows up to UNFOLD_MAX_TAPS taps, else
     causal_conv.
 
-    u: [B, T, C]; weight: [C, k] (weight[:, k-1] multiplies the current input); history: [B, k-1, C] -> [B, T, C].
+    u: [B, T, C]; weight: [C, k] (weight[:, k-1] multiplies the current input); history: [B, k-1, C], or None for
+    zeros (a sequence's start) -> [B, T, C]. Without a history the long branch convolves the T positions alone;
+    with one it convolves all T + k - 1 and keeps the last T.
     """
     k = weight.shape[1]
     if k <= UNFOLD_MAX_TAPS:
+        if history is None:
+            history = u.new_zeros(u.shape[0], k - 1, u.shape[2])
         return depthwise_causal_conv(u, weight, history)
+    h = weight.flip(1).T  # [k, C]: h[lag] = weight[:, k-1-lag]
+    if history is None:
+        return causal_conv(u, h)
     u_full = torch.cat([history.to(u.dtype), u], dim=1)  # [B, T + k - 1, C]
-    return causal_conv(u_full, weight.flip(1).T)[:, k - 1 :]  # h[lag] = weight[:, k-1-lag]
+    return causal_conv(u_full, h)[:, k - 1 :]

@@ -107,12 +107,14 @@ class H3(nn.Module):
         """log a = -Δ·A per head: [H, N], in `dtype`."""
         return -(torch.exp(self.log_dt.to(dtype))[:, None] * torch.exp(self.log_A.to(dtype)))  # [H, N]
 
-    def _inputs(self, x: torch.Tensor, history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [B, T, d] -> q [B, T, d], u = shift(k)_h v_hᵀ per head [B, T, H·p·p] and the new shift history
-        [B, k-1, d]."""
+    def _inputs(
+        self, x: torch.Tensor, history: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x: [B, T, d], history: [B, k-1, d] past k or None (zeros, and no new history wanted) -> q [B, T, d],
+        u = shift(k)_h v_hᵀ per head [B, T, H·p·p] and the new shift history [B, k-1, d] (None without one)."""
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # [B, T, d] each
         k_shift = explicit_causal_conv(k, self.shift_weight, history)  # [B, T, d]
-        new_history = torch.cat([history.to(k.dtype), k], dim=1)[:, k.shape[1] :]  # [B, k-1, d]
+        new_history = None if history is None else torch.cat([history.to(k.dtype), k], dim=1)[:, k.shape[1] :]
         k_h = rearrange(k_shift, "b t (h i) -> b t h i 1", i=self.p)
         v_h = rearrange(v, "b t (h j) -> b t h 1 j", j=self.p)
         return q, rearrange(k_h * v_h, "b t h i j -> b t (h i j)"), new_history  # [B, T, H·p·p]
@@ -120,9 +122,8 @@ class H3(nn.Module):
     def forward(self, x: torch.Tensor, state: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """x: [B, T, d_model] -> [B, T, d_model]. With a state: continues the shift and the SSM from it."""
         check_input(x, self.d_model, self.name)
-        B, T, d = x.shape
-        history = x.new_zeros(B, self.config.shift_size - 1, d) if state is None else state["shift"]
-        q, u, new_history = self._inputs(x, history)
+        T = x.shape[1]
+        q, u, new_history = self._inputs(x, None if state is None else state["shift"])
         dtype = compute_dtype(x.dtype) if state is None else torch.promote_types(x.dtype, state["ssm"].dtype)
         with torch.autocast(device_type=x.device.type, enabled=False):
             log_a = self._log_a(dtype)  # [H, N]
