@@ -128,6 +128,21 @@ def test_matmul_precision_is_pinned_and_restored(device):
         backend.fp32_precision = previous
 
 
+def test_backward_called_under_autocast_stays_fp32():
+    """A backward called inside a bf16 autocast region (the CPU runs it on the calling thread) keeps the direct
+    path's matmuls in fp32."""
+    u, h = random(2, 64, 3, seed=20).float(), random(64, 3, seed=21).float()
+    grad_y = random(2, 64, 3, seed=22).float()
+    want = outputs_and_grads(naive_conv, u.double(), h.double(), grad_y.double())
+    u, h = u.requires_grad_(), h.requires_grad_()
+    y = direct_causal_conv(u, h)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = torch.autograd.grad(y, (u, h), grad_y)
+    for name, g, w in zip(("grad_u", "grad_h"), got, want[1:]):
+        assert g.dtype == torch.float32, name
+        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_toeplitz_op_passes_opcheck():
     """Schema, fake tensor, autograd registration and torch.compile tracing of the custom op."""
     u, h = random(2, 6, 3, seed=11).requires_grad_(), random(6, 3, seed=12).requires_grad_()

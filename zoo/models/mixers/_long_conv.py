@@ -13,10 +13,11 @@ import torch.nn.functional as F
 from torch.torch_version import TorchVersion
 
 # Longest sequence that causal_conv convolves directly. Per output element (one b, t, c) the direct forward +
-# backward is 6·T fp32 FLOPs (three T×T products per channel); the FFT's is ≈ 250 bytes moved (pad, rfft, the
-# product, irfft's input copy and its 2T outputs, in 8-byte complex, forward and backward). At an H200's ≈ 50
-# TFLOP/s fp32 and ≈ 4 TB/s the two meet near T ≈ 250·50/(6·4) ≈ 500, so every Zoology Fig. 2 length (≤ 512) is
-# direct; experiments/bench/long_conv.py measures both on the grid's shapes.
+# backward is 6·T fp32 FLOPs (three T×T products per channel, half of them on the zero upper triangle); the FFT's
+# is ≈ 250 bytes moved (pad, rfft, the product, irfft's input copy and its 2T outputs, in 8-byte complex, forward
+# and backward). At the ≈ 50 TFLOP/s an H200 reaches in fp32 matmuls and its ≈ 4 TB/s the two meet near
+# T ≈ 250·50/(6·4) ≈ 500, so every Zoology Fig. 2 length (≤ 512) is direct; experiments/bench/long_conv.py
+# measures both at the grid's shapes.
 DIRECT_MAX_T = 512
 
 # Elements of one channel block's Toeplitz matrices [c, T, T]: 2^26 fp32 is 256 MiB (256 channels at T = 512),
@@ -77,23 +78,25 @@ def direct_causal_conv(u: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _ieee_fp32_matmuls(device: torch.device):
-    """fp32 matmuls on `device` at IEEE precision inside the block; the previous setting comes back after it.
+    """fp32 matmuls on `device` at IEEE precision and autocast off inside the block; the previous settings come
+    back after it.
 
-    The setting is process-wide, so it is set and restored around each op's own matmuls and nothing else."""
+    The precision setting is process-wide, so it is set and restored around each op's own matmuls and nothing
+    else. Autocast is off because the backward op runs wherever the backward is called, which may be under it."""
     if _PRECISION_API:
         backend = torch.backends.cuda.matmul if device.type == "cuda" else torch.backends.mkldnn.matmul
-        name, value = "fp32_precision", "ieee"
+        setting = backend, "fp32_precision", "ieee"
     elif device.type == "cuda":
-        backend, name, value = torch.backends.cuda.matmul, "allow_tf32", False
+        setting = torch.backends.cuda.matmul, "allow_tf32", False
     else:  # older torch runs CPU fp32 matmuls at IEEE precision only
+        setting = None
+    with contextlib.ExitStack() as stack:
+        if setting is not None:
+            backend, name, value = setting
+            stack.callback(setattr, backend, name, getattr(backend, name))
+            setattr(backend, name, value)
+        stack.enter_context(torch.autocast(device_type=device.type, enabled=False))
         yield
-        return
-    previous = getattr(backend, name)
-    setattr(backend, name, value)
-    try:
-        yield
-    finally:
-        setattr(backend, name, previous)
 
 
 def _blocks(C: int, T: int) -> list[tuple[int, int]]:
