@@ -116,7 +116,7 @@ def new_h3_kernel(m: H3, T: int, dtype: torch.dtype) -> torch.Tensor:
     lags = torch.arange(T, device=log_a.device, dtype=dtype)
     powers = torch.exp(lags[:, None, None] * log_a[None])  # [T, H, N]
     kernel = torch.einsum("lhn,hn->lh", powers, (m.C * m.B).to(dtype))  # [T, H]
-    return m._per_channel(kernel.T, dtype).T
+    return kernel.repeat_interleave(m.p * m.p, dim=1)
 
 
 FFT_PATCHES = (_long_conv, h3, hyena, long_conv)  # every module that calls causal_conv

@@ -133,12 +133,12 @@ class H3(nn.Module):
             kernel = torch.einsum("lhn,hn->lh", powers, C * Bm)  # [T, H]
             u32 = u.to(dtype)
             # The head's p·p inputs share its kernel; repeat it after the exp and the sum over modes.
-            y = causal_conv(u32, self._per_channel(kernel.T, dtype).T)  # [B, T, H·p·p]
+            y = causal_conv(u32, kernel.repeat_interleave(self.p * self.p, dim=1))  # [B, T, H·p·p]
             y = y + self._per_channel(self.D, dtype) * u32
             if state is not None:
-                q2 = self.p * self.p
-                s0 = rearrange(state["ssm"].to(dtype), "b (h q) n -> b h q n", q=q2)  # [B, H, p·p, N]
-                u_h = rearrange(u32, "b t (h q) -> b t h q", q=q2)  # [B, T, H, p·p]
+                pp = self.p * self.p
+                s0 = rearrange(state["ssm"].to(dtype), "b (h q) n -> b h q n", q=pp)  # [B, H, p·p, N]
+                u_h = rearrange(u32, "b t (h q) -> b t h q", q=pp)  # [B, T, H, p·p]
                 carried = powers * torch.exp(log_a)[None]  # [T, H, N]: a^{t+1}
                 y = y + rearrange(torch.einsum("thn,bhqn,hn->bthq", carried, s0, C), "b t h q -> b t (h q)")
                 # s_T = a^T s_0 + Σ_s a^{T-1-s} b u_s; powers.flip(0)[s] = a^{T-1-s}.
