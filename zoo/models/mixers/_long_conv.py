@@ -172,7 +172,8 @@ _toeplitz_conv.register_autograd(_toeplitz_grad, setup_context=_toeplitz_setup)
 
 # torch.func.vmap (packed runs vmap the model's forward over N members, then take torch.autograd.grad outside it, so
 # the backward op sees plain tensors): the members' channels go side by side, and one call convolves all of them;
-# an input that is not batched is shared by every member.
+# an input that is not batched is shared by every member. torch.func.grad does not reach through the op (a custom
+# op's autograd formula serves torch.autograd only).
 def _members_as_channels(info, in_dims, *tensors: torch.Tensor) -> list[torch.Tensor]:
     """[N, ..., C] (or an unbatched [..., C]) -> [..., N·C]."""
     out = []
