@@ -21,7 +21,7 @@ from torch.torch_version import TorchVersion
 DIRECT_MAX_T = 512
 
 # Elements of one channel block's Toeplitz matrices [c, T, T]: 2^26 fp32 is 256 MiB (256 channels at T = 512),
-# so the backward's largest temporaries (the block's matrices and its [c, 2T, T] filter gradient) stay near 1 GiB
+# so the backward's largest temporaries (the block's matrices and its [c, T, 2T-1] filter gradient) stay near 1 GiB
 # at any channel count. A mixer's Toeplitz matrices are rebuilt in the backward, never saved.
 TOEPLITZ_BLOCK_ELEMENTS = 2**26
 
@@ -137,19 +137,20 @@ def _toeplitz_conv_backward(
     Σ_b Σ_t grad_y[b, t] · u[b, t - lag] (the sum of grad_y u ᵀ along its lag-th diagonal)."""
     B, T, C = u.shape
     g_c = grad_y.to(u.dtype).permute(2, 1, 0).contiguous()  # [C, T, B]
-    u_c = u.permute(2, 1, 0).contiguous()  # [C, T, B]
-    grad_u_c = torch.empty_like(u_c)
+    u_rev = u.flip(1).permute(2, 1, 0).contiguous()  # [C, T, B]: u_rev[:, T-1-s] = u[:, s]
+    grad_u_c = torch.empty_like(g_c)
     grad_h = u.new_empty(C, T)  # [C, lag]
     with _ieee_fp32_matmuls(u.device):
         for c0, c1 in _blocks(C, T):
             c = c1 - c0
             torch.bmm(_toeplitz(h[:, c0:c1]).transpose(1, 2), g_c[c0:c1], out=grad_u_c[c0:c1])
-            # Rows T..2T-1 stay zero, so the strided view below reads pairs[t, t - lag] for t = lag..T-1 and zeros
-            # after: element (lag, j) of the view sits at lag·T + j·(T+1) = (lag + j)·T + j.
-            pairs = u.new_empty(c, 2 * T, T)  # [c, 2T, T]
-            pairs[:, T:].zero_()
-            torch.bmm(g_c[c0:c1], u_c[c0:c1].transpose(1, 2), out=pairs[:, :T])  # [c, T, T]: Σ_b g[t] u[s]
-            grad_h[c0:c1] = pairs.as_strided((c, T, T), (2 * T * T, T, T + 1)).sum(-1)  # [c, T]
+            # pairs[t, j] = Σ_b g[t, b] u[T-1-j, b] = (g uᵀ)[t, T-1-j], in rows of 2T-1 whose last T-1 are zero. Read
+            # with a row stride of 2T-2 from offset T-1, (t, lag) lands on pairs[t, T-1-t+lag] = (g uᵀ)[t, t-lag]
+            # for lag ≤ t and on the zeros for lag > t; the sum over t then runs over rows of contiguous lags.
+            pairs = u.new_empty(c, T, 2 * T - 1)  # [c, T, 2T-1]
+            pairs[:, :, T:].zero_()
+            torch.bmm(g_c[c0:c1], u_rev[c0:c1].transpose(1, 2), out=pairs[:, :, :T])  # [c, T, T]
+            grad_h[c0:c1] = pairs.as_strided((c, T, T), (T * (2 * T - 1), 2 * T - 2, 1), T - 1).sum(1)  # [c, T]
     return grad_u_c.permute(2, 1, 0).contiguous(), grad_h.T.contiguous()  # [B, T, C], [T, C]
 
 
