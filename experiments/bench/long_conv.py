@@ -13,8 +13,9 @@ Zoology Fig. 2 shapes, and the H3 and Hyena mixers with the FFT forced and throu
 2. One H3 (Fig. 2 preset: d_state = shift_size = L, head_dim 2) and one Hyena (Fig. 2 preset) mixer at d = 512,
    forward+backward under bf16 autocast at L in {64, 128, 256} (batch 512, 512, 256): `fft`, the mixer's
    convolutions sent to fft_causal_conv by patching the mixer modules' `causal_conv` here in the bench; and
-   `causal_conv`, the library as it is. H3's kernel build is timed alone too: per SSM input ([T, H·p·p, N] exp
-   and sum, written out here) against the library's per head ([T, H, N]).
+   `causal_conv`, the library as it is. Both share the rest of the library (H3's per-head kernel, its shift filter
+   over T positions); sweep_speed.py times the whole training step. H3's kernel build is timed alone too: per SSM
+   input ([T, H·p·p, N] exp and sum, written out here) against the library's per head ([T, H, N]).
 
 Prints tables, then one JSON line.
 """
