@@ -1,6 +1,8 @@
 """causal_conv and its two paths (zoo/models/mixers/_long_conv.py): the direct Toeplitz matmul and the FFT each
-equal a double loop over (t, s) on outputs and on the gradients of u and h; the dispatch rule picks each path on
-its side of DIRECT_MAX_T; the custom op passes torch.library's checks."""
+equal a double loop over (t, s) on outputs and on the gradients of u and h; both stay fp32-accurate with lowered
+matmul precision requested; the dispatch rule picks each path on its side of DIRECT_MAX_T; the direct op keeps
+IEEE fp32 under autocast and vmap and passes torch.library's checks; explicit_causal_conv equals its unfolded
+windows with and without a history."""
 
 import pytest
 import torch
