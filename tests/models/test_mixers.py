@@ -31,7 +31,7 @@ CASES = [
     ("h3-n8", "h3", {"d_state": 8}),
     ("h3-n3-shift2", "h3", {"d_state": 3, "shift_size": 2}),
     ("h3-p2", "h3", {"d_state": 4, "head_dim": 2}),
-    ("h3-p4-shift40", "h3", {"d_state": 3, "head_dim": 4, "shift_size": 40}),  # a shift filter through the FFT
+    ("h3-p4-shift40", "h3", {"d_state": 3, "head_dim": 4, "shift_size": 40}),  # a shift filter via causal_conv
     ("short_conv-k3", "short_conv", {}),
     ("short_conv-k5", "short_conv", {"kernel_size": 5}),
     ("short_conv-k1", "short_conv", {"kernel_size": 1}),
@@ -378,7 +378,7 @@ def test_chunked_delta_rule_equals_the_token_loop(name, T, chunk):
 
 
 def test_long_conv_matches_a_direct_sum_and_reaches_every_lag():
-    """long_conv's FFT path against y = (Σ_{s≤t} h[t-s] u_s + u_t) ⊙ proj(u_t) + u_t summed directly, and the
+    """long_conv's convolution against y = (Σ_{s≤t} h[t-s] u_s + u_t) ⊙ proj(u_t) + u_t summed directly, and the
     input at position 0 reaches the output at the filter's last lag (max_seq_len - 1)."""
     T = 24
     mixer = build(("", "long_conv", {}), max_seq_len=T)

@@ -1,16 +1,54 @@
-"""Causal convolutions shared by the convolution mixers (Hyena, H3, short_conv, long_conv): FFT for long filters."""
+"""Causal convolutions shared by the convolution mixers (Hyena, H3, short_conv, long_conv).
+
+`causal_conv` is the one entry for long filters: a direct Toeplitz matmul up to DIRECT_MAX_T positions, an FFT
+beyond. Short FIRs (a few taps) unfold their windows (`depthwise_causal_conv`).
+"""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.nn.functional as F
+from torch.torch_version import TorchVersion
+
+# Longest sequence that causal_conv convolves directly. Per output element (one b, t, c) the direct forward +
+# backward is 6·T fp32 FLOPs (three T×T products per channel, half of them on the zero upper triangle); the FFT's
+# is ≈ 250 bytes moved (pad, rfft, the product, irfft's input copy and its 2T outputs, in 8-byte complex, forward
+# and backward). At the ≈ 50 TFLOP/s an H200 reaches in fp32 matmuls and its ≈ 4 TB/s the two meet near
+# T ≈ 250·50/(6·4) ≈ 500, so every Zoology Fig. 2 length (≤ 512) is direct; experiments/bench/long_conv.py
+# measures both at the grid's shapes.
+DIRECT_MAX_T = 512
+
+# Elements of one channel block's Toeplitz matrices [c, T, T]: 2^26 fp32 is 256 MiB (256 channels at T = 512),
+# so the backward's largest temporaries (the block's matrices and its [c, T, 2T-1] filter gradient) stay near 1 GiB
+# at any channel count. A mixer's Toeplitz matrices are rebuilt in the backward, never saved.
+TOEPLITZ_BLOCK_ELEMENTS = 2**26
+
+# fp32_precision (torch ≥ 2.9) names each backend's fp32 matmul precision; older torch has only CUDA's allow_tf32.
+_PRECISION_API = TorchVersion(torch.__version__) >= (2, 9)
+
+
+def _check(u: torch.Tensor, h: torch.Tensor) -> None:
+    if u.dim() != 3 or h.dim() != 2 or h.shape[1] != u.shape[2] or h.shape[0] < 1:
+        raise ValueError(f"causal conv: u must be [B, T, C] and h [T', C] with T' ≥ 1, got {tuple(u.shape)} and "
+                         f"{tuple(h.shape)}")
+
+
+def causal_conv(u: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """y[:, t, c] = Σ_{s≤t} h[t-s, c] · u[:, s, c]: direct_causal_conv for T ≤ DIRECT_MAX_T, fft_causal_conv above.
+
+    u: [B, T, C]; h: [T', C] (lags at or past T' are zero; lags past T - 1 never reach inside the sequence) ->
+    [B, T, C]. Computed in at least fp32 (fp64 stays fp64) and cast back to u's dtype.
+    """
+    if u.shape[1] <= DIRECT_MAX_T:
+        return direct_causal_conv(u, h)
+    return fft_causal_conv(u, h)
 
 
 def fft_causal_conv(u: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """y[:, t, c] = Σ_{s≤t} h[t-s, c] · u[:, s, c], through an FFT of length 2T (no wrap-around).
-
-    u: [B, T, C]; h: [T', C] with T' >= T (only the first T lags can reach inside the sequence) -> [B, T, C].
-    Computed in at least fp32 (fp64 stays fp64) and cast back to u's dtype.
-    """
+    """causal_conv through an FFT of length 2T (no wrap-around): u: [B, T, C]; h: [T', C] -> [B, T, C]."""
+    _check(u, h)
     T = u.shape[1]
     dtype = torch.promote_types(u.dtype, torch.float32)
     n = 2 * T
@@ -19,6 +57,142 @@ def fft_causal_conv(u: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         h_f = torch.fft.rfft(h[:T].to(dtype), n=n, dim=0)  # [T+1, C]
         y = torch.fft.irfft(u_f * h_f[None], n=n, dim=1)[:, :T]  # [B, T, C]
     return y.to(u.dtype)
+
+
+def direct_causal_conv(u: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """causal_conv as one matmul per channel with its lower-triangular Toeplitz matrix W[t, s] = h[t-s]:
+    u: [B, T, C]; h: [T', C] -> [B, T, C].
+
+    The matmuls run at IEEE fp32 (or fp64) whatever the process's TF32 setting: TF32 keeps 10 mantissa bits
+    (≈ 5e-4 relative per product), and the mixers must give the FFT path's fp32 result on either side of
+    DIRECT_MAX_T. Channels go in blocks of TOEPLITZ_BLOCK_ELEMENTS, and the backward rebuilds each block's matrices.
+    """
+    _check(u, h)
+    T = u.shape[1]
+    dtype = torch.promote_types(u.dtype, torch.float32)
+    with torch.autocast(device_type=u.device.type, enabled=False):
+        lags = h[:T] if h.shape[0] >= T else F.pad(h, (0, 0, 0, T - h.shape[0]))  # [T, C]
+        y = torch.ops.zoo_conv.toeplitz_conv(u.to(dtype), lags.to(dtype))  # [B, T, C]
+    return y.to(u.dtype)
+
+
+@contextlib.contextmanager
+def _ieee_fp32_matmuls(device: torch.device):
+    """fp32 matmuls on `device` at IEEE precision and autocast off inside the block; the previous settings come
+    back after it.
+
+    The precision setting is process-wide, so it is set and restored around each op's own matmuls and nothing
+    else. Autocast is off because the backward op runs wherever the backward is called, which may be under it."""
+    if _PRECISION_API:
+        backend = torch.backends.cuda.matmul if device.type == "cuda" else torch.backends.mkldnn.matmul
+        setting = backend, "fp32_precision", "ieee"
+    elif device.type == "cuda":
+        setting = torch.backends.cuda.matmul, "allow_tf32", False
+    else:  # older torch runs CPU fp32 matmuls at IEEE precision only
+        setting = None
+    with contextlib.ExitStack() as stack:
+        if setting is not None:
+            backend, name, value = setting
+            stack.callback(setattr, backend, name, getattr(backend, name))
+            setattr(backend, name, value)
+        stack.enter_context(torch.autocast(device_type=device.type, enabled=False))
+        yield
+
+
+def _blocks(C: int, T: int) -> list[tuple[int, int]]:
+    """Channel ranges [c0, c1) whose Toeplitz matrices [c1 - c0, T, T] hold ≤ TOEPLITZ_BLOCK_ELEMENTS (≥ 1 channel)."""
+    step = max(1, TOEPLITZ_BLOCK_ELEMENTS // (T * T))
+    return [(c0, min(C, c0 + step)) for c0 in range(0, C, step)]
+
+
+def _toeplitz(h: torch.Tensor) -> torch.Tensor:
+    """h: [T, c] -> W: [c, T, T], W[c, t, s] = h[t-s, c] for s ≤ t, else 0."""
+    T = h.shape[0]
+    padded = F.pad(h.T, (T - 1, 0))  # [c, 2T-1]: padded[:, T-1+lag] = h[lag], zeros at negative lags
+    # unfold: [c, i, k] = padded[:, i + k]; flipping k gives padded[:, T-1 + t - s]. The flip is a contiguous copy.
+    return padded.unfold(1, T, 1).flip(-1).contiguous()  # [c, T, T]
+
+
+@torch.library.custom_op("zoo_conv::toeplitz_conv", mutates_args=())
+def _toeplitz_conv(u: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """u: [B, T, C], h: [T, C], one dtype -> y: [B, T, C], y[:, :, c] = W_c @ u[:, :, c] per channel block."""
+    u_c = u.permute(2, 1, 0).contiguous()  # [C, T, B]
+    y_c = torch.empty_like(u_c)
+    with _ieee_fp32_matmuls(u.device):
+        for c0, c1 in _blocks(u.shape[2], u.shape[1]):
+            torch.bmm(_toeplitz(h[:, c0:c1]), u_c[c0:c1], out=y_c[c0:c1])
+    return y_c.permute(2, 1, 0).contiguous()  # [B, T, C]
+
+
+@_toeplitz_conv.register_fake
+def _toeplitz_conv_fake(u, h):
+    return torch.empty_like(u, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("zoo_conv::toeplitz_conv_backward", mutates_args=())
+def _toeplitz_conv_backward(
+    grad_y: torch.Tensor, u: torch.Tensor, h: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """grad_y, u: [B, T, C], h: [T, C] -> grad_u = Wᵀ grad_y per channel [B, T, C] and grad_h [T, C], grad_h[lag] =
+    Σ_b Σ_t grad_y[b, t] · u[b, t - lag] (the sum of grad_y u ᵀ along its lag-th diagonal)."""
+    B, T, C = u.shape
+    g_c = grad_y.to(u.dtype).permute(2, 1, 0).contiguous()  # [C, T, B]
+    u_rev = u.flip(1).permute(2, 1, 0).contiguous()  # [C, T, B]: u_rev[:, T-1-s] = u[:, s]
+    grad_u_c = torch.empty_like(g_c)
+    grad_h = u.new_empty(C, T)  # [C, lag]
+    with _ieee_fp32_matmuls(u.device):
+        for c0, c1 in _blocks(C, T):
+            c = c1 - c0
+            torch.bmm(_toeplitz(h[:, c0:c1]).transpose(1, 2), g_c[c0:c1], out=grad_u_c[c0:c1])
+            # pairs[t, j] = Σ_b g[t, b] u[T-1-j, b] = (g uᵀ)[t, T-1-j], in rows of 2T-1 whose last T-1 are zero. Read
+            # with a row stride of 2T-2 from offset T-1, (t, lag) lands on pairs[t, T-1-t+lag] = (g uᵀ)[t, t-lag]
+            # for lag ≤ t and on the zeros for lag > t; the sum over t then runs over rows of contiguous lags.
+            pairs = u.new_empty(c, T, 2 * T - 1)  # [c, T, 2T-1]
+            pairs[:, :, T:].zero_()
+            torch.bmm(g_c[c0:c1], u_rev[c0:c1].transpose(1, 2), out=pairs[:, :, :T])  # [c, T, T]
+            grad_h[c0:c1] = pairs.as_strided((c, T, T), (T * (2 * T - 1), 2 * T - 2, 1), T - 1).sum(1)  # [c, T]
+    return grad_u_c.permute(2, 1, 0).contiguous(), grad_h.T.contiguous()  # [B, T, C], [T, C]
+
+
+@_toeplitz_conv_backward.register_fake
+def _toeplitz_conv_backward_fake(grad_y, u, h):
+    return torch.empty_like(u, memory_format=torch.contiguous_format), torch.empty_like(h)
+
+
+def _toeplitz_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _toeplitz_grad(ctx, grad_y):
+    u, h = ctx.saved_tensors
+    return torch.ops.zoo_conv.toeplitz_conv_backward(grad_y, u, h)
+
+
+_toeplitz_conv.register_autograd(_toeplitz_grad, setup_context=_toeplitz_setup)
+
+
+# torch.func.vmap (packed runs vmap the model's forward over N members, then take torch.autograd.grad outside it, so
+# the backward op sees plain tensors): the members' channels go side by side, and one call convolves all of them;
+# an input that is not batched is shared by every member. torch.func.grad does not reach through the op (a custom
+# op's autograd formula serves torch.autograd only).
+def _members_as_channels(info, in_dims, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """[N, ..., C] (or an unbatched [..., C]) -> [..., N·C]."""
+    out = []
+    for t, dim in zip(tensors, in_dims):
+        t = t.expand(info.batch_size, *t.shape) if dim is None else t.movedim(dim, 0)
+        out.append(t.movedim(0, -2).flatten(-2))  # [..., N·C]
+    return out
+
+
+def _channels_as_members(t: torch.Tensor, n: int) -> torch.Tensor:
+    """[..., N·C] -> [N, ..., C]."""
+    return t.unflatten(-1, (n, -1)).movedim(-2, 0)
+
+
+@_toeplitz_conv.register_vmap
+def _toeplitz_conv_vmap(info, in_dims, u, h):
+    y = torch.ops.zoo_conv.toeplitz_conv(*_members_as_channels(info, in_dims, u, h))  # [B, T, N·C]
+    return _channels_as_members(y, info.batch_size), 0
 
 
 def depthwise_causal_conv(u: torch.Tensor, weight: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
@@ -32,18 +206,26 @@ def depthwise_causal_conv(u: torch.Tensor, weight: torch.Tensor, history: torch.
     return torch.einsum("btck,ck->btc", windows, weight)
 
 
-# Above this many taps an explicit filter runs through the FFT: the unfolded windows of depthwise_causal_conv
+# Above this many taps an explicit filter runs through causal_conv: the unfolded windows of depthwise_causal_conv
 # hold B·T·C·k elements (k = 256 at d = 512, B = 256, T = 256: 8.6·10⁹).
-FFT_TAPS = 32
+UNFOLD_MAX_TAPS = 32
 
 
-def explicit_causal_conv(u: torch.Tensor, weight: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
-    """depthwise_causal_conv's result for any kernel length: unfolded windows up to FFT_TAPS taps, else an FFT.
+def explicit_causal_conv(u: torch.Tensor, weight: torch.Tensor, history: torch.Tensor | None) -> torch.Tensor:
+    """depthwise_causal_conv's result for any kernel length: unfolded windows up to UNFOLD_MAX_TAPS taps, else
+    causal_conv.
 
-    u: [B, T, C]; weight: [C, k] (weight[:, k-1] multiplies the current input); history: [B, k-1, C] -> [B, T, C].
+    u: [B, T, C]; weight: [C, k] (weight[:, k-1] multiplies the current input); history: [B, k-1, C], or None for
+    zeros (a sequence's start) -> [B, T, C]. Without a history the long branch convolves the T positions alone;
+    with one it convolves all T + k - 1 and keeps the last T.
     """
     k = weight.shape[1]
-    if k <= FFT_TAPS:
+    if k <= UNFOLD_MAX_TAPS:
+        if history is None:
+            history = u.new_zeros(u.shape[0], k - 1, u.shape[2])
         return depthwise_causal_conv(u, weight, history)
+    h = weight.flip(1).T  # [k, C]: h[lag] = weight[:, k-1-lag]
+    if history is None:
+        return causal_conv(u, h)
     u_full = torch.cat([history.to(u.dtype), u], dim=1)  # [B, T + k - 1, C]
-    return fft_causal_conv(u_full, weight.flip(1).T)[:, k - 1 :]  # h[lag] = weight[:, k-1-lag]
+    return causal_conv(u_full, h)[:, k - 1 :]

@@ -13,8 +13,10 @@ H = d/p heads: every head's p×p outer products k'_h v_hᵀ each run through tha
 output is q_hᵀ · SSM(k'_h v_hᵀ). With p = 1 (the default) q ⊙ and k' ⊙ v are elementwise, one SSM per channel.
 
 What is unusual here:
-- The parallel form builds the SSM's kernel K[l, c] = Σ_n c_n b_n a_n^l and convolves through an FFT; a
-  carried state enters as Σ_n c_n a_n^{t+1} s_0 and the final state is a^T s_0 + Σ_s a^{T-1-s} b u_s.
+- The parallel form builds the SSM's kernel once per head, K[l, h] = Σ_n c_n b_n a_n^l (a head's p·p inputs
+  share a, b, c), repeats it over the head's inputs and convolves through `causal_conv` (a Toeplitz matmul up to
+  its DIRECT_MAX_T positions, an FFT beyond); a carried state enters as Σ_n c_n a_n^{t+1} s_0, and the final
+  state is a^T s_0 + Σ_s a^{T-1-s} b u_s, both per head too.
 - State: {"shift": [B, shift_size-1, d], "ssm": [B, d·p, d_state]} (the H·p·p SSM inputs), the SSM part in
   fp32 (fp64 for fp64 models). state_size = p·d·d_state (REFERENCE's "H3: d·d_state" at p = 1) +
   d·(shift_size-1) for the shift register.
@@ -37,7 +39,7 @@ from zoo.models.mixers._common import (
     make_config,
     module_device_dtype,
 )
-from zoo.models.mixers._long_conv import explicit_causal_conv, fft_causal_conv
+from zoo.models.mixers._long_conv import causal_conv, explicit_causal_conv
 
 
 @dataclass
@@ -102,16 +104,17 @@ class H3(nn.Module):
         return rearrange(torch.einsum("...hi,...hij->...hj", q, y), "... h j -> ... (h j)")
 
     def _log_a(self, dtype: torch.dtype) -> torch.Tensor:
-        """log a = -Δ·A per SSM input: [H·p·p, N], in `dtype`."""
-        log_a = -(torch.exp(self.log_dt.to(dtype))[:, None] * torch.exp(self.log_A.to(dtype)))  # [H, N]
-        return self._per_channel(log_a, dtype)
+        """log a = -Δ·A per head: [H, N], in `dtype`."""
+        return -(torch.exp(self.log_dt.to(dtype))[:, None] * torch.exp(self.log_A.to(dtype)))  # [H, N]
 
-    def _inputs(self, x: torch.Tensor, history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [B, T, d] -> q [B, T, d], u = shift(k)_h v_hᵀ per head [B, T, H·p·p] and the new shift history
-        [B, k-1, d]."""
+    def _inputs(
+        self, x: torch.Tensor, history: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x: [B, T, d], history: [B, k-1, d] past k or None (zeros, and no new history wanted) -> q [B, T, d],
+        u = shift(k)_h v_hᵀ per head [B, T, H·p·p] and the new shift history [B, k-1, d] (None without one)."""
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # [B, T, d] each
         k_shift = explicit_causal_conv(k, self.shift_weight, history)  # [B, T, d]
-        new_history = torch.cat([history.to(k.dtype), k], dim=1)[:, k.shape[1] :]  # [B, k-1, d]
+        new_history = None if history is None else torch.cat([history.to(k.dtype), k], dim=1)[:, k.shape[1] :]
         k_h = rearrange(k_shift, "b t (h i) -> b t h i 1", i=self.p)
         v_h = rearrange(v, "b t (h j) -> b t h 1 j", j=self.p)
         return q, rearrange(k_h * v_h, "b t h i j -> b t (h i j)"), new_history  # [B, T, H·p·p]
@@ -119,25 +122,28 @@ class H3(nn.Module):
     def forward(self, x: torch.Tensor, state: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """x: [B, T, d_model] -> [B, T, d_model]. With a state: continues the shift and the SSM from it."""
         check_input(x, self.d_model, self.name)
-        B, T, d = x.shape
-        history = x.new_zeros(B, self.config.shift_size - 1, d) if state is None else state["shift"]
-        q, u, new_history = self._inputs(x, history)
+        T = x.shape[1]
+        q, u, new_history = self._inputs(x, None if state is None else state["shift"])
         dtype = compute_dtype(x.dtype) if state is None else torch.promote_types(x.dtype, state["ssm"].dtype)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            log_a = self._log_a(dtype)  # [d, N]
+            log_a = self._log_a(dtype)  # [H, N]
             lags = torch.arange(T, device=x.device, dtype=dtype)  # [T]
-            powers = torch.exp(lags[:, None, None] * log_a[None])  # [T, d, N]: a^l
-            C, Bm = self._per_channel(self.C, dtype), self._per_channel(self.B, dtype)  # [H·p·p, N]
-            kernel = torch.einsum("ldn,dn->ld", powers, C * Bm)  # [T, H·p·p]
+            powers = torch.exp(lags[:, None, None] * log_a[None])  # [T, H, N]: a^l
+            C, Bm = self.C.to(dtype), self.B.to(dtype)  # [H, N]
+            kernel = torch.einsum("lhn,hn->lh", powers, C * Bm)  # [T, H]
             u32 = u.to(dtype)
-            y = fft_causal_conv(u32, kernel) + self._per_channel(self.D, dtype) * u32  # [B, T, H·p·p]
+            # The head's p·p inputs share its kernel; repeat it after the exp and the sum over modes.
+            y = causal_conv(u32, kernel.repeat_interleave(self.p * self.p, dim=1))  # [B, T, H·p·p]
+            y = y + self._per_channel(self.D, dtype) * u32
             if state is not None:
-                s0 = state["ssm"].to(dtype)  # [B, H·p·p, N]
-                carried = powers * torch.exp(log_a)[None]  # [T, H·p·p, N]: a^{t+1}
-                y = y + torch.einsum("tdn,bdn,dn->btd", carried, s0, C)
+                pp = self.p * self.p
+                s0 = rearrange(state["ssm"].to(dtype), "b (h q) n -> b h q n", q=pp)  # [B, H, p·p, N]
+                u_h = rearrange(u32, "b t (h q) -> b t h q", q=pp)  # [B, T, H, p·p]
+                carried = powers * torch.exp(log_a)[None]  # [T, H, N]: a^{t+1}
+                y = y + rearrange(torch.einsum("thn,bhqn,hn->bthq", carried, s0, C), "b t h q -> b t (h q)")
                 # s_T = a^T s_0 + Σ_s a^{T-1-s} b u_s; powers.flip(0)[s] = a^{T-1-s}.
-                s_T = powers[-1] * torch.exp(log_a) * s0 + torch.einsum("tdn,btd,dn->bdn", powers.flip(0), u32, Bm)
-                state["ssm"].copy_(s_T)
+                s_T = carried[-1][None, :, None] * s0 + torch.einsum("thn,bthq,hn->bhqn", powers.flip(0), u_h, Bm)
+                state["ssm"].copy_(rearrange(s_T, "b h q n -> b (h q) n"))
                 state["shift"].copy_(new_history)
         return self.out(self._read_out(q, y))  # [B, T, d_model]
 
@@ -151,7 +157,8 @@ class H3(nn.Module):
         with torch.autocast(device_type=x_t.device.type, enabled=False):
             u32 = u[:, 0].to(dtype)  # [B, H·p·p]
             Bm = self._per_channel(self.B, dtype)
-            s_new = torch.exp(self._log_a(dtype))[None] * s.to(dtype) + Bm * u32[..., None]
+            a = torch.exp(self._per_channel(self._log_a(dtype), dtype))  # [H·p·p, N]
+            s_new = a[None] * s.to(dtype) + Bm * u32[..., None]
             s.copy_(s_new)
             C, D = self._per_channel(self.C, dtype), self._per_channel(self.D, dtype)
             y = torch.einsum("bdn,dn->bd", s_new, C) + D * u32  # [B, H·p·p]

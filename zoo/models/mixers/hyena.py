@@ -8,7 +8,8 @@ The long filter is implicit: h[t, c] = MLP(pos(t))[c] · exp(-α_c · t / max_se
 t / max_seq_len and `num_freqs` sin/cos pairs, the MLP has sine activations (`filter_depth` hidden-to-hidden
 layers; with `learn_freq` one learned frequency per hidden unit, shared by every activation, as in Zoology's
 Hyena), and the decay rates α_c are spread over [decay_min, decay_max] across channels. The convolution runs
-through an FFT (O(T log T)). `short_bias` gives the short conv a bias (Zoology's has one).
+through `causal_conv` (a Toeplitz matmul up to DIRECT_MAX_T positions, an FFT of length 2T beyond).
+`short_bias` gives the short conv a bias (Zoology's has one).
 
 What is unusual here (decoding a long convolution):
 - A long convolution has no finite recurrent state, so `step` is exact by keeping the whole history of z:
@@ -36,7 +37,7 @@ from zoo.models.mixers._common import (
     make_config,
     module_device_dtype,
 )
-from zoo.models.mixers._long_conv import depthwise_causal_conv, fft_causal_conv
+from zoo.models.mixers._long_conv import causal_conv, depthwise_causal_conv
 
 
 @dataclass
@@ -147,7 +148,7 @@ class Hyena(nn.Module):
         if pos + T > self.config.max_seq_len:
             raise ValueError(f"hyena: {pos} + {T} tokens exceed max_seq_len={self.config.max_seq_len}")
         z_full = z if state is None else torch.cat([state["z"][:, :pos].to(z.dtype), z], dim=1)  # [B, pos+T, d]
-        conv = fft_causal_conv(z_full, self.filter(pos + T))[:, pos:]  # [B, T, d]
+        conv = causal_conv(z_full, self.filter(pos + T))[:, pos:]  # [B, T, d]
         if state is not None:
             state["short"].copy_(new_history)
             state["z"][:, pos : pos + T] = z.to(state["z"].dtype)

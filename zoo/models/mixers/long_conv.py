@@ -7,7 +7,8 @@ The filter is implicit: h[t, c] = MLP(z_t)[c], with z_t = [t / (max_seq_len - 1)
 the MLP Linear(1 + 2·num_bands → filter_hidden), ReLU, Linear(filter_hidden → d). This is the Zoology Fig. 2
 setting (d_emb 3, hidden 16): with one band of frequency 1e-4 the features are nearly [t, 1, 0], so the filter
 is a ReLU network of the position alone. The `+ u` inside the gate is the convolution's skip term with a fixed
-weight of 1, as in Zoology's FFT convolution. The convolution runs through an FFT of length 2T (O(T log T)).
+weight of 1, as in Zoology's FFT convolution. The convolution runs through `causal_conv` (a Toeplitz matmul up
+to DIRECT_MAX_T positions, an FFT of length 2T beyond).
 
 With the sequence length of Zoology's configs (`max_seq_len` = L, its `l_max`) the filter spans every lag a
 sequence can reach: a key L - 1 tokens back still reaches the query, which a k = 3 short convolution cannot.
@@ -31,7 +32,7 @@ from torch import nn
 
 from kernels.launch import is_capturing
 from zoo.models.mixers._common import check_input, check_int, check_step_input, make_config, module_device_dtype
-from zoo.models.mixers._long_conv import fft_causal_conv
+from zoo.models.mixers._long_conv import causal_conv
 
 
 @dataclass
@@ -96,12 +97,12 @@ class LongConv(nn.Module):
         if state is None:
             if T > self.config.max_seq_len:
                 raise ValueError(f"long_conv: T={T} exceeds max_seq_len={self.config.max_seq_len}")
-            return self._gate(x, fft_causal_conv(x, self.filter(T)))  # [B, T, d_model]
+            return self._gate(x, causal_conv(x, self.filter(T)))  # [B, T, d_model]
         pos = int(state["pos"])
         if pos + T > self.config.max_seq_len:
             raise ValueError(f"long_conv: {pos} + {T} tokens exceed max_seq_len={self.config.max_seq_len}")
         u_full = torch.cat([state["u"][:, :pos].to(x.dtype), x], dim=1)  # [B, pos + T, d]
-        conv = fft_causal_conv(u_full, self.filter(pos + T))[:, pos:]  # [B, T, d]
+        conv = causal_conv(u_full, self.filter(pos + T))[:, pos:]  # [B, T, d]
         state["u"][:, pos : pos + T] = x.to(state["u"].dtype)
         state["pos"].add_(T)
         return self._gate(x, conv)

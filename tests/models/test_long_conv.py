@@ -1,0 +1,192 @@
+"""causal_conv and its two paths (zoo/models/mixers/_long_conv.py): the direct Toeplitz matmul and the FFT each
+equal a double loop over (t, s) on outputs and on the gradients of u and h; both stay fp32-accurate with lowered
+matmul precision requested; the dispatch rule picks each path on its side of DIRECT_MAX_T; the direct op keeps
+IEEE fp32 under autocast and vmap and passes torch.library's checks; explicit_causal_conv equals its unfolded
+windows with and without a history."""
+
+import pytest
+import torch
+
+from zoo.models.mixers import _long_conv
+from zoo.models.mixers._long_conv import (
+    DIRECT_MAX_T,
+    TOEPLITZ_BLOCK_ELEMENTS,
+    UNFOLD_MAX_TAPS,
+    causal_conv,
+    depthwise_causal_conv,
+    direct_causal_conv,
+    explicit_causal_conv,
+    fft_causal_conv,
+)
+
+PATHS = {"direct": direct_causal_conv, "fft": fft_causal_conv, "dispatch": causal_conv}
+
+# (B, T, C, T'): one position; odd T; a filter longer than the sequence; a filter shorter than it (the long
+# branch of explicit_causal_conv passes k taps for T + k - 1 positions); several channels and batches.
+SHAPES = [(2, 1, 3, 1), (2, 1, 3, 5), (1, 7, 2, 7), (3, 9, 4, 13), (2, 9, 3, 4), (2, 33, 5, 33)]
+
+
+def naive_conv(u: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """y[:, t, c] = Σ_{s≤t, t-s<T'} h[t-s, c] · u[:, s, c], summed term by term."""
+    B, T, C = u.shape
+    rows = []
+    for t in range(T):
+        acc = torch.zeros(B, C, dtype=u.dtype)
+        for s in range(t + 1):
+            if t - s < h.shape[0]:
+                acc = acc + h[t - s] * u[:, s]
+        rows.append(acc)
+    return torch.stack(rows, dim=1)  # [B, T, C]
+
+
+def random(*shape, seed: int, dtype=torch.float64) -> torch.Tensor:
+    return torch.randn(*shape, dtype=dtype, generator=torch.Generator().manual_seed(seed))
+
+
+def outputs_and_grads(conv, u, h, grad_y):
+    u, h = u.clone().requires_grad_(), h.clone().requires_grad_()
+    y = conv(u, h)
+    return (y, *torch.autograd.grad(y, (u, h), grad_y))
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-T{}-C{}-Tf{}".format(*s))
+def test_conv_equals_the_double_loop(shape, path):
+    """fp64: output, grad u and grad h of each path against the loop's (autograd through the loop)."""
+    B, T, C, Tf = shape
+    u, h, grad_y = random(B, T, C, seed=1), random(Tf, C, seed=2), random(B, T, C, seed=3)
+    got = outputs_and_grads(PATHS[path], u, h, grad_y)
+    want = outputs_and_grads(naive_conv, u, h, grad_y)
+    for name, g, w in zip(("y", "grad_u", "grad_h"), got, want):
+        assert g.shape == w.shape and g.dtype == torch.float64, name
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_fp32_paths_stay_fp32_accurate_over_several_channel_blocks(device):
+    """fp32 at T = DIRECT_MAX_T with the channels in three Toeplitz blocks (the last one short), with the process's
+    fp32 matmuls lowered (TF32 on CUDA, bf16 on CPU): outputs and gradients of both paths within 4e-6 of fp64
+    relative to the largest value (≈ 64 fp32 ulps; the direct sums run over up to T terms, so its error grows like
+    √T where the FFT's grows like log T; TF32 operands give ≈ 1e-3)."""
+    T = DIRECT_MAX_T
+    block = TOEPLITZ_BLOCK_ELEMENTS // (T * T)
+    C = 2 * block + 3
+    u, h, grad_y = random(1, T, C, seed=4), random(T, C, seed=5) / T**0.5, random(1, T, C, seed=6)
+    exact = [t.to(device) for t in outputs_and_grads(fft_causal_conv, u, h, grad_y)]
+    backend = torch.backends.cuda.matmul if device == "cuda" else torch.backends.mkldnn.matmul
+    previous = backend.fp32_precision
+    backend.fp32_precision = "tf32" if device == "cuda" else "bf16"
+    try:
+        fp32 = [t.float().to(device) for t in (u, h, grad_y)]
+        got = {path: outputs_and_grads(PATHS[path], *fp32) for path in ("direct", "fft")}
+    finally:
+        backend.fp32_precision = previous
+    for path in ("direct", "fft"):
+        for name, e, g in zip(("y", "grad_u", "grad_h"), exact, got[path]):
+            assert g.dtype == torch.float32, name
+            error = ((g.double() - e).abs().max() / e.abs().max()).item()
+            assert error <= 4e-6, f"{path} {name}: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("path", ["direct", "fft"])
+def test_low_precision_input_is_computed_in_fp32(path):
+    """bf16 in, bf16 out, and the value is the fp32 convolution rounded once."""
+    u, h = random(2, 12, 3, seed=7).bfloat16(), random(12, 3, seed=8).bfloat16()
+    y = PATHS[path](u, h)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, naive_conv(u.double(), h.double()).bfloat16(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("T", "path"), [(1, "direct"), (DIRECT_MAX_T, "direct"), (DIRECT_MAX_T + 1, "fft")],
+                         ids=["T1-direct", "Tmax-direct", "Tmax+1-fft"])
+def test_dispatch_picks_the_path_at_the_threshold(T, path):
+    """causal_conv's output is bit for bit the chosen path's (fp32, where the two paths' roundings differ)."""
+    u, h = random(1, T, 2, seed=9, dtype=torch.float32), random(T, 2, seed=10, dtype=torch.float32)
+    y = causal_conv(u, h)
+    chosen, other = PATHS[path], PATHS["fft" if path == "direct" else "direct"]
+    assert torch.equal(y, chosen(u, h))
+    if T > 1:
+        assert not torch.equal(y, other(u, h))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_matmul_precision_is_pinned_and_restored(device):
+    """Inside the op's block fp32 matmuls run at IEEE precision, whatever was set before; the setting comes back
+    after, also when the block raises. (Setting the flags needs no GPU.)"""
+    backend = torch.backends.cuda.matmul if device == "cuda" else torch.backends.mkldnn.matmul
+    previous = backend.fp32_precision
+    lowered = "tf32" if device == "cuda" else "bf16"
+    backend.fp32_precision = lowered
+    try:
+        with _long_conv._ieee_fp32_matmuls(torch.device(device)):
+            assert backend.fp32_precision == "ieee"
+        assert backend.fp32_precision == lowered
+        with pytest.raises(RuntimeError, match="inside"):
+            with _long_conv._ieee_fp32_matmuls(torch.device(device)):
+                raise RuntimeError("inside")
+        assert backend.fp32_precision == lowered
+    finally:
+        backend.fp32_precision = previous
+
+
+def test_backward_called_under_autocast_stays_fp32():
+    """A backward called inside a bf16 autocast region (the CPU runs it on the calling thread) keeps the direct
+    path's matmuls in fp32."""
+    u, h = random(2, 64, 3, seed=20).float(), random(64, 3, seed=21).float()
+    grad_y = random(2, 64, 3, seed=22).float()
+    want = outputs_and_grads(naive_conv, u.double(), h.double(), grad_y.double())
+    u, h = u.requires_grad_(), h.requires_grad_()
+    y = direct_causal_conv(u, h)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = torch.autograd.grad(y, (u, h), grad_y)
+    for name, g, w in zip(("grad_u", "grad_h"), got, want[1:]):
+        assert g.dtype == torch.float32, name
+        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_toeplitz_op_passes_opcheck():
+    """Schema, fake tensor, autograd registration and torch.compile tracing of the custom op."""
+    u, h = random(2, 6, 3, seed=11).requires_grad_(), random(6, 3, seed=12).requires_grad_()
+    torch.library.opcheck(torch.ops.zoo_conv.toeplitz_conv, (u, h))
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize(("u_shape", "h_shape"), [((2, 5), (5, 3)), ((2, 5, 3), (5, 4)), ((2, 5, 3), (0, 3))],
+                         ids=["u-2d", "channels-differ", "empty-filter"])
+def test_bad_shapes_raise(path, u_shape, h_shape):
+    with pytest.raises(ValueError, match="u must be"):
+        PATHS[path](torch.zeros(u_shape), torch.zeros(h_shape))
+
+
+@pytest.mark.parametrize("batched", ["u-and-h", "h-only", "u-only"])
+def test_direct_conv_under_vmap_equals_a_loop_over_members(batched):
+    """torch.func.vmap over the direct path and torch.autograd.grad through it, as packed runs train (zoo/steps.py
+    PackedStep), against one double loop per member on outputs and gradients."""
+    N, B, T, C = 3, 2, 7, 4
+    u = random(N, B, T, C, seed=13) if batched != "h-only" else random(B, T, C, seed=13)
+    h = random(N, T, C, seed=14) if batched != "u-only" else random(T, C, seed=14)
+    in_dims = (0 if batched != "h-only" else None, 0 if batched != "u-only" else None)
+    grad_y = random(N, B, T, C, seed=15)
+    got = outputs_and_grads(torch.func.vmap(direct_causal_conv, in_dims=in_dims), u, h, grad_y)
+    want = outputs_and_grads(lambda u, h: torch.stack([
+        naive_conv(u[n] if in_dims[0] == 0 else u, h[n] if in_dims[1] == 0 else h) for n in range(N)]), u, h, grad_y)
+    for name, g, w in zip(("y", "grad_u", "grad_h"), got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("history", ["none", "given"])
+@pytest.mark.parametrize("k", [3, UNFOLD_MAX_TAPS + 8], ids=["k3-unfold", "long-k"])
+def test_explicit_conv_equals_the_unfolded_windows(k, history):
+    """explicit_causal_conv against depthwise_causal_conv (unfolded windows, any k) on outputs and gradients; no
+    history means zeros, which the long branch skips by convolving the T positions alone. T > k: every tap
+    reaches inside the sequence."""
+    B, T, C = 2, UNFOLD_MAX_TAPS + 13, 3
+    u, w = random(B, T, C, seed=16), random(C, k, seed=17)
+    past = random(B, k - 1, C, seed=18) if history == "given" else torch.zeros(B, k - 1, C, dtype=torch.float64)
+    grad_y = random(B, T, C, seed=19)
+    got = outputs_and_grads(lambda u, w: explicit_causal_conv(u, w, None if history == "none" else past), u, w,
+                            grad_y)
+    want = outputs_and_grads(lambda u, w: depthwise_causal_conv(u, w, past), u, w, grad_y)
+    for name, g, e in zip(("y", "grad_u", "grad_w"), got, want):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12, msg=name)
