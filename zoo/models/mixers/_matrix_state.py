@@ -16,16 +16,20 @@ the output projection (`_output`). This frame runs `impl`:
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from einops import rearrange
 from torch import nn
 
 from zoo.models.mixers._common import (
+    check_choice,
     check_input,
+    check_int,
     check_step_input,
     compute_dtype,
+    default_num_heads,
     log_impl,
     module_device_dtype,
     require_triton_device,
@@ -33,6 +37,27 @@ from zoo.models.mixers._common import (
 
 IMPLS = ("naive", "fla")
 CHUNK_IMPLS = ("naive", "chunk", "fla")  # DeltaNet and Gated DeltaNet also have the chunked PyTorch form
+
+
+@dataclass
+class ChunkedHeadsConfig:
+    """Options of the delta-rule mixers (d_model comes from the model); a subclass names its mixer in `mixer`."""
+
+    mixer: ClassVar[str] = ""
+    num_heads: int | None = None  # None: default_num_heads(d_model); d_k = d_v = d_model // num_heads
+    impl: str = "naive"  # naive | chunk | fla
+    chunk_size: int = 64  # tokens per chunk of impl=chunk
+
+    def validate(self, d_model: int) -> None:
+        heads = self.heads(d_model)
+        check_int(f"{self.mixer}: num_heads", heads, minimum=1)
+        if d_model % heads:
+            raise ValueError(f"{self.mixer}: d_model={d_model} must be divisible by num_heads={heads}")
+        check_choice(f"{self.mixer}: impl", self.impl, CHUNK_IMPLS)
+        check_int(f"{self.mixer}: chunk_size", self.chunk_size, minimum=1)
+
+    def heads(self, d_model: int) -> int:
+        return self.num_heads if self.num_heads is not None else default_num_heads(d_model)
 
 
 def fla_ops(mixer: str, module: str, names: tuple[str, ...]) -> tuple[Any, ...]:

@@ -15,34 +15,22 @@ chunks in PyTorch. State {"S": [B, H, d_k, d_v]} in fp32; state_size = H·d_k·d
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from zoo.models.mixers._common import check_choice, check_int, default_num_heads, make_config
-from zoo.models.mixers._matrix_state import CHUNK_IMPLS, MatrixStateMixer, fla_ops
+from zoo.models.mixers._common import make_config
+from zoo.models.mixers._matrix_state import ChunkedHeadsConfig, MatrixStateMixer, fla_ops
 
 
 @dataclass
-class DeltaNetConfig:
+class DeltaNetConfig(ChunkedHeadsConfig):
     """Options of `deltanet` (d_model comes from the model)."""
 
-    num_heads: int | None = None  # None: default_num_heads(d_model); d_k = d_v = d_model // num_heads
-    impl: str = "naive"  # naive | chunk | fla
-    chunk_size: int = 64  # tokens per chunk of impl=chunk
-
-    def validate(self, d_model: int) -> None:
-        heads = self.heads(d_model)
-        check_int("deltanet: num_heads", heads, minimum=1)
-        if d_model % heads:
-            raise ValueError(f"deltanet: d_model={d_model} must be divisible by num_heads={heads}")
-        check_choice("deltanet: impl", self.impl, CHUNK_IMPLS)
-        check_int("deltanet: chunk_size", self.chunk_size, minimum=1)
-
-    def heads(self, d_model: int) -> int:
-        return self.num_heads if self.num_heads is not None else default_num_heads(d_model)
+    mixer: ClassVar[str] = "deltanet"
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -17,35 +17,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from zoo.models.mixers._common import check_choice, check_int, default_num_heads, make_config
-from zoo.models.mixers._matrix_state import CHUNK_IMPLS, MatrixStateMixer, fla_ops
+from zoo.models.mixers._common import make_config
+from zoo.models.mixers._matrix_state import ChunkedHeadsConfig, MatrixStateMixer, fla_ops
 from zoo.models.mixers.deltanet import chunk_delta_rule, l2_normalize
 
 
 @dataclass
-class GatedDeltaNetConfig:
+class GatedDeltaNetConfig(ChunkedHeadsConfig):
     """Options of `gated_deltanet` (d_model comes from the model)."""
 
-    num_heads: int | None = None  # None: default_num_heads(d_model); d_k = d_v = d_model // num_heads
-    impl: str = "naive"  # naive | chunk | fla
-    chunk_size: int = 64  # tokens per chunk of impl=chunk
-
-    def validate(self, d_model: int) -> None:
-        heads = self.heads(d_model)
-        check_int("gated_deltanet: num_heads", heads, minimum=1)
-        if d_model % heads:
-            raise ValueError(f"gated_deltanet: d_model={d_model} must be divisible by num_heads={heads}")
-        check_choice("gated_deltanet: impl", self.impl, CHUNK_IMPLS)
-        check_int("gated_deltanet: chunk_size", self.chunk_size, minimum=1)
-
-    def heads(self, d_model: int) -> int:
-        return self.num_heads if self.num_heads is not None else default_num_heads(d_model)
+    mixer: ClassVar[str] = "gated_deltanet"
 
 
 class GatedDeltaNet(MatrixStateMixer):
