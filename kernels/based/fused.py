@@ -28,9 +28,9 @@ from kernels.based.primitives import (
     _pair_cols,
     _pair_contract,
     _pairs,
-    _symmetrise_order2,
     backward_dot,
     forward_dot,
+    symmetrise_order2,
 )
 from kernels.launch import cdiv, launch, next_power_of_2
 
@@ -546,7 +546,6 @@ def backward(q, k, v, o, den, hv0, hz0, do, dhvT, dhzT, scale: float, normalize:
     `forward`. do: the output's gradient; dhvT/dhzT: the final state's (Taylor-order, not symmetrised) or None."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    F = 1 + K + K * K
     BK, BV, BC, num_warps, num_stages = _config(K, V, q.dtype, "bwd")
     NV = cdiv(V, BV)
     do = do.contiguous()
@@ -555,12 +554,9 @@ def backward(q, k, v, o, den, hv0, hz0, do, dhvT, dhzT, scale: float, normalize:
         dden = torch.empty_like(den)
         R = B * T * H
         launch(_dden_kernel, (cdiv(R, 32),), do, o, den, dden, R, V=V, BR=32, BV=next_power_of_2(V))
-    use_dht = dhvT is not None or dhzT is not None
+    use_dht = dhvT is not None
     if use_dht:
-        dhvT = torch.zeros(B, H, F, V, device=q.device, dtype=torch.float32) if dhvT is None else dhvT
-        dhzT = torch.zeros(B, H, F, device=q.device, dtype=torch.float32) if dhzT is None else dhzT
-        dhvT = _symmetrise_order2(dhvT.float(), K).contiguous()
-        dhzT = _symmetrise_order2(dhzT.float(), K).contiguous()
+        dhvT, dhzT = symmetrise_order2(dhvT, K), symmetrise_order2(dhzT, K)
     store_dh0 = hv0 is not None
     dhv0 = torch.empty_like(hv0) if store_dh0 else None
     dhz0 = torch.empty_like(hz0) if store_dh0 else None

@@ -39,7 +39,8 @@ def _query_features(q: torch.Tensor, scale: float) -> torch.Tensor:
     return taylor_feature_map(q * (scale * math.sqrt(f)))
 
 
-def _check_state(initial_state, B: int, H: int, E: int, V: int):
+def check_state(initial_state, B: int, H: int, E: int, V: int):
+    """initial_state as (kv0, ksum0), checked to be (kv [B, H, E, V], k_sum [B, H, E])."""
     kv0, ksum0 = initial_state
     if tuple(kv0.shape) != (B, H, E, V) or tuple(ksum0.shape) != (B, H, E):
         raise ValueError(f"initial_state must be (kv [B,H,E,V], k_sum [B,H,E]) = ({(B, H, E, V)}, {(B, H, E)}), "
@@ -69,7 +70,7 @@ def naive_parallel_based(q, k, v, scale=None, initial_state=None, output_final_s
     num = torch.einsum("bhij,bjhv->bihv", w, v)  # [B, T, H, V]
     den = w.sum(-1).transpose(1, 2)  # [B, T, H]
     if initial_state is not None:
-        kv0, ksum0 = _check_state(initial_state, B, H, feature_dim(f), V)
+        kv0, ksum0 = check_state(initial_state, B, H, feature_dim(f), V)
         phi_q = _query_features(q, scale)  # [B, T, H, E]
         num = num + torch.einsum("bthe,bhev->bthv", phi_q, kv0.to(q.dtype))
         den = den + torch.einsum("bthe,bhe->bth", phi_q, ksum0.to(q.dtype))
@@ -98,7 +99,7 @@ def naive_recurrent_based(q, k, v, scale=None, initial_state=None, output_final_
     if initial_state is None:
         kv, k_sum = q.new_zeros(B, H, E, V, dtype=sd), q.new_zeros(B, H, E, dtype=sd)
     else:
-        kv0, ksum0 = _check_state(initial_state, B, H, E, V)
+        kv0, ksum0 = check_state(initial_state, B, H, E, V)
         kv, k_sum = kv0.to(sd), ksum0.to(sd)
     phi_q = _query_features(q, scale).to(sd)  # [B, T, H, E]
     phi_k = taylor_feature_map(k).to(sd)  # [B, T, H, E]
@@ -131,7 +132,7 @@ def naive_chunk_based(q, k, v, scale=None, initial_state=None, output_final_stat
     sd = _state_dtype(q.dtype)
     if initial_state is None:
         initial_state = (q.new_zeros(B, H, E, V, dtype=sd), q.new_zeros(B, H, E, dtype=sd))
-    kv0, ksum0 = _check_state(initial_state, B, H, E, V)
+    kv0, ksum0 = check_state(initial_state, B, H, E, V)
     hv, hz = state_to_orders(kv0.to(sd), ksum0.to(sd))  # [B, H, 1+f+f², V], [B, H, 1+f+f²]
     outs = []
     for start in range(0, T, chunk_size):

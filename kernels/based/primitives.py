@@ -11,6 +11,8 @@ at a time.
 DOT names the operand precision of a kernel's dots (`_mm`); accumulation is fp32 throughout.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -135,63 +137,67 @@ def _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H: tl.constexpr, V: tl
     return dnum, dd
 
 
-def _pair_index(BK: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The pair rows j = (d-1)·BK + a, d = 1..BK/2: a_j, b_j = (a_j + d) mod BK, weight w_j and validity (a, b < K)."""
-    j = torch.arange(BK * BK // 2, device=device)
-    d = 1 + j // BK
-    a = j % BK
-    b = (a + d) % BK
-    w = torch.where(d < BK // 2, 2.0, 1.0)
-    return a, b, w, (a < K) & (b < K)
+@functools.cache
+def pair_rows(K: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """The split form's state rows as rows of the Taylor-order form (-1: a zero row) and their weights: order 0,
+    order 1 [16], the order-2 diagonal [16], then the pair rows (`_pair_cols`, BK = 16) with weight w_j."""
+    rows = [0] + [1 + a if a < K else -1 for a in range(BK_PAIRS)]
+    rows += [1 + K + a * (K + 1) if a < K else -1 for a in range(BK_PAIRS)]
+    weights = [1.0] * len(rows)
+    for j in range(BK_PAIRS * BK_PAIRS // 2):
+        d, a = 1 + j // BK_PAIRS, j % BK_PAIRS
+        b = (a + d) % BK_PAIRS
+        rows.append(1 + K + a * K + b if a < K and b < K else -1)
+        weights.append(2.0 if d < BK_PAIRS // 2 else 1.0)
+    return tuple(rows), tuple(weights)
 
 
-def orders_to_pairs(h: torch.Tensor, K: int, BK: int) -> torch.Tensor:
-    """A Taylor-order state [N, 1 + K + K², C] (order-2 rows (a, b) at 1 + K + a·K + b) -> the pair layout
-    [N, 1 + 2·BK + BK²/2, C]: order 0, order 1, the diagonal, then pair row j = h_(a,b) + h_(b,a) where w_j = 2
-    and h_(a,b) where w_j = 1 (the mirror has its own row); rows past K are zero."""
-    N, _, C = h.shape
-    a, b, w, ok = _pair_index(BK, K, h.device)
-    o2 = h[:, 1 + K :].reshape(N, K, K, C)
-    out = h.new_zeros(N, 1 + 2 * BK + BK * BK // 2, C)
-    out[:, : 1 + K] = h[:, : 1 + K]
-    idx = torch.arange(K, device=h.device)
-    out[:, 1 + BK + idx] = o2[:, idx, idx]
-    a, b, w = a[ok], b[ok], w[ok].to(h.dtype)
-    out[:, 1 + 2 * BK + ok.nonzero()[:, 0]] = o2[:, a, b] + (w > 1.5).to(h.dtype)[:, None] * o2[:, b, a]
-    return out
+@functools.cache
+def padded_rows(K: int) -> tuple[int, ...]:
+    """The split form's denominator rows [1 + 16 + 16²] as rows of the Taylor-order form (-1: zero past K)."""
+    rows = [0] + [1 + a if a < K else -1 for a in range(BK_PAIRS)]
+    rows += [1 + K + a * K + b if a < K and b < K else -1 for a in range(BK_PAIRS) for b in range(BK_PAIRS)]
+    return tuple(rows)
 
 
-def pairs_to_orders(p: torch.Tensor, K: int, BK: int) -> torch.Tensor:
-    """Inverse of `orders_to_pairs` for symmetric order-2 states: [N, 1 + 2·BK + BK²/2, C] -> [N, 1 + K + K², C]."""
-    N, _, C = p.shape
-    a, b, w, ok = _pair_index(BK, K, p.device)
-    o2 = p.new_zeros(N, K, K, C)
-    idx = torch.arange(K, device=p.device)
-    o2[:, idx, idx] = p[:, 1 + BK + idx]
-    x = p[:, 1 + 2 * BK + ok.nonzero()[:, 0]] / w[ok].to(p.dtype)[:, None]
-    a, b, two = a[ok], b[ok], w[ok] > 1.5
-    o2[:, a, b] = x
-    o2[:, b[two], a[two]] = x[:, two]
-    return torch.cat([p[:, : 1 + K], o2.reshape(N, K * K, C)], dim=1)
+@functools.cache
+def invert_rows(rows: tuple[int, ...], K: int) -> tuple[int, ...]:
+    """For each row of the Taylor-order form [1 + K + K²], the first of `rows` that holds it, or else its mirror
+    (b, a): order 2 is symmetric."""
+    where: dict = {}
+    for r, t in enumerate(rows):
+        where.setdefault(t, r)
+    out = []
+    for t in range(1 + K + K * K):
+        a, b = divmod(t - 1 - K, K)
+        out.append(where[t] if t in where else where[1 + K + b * K + a])
+    return tuple(out)
 
 
-def _pad_orders(z: torch.Tensor, K: int, BK: int) -> torch.Tensor:
-    """A Taylor-order vector [N, 1 + K + K²] -> [N, 1 + BK + BK²], zeros in the rows past K."""
-    N = z.shape[0]
-    out = z.new_zeros(N, 1 + BK + BK * BK)
-    out[:, : 1 + K] = z[:, : 1 + K]
-    out[:, 1 + BK :].view(N, BK, BK)[:, :K, :K] = z[:, 1 + K :].reshape(N, K, K)
-    return out
+@functools.cache
+def _tensor(values: tuple, device: torch.device) -> torch.Tensor:
+    """`values` as a tensor on `device`, made once, so that calls under CUDA-graph capture copy nothing."""
+    return torch.tensor(values, device=device)
 
 
-def _unpad_orders(z: torch.Tensor, K: int, BK: int) -> torch.Tensor:
-    """Inverse of `_pad_orders`."""
-    N = z.shape[0]
-    return torch.cat([z[:, : 1 + K], z[:, 1 + BK :].reshape(N, BK, BK)[:, :K, :K].reshape(N, K * K)], dim=1)
+def gather_rows(x: torch.Tensor, rows: tuple[int, ...], weights: tuple[float, ...] | None = None) -> torch.Tensor:
+    """x [N, F, *] -> [N, len(rows), *], contiguous: row r = weights[r]·x[:, rows[r]], zero where rows[r] = -1."""
+    x = torch.cat([x, x.new_zeros(x.shape[0], 1, *x.shape[2:])], 1)[:, _tensor(rows, x.device)]
+    if weights is not None:
+        x = x * _tensor(weights, x.device).to(x.dtype).view(1, -1, *([1] * (x.dim() - 2)))
+    return x.contiguous()
 
 
-def _symmetrise_order2(hv: torch.Tensor, K: int) -> torch.Tensor:
-    """G + Gᵀ on the order-2 rows of a Taylor-order tensor [B, H, 1+K+K², *] (orders 0 and 1 unchanged)."""
+def scatter_rows(x: torch.Tensor, rows: tuple[int, ...], n: int) -> torch.Tensor:
+    """The transpose of `gather_rows` (weights 1): x [N, len(rows), *] -> [N, n, *], out[:, rows[r]] += x[:, r]."""
+    keep = tuple(r for r, t in enumerate(rows) if t >= 0)
+    out = x.new_zeros(x.shape[0], n, *x.shape[2:])
+    return out.index_add_(1, _tensor(tuple(rows[r] for r in keep), x.device), x[:, _tensor(keep, x.device)])
+
+
+def symmetrise_order2(hv: torch.Tensor, K: int) -> torch.Tensor:
+    """G + Gᵀ on the order-2 rows of a Taylor-order tensor [B, H, 1+K+K², *] in fp32 (orders 0 and 1 unchanged)."""
+    hv = hv.float()
     head, o2 = hv[:, :, : 1 + K], hv[:, :, 1 + K:]
     o2 = o2.reshape(*o2.shape[:2], K, K, *o2.shape[3:])
-    return torch.cat([head, (o2 + o2.transpose(2, 3)).flatten(2, 3)], dim=2)
+    return torch.cat([head, (o2 + o2.transpose(2, 3)).flatten(2, 3)], dim=2).contiguous()
