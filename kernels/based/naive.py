@@ -8,6 +8,7 @@ flash-linear-attention's linear-attention ops:
     φ(x) = [1, x/f^¼, x_i²/(√2·√f) for i, x_i·x_j/√f for i<j (row-major)]     E = 1 + f + f(f+1)/2
 """
 
+import functools
 import math
 
 import torch
@@ -30,11 +31,8 @@ def taylor_feature_map(x: torch.Tensor) -> torch.Tensor:
 
 
 def _query_features(q: torch.Tensor, scale: float) -> torch.Tensor:
-    """φ(q') with q' = q·scale·√f, so that φ(q')·φ(k) = 1 + s + s²/2 with s = scale·q·k for any scale.
-
-    The keys (and with them the state) always use φ(k) unscaled, FLA's TaylorFeatureMap. At the default scale
-    1/√f, q' = q.
-    """
+    """φ(q') with q' = q·scale·√f, so that φ(q')·φ(k) = 1 + s + s²/2, s = scale·q·k, for any scale (the keys, and the
+    state, use φ(k) unscaled)."""
     f = q.shape[-1]
     return taylor_feature_map(q * (scale * math.sqrt(f)))
 
@@ -54,13 +52,11 @@ def _state_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def naive_parallel_based(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True):
-    """The quadratic (parallel) form, O(T²): y_i = Σ_{j≤i} w_ij v_j / Σ_{j≤i} w_ij with w_ij = 1 + s_ij + s_ij²/2.
+    """The quadratic form, O(T²): y_i = Σ_{j≤i} w_ij v_j / Σ_{j≤i} w_ij, w_ij = 1 + s_ij + s_ij²/2.
 
-    q, k: [B, T, H, f]; v: [B, T, H, V]. scale defaults to 1/√f. initial_state = (kv [B,H,E,V], k_sum [B,H,E])
-    adds φ(q')·kv to the numerator and φ(q')·k_sum to the denominator. Arithmetic runs in the inputs' dtype: fp32 or
-    fp64 inputs give the reference, bf16/fp16 inputs give the low-precision baseline of the tolerance rule.
-    Returns (o [B, T, H, V] in the inputs' dtype, (kv, k_sum) in fp32 or fp64, or None).
-    """
+    q, k: [B, T, H, f]; v: [B, T, H, V]; scale defaults to 1/√f; initial_state = (kv [B,H,E,V], k_sum [B,H,E]) adds
+    φ(q')·kv and φ(q')·k_sum. Runs in the inputs' dtype (fp64: the reference; bf16/fp16: the tolerance rule's
+    baseline). Returns (o [B, T, H, V] in the inputs' dtype, (kv, k_sum) in fp32 or fp64, or None)."""
     B, T, H, f = q.shape
     V = v.shape[-1]
     scale = f**-0.5 if scale is None else scale
@@ -116,15 +112,10 @@ def naive_recurrent_based(q, k, v, scale=None, initial_state=None, output_final_
 
 def naive_chunk_based(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True,
                       chunk_size=64):
-    """The chunked form the Triton kernel implements, written with the three Taylor orders kept apart.
-
-    Within a chunk the quadratic form; across chunks the states of each order (s = scale·q·k, q_s = scale·q):
-      order 0: S0 = Σ v_j [V] and n = Σ 1                     contributes S0 and n
-      order 1: S1 = Σ k_j v_jᵀ [f, V] and z1 = Σ k_j [f]       contributes q_s·S1 and q_s·z1
-      order 2: S2 = Σ (k_j⊗k_j) v_jᵀ [f², V], Z2 = Σ k_j k_jᵀ  contributes ½(q_s⊗q_s)·S2 and ½ q_sᵀ Z2 q_s
-    The E-feature state (kv, k_sum) is converted to these orders at the start and back at the end
-    (`state_to_orders`, `orders_to_state`). Same arguments and returns as `naive_parallel_based`.
-    """
+    """The chunked form the kernels implement, with the three Taylor orders kept apart (s = scale·q·k, q_s = scale·q):
+    within a chunk the quadratic form; across chunks the states S0 = Σ v, n = Σ 1 (order 0), S1 = Σ k vᵀ, z1 = Σ k
+    (order 1), S2 = Σ (k⊗k) vᵀ, Z2 = Σ k kᵀ (order 2), read as S0 + q_s·S1 + ½(q_s⊗q_s)·S2 and likewise for the
+    denominator. Same arguments and returns as `naive_parallel_based`."""
     B, T, H, f = q.shape
     V = v.shape[-1]
     E = feature_dim(f)
@@ -154,24 +145,11 @@ def naive_chunk_based(q, k, v, scale=None, initial_state=None, output_final_stat
     return o, (orders_to_state(hv, hz) if output_final_state else None)
 
 
-def _order_maps(f: int, device, dtype):
-    """`_make_order_maps`, made once per (f, device, dtype): the conversions then cost no host work but the einsums,
-    and run under CUDA-graph capture."""
-    key = (f, torch.device(device), dtype)
-    if key not in _ORDER_MAPS:
-        _ORDER_MAPS[key] = _make_order_maps(f, device, dtype)
-    return _ORDER_MAPS[key]
-
-
-_ORDER_MAPS: dict = {}
-
-
-def _make_order_maps(f: int, device, dtype):
-    """Linear maps between the E-feature state and the Taylor-order state (rows 1 + f + f², f² row-major).
-
-    to_orders [1+f+f², E]: order 0 = kv[0]; order 1 = f^¼·kv[1:1+f]; order 2 (a,a) = √2·√f·kv[diag a],
-    (a,b) and (b,a) = √f·kv[off a<b]. to_state [E, 1+f+f²] reads the upper triangle back.
-    """
+@functools.cache
+def _order_maps(f: int, device: torch.device, dtype: torch.dtype):
+    """Linear maps between the E-feature state and the Taylor-order state (rows 1 + f + f², f² row-major), made once per
+    (f, device, dtype) so that conversions run under CUDA-graph capture. to_orders [1+f+f², E]: order 0 = kv[0],
+    order 1 = f^¼·kv[1:1+f], (a,a) = √2·√f·kv[diag a], (a,b) and (b,a) = √f·kv[off a<b]; to_state reads them back."""
     E, F = feature_dim(f), 1 + f + f * f
     to_orders = torch.zeros(F, E, device=device, dtype=dtype)
     to_state = torch.zeros(E, F, device=device, dtype=dtype)

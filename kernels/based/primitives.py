@@ -1,15 +1,10 @@
-"""What the Triton forms of Based share: operand precision, the pair layout of the order-2 state, and the
-conversions between the state layouts.
+"""What the Based forms share: the dots' operand precision (DOT_*, `_mm`; accumulation is fp32 throughout), the pair
+layout of the order-2 state, and the row maps between state layouts (`gather_rows`).
 
-The order-2 state Σ (k⊗k) vᵀ is symmetric, so the Triton kernels keep it as a diagonal block [BK, BV] plus one row
-per unordered pair {a, b}, a ≠ b, laid out cyclically: row j = (d-1)·BK + a holds the pair (a, (a+d) mod BK),
-d = 1..BK/2, with weight w_j = 2 (or 1 at d = BK/2, where both orders have a row). That is BK²/2 rows instead of
-BK², and each pair feature x_a·x_b is a product of two dots with 0/1 matrices, which keeps every tensor in the
-matrix units' layouts. The rows come in two halves (d = 1..BK/4 and the rest) so that one half's features are live
-at a time.
-
-DOT names the operand precision of a kernel's dots (`_mm`); accumulation is fp32 throughout.
-"""
+The order-2 state Σ (k⊗k) vᵀ is symmetric, so the Triton forms keep a diagonal block [BK, BV] plus one row per
+unordered pair: row j = (d-1)·BK + a holds (a, (a+d) mod BK), d = 1..BK/2, weight w_j = 2 (1 at d = BK/2, where
+both orders have a row), in two halves so that one half's features are live at a time. Each pair feature x_a·x_b
+is a product of two dots with 0/1 matrices, which keeps every tensor in the matrix units' layouts."""
 
 import functools
 
@@ -22,12 +17,8 @@ BK_PAIRS = 16  # the feature block of the pair layout (K ≤ 16)
 
 
 def backward_dot(dtype: torch.dtype, K: int = 16) -> int:
-    """The fused backward's DOT for inputs of `dtype` with feature dim K.
-
-    fp32: three tf32 products per dot ("tf32x3", ≈ fp32's accuracy on the tensor cores; ieee fp32 dots run on the
-    vector units), except at K > 16, where the split operands overflow an H200's shared memory and ieee fits. fp16:
-    tf32 operands (fp16's mantissa, fp32's range: the order-2 state and dO/den leave fp16's range at long T). bf16:
-    bf16 operands."""
+    """The fused backward's DOT: fp32 tf32x3 (≈ fp32's accuracy on the tensor cores; ieee at K > 16, where its split
+    operands overflow shared memory), fp16 tf32 (fp32's range: the state and dO/den leave fp16's), bf16 bf16."""
     if dtype == torch.float32:
         return DOT_TF32X3 if K <= 16 else DOT_IEEE
     if dtype == torch.float16:
@@ -38,9 +29,8 @@ def backward_dot(dtype: torch.dtype, K: int = 16) -> int:
 
 
 def forward_dot(dtype: torch.dtype, K: int = 16) -> int:
-    """The fused forward's and the split kernels' DOT: `backward_dot`'s, except fp16 operands for fp16 inputs (those
-    kernels keep what they carry in fp16's range: the fused forward reads the state as S/n, the split kernels store it
-    so and carry dO/den times each chunk's smallest den)."""
+    """The fused forward's and the split kernels' DOT: `backward_dot`'s, except fp16 operands for fp16 (those kernels
+    keep what they carry in fp16's range)."""
     return DOT_FP16 if dtype == torch.float16 else backward_dot(dtype, K)
 
 
@@ -61,9 +51,8 @@ def _mm(a, b, DOT: tl.constexpr):
 
 @triton.jit
 def _pair_cols(BK: tl.constexpr, P: tl.constexpr, NP: tl.constexpr):
-    """The pair layout's rows j = (d-1)·BK + a, d = 1..BK/2: the pair (a_j, b_j = (a_j + d) mod BK) and its
-    weight w_j, the number of ordered pairs (a, b), a≠b, it stands for (2, or 1 at d = BK/2, where (a, a+BK/2)
-    and (a+BK/2, a) both have rows). So Σ_{a≠b} x_a x_b S_ab = Σ_j w_j x_{a_j} x_{b_j} S_{a_j b_j} for symmetric S."""
+    """Part P of NP of the pair rows: a_j, b_j = (a_j + d) mod BK and the weight w_j, so that for symmetric S
+    Σ_{a≠b} x_a x_b S_ab = Σ_j w_j x_{a_j} x_{b_j} S_{a_j b_j}."""
     j = P * (BK * (BK // 2) // NP) + tl.arange(0, BK * (BK // 2) // NP)  # part P of NP (NP = 2: the two halves)
     d = 1 + j // BK
     a = j % BK
@@ -75,8 +64,8 @@ def _pair_cols(BK: tl.constexpr, P: tl.constexpr, NP: tl.constexpr):
 @triton.jit
 def _pair_reps(BK: tl.constexpr, TRANSPOSED: tl.constexpr, WEIGHTED: tl.constexpr, P: tl.constexpr,
                NP: tl.constexpr):
-    """0/1 matrices selecting a_j and b_j: [BK, J] (x @ rep puts x_{a_j} at column j), or [J, BK] transposed;
-    WEIGHTED puts w_j instead of 1 in the a_j matrix (exact: 1 or 2)."""
+    """0/1 matrices selecting a_j and b_j: [BK, J] (x @ rep puts x_{a_j} in column j), or [J, BK] transposed;
+    WEIGHTED puts w_j in the a_j matrix."""
     a, b, w = _pair_cols(BK, P, NP)
     rows = tl.arange(0, BK)
     if TRANSPOSED:
@@ -94,10 +83,8 @@ def _pair_reps(BK: tl.constexpr, TRANSPOSED: tl.constexpr, WEIGHTED: tl.constexp
 
 @triton.jit
 def _pairs(x, BK: tl.constexpr, DOT: tl.constexpr, P: tl.constexpr, NP: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """The pair features of part P of NP: x [BC, BK] -> [BC, J] with x_{a_j}·x_{b_j} (the reads' form), or with
-    TRANSPOSED x [BK, BC] -> [J, BC] with w_j·x_{a_j}·x_{b_j} (the updates' form, weights included). x is first
-    rounded to the dot's operand dtype; the two factors come from dots with 0/1 matrices (exact: one nonzero term
-    each)."""
+    """The pair features of part P: x [BC, BK] -> [BC, J], x_{a_j}·x_{b_j} (reads), or TRANSPOSED x [BK, BC] -> [J, BC]
+    with w_j (updates); x rounded to the operand dtype first, each factor a dot with a 0/1 matrix (exact)."""
     if DOT == 2:
         x = x.to(tl.bfloat16)
     rep_a, rep_b = _pair_reps(BK, TRANSPOSED, TRANSPOSED, P, NP)
@@ -109,8 +96,8 @@ def _pairs(x, BK: tl.constexpr, DOT: tl.constexpr, P: tl.constexpr, NP: tl.const
 
 @triton.jit
 def _pair_contract(g, x, BK: tl.constexpr, DOT: tl.constexpr, P: tl.constexpr, NP: tl.constexpr):
-    """½ ∂/∂x_r of Σ_j g_j x_{a_j} x_{b_j}, per row: g [BC, J], x [BC, BK] -> [BC, BK]. With g_j = w_j·(G_{a_j b_j})
-    for a symmetric G this is Σ_{b≠r} G_rb x_b, the off-diagonal part of `_contract`."""
+    """½ ∂/∂x_r of Σ_j g_j x_{a_j} x_{b_j}: g [BC, J], x [BC, BK] -> [BC, BK]; with g_j = w_j·G_{a_j b_j}, G symmetric,
+    Σ_{b≠r} G_rb x_b."""
     rep_a, rep_b = _pair_reps(BK, False, False, P, NP)
     rep_at, rep_bt = _pair_reps(BK, True, False, P, NP)
     xa = _mm(x, rep_a, DOT)
@@ -124,8 +111,8 @@ def _pair_contract(g, x, BK: tl.constexpr, DOT: tl.constexpr, P: tl.constexpr, N
 @triton.jit
 def _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H: tl.constexpr, V: tl.constexpr, BC: tl.constexpr,
                NORMALIZE: tl.constexpr):
-    """The gradients reaching the numerator, dO/den [BC, BV], and the denominator [BC]; the latter only in the
-    first V block (zero elsewhere), so that sums over V blocks count it once."""
+    """dO/den [BC, BV] and the denominator's gradient [BC], the latter in the first V block only (so that sums over
+    V blocks count it once)."""
     dnum = tl.load(do + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
     dnum = dnum.to(tl.float32)
     if NORMALIZE:

@@ -80,11 +80,8 @@ def _blocks(T: int, V: int, BV: int, cfg: SplitConfig) -> tuple[int, int, int, i
 
 @triton.jit
 def _dout_scale(den, c, T, BC: tl.constexpr, H: tl.constexpr):
-    """The factor that fp16 operands (DOT 4) carry dO/den and its products in for chunk c: the smallest |den| of the
-    chunk's tokens (den at the sequence, [T, H] strides). den grows like the tokens summed, so dO/den falls far below
-    dO and, in fp16, into subnormals and zero; times this factor it is at most dO's size (a min, not the first
-    token's den, since den can vary a lot inside a chunk: large scores make some w huge). Every kernel that scales
-    or unscales computes it from the same values, and a min is exact in any order."""
+    """The factor fp16 operands (DOT 4) carry dO/den in for chunk c: the chunk's smallest |den| (den at the
+    sequence). dO/den shrinks like 1/tokens and in fp16 falls into subnormals; times this it is at most dO's size."""
     t = c * BC + tl.arange(0, BC)
     d = tl.load(den + t * H, mask=t < T, other=float("inf"))
     return tl.maximum(tl.min(tl.abs(d), 0), 1e-30)
@@ -102,15 +99,10 @@ def _features_kernel(k, g, F, zc, w, den, wout, o, scale, T, NC, H: tl.constexpr
                      V: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr, NPF: tl.constexpr,
                      DOT: tl.constexpr, USE_G: tl.constexpr, STORE_W: tl.constexpr,
                      DDEN: tl.constexpr = False):
-    """Chunk i_c of sequence i_bh's features of x = scale·k (k: the keys, or the queries for the
-    reverse pass), feature-major, in the state's pair-layout row order (F [B·H, R, T] in the operand dtype: 1, x_a,
-    x_a², then w_j·x_{a_j}·x_{b_j}, the products exact in fp32 before the one rounding the dot would apply), and the
-    chunk's own denominator sums with per-token weights g (zc [B·H, NC, ZR] fp32: Σ g, Σ x g, Σ x xᵀ g; g = dden
-    [B, T, H] with USE_G, else 1 per token: the count, Σ k, Σ k kᵀ). With STORE_W also the walk's other operand for
-    the reverse pass, wout = w / den (dO/den, [B, T, H, V] in F's dtype; BW ≥ V). Fully parallel: what the state
-    walk then does per step is one load and one dot. With DDEN (and STORE_W) the weights g are computed here rather
-    than loaded, g = dden = -Σ_v dO·o / den (`fused._dden_kernel`'s values), and stored to g for the gradient
-    kernels: dO and den are loaded here anyway, so this saves that launch and its second read of dO."""
+    """Chunk i_c of sequence i_bh: the features of x = scale·k (the queries in the reverse pass) feature-major in the
+    pair-layout row order (F [B·H, R, T], operand dtype), and the chunk's own denominator sums with per-token weights g
+    (zc [B·H, NC, ZR] fp32: Σ g, Σ x g, Σ x xᵀ g; without USE_G, g = 1). With STORE_W also the reverse walk's operand
+    wout = w / den; with DDEN, g = dden = -Σ_v dO·o / den is computed here (dO and den are loaded anyway) and stored."""
     scale = tl.cast(scale, tl.float32)  # a no-op for the fp32 Triton passes; torch.compile passes fp64
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -165,18 +157,11 @@ def _chain_kernel(F, v, hs, h0, hT, zc, z0, zT, den, T, NC, H: tl.constexpr, V: 
                   RP: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr, ZR: tl.constexpr, BZ: tl.constexpr,
                   USE_H0: tl.constexpr, STORE_HT: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr,
                   REVERSE: tl.constexpr = False, SCALED_W: tl.constexpr = False):
-    """Rows i_p·RP up to (i_p + 1)·RP of sequence i_bh's state, value block i_v, walked over
-    the chunks from the features `_features_kernel` stored: hs[i_bh, c] = h0 + Σ_{c' < c} F[:, c'] v[c'] (with
-    REVERSE, Σ_{c' > c}: the reverse pass, v = dO/den) and the whole sum in hT (fp32), one load and one dot per
-    step, Triton's pipelined loop loading STAGES - 1 chunks ahead. Every row is alike here, so the row parts need
-    not follow the layout's orders. The first program of each sequence (row part 0, value block 0) also turns the
-    chunks' own denominator sums zc [B·H, NC, ZR] (fp32) into the entering ones in place, from z0, with the whole
-    sum in zT (the other programs' masks are empty): no launch or PyTorch op of its own.
-
-    fp16 operands (DOT 4) keep what they carry in fp16's range: the forward walk stores hs[c] / max(n_c, 1), n_c the
-    tokens summed (n0 + c·BC, n0 the initial state's count), as the fused forward reads its state; the reverse walk
-    (SCALED_W) takes dO/den times the chunk's `_dout_scale` from the features kernel and divides it out of each step's
-    dot. Its stored states are sums of dO/den over the later tokens, of dO's own size, and stay unscaled."""
+    """Rows i_p·RP up to (i_p + 1)·RP of sequence i_bh's state, value block i_v: hs[c] = h0 + Σ_{c' < c} F[:, c'] v[c']
+    (REVERSE: c' > c), the whole sum in hT, one load and one dot per pipelined step. The first program of a sequence
+    also turns zc into the entering denominator states in place, from z0 (total in zT). fp16 (DOT 4): the forward
+    stores hs[c] / max(n_c, 1), n_c the tokens summed; the reverse walk (SCALED_W) divides the chunk's `_dout_scale`
+    out of each step's dot."""
     i_p, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     rows = i_p * RP + tl.arange(0, RP)
@@ -228,9 +213,8 @@ def _output_kernel(q, k, v, o, den, hs, zs, scale, T, NC,
                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    BC: tl.constexpr, OP: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr,
                    G: tl.constexpr = 1, STAGES: tl.constexpr = 1):
-    """Chunks i_g·G up to (i_g + 1)·G of sequence i_bh, value block i_v, one after another (with STAGES > 1 the
-    next chunk's loads are in flight during this one's dots): the causal tile plus the read of the entering state
-    (the order-2 pair rows in OP parts, so that one part's [BC, J/OP] pair features are live at a time)."""
+    """Chunks i_g·G up to (i_g + 1)·G of sequence i_bh, value block i_v (STAGES > 1: the next chunk's loads in flight):
+    the causal tile plus the read of the entering state, the pair rows in OP parts."""
     scale = tl.cast(scale, tl.float32)  # a no-op for the fp32 Triton passes; torch.compile passes fp64
     i_g, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
@@ -245,58 +229,49 @@ def _output_kernel(q, k, v, o, den, hs, zs, scale, T, NC,
     k += i_b.to(tl.int64) * T * H * K + i_h * K
     v += i_b.to(tl.int64) * T * H * V + i_h * V
     o += i_b.to(tl.int64) * T * H * V + i_h * V
-    for i_c in tl.range(i_g * G, tl.minimum(i_g * G + G, NC), num_stages=STAGES):
-        _output_chunk(q, k, v, o, den, hs, zs, scale, T, NC, i_c, i_b, i_h, i_bh, i_v, offs_c, offs_k, offs_v,
-                      offs_j, m_k, m_v, causal, H, K, V, BK, BV, BC, OP, NORMALIZE, DOT)
-
-
-@triton.jit
-def _output_chunk(q, k, v, o, den, hs, zs, scale, T, NC, i_c, i_b, i_h, i_bh, i_v, offs_c, offs_k, offs_v, offs_j,
-                  m_k, m_v, causal, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                  BV: tl.constexpr, BC: tl.constexpr, OP: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr):
-    """`_output_kernel`'s chunk i_c (pointers already at the sequence)."""
     R: tl.constexpr = 1 + 2 * BK + BK * (BK // 2)
     ZR: tl.constexpr = 1 + BK + BK * BK
-    JP: tl.constexpr = BK * (BK // 2) // OP
-    t = i_c * BC + offs_c
-    m_t = t < T
-    h = hs + (i_bh.to(tl.int64) * NC + i_c) * R * V
-    z = zs + (i_bh.to(tl.int64) * NC + i_c) * ZR
+    for i_c in tl.range(i_g * G, tl.minimum(i_g * G + G, NC), num_stages=STAGES):
+        t = i_c * BC + offs_c
+        m_t = t < T
+        h = hs + (i_bh.to(tl.int64) * NC + i_c) * R * V
+        z = zs + (i_bh.to(tl.int64) * NC + i_c) * ZR
 
-    bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-    bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
-    bv = tl.load(v + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-    qs = bq.to(tl.float32) * scale  # [BC, BK]
-    s = _mm(bq, bkt, DOT) * scale  # [BC, BC]
-    w = tl.where(causal, 1.0 + s + 0.5 * s * s, 0.0)
+        bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+        bv = tl.load(v + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        qs = bq.to(tl.float32) * scale  # [BC, BK]
+        s = _mm(bq, bkt, DOT) * scale  # [BC, BC]
+        w = tl.where(causal, 1.0 + s + 0.5 * s * s, 0.0)
 
-    S0 = tl.load(h + offs_v, mask=m_v, other=0.0).to(tl.float32)
-    # the state tiles go to the dots as stored (`_mm` casts to the operand dtype), so that a pipelined loop
-    # (STAGES > 1) can load them ahead
-    S1 = tl.load(h + (1 + offs_k)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
-    Sd = tl.load(h + (1 + BK + offs_k)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
-    o2 = _mm(qs * qs, Sd, DOT)
-    for p in tl.static_range(OP):
-        S2 = tl.load(h + (1 + 2 * BK + p * JP + offs_j)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
-        o2 += _mm(_pairs(qs, BK, DOT, p, OP, False), S2, DOT)
-    if DOT == 4:  # fp16 operands: hs holds the state over max(n, 1) (`_chain_kernel`)
-        num = _mm(w, bv, DOT) + (S0[None, :] + _mm(qs, S1, DOT) + 0.5 * o2) * tl.maximum(tl.load(z), 1.0)
-    else:
-        num = _mm(w, bv, DOT) + S0[None, :] + _mm(qs, S1, DOT) + 0.5 * o2
-    if NORMALIZE:
-        Z2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
-        d2 = tl.sum(_mm(qs, Z2, 0) * qs, 1)
-        d = tl.sum(w, 1) + tl.load(z) + tl.sum(qs * tl.load(z + 1 + offs_k)[None, :], 1) + 0.5 * d2
-        num = num / d[:, None]
-        if i_v == 0:
-            tl.store(den + i_b.to(tl.int64) * T * H + i_h + t * H, d, mask=m_t)
-    tl.store(o + t[:, None] * H * V + offs_v[None, :], num.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+        S0 = tl.load(h + offs_v, mask=m_v, other=0.0).to(tl.float32)
+        # the state tiles go to the dots as stored (`_mm` casts to the operand dtype), so that a pipelined loop
+        # (STAGES > 1) can load them ahead
+        S1 = tl.load(h + (1 + offs_k)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
+        Sd = tl.load(h + (1 + BK + offs_k)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
+        o2 = _mm(qs * qs, Sd, DOT)
+        for p in tl.static_range(OP):
+            S2 = tl.load(h + (1 + 2 * BK + p * JP + offs_j)[:, None] * V + offs_v[None, :], mask=m_v[None, :],
+                         other=0.0)
+            o2 += _mm(_pairs(qs, BK, DOT, p, OP, False), S2, DOT)
+        if DOT == 4:  # fp16 operands: hs holds the state over max(n, 1) (`_chain_kernel`)
+            num = _mm(w, bv, DOT) + (S0[None, :] + _mm(qs, S1, DOT) + 0.5 * o2) * tl.maximum(tl.load(z), 1.0)
+        else:
+            num = _mm(w, bv, DOT) + S0[None, :] + _mm(qs, S1, DOT) + 0.5 * o2
+        if NORMALIZE:
+            Z2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
+            d2 = tl.sum(_mm(qs, Z2, 0) * qs, 1)
+            d = tl.sum(w, 1) + tl.load(z) + tl.sum(qs * tl.load(z + 1 + offs_k)[None, :], 1) + 0.5 * d2
+            num = num / d[:, None]
+            if i_v == 0:
+                tl.store(den + i_b.to(tl.int64) * T * H + i_h + t * H, d, mask=m_t)
+        tl.store(o + t[:, None] * H * V + offs_v[None, :], num.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
 
 @triton.jit
 def _pair_grad(y, x, h, offs_v, m_v, V: tl.constexpr, BK: tl.constexpr, OP: tl.constexpr, DOT: tl.constexpr):
-    """Σ_b (y·S[a, b])·x_b for the symmetric order-2 state S held in the pair layout at h (the diagonal and the
-    pair rows, read transposed): y [BC, BV], x [BC, BK] -> [BC, BK] (`fused._order2_contract`)."""
+    """Σ_b (y·S[a, b])·x_b for the symmetric order-2 state S in the pair layout at h: y [BC, BV], x [BC, BK] ->
+    [BC, BK] (`fused._order2_contract`)."""
     JP: tl.constexpr = BK * (BK // 2) // OP
     offs_k = tl.arange(0, BK)
     offs_j = tl.arange(0, JP)
@@ -327,8 +302,8 @@ def _dq_kernel(q, k, v, do, den, dden, dq, hs, zs, scale, T, NC,
                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                BC: tl.constexpr, OP: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr,
                G: tl.constexpr = 1, STAGES: tl.constexpr = 1):
-    """dq of chunks i_g·G up to (i_g + 1)·G (partial over V blocks: dq [NV, B, T, H, K]) from the forward states
-    entering them, one chunk after another (STAGES as in `_output_kernel`)."""
+    """dq of chunks i_g·G up to (i_g + 1)·G (dq [NV, B, T, H, K], sums over V blocks) from the forward's entering
+    states."""
     scale = tl.cast(scale, tl.float32)  # a no-op for the fp32 Triton passes; torch.compile passes fp64
     i_g, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
@@ -346,54 +321,44 @@ def _dq_kernel(q, k, v, do, den, dden, dq, hs, zs, scale, T, NC,
     if NORMALIZE:
         den += i_b.to(tl.int64) * T * H + i_h
         dden += i_b.to(tl.int64) * T * H + i_h
-    for i_c in tl.range(i_g * G, tl.minimum(i_g * G + G, NC), num_stages=STAGES):
-        _dq_chunk(q, k, v, do, den, dden, dq, hs, zs, scale, T, NC, i_c, i_bh, offs_c, offs_k, offs_v, m_k, m_v,
-                  first, causal, H, K, V, BK, BV, BC, OP, NORMALIZE, DOT)
-
-
-@triton.jit
-def _dq_chunk(q, k, v, do, den, dden, dq, hs, zs, scale, T, NC, i_c, i_bh, offs_c, offs_k, offs_v, m_k, m_v, first,
-              causal, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-              BC: tl.constexpr, OP: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr):
-    """`_dq_kernel`'s chunk i_c (pointers already at the sequence)."""
     R: tl.constexpr = 1 + 2 * BK + BK * (BK // 2)
     ZR: tl.constexpr = 1 + BK + BK * BK
-    t = i_c * BC + offs_c
-    m_t = t < T
-    h = hs + (i_bh.to(tl.int64) * NC + i_c) * R * V
-    z = zs + (i_bh.to(tl.int64) * NC + i_c) * ZR
+    for i_c in tl.range(i_g * G, tl.minimum(i_g * G + G, NC), num_stages=STAGES):
+        t = i_c * BC + offs_c
+        m_t = t < T
+        h = hs + (i_bh.to(tl.int64) * NC + i_c) * R * V
+        z = zs + (i_bh.to(tl.int64) * NC + i_c) * ZR
 
-    bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-    bk = tl.load(k + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-    bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
-    bvt = tl.load(v + t[None, :] * H * V + offs_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0)
-    dnum, dd = _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H, V, BC, NORMALIZE)
-    qs = bq.to(tl.float32) * scale
+        bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        bk = tl.load(k + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+        bvt = tl.load(v + t[None, :] * H * V + offs_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0)
+        dnum, dd = _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H, V, BC, NORMALIZE)
+        qs = bq.to(tl.float32) * scale
 
-    s = _mm(bq, bkt, DOT) * scale  # [BC, BC]
-    if DOT == 4:
-        # fp16 operands: dO/den and dd (and so ds) times u, the chunk's `_dout_scale`, and hs over max(n, 1)
-        # (`_chain_kernel`); both come out of the fp32 results
-        u = 1.0
-        if NORMALIZE:
-            u = _dout_scale(den, i_c, T, BC, H)
-        dnum = dnum * u
-        dp = _mm(dnum, bvt, DOT) + (dd * u)[:, None]
-        ds = tl.where(causal, dp * (1.0 + s), 0.0)
-        S1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
-        r = tl.maximum(tl.load(z), 1.0) / u
-        dqs = _mm(ds, bk, DOT) * (1.0 / u) + _mm(dnum, S1t, DOT) * r
-        dqs += _pair_grad(dnum, qs, h, offs_v, m_v, V, BK, OP, DOT) * r
-    else:
-        dp = _mm(dnum, bvt, DOT) + dd[:, None]
-        ds = tl.where(causal, dp * (1.0 + s), 0.0)
-        S1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
-        dqs = _mm(ds, bk, DOT) + _mm(dnum, S1t, DOT) + _pair_grad(dnum, qs, h, offs_v, m_v, V, BK, OP, DOT)
-    if NORMALIZE:  # dd is zero past the first V block; no branch, so that a pipelined loop loads Z2 ahead
-        Z2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
-        dqs += dd[:, None] * (tl.load(z + 1 + offs_k)[None, :] + _mm(qs, Z2, 0))
-    tl.store(dq + t[:, None] * H * K + offs_k[None, :], (dqs * scale).to(dq.dtype.element_ty),
-             mask=m_t[:, None] & m_k[None, :])
+        s = _mm(bq, bkt, DOT) * scale  # [BC, BC]
+        if DOT == 4:
+            # fp16: dO/den and dd times u, the chunk's `_dout_scale`, and hs over max(n, 1), both undone in fp32
+            u = 1.0
+            if NORMALIZE:
+                u = _dout_scale(den, i_c, T, BC, H)
+            dnum = dnum * u
+            dp = _mm(dnum, bvt, DOT) + (dd * u)[:, None]
+            ds = tl.where(causal, dp * (1.0 + s), 0.0)
+            S1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
+            r = tl.maximum(tl.load(z), 1.0) / u
+            dqs = _mm(ds, bk, DOT) * (1.0 / u) + _mm(dnum, S1t, DOT) * r
+            dqs += _pair_grad(dnum, qs, h, offs_v, m_v, V, BK, OP, DOT) * r
+        else:
+            dp = _mm(dnum, bvt, DOT) + dd[:, None]
+            ds = tl.where(causal, dp * (1.0 + s), 0.0)
+            S1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
+            dqs = _mm(ds, bk, DOT) + _mm(dnum, S1t, DOT) + _pair_grad(dnum, qs, h, offs_v, m_v, V, BK, OP, DOT)
+        if NORMALIZE:  # dd is zero past the first V block; no branch, so that a pipelined loop loads Z2 ahead
+            Z2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
+            dqs += dd[:, None] * (tl.load(z + 1 + offs_k)[None, :] + _mm(qs, Z2, 0))
+        tl.store(dq + t[:, None] * H * K + offs_k[None, :], (dqs * scale).to(dq.dtype.element_ty),
+                 mask=m_t[:, None] & m_k[None, :])
 
 
 @triton.jit
@@ -401,9 +366,8 @@ def _dkv_kernel(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                 BC: tl.constexpr, OP: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr,
                 DV: tl.constexpr = True, DK: tl.constexpr = True, G: tl.constexpr = 1, STAGES: tl.constexpr = 1):
-    """dv (DV) and dk (DK; partial over V blocks: dk [NV, B, T, H, K]) of chunks i_g·G up to (i_g + 1)·G from the
-    reverse states entering them, one chunk after another (STAGES as in `_output_kernel`); `chunk_grads`
-    launches it twice, once for each, to halve what is live at a time."""
+    """dv (DV) and dk (DK; dk [NV, B, T, H, K], sums over V blocks) of chunks i_g·G up to (i_g + 1)·G from the reverse
+    states entering them."""
     scale = tl.cast(scale, tl.float32)  # a no-op for the fp32 Triton passes; torch.compile passes fp64
     i_g, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
@@ -422,75 +386,61 @@ def _dkv_kernel(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC,
     if NORMALIZE:
         den += i_b.to(tl.int64) * T * H + i_h
         dden += i_b.to(tl.int64) * T * H + i_h
-    for i_c in tl.range(i_g * G, tl.minimum(i_g * G + G, NC), num_stages=STAGES):
-        _dkv_chunk(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, i_c, i_bh, offs_c, offs_k, offs_v, m_k,
-                   m_v, first, causal_t, H, K, V, BK, BV, BC, OP, NORMALIZE, DOT, DV, DK)
-
-
-@triton.jit
-def _dkv_chunk(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, i_c, i_bh, offs_c, offs_k, offs_v, m_k, m_v,
-               first, causal_t, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-               BV: tl.constexpr, BC: tl.constexpr, OP: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr,
-               DV: tl.constexpr, DK: tl.constexpr):
-    """`_dkv_kernel`'s chunk i_c (pointers already at the sequence)."""
     R: tl.constexpr = 1 + 2 * BK + BK * (BK // 2)
     ZR: tl.constexpr = 1 + BK + BK * BK
-    t = i_c * BC + offs_c
-    m_t = t < T
-    h = ds + (i_bh.to(tl.int64) * NC + i_c) * R * V
-    z = dzs + (i_bh.to(tl.int64) * NC + i_c) * ZR
+    for i_c in tl.range(i_g * G, tl.minimum(i_g * G + G, NC), num_stages=STAGES):
+        t = i_c * BC + offs_c
+        m_t = t < T
+        h = ds + (i_bh.to(tl.int64) * NC + i_c) * R * V
+        z = dzs + (i_bh.to(tl.int64) * NC + i_c) * ZR
 
-    bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-    bqt = tl.load(q + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
-    bk = tl.load(k + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-    bv = tl.load(v + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-    dnum, dd = _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H, V, BC, NORMALIZE)
-    qs = bq.to(tl.float32) * scale
-    kf = bk.to(tl.float32)
-    # fp16 operands (DOT 4): dO/den and dd times u, the chunk's `_dout_scale`, divided out of the fp32 results (the
-    # reverse states ds are stored unscaled, `_chain_kernel`)
-    u = 1.0
-    if DOT == 4 and NORMALIZE:
-        u = _dout_scale(den, i_c, T, BC, H)
+        bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        bqt = tl.load(q + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+        bk = tl.load(k + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        bv = tl.load(v + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        dnum, dd = _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H, V, BC, NORMALIZE)
+        qs = bq.to(tl.float32) * scale
+        kf = bk.to(tl.float32)
+        # fp16 (DOT 4): dO/den and dd times u, the chunk's `_dout_scale`, divided out of the fp32 results
+        u = 1.0
+        if DOT == 4 and NORMALIZE:
+            u = _dout_scale(den, i_c, T, BC, H)
 
-    st = _mm(bk, bqt, DOT) * scale  # [BC keys, BC queries]
-    if DV:
-        wt = tl.where(causal_t, 1.0 + st + 0.5 * st * st, 0.0)
-        D0 = tl.load(h + offs_v, mask=m_v, other=0.0).to(tl.float32)
-        D1 = tl.load(h + (1 + offs_k)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
-        if DOT == 4:
-            bdv = _mm(wt, dnum * u, DOT) * (1.0 / u) + D0[None, :] + _mm(kf, D1, DOT)
-        else:
-            bdv = _mm(wt, dnum, DOT) + D0[None, :] + _mm(kf, D1, DOT)
-        bdv += 0.5 * _order2_of(kf, h, offs_v, m_v, V, BK, OP, DOT)
-        tl.store(dv + t[:, None] * H * V + offs_v[None, :], bdv.to(dv.dtype.element_ty),
-                 mask=m_t[:, None] & m_v[None, :])
-    if DK:
-        # dO/den loaded again, transposed, rather than tl.trans(dnum) (with BV=32 Triton 3.6 compiled this kernel
-        # into an out-of-bounds shared-memory read on the H200, compute-sanitizer; the load alone did not
-        # remove it, so SplitConfig keeps BV=64)
-        dnumt = tl.load(do + t[None, :] * H * V + offs_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0)
-        dnumt = dnumt.to(tl.float32)
-        if NORMALIZE:
-            dnumt = dnumt / tl.load(den + t * H, mask=m_t, other=1.0)[None, :]
-        # (the order of these lines matters on Triton 3.6: with the D1t load first this kernel read shared memory out
-        # of bounds on the H200, compute-sanitizer)
-        if DOT == 4:
-            dpt = _mm(bv, dnumt * u, DOT) + (dd * u)[None, :]
-            dst = tl.where(causal_t, dpt * (1.0 + st), 0.0)
-            D1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
-            bdk = _mm(dst, qs, DOT) * (1.0 / u) + _mm(bv, D1t, DOT)
-        else:
-            dpt = _mm(bv, dnumt, DOT) + dd[None, :]
-            dst = tl.where(causal_t, dpt * (1.0 + st), 0.0)
-            D1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
-            bdk = _mm(dst, qs, DOT) + _mm(bv, D1t, DOT)
-        bdk += _pair_grad(bv, kf, h, offs_v, m_v, V, BK, OP, DOT)
-        # the denominator's reverse state, counted once (first V block), weighted by 0 or 1 rather than in a branch
-        d2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
-        bdk += first.to(tl.float32) * (tl.load(z + 1 + offs_k)[None, :] + _mm(kf, d2, 0))
-        tl.store(dk + t[:, None] * H * K + offs_k[None, :], bdk.to(dk.dtype.element_ty),
-                 mask=m_t[:, None] & m_k[None, :])
+        st = _mm(bk, bqt, DOT) * scale  # [BC keys, BC queries]
+        if DV:
+            wt = tl.where(causal_t, 1.0 + st + 0.5 * st * st, 0.0)
+            D0 = tl.load(h + offs_v, mask=m_v, other=0.0).to(tl.float32)
+            D1 = tl.load(h + (1 + offs_k)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
+            if DOT == 4:
+                bdv = _mm(wt, dnum * u, DOT) * (1.0 / u) + D0[None, :] + _mm(kf, D1, DOT)
+            else:
+                bdv = _mm(wt, dnum, DOT) + D0[None, :] + _mm(kf, D1, DOT)
+            bdv += 0.5 * _order2_of(kf, h, offs_v, m_v, V, BK, OP, DOT)
+            tl.store(dv + t[:, None] * H * V + offs_v[None, :], bdv.to(dv.dtype.element_ty),
+                     mask=m_t[:, None] & m_v[None, :])
+        if DK:
+            # dO/den loaded again, transposed, rather than tl.trans(dnum): Triton 3.6 miscompiles the latter
+            dnumt = tl.load(do + t[None, :] * H * V + offs_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0)
+            dnumt = dnumt.to(tl.float32)
+            if NORMALIZE:
+                dnumt = dnumt / tl.load(den + t * H, mask=m_t, other=1.0)[None, :]
+            # (the order of these lines matters: with the D1t load first Triton 3.6 reads shared memory out of bounds)
+            if DOT == 4:
+                dpt = _mm(bv, dnumt * u, DOT) + (dd * u)[None, :]
+                dst = tl.where(causal_t, dpt * (1.0 + st), 0.0)
+                D1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
+                bdk = _mm(dst, qs, DOT) * (1.0 / u) + _mm(bv, D1t, DOT)
+            else:
+                dpt = _mm(bv, dnumt, DOT) + dd[None, :]
+                dst = tl.where(causal_t, dpt * (1.0 + st), 0.0)
+                D1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
+                bdk = _mm(dst, qs, DOT) + _mm(bv, D1t, DOT)
+            bdk += _pair_grad(bv, kf, h, offs_v, m_v, V, BK, OP, DOT)
+            # the denominator's reverse state, counted once (first V block), weighted by 0 or 1 rather than in a branch
+            d2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
+            bdk += first.to(tl.float32) * (tl.load(z + 1 + offs_k)[None, :] + _mm(kf, d2, 0))
+            tl.store(dk + t[:, None] * H * K + offs_k[None, :], bdk.to(dk.dtype.element_ty),
+                     mask=m_t[:, None] & m_k[None, :])
 
 
 
@@ -517,11 +467,10 @@ def _from_pairs(h: torch.Tensor, z: torch.Tensor, K: int, B: int, H: int, order2
 
 def _state_pass(x, w, scale: float, h0, z0, store_total: bool, reverse: bool, dot: int, g=None, den=None, o=None,
                 cfg: SplitConfig = CONFIG):
-    """The states entering every chunk: the features of scale·x and each chunk's denominator sums with weights g
-    [B, T, H] (None: 1 per token) at once (`_features_kernel`), then the walk over w (`_chain_kernel`, from the last
-    chunk with reverse). Forward: x = k, w = v. Reverse: x = q, w = dO, and with den and o the features kernel stores
-    the walk's operand dO/den and writes dden into g. h0, z0: the starting state (pair / padded layouts) or None.
-    Returns hs [B·H, NC, R, V], zs [B·H, NC, ZR] and with store_total the whole sums hT, zT (else None)."""
+    """The states entering every chunk: `_features_kernel`, then the walk over w (`_chain_kernel`, from the last chunk
+    with reverse). Forward: x = k, w = v, g None. Reverse: x = q, w = dO; with den and o the walk runs over dO/den and
+    dden is written into g. h0, z0: the starting state (pair / padded layouts) or None. Returns hs [B·H, NC, R, V],
+    zs [B·H, NC, ZR] and with store_total the whole sums hT, zT (else None)."""
     B, T, H, K = x.shape
     V = w.shape[-1]
     BC, BV, NV, NC = _blocks(T, V, cfg.BV, cfg)
@@ -546,9 +495,8 @@ def _state_pass(x, w, scale: float, h0, z0, store_total: bool, reverse: bool, do
 
 
 def forward(q, k, v, hv0, hz0, scale: float, output_final_state: bool, normalize: bool, cfg: SplitConfig = CONFIG):
-    """(o, den, hvT, hzT, hs, zs): o [B, T, H, V], den [B, T, H] fp32 (None unless normalize), the final state in the
-    Taylor-order layout (or None, None) and the states entering every chunk, for `backward`. hv0/hz0: the initial
-    state, Taylor-order, or None. The operand dtype follows the inputs (`primitives.forward_dot`)."""
+    """(o, den, hvT, hzT, hs, zs): o, den fp32 (None unless normalize), the final state Taylor-order (or None, None)
+    and the states entering every chunk, for `backward`. hv0/hz0: the initial state, Taylor-order, or None."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dot = forward_dot(q.dtype, K)
@@ -567,9 +515,8 @@ def forward(q, k, v, hv0, hz0, scale: float, output_final_state: bool, normalize
 
 def backward(q, k, v, o, den, hv0, hz0, hs, zs, do, dhvT, dhzT, scale: float, normalize: bool,
              cfg: SplitConfig = CONFIG):
-    """dq, dk, dv (in q's dtype) and the initial state's gradient (Taylor-order; None without an initial state)
-    from the forward's inputs, o, den and entering states (hs, zs). dhvT/dhzT: the final state's gradient
-    (Taylor-order, both or neither) or None."""
+    """dq, dk, dv (in q's dtype) and the initial state's gradient (Taylor-order, or None) from the forward's inputs,
+    o, den and entering states. dhvT/dhzT: the final state's gradient (Taylor-order) or None."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dot = forward_dot(q.dtype, K)
