@@ -111,6 +111,11 @@ def _backward(q, k, v, o, den, hs, zs, hv0, hz0, do, dhvT, dhzT, scale: float, p
     """(dq, dk, dv, dhv0, dhz0) from the path's kernels (dhv0, dhz0 None without an initial state)."""
     if do is None:  # only the final state reaches the loss
         do = torch.zeros_like(o)
+    if (dhvT is None) != (dhzT is None):  # one part of the final state reaches the loss: the other's gradient is 0
+        B, _, H, K = q.shape
+        F = 1 + K + K * K
+        dhvT = q.new_zeros(B, H, F, v.shape[-1], dtype=torch.float32) if dhvT is None else dhvT
+        dhzT = q.new_zeros(B, H, F, dtype=torch.float32) if dhzT is None else dhzT
     if path == "gluon":
         return gluon_backward.backward(q, k, v, o, do, den, hs, zs, scale, dhvT, dhzT, need_dh0=hv0 is not None)
     if path == "split":
