@@ -73,17 +73,15 @@ def _order2_init(h, LOAD: tl.constexpr, offs_k, offs_v, K: tl.constexpr, V: tl.c
                  BV: tl.constexpr, EXPAND: tl.constexpr):
     """The order-2 state (Sd, S2, S2b): zero, or with LOAD from the Taylor-order state h [F, V]. EXPAND = 5: the
     diagonal and the two halves of the pair rows; EXPAND = 0: S2 the K² rows [BK², BV]."""
-    NP: tl.constexpr = 2 if EXPAND >= 5 else 1
     Sd = tl.zeros([BK, BV], dtype=tl.float32)
     S2b = tl.zeros([BK * (BK // 2) // 2, BV], dtype=tl.float32)
-    if EXPAND >= 3:
-        S2 = tl.zeros([BK * (BK // 2) // NP, BV], dtype=tl.float32)
+    if EXPAND == 5:
+        S2 = tl.zeros([BK * (BK // 2) // 2, BV], dtype=tl.float32)
         if LOAD:
-            hd, hp = _pair_state_load(h, offs_k, offs_v, K, V, BK, 0, NP)
+            hd, hp = _pair_state_load(h, offs_k, offs_v, K, V, BK, 0, 2)
             Sd += hd
             S2 += hp
-            if NP == 2:
-                S2b += _pair_state_load(h, offs_k, offs_v, K, V, BK, 1, 2)[1]
+            S2b += _pair_state_load(h, offs_k, offs_v, K, V, BK, 1, 2)[1]
     else:
         S2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
         if LOAD:
@@ -99,11 +97,9 @@ def _order2_init(h, LOAD: tl.constexpr, offs_k, offs_v, K: tl.constexpr, V: tl.c
 def _order2_store(h, Sd, S2, S2b, c, offs_k, offs_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                   EXPAND: tl.constexpr):
     """c·(the order-2 state in `_order2_init`'s layout) into the order-2 rows of a Taylor-order state h."""
-    if EXPAND >= 3:
-        NP: tl.constexpr = 2 if EXPAND >= 5 else 1
-        _pair_state_store(h, Sd, S2, c, offs_k, offs_v, K, V, BK, 0, NP)
-        if NP == 2:
-            _pair_state_store(h, Sd, S2b, c, offs_k, offs_v, K, V, BK, 1, 2)
+    if EXPAND == 5:
+        _pair_state_store(h, Sd, S2, c, offs_k, offs_v, K, V, BK, 0, 2)
+        _pair_state_store(h, Sd, S2b, c, offs_k, offs_v, K, V, BK, 1, 2)
     else:
         offs_kk = tl.arange(0, BK * BK)
         row_kk = 1 + K + (offs_kk // BK) * K + offs_kk % BK
@@ -114,11 +110,9 @@ def _order2_store(h, Sd, S2, S2b, c, offs_k, offs_v, K: tl.constexpr, V: tl.cons
 @triton.jit
 def _order2_read(x, Sd, S2, S2b, BC: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, EXPAND: tl.constexpr):
     """(x⊗x)·S for the order-2 state in `_order2_init`'s layout: x [BC, BK] -> [BC, BV]."""
-    NP: tl.constexpr = 2 if EXPAND >= 5 else 1
-    if EXPAND >= 3:
-        o2 = _mm(x * x, Sd, DOT) + _mm(_pairs(x, BK, DOT, 0, NP, False), S2, DOT)
-        if EXPAND >= 5:
-            o2 += _mm(_pairs(x, BK, DOT, 1, 2, False), S2b, DOT)
+    if EXPAND == 5:
+        o2 = _mm(x * x, Sd, DOT) + _mm(_pairs(x, BK, DOT, 0, 2, False), S2, DOT)
+        o2 += _mm(_pairs(x, BK, DOT, 1, 2, False), S2b, DOT)
         return o2
     else:
         return _mm(_outer(x, BC, BK, DOT), S2, DOT)  # (x⊗x) [BC, K²] · S2
@@ -128,12 +122,10 @@ def _order2_read(x, Sd, S2, S2b, BC: tl.constexpr, BK: tl.constexpr, DOT: tl.con
 def _order2_update(x, xt, y, Sd, S2, S2b, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr,
                    EXPAND: tl.constexpr):
     """(Sd, S2, S2b) + Σ_c (x_c⊗x_c) y_cᵀ in `_order2_init`'s layout: x [BC, BK], xt = xᵀ, y [BC, BV]."""
-    NP: tl.constexpr = 2 if EXPAND >= 5 else 1
-    if EXPAND >= 3:
+    if EXPAND == 5:
         Sd += _mm(xt * xt, y, DOT)
-        S2 += _mm(_pairs(xt, BK, DOT, 0, NP, True), y, DOT)
-        if EXPAND >= 5:
-            S2b += _mm(_pairs(xt, BK, DOT, 1, 2, True), y, DOT)
+        S2 += _mm(_pairs(xt, BK, DOT, 0, 2, True), y, DOT)
+        S2b += _mm(_pairs(xt, BK, DOT, 1, 2, True), y, DOT)
     else:
         S2 += _mm(tl.trans(_outer(x, BC, BK, DOT)), y, DOT)
     return Sd, S2, S2b
@@ -144,11 +136,9 @@ def _order2_contract(y, x, Sd, S2, S2b, BC: tl.constexpr, BK: tl.constexpr, BV: 
                      EXPAND: tl.constexpr):
     """Σ_b (y·S[a, b])·x_b for the symmetric order-2 state S: y [BC, BV], x [BC, BK] -> [BC, BK], the order-2 part
     of ∂/∂x of (x⊗x)·S·y / 2."""
-    NP: tl.constexpr = 2 if EXPAND >= 5 else 1
-    if EXPAND >= 3:
-        g = x * _mm(y, tl.trans(Sd), DOT) + _pair_contract(_mm(y, tl.trans(S2), DOT), x, BK, DOT, 0, NP)
-        if EXPAND >= 5:
-            g += _pair_contract(_mm(y, tl.trans(S2b), DOT), x, BK, DOT, 1, 2)
+    if EXPAND == 5:
+        g = x * _mm(y, tl.trans(Sd), DOT) + _pair_contract(_mm(y, tl.trans(S2), DOT), x, BK, DOT, 0, 2)
+        g += _pair_contract(_mm(y, tl.trans(S2b), DOT), x, BK, DOT, 1, 2)
         return g
     else:
         return _contract(_mm(y, tl.trans(S2), DOT), x, BC, BK)
@@ -162,7 +152,7 @@ def _fwd_load(q, k, v, start, seg_end, offs_c, offs_k, offs_v, m_k, m_v, H: tl.c
     m_t = t < seg_end
     bk = tl.load(k + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
     bv = tl.load(v + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-    if EXPAND >= 3:
+    if EXPAND == 5:
         bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
     else:
         bkt = tl.trans(bk)
@@ -326,7 +316,7 @@ def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
         dnum, dd = _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H, V, BC, NORMALIZE)
         qs = bq.to(tl.float32) * scale
         kf = bk.to(tl.float32)
-        if EXPAND >= 3:
+        if EXPAND == 5:
             bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
         else:
             bkt = tl.trans(bk)
@@ -408,7 +398,7 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
         dnum, dd = _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H, V, BC, NORMALIZE)
         qs = bq.to(tl.float32) * scale
         kf = bk.to(tl.float32)
-        if EXPAND >= 3:
+        if EXPAND == 5:
             bqt = tl.load(q + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
         else:
             bqt = tl.trans(bq)

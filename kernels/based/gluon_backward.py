@@ -245,6 +245,25 @@ def _copy_vg(v_s, g_s, slot, v, g, start, T, H: gl.constexpr, rv, cv):
 
 
 @gluon.jit
+def _store_features(x_s, ra_s, rb_s, dst, base, z64, cj, rj, c, T, KEY: gl.constexpr):
+    """The three feature blocks of x_s [C, 16] (chunk c) into dst[base + b], f = (x·A_b) ⊙ (x·B_b) (blocks 1 and 2
+    share factor a), block 0 with x_a and the constant (`_block0`; on the key side 0 past T)."""
+    for b in gl.static_range(NB):
+        fb = warpgroup_mma(x_s, rb_s.index(b), z64, use_acc=False, is_async=True)
+        if b < 2:
+            fa = warpgroup_mma(x_s, ra_s.index(b), z64, use_acc=False, is_async=True)
+            fb, fa = warpgroup_mma_wait(0, deps=[fb, fa])
+        else:
+            fb = warpgroup_mma_wait(0, deps=[fb])
+        f = fa * fb
+        if b == 0 and KEY:
+            f = _block0(f, fa, cj[None, :], c * C_ + rj < T, 32)
+        elif b == 0:
+            f = _block0(f, fa, cj[None, :], True, 32)
+        dst.index(base + b).store(f.to(gl.bfloat16))
+
+
+@gluon.jit
 def _producer(q, k, v, g_in, e_in, dzT, dz0, i_bh, T, scale, H: gl.constexpr, USE_DHT: gl.constexpr,
               STORE_DH0: gl.constexpr, mats, xq_s, xk_s, v_s, g_s, e_s, psi_s, phi_s, dz_s, ra_s, rb_s, rbq_s,
               mats_ready, ready, free, NSLOT: gl.constexpr):
@@ -299,28 +318,9 @@ def _producer(q, k, v, g_in, e_in, dzT, dz0, i_bh, T, scale, H: gl.constexpr, US
         dz_s.index(slot * NB + 2).store(_zsum(Z2))
         fence_async_shared()
         _barrier()
-        for b in gl.static_range(NB):
-            fb = warpgroup_mma(xq_s.index(slot), rbq_s.index(b), z64, use_acc=False, is_async=True)  # h ⊙ x·B
-            if b < 2:  # blocks 1 and 2 share factor a
-                fa = warpgroup_mma(xq_s.index(slot), ra_s.index(b), z64, use_acc=False, is_async=True)
-                fb, fa = warpgroup_mma_wait(0, deps=[fb, fa])
-            else:
-                fb = warpgroup_mma_wait(0, deps=[fb])
-            f = fa * fb
-            if b == 0:  # the query's constant stays past T (harmless: g = e = 0 there)
-                f = _block0(f, fa, cj[None, :], True, 32)
-            psi_s.index(slot * NB + b).store(f.to(gl.bfloat16))
-        for b in gl.static_range(NB):
-            fb = warpgroup_mma(xk_s.index(slot), rb_s.index(b), z64, use_acc=False, is_async=True)
-            if b < 2:
-                fa = warpgroup_mma(xk_s.index(slot), ra_s.index(b), z64, use_acc=False, is_async=True)
-                fb, fa = warpgroup_mma_wait(0, deps=[fb, fa])
-            else:
-                fb = warpgroup_mma_wait(0, deps=[fb])
-            f = fa * fb
-            if b == 0:  # the key's constant is 0 past T
-                f = _block0(f, fa, cj[None, :], c * C_ + rj < T, 32)
-            phi_s.index(slot * NB + b).store(f.to(gl.bfloat16))
+        # ψ(q) (B ⊙ h: the query's weights; its constant stays past T, harmless: g = e = 0 there) and φ(k)
+        _store_features(xq_s.index(slot), ra_s, rbq_s, psi_s, slot * NB, z64, cj, rj, c, T, False)
+        _store_features(xk_s.index(slot), ra_s, rb_s, phi_s, slot * NB, z64, cj, rj, c, T, True)
         async_copy.wait_group(0)  # this chunk's v and g have landed
         fence_async_shared()
         _barrier()

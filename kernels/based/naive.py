@@ -37,11 +37,11 @@ def _query_features(q: torch.Tensor, scale: float) -> torch.Tensor:
     return taylor_feature_map(q * (scale * math.sqrt(f)))
 
 
-def check_state(initial_state, B: int, H: int, E: int, V: int):
-    """initial_state as (kv0, ksum0), checked to be (kv [B, H, E, V], k_sum [B, H, E])."""
-    kv0, ksum0 = initial_state
+def check_state(state, B: int, H: int, E: int, V: int):
+    """state as (kv, k_sum), checked to be (kv [B, H, E, V], k_sum [B, H, E])."""
+    kv0, ksum0 = state
     if tuple(kv0.shape) != (B, H, E, V) or tuple(ksum0.shape) != (B, H, E):
-        raise ValueError(f"initial_state must be (kv [B,H,E,V], k_sum [B,H,E]) = ({(B, H, E, V)}, {(B, H, E)}), "
+        raise ValueError(f"the state must be (kv [B,H,E,V], k_sum [B,H,E]) = ({(B, H, E, V)}, {(B, H, E)}), "
                          f"got ({tuple(kv0.shape)}, {tuple(ksum0.shape)})")
     return kv0, ksum0
 

@@ -306,8 +306,7 @@ def fused_recurrent_based(q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tenso
     E = feature_dim(K)
     if k_t.shape != q_t.shape or v_t.shape[:2] != (B, H):
         raise ValueError(f"q_t, k_t must be [B, H, K] and v_t [B, H, V]; got {q_t.shape}, {k_t.shape}, {v_t.shape}")
-    if kv.shape != (B, H, E, V) or k_sum.shape != (B, H, E):
-        raise ValueError(f"state must be (kv {(B, H, E, V)}, k_sum {(B, H, E)}), got ({kv.shape}, {k_sum.shape})")
+    check_state(state, B, H, E, V)
     if kv.dtype != torch.float32 or k_sum.dtype != torch.float32 or not (kv.is_contiguous() and k_sum.is_contiguous()):
         raise ValueError("the state must be contiguous fp32 tensors (it is updated in place)")
     check_devices("fused_recurrent_based", q_t, k_t, v_t, kv, k_sum, out)
