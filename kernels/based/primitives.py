@@ -175,11 +175,17 @@ def gather_rows(x: torch.Tensor, rows: tuple[int, ...], weights: tuple[float, ..
     return x.contiguous()
 
 
+@functools.cache
+def _scatter_index(rows: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of `rows` that hold a row (not -1) and the rows they hold, on `device`, made once."""
+    keep = [r for r, t in enumerate(rows) if t >= 0]
+    return torch.tensor(keep, device=device), torch.tensor([rows[r] for r in keep], device=device)
+
+
 def scatter_rows(x: torch.Tensor, rows: tuple[int, ...], n: int) -> torch.Tensor:
     """The transpose of `gather_rows` (weights 1): x [N, len(rows), *] -> [N, n, *], out[:, rows[r]] += x[:, r]."""
-    keep = tuple(r for r, t in enumerate(rows) if t >= 0)
-    out = x.new_zeros(x.shape[0], n, *x.shape[2:])
-    return out.index_add_(1, _tensor(tuple(rows[r] for r in keep), x.device), x[:, _tensor(keep, x.device)])
+    keep, into = _scatter_index(rows, x.device)
+    return x.new_zeros(x.shape[0], n, *x.shape[2:]).index_add_(1, into, x[:, keep])
 
 
 def symmetrise_order2(hv: torch.Tensor, K: int) -> torch.Tensor:
