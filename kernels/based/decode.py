@@ -1,14 +1,9 @@
-"""The decoding step of Based linear attention: one Triton launch that updates the fp32 state in place
-(`ops.fused_recurrent_based` launches it).
+"""The decoding step of Based linear attention: one Triton launch updating the fp32 state in place.
 
     kv += φ(k_t) v_tᵀ,  k_sum += φ(k_t),  o_t = φ(q'_t)·kv / φ(q'_t)·k_sum     (q' = q·scale·√K)
 
-One program owns one (batch, head): it builds φ(q'_t) and φ(k_t) in registers (E = 1 + K + K(K+1)/2 features
-in FLA TaylorFeatureMap order, the order of the state), then streams kv through registers in blocks of BV
-value columns. The step reads and writes the state once, so it is bound by the state's bytes
-(2·4·E·(V + 1) per head). Nothing is allocated but the output (or nothing, with `out=`) and nothing waits on
-the host, so the call can be captured in a CUDA graph.
-"""
+One program per (batch, head) builds φ(q'_t) and φ(k_t) in registers and streams kv through them once, in blocks of
+BV columns: bound by the state's bytes. It allocates nothing and never waits on the host, so it can be graphed."""
 
 import triton
 import triton.language as tl
@@ -16,7 +11,7 @@ import triton.language as tl
 
 @triton.jit
 def _features(x_ptr, x_scale, e, K: tl.constexpr, E: tl.constexpr):
-    """φ(x_scale·x)[e] for a vector of feature indices e: [1, x/K^¼, x_a²/(√2·√K), x_a·x_b/√K for a<b]."""
+    """φ(x_scale·x)[e] for feature indices e: [1, x/K^¼, x_a²/(√2·√K), x_a·x_b/√K for a<b]."""
     # feature e is coef·x[ia]·x[ib], with a missing factor (index -1) read as 1
     is_lin = (e >= 1) & (e < 1 + K)
     is_diag = (e >= 1 + K) & (e < 1 + 2 * K)

@@ -1,22 +1,11 @@
-"""The fused chunked Based kernels: forward and backward that carry the state through the sequence in registers.
+"""The fused chunked Based kernels: forward and backward carrying the state through the sequence in registers.
 
-The math is in `kernels/based/README.md`; `naive.naive_chunk_based` is its line-by-line twin. One program owns one
-(batch, head, block of BV value columns) and walks the sequence in chunks of BC tokens (the forward first to last,
-or one segment of it when there are too few programs to fill the GPU; the dk/dv backward last to first). Inside a
-chunk it uses the quadratic form on the BC×BC tile of s = scale·q·kᵀ; across chunks it carries the three Taylor
-orders of the state in registers:
-
-    order 0: S0 = Σ v [BV],            n  = Σ 1
-    order 1: S1 = Σ k vᵀ [K, BV],      z1 = Σ k [K]
-    order 2: S2 = Σ (k⊗k) vᵀ [K², BV], Z2 = Σ k kᵀ [K, K]
-
-with order 2 in the pair layout of `primitives.py` (EXPAND = 5, K ≤ 16) or as K² rows (EXPAND = 0, K ≤ 32), so the
-E = 153 features never touch HBM: q, k, v are read once and o is written once. The state crosses the boundary in
-the Taylor-order layout ([1 + K + K², V], fp32).
-
-This is the form for what the others do not take: fp32 inputs, K > 16, V ≤ 32 or > 128, and small problems, where
-its four launches cost the host less than the split form's seven.
-"""
+For what the other forms do not take: fp32 inputs, K > 16, V ≤ 32, and small problems, where its four launches cost
+the host less than the split form's seven. One program owns one (batch, head, block of BV value columns) and walks
+the sequence in chunks of BC tokens (the forward first to last, or one segment of it when there are too few programs
+to fill the GPU; the dk/dv backward last to first), with the quadratic form inside a chunk and the three Taylor
+orders of the state across chunks (kernels/based/README.md; `naive.naive_chunk_based` is its twin). Order 2 is in the
+pair layout (EXPAND = 5, K ≤ 16) or K² rows (EXPAND = 0, K ≤ 32). States cross the boundary Taylor-order, fp32."""
 
 import torch
 import triton
@@ -28,16 +17,16 @@ from kernels.based.primitives import (
     _pair_cols,
     _pair_contract,
     _pairs,
-    _symmetrise_order2,
     backward_dot,
     forward_dot,
+    symmetrise_order2,
 )
 from kernels.launch import cdiv, launch, next_power_of_2
 
 
 @triton.jit
 def _outer(x, BC: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
-    """Row-wise outer product x⊗x: [BC, BK] -> [BC, BK·BK], column a·BK + b (the K² form, K > 16)."""
+    """Row-wise x⊗x: [BC, BK] -> [BC, BK·BK], column a·BK + b (the K² form)."""
     if DOT == 2:
         x = x.to(tl.bfloat16)
     return tl.reshape(x[:, :, None] * x[:, None, :], (BC, BK * BK))
@@ -52,9 +41,8 @@ def _contract(m, x, BC: tl.constexpr, BK: tl.constexpr):
 @triton.jit
 def _pair_state_load(h, offs_k, offs_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, P: tl.constexpr,
                      NP: tl.constexpr):
-    """From a Taylor-order state h [F, V] (order 2 as K² rows (a, b)): the diagonal block [BK, BV] and the pair
-    rows [J, BV], row j = h_(a,b) + h_(b,a) where w_j = 2 and h_(a,b) where w_j = 1 (its mirror has its own row),
-    so that the pair form computes what the K² form computes from h, symmetric or not."""
+    """From a Taylor-order state h [F, V]: the diagonal [BK, BV] and the pair rows [J, BV] of part P, row j =
+    h_(a,b) + h_(b,a) where w_j = 2, h_(a,b) where w_j = 1 (the mirror has its own row)."""
     a, b, w = _pair_cols(BK, P, NP)
     m_v = offs_v < V
     m_k = offs_k < K
@@ -83,20 +71,17 @@ def _pair_state_store(h, Sd, Sp, c, offs_k, offs_v, K: tl.constexpr, V: tl.const
 @triton.jit
 def _order2_init(h, LOAD: tl.constexpr, offs_k, offs_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                  BV: tl.constexpr, EXPAND: tl.constexpr):
-    """The order-2 state as (Sd, S2, S2b): zero, or with LOAD read from the order-2 rows of a Taylor-order state
-    h [F, V] (h already at the sequence). EXPAND = 5: Sd the diagonal, S2 and S2b the two halves of the pair rows;
-    EXPAND = 0: S2 the K² rows [BK², BV] (Sd and S2b unused)."""
-    NP: tl.constexpr = 2 if EXPAND >= 5 else 1
+    """The order-2 state (Sd, S2, S2b): zero, or with LOAD from the Taylor-order state h [F, V]. EXPAND = 5: the
+    diagonal and the two halves of the pair rows; EXPAND = 0: S2 the K² rows [BK², BV]."""
     Sd = tl.zeros([BK, BV], dtype=tl.float32)
     S2b = tl.zeros([BK * (BK // 2) // 2, BV], dtype=tl.float32)
-    if EXPAND >= 3:
-        S2 = tl.zeros([BK * (BK // 2) // NP, BV], dtype=tl.float32)
+    if EXPAND == 5:
+        S2 = tl.zeros([BK * (BK // 2) // 2, BV], dtype=tl.float32)
         if LOAD:
-            hd, hp = _pair_state_load(h, offs_k, offs_v, K, V, BK, 0, NP)
+            hd, hp = _pair_state_load(h, offs_k, offs_v, K, V, BK, 0, 2)
             Sd += hd
             S2 += hp
-            if NP == 2:
-                S2b += _pair_state_load(h, offs_k, offs_v, K, V, BK, 1, 2)[1]
+            S2b += _pair_state_load(h, offs_k, offs_v, K, V, BK, 1, 2)[1]
     else:
         S2 = tl.zeros([BK * BK, BV], dtype=tl.float32)
         if LOAD:
@@ -111,12 +96,10 @@ def _order2_init(h, LOAD: tl.constexpr, offs_k, offs_v, K: tl.constexpr, V: tl.c
 @triton.jit
 def _order2_store(h, Sd, S2, S2b, c, offs_k, offs_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                   EXPAND: tl.constexpr):
-    """c·(the order-2 state of `_order2_init`'s layout) into the order-2 rows of a Taylor-order state h [F, V]."""
-    if EXPAND >= 3:
-        NP: tl.constexpr = 2 if EXPAND >= 5 else 1
-        _pair_state_store(h, Sd, S2, c, offs_k, offs_v, K, V, BK, 0, NP)
-        if NP == 2:
-            _pair_state_store(h, Sd, S2b, c, offs_k, offs_v, K, V, BK, 1, 2)
+    """c·(the order-2 state in `_order2_init`'s layout) into the order-2 rows of a Taylor-order state h."""
+    if EXPAND == 5:
+        _pair_state_store(h, Sd, S2, c, offs_k, offs_v, K, V, BK, 0, 2)
+        _pair_state_store(h, Sd, S2b, c, offs_k, offs_v, K, V, BK, 1, 2)
     else:
         offs_kk = tl.arange(0, BK * BK)
         row_kk = 1 + K + (offs_kk // BK) * K + offs_kk % BK
@@ -126,12 +109,10 @@ def _order2_store(h, Sd, S2, S2b, c, offs_k, offs_v, K: tl.constexpr, V: tl.cons
 
 @triton.jit
 def _order2_read(x, Sd, S2, S2b, BC: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, EXPAND: tl.constexpr):
-    """(x⊗x)·S for the order-2 state (Sd, S2, S2b) in `_order2_init`'s layout: x [BC, BK] -> [BC, BV]."""
-    NP: tl.constexpr = 2 if EXPAND >= 5 else 1
-    if EXPAND >= 3:
-        o2 = _mm(x * x, Sd, DOT) + _mm(_pairs(x, BK, DOT, 0, NP, False), S2, DOT)
-        if EXPAND >= 5:
-            o2 += _mm(_pairs(x, BK, DOT, 1, 2, False), S2b, DOT)
+    """(x⊗x)·S for the order-2 state in `_order2_init`'s layout: x [BC, BK] -> [BC, BV]."""
+    if EXPAND == 5:
+        o2 = _mm(x * x, Sd, DOT) + _mm(_pairs(x, BK, DOT, 0, 2, False), S2, DOT)
+        o2 += _mm(_pairs(x, BK, DOT, 1, 2, False), S2b, DOT)
         return o2
     else:
         return _mm(_outer(x, BC, BK, DOT), S2, DOT)  # (x⊗x) [BC, K²] · S2
@@ -141,12 +122,10 @@ def _order2_read(x, Sd, S2, S2b, BC: tl.constexpr, BK: tl.constexpr, DOT: tl.con
 def _order2_update(x, xt, y, Sd, S2, S2b, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr,
                    EXPAND: tl.constexpr):
     """(Sd, S2, S2b) + Σ_c (x_c⊗x_c) y_cᵀ in `_order2_init`'s layout: x [BC, BK], xt = xᵀ, y [BC, BV]."""
-    NP: tl.constexpr = 2 if EXPAND >= 5 else 1
-    if EXPAND >= 3:
+    if EXPAND == 5:
         Sd += _mm(xt * xt, y, DOT)
-        S2 += _mm(_pairs(xt, BK, DOT, 0, NP, True), y, DOT)
-        if EXPAND >= 5:
-            S2b += _mm(_pairs(xt, BK, DOT, 1, 2, True), y, DOT)
+        S2 += _mm(_pairs(xt, BK, DOT, 0, 2, True), y, DOT)
+        S2b += _mm(_pairs(xt, BK, DOT, 1, 2, True), y, DOT)
     else:
         S2 += _mm(tl.trans(_outer(x, BC, BK, DOT)), y, DOT)
     return Sd, S2, S2b
@@ -155,13 +134,11 @@ def _order2_update(x, xt, y, Sd, S2, S2b, BC: tl.constexpr, BK: tl.constexpr, BV
 @triton.jit
 def _order2_contract(y, x, Sd, S2, S2b, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr,
                      EXPAND: tl.constexpr):
-    """Σ_b (y·S[a, b])·x_b for the symmetric order-2 state S in `_order2_init`'s layout: y [BC, BV], x [BC, BK]
-    -> [BC, BK]; the order-2 part of the gradient of (x⊗x)·S·y / 2 with respect to x."""
-    NP: tl.constexpr = 2 if EXPAND >= 5 else 1
-    if EXPAND >= 3:
-        g = x * _mm(y, tl.trans(Sd), DOT) + _pair_contract(_mm(y, tl.trans(S2), DOT), x, BK, DOT, 0, NP)
-        if EXPAND >= 5:
-            g += _pair_contract(_mm(y, tl.trans(S2b), DOT), x, BK, DOT, 1, 2)
+    """Σ_b (y·S[a, b])·x_b for the symmetric order-2 state S: y [BC, BV], x [BC, BK] -> [BC, BK], the order-2 part
+    of ∂/∂x of (x⊗x)·S·y / 2."""
+    if EXPAND == 5:
+        g = x * _mm(y, tl.trans(Sd), DOT) + _pair_contract(_mm(y, tl.trans(S2), DOT), x, BK, DOT, 0, 2)
+        g += _pair_contract(_mm(y, tl.trans(S2b), DOT), x, BK, DOT, 1, 2)
         return g
     else:
         return _contract(_mm(y, tl.trans(S2), DOT), x, BC, BK)
@@ -170,14 +147,12 @@ def _order2_contract(y, x, Sd, S2, S2b, BC: tl.constexpr, BK: tl.constexpr, BV: 
 @triton.jit
 def _fwd_load(q, k, v, start, seg_end, offs_c, offs_k, offs_v, m_k, m_v, H: tl.constexpr, K: tl.constexpr,
               V: tl.constexpr, EXPAND: tl.constexpr, STATE_ONLY: tl.constexpr):
-    """The forward's loads of the chunk at `start` (zeros past seg_end): k [BC, BK], v [BC, BV], kᵀ [BK, BC]
-    (EXPAND = 5 loads it transposed from memory, EXPAND = 0 transposes in registers) and q [BC, BK] (k again under
-    STATE_ONLY, which reads no queries)."""
+    """The forward's loads of the chunk at `start` (zero past seg_end): k, v, kᵀ and q (k again under STATE_ONLY)."""
     t = start + offs_c
     m_t = t < seg_end
     bk = tl.load(k + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
     bv = tl.load(v + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-    if EXPAND >= 3:
+    if EXPAND == 5:
         bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
     else:
         bkt = tl.trans(bk)
@@ -194,10 +169,8 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
                 BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
                 USE_H0: tl.constexpr, STORE_HT: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr,
                 EXPAND: tl.constexpr, STATE_ONLY: tl.constexpr):
-    """One program: value block i_v, segment i_s (SEG tokens, a multiple of BC) of sequence i_bh.
-
-    hv0/hz0 and hvT/hzT are indexed per (sequence, segment): [B·H, NS, F, V] and [B·H, NS, F]. STATE_ONLY
-    skips the output and only sums the segment's state (the first pass of the segmented forward)."""
+    """Value block i_v, segment i_s (SEG tokens) of sequence i_bh. States are per (sequence, segment):
+    [B·H, NS, F, V], [B·H, NS, F]. STATE_ONLY sums the segment's state and writes no output."""
     scale = tl.cast(scale, tl.float32)  # a no-op for the fp32 Triton passes; torch.compile passes fp64
     i_v, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NS = tl.num_programs(1)
@@ -285,7 +258,7 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
 
 @triton.jit
 def _dden_kernel(do, o, den, dden, R, V: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr):
-    """dden = -Σ_v dO·o / den over rows of [B·T·H, V]: the gradient that reaches the denominator."""
+    """dden = -Σ_v dO·o / den over the rows of [B·T·H, V]: the gradient reaching the denominator."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     c = tl.arange(0, BV)
     m = (r[:, None] < R) & (c[None, :] < V)
@@ -300,7 +273,7 @@ def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
                    USE_H0: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr, EXPAND: tl.constexpr):
-    """dq, first chunk to last, recomputing the forward state. dq: [NV, B, T, H, K] partial sums over V blocks."""
+    """dq, first chunk to last, recomputing the forward state; dq [NV, B, T, H, K]: sums over V blocks."""
     scale = tl.cast(scale, tl.float32)  # a no-op for the fp32 Triton passes; torch.compile passes fp64
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -343,7 +316,7 @@ def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
         dnum, dd = _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H, V, BC, NORMALIZE)
         qs = bq.to(tl.float32) * scale
         kf = bk.to(tl.float32)
-        if EXPAND >= 3:
+        if EXPAND == 5:
             bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
         else:
             bkt = tl.trans(bk)
@@ -370,9 +343,9 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
                     BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
                     USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr,
                     EXPAND: tl.constexpr):
-    """dk (partial over V blocks, [NV, B, T, H, K]) and dv, last chunk to first, carrying the reverse states
-    D0 = Σ dnum, D1 = Σ q_s dnumᵀ, D2 = Σ (q_s⊗q_s) dnumᵀ and d0, d1, d2 likewise with the denominator's
-    gradient. What is left at t = 0 is the gradient of the initial state (order 2 halved)."""
+    """dk ([NV, B, T, H, K], sums over V blocks) and dv, last chunk to first, with the reverse states D0 = Σ dnum,
+    D1 = Σ q_s dnumᵀ, D2 = Σ (q_s⊗q_s) dnumᵀ (and d0, d1, d2 for dden). What is left at t = 0 is the initial state's
+    gradient (order 2 halved)."""
     scale = tl.cast(scale, tl.float32)  # a no-op for the fp32 Triton passes; torch.compile passes fp64
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -425,7 +398,7 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
         dnum, dd = _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H, V, BC, NORMALIZE)
         qs = bq.to(tl.float32) * scale
         kf = bk.to(tl.float32)
-        if EXPAND >= 3:
+        if EXPAND == 5:
             bqt = tl.load(q + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
         else:
             bqt = tl.trans(bq)
@@ -467,11 +440,8 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
 
 
 def _config(K: int, V: int, dtype: torch.dtype, kind: str):
-    """Block sizes and launch shape for kind "fwd" or "bwd": (BK, BV, BC, num_warps, num_stages).
-
-    Value blocks of 32 with 4 warps. Chunks of 64 tokens for bf16 and fp16 forwards in the pair layout (K ≤ 16);
-    32 elsewhere: the backward faulted at 64 on Triton 3.6 in some configurations, and at K = 32 (the K² layout) a
-    chunk of 64 needs more shared memory than an H200 has."""
+    """(BK, BV, BC, num_warps, num_stages): chunks of 64 for bf16 and fp16 forwards at K ≤ 16, 32 elsewhere (the
+    backward faults at 64 on Triton 3.6 in some configurations; K = 32 at 64 overflows shared memory)."""
     BK = max(16, next_power_of_2(K))
     BV = min(32, max(16, next_power_of_2(V)))
     half = dtype in (torch.bfloat16, torch.float16)
@@ -484,15 +454,14 @@ def _expand(BK: int) -> int:
     return 5 if BK <= 16 else 0
 
 
-# The forward walks each sequence in segments that run in parallel when the (V block, sequence) programs are fewer
-# than TARGET_PROGRAMS (the H200's 132 SMs), keeping at least MIN_SEGMENT_CHUNKS chunks per segment: above one
-# program per SM the extra state pass and prefix sum cost more than the shorter chains gain.
+# Segments run in parallel while the programs are fewer than TARGET_PROGRAMS (an H200's SMs), each of at least
+# MIN_SEGMENT_CHUNKS chunks: beyond that the extra state pass and prefix sum cost more than shorter chains gain.
 TARGET_PROGRAMS = 132
 MIN_SEGMENT_CHUNKS = 8
 
 
 def segment_tokens(T: int, programs: int, BC: int) -> int:
-    """Tokens per segment of the forward (a multiple of BC; ≥ T means one segment)."""
+    """Tokens per segment of the forward (a multiple of BC; ≥ T: one segment)."""
     n_chunks = cdiv(T, BC)
     segments = min(cdiv(TARGET_PROGRAMS, programs), n_chunks // MIN_SEGMENT_CHUNKS)
     if segments <= 1:
@@ -501,9 +470,8 @@ def segment_tokens(T: int, programs: int, BC: int) -> int:
 
 
 def forward(q, k, v, hv0, hz0, scale: float, output_final_state: bool, normalize: bool):
-    """o [B, T, H, V] in v's dtype, den [B, T, H] fp32 (None unless normalize) and the final state (hvT, hzT) in
-    the Taylor-order layout (or None, None). q, k, v contiguous; hv0/hz0: the initial state, Taylor-order, fp32,
-    contiguous, or None."""
+    """(o, den, hvT, hzT): o [B, T, H, V], den [B, T, H] fp32 (None unless normalize), the final state Taylor-order
+    (or None, None). q, k, v contiguous; hv0/hz0: the initial state, Taylor-order, fp32, or None."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     F = 1 + K + K * K
@@ -521,8 +489,7 @@ def forward(q, k, v, hv0, hz0, scale: float, output_final_state: bool, normalize
         launch(_fwd_kernel, (NV, 1, B * H), q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
                USE_H0=hv0 is not None, STORE_HT=output_final_state, STATE_ONLY=False, **meta)
         return o, den, hvT, hzT
-    # Pass 1: each segment's own state sums, all segments in parallel. The state entering segment s is then h0 plus
-    # the segments before it (an exclusive prefix sum), and pass 2 runs the segments in parallel from those states.
+    # each segment's own state, then every segment from h0 plus the segments before it (an exclusive prefix sum)
     hs = torch.empty(B, H, NS, F, V, device=q.device, dtype=torch.float32)
     zs = torch.empty(B, H, NS, F, device=q.device, dtype=torch.float32)
     launch(_fwd_kernel, (NV, NS, B * H), q, k, v, o, den, None, None, hs, zs, scale, T, SEG, USE_H0=False,
@@ -542,11 +509,10 @@ def forward(q, k, v, hv0, hz0, scale: float, output_final_state: bool, normalize
 
 
 def backward(q, k, v, o, den, hv0, hz0, do, dhvT, dhzT, scale: float, normalize: bool):
-    """dq, dk, dv and the initial state's gradient (dhv0, dhz0: Taylor-order, or None without an initial state) of
-    `forward`. do: the output's gradient; dhvT/dhzT: the final state's (Taylor-order, not symmetrised) or None."""
+    """dq, dk, dv and the initial state's gradient (Taylor-order, or None without one). dhvT/dhzT: the final
+    state's gradient (Taylor-order, not symmetrised) or None."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    F = 1 + K + K * K
     BK, BV, BC, num_warps, num_stages = _config(K, V, q.dtype, "bwd")
     NV = cdiv(V, BV)
     do = do.contiguous()
@@ -555,12 +521,9 @@ def backward(q, k, v, o, den, hv0, hz0, do, dhvT, dhzT, scale: float, normalize:
         dden = torch.empty_like(den)
         R = B * T * H
         launch(_dden_kernel, (cdiv(R, 32),), do, o, den, dden, R, V=V, BR=32, BV=next_power_of_2(V))
-    use_dht = dhvT is not None or dhzT is not None
+    use_dht = dhvT is not None
     if use_dht:
-        dhvT = torch.zeros(B, H, F, V, device=q.device, dtype=torch.float32) if dhvT is None else dhvT
-        dhzT = torch.zeros(B, H, F, device=q.device, dtype=torch.float32) if dhzT is None else dhzT
-        dhvT = _symmetrise_order2(dhvT.float(), K).contiguous()
-        dhzT = _symmetrise_order2(dhzT.float(), K).contiguous()
+        dhvT, dhzT = symmetrise_order2(dhvT, K), symmetrise_order2(dhzT, K)
     store_dh0 = hv0 is not None
     dhv0 = torch.empty_like(hv0) if store_dh0 else None
     dhz0 = torch.empty_like(hz0) if store_dh0 else None

@@ -1,42 +1,21 @@
-"""Based forward as a Gluon kernel for Hopper (sm_90): explicit layouts, shared memory, warpgroup MMAs and warp
-specialisation. bf16, K = 16, V = 64, normalised (`ops.choose_path` sends those calls here), either for inference
-(no state stored) or for training, storing every second chunk's entering state for `gluon_backward.py`.
+"""Based forward as a Gluon kernel for Hopper (sm_90): bf16, K = 16, V = 64, normalised. Inference stores no states;
+training stores every second chunk's entering state for `gluon_backward.py`.
 
-One program owns one (batch, head) and all 64 value columns and walks the sequence in chunks of C = 64 tokens, in
-three partitions of 4 warps that run side by side, two shared-memory slots (`ready` / `free` mbarriers) letting the
-producers build chunk c+1 while the consumer runs chunk c:
+One program per (batch, head) walks the sequence in chunks of C = 64 tokens in three partitions of 4 warps, with two
+shared-memory slots (`ready` / `free` mbarriers) so that the producers build chunk c+1 while the consumer runs c:
+producer 0 builds the query features ψ(q) and the causal weights w = 1 + s + s²/2 (training: also den); producer 1
+builds the key features φ(k) and keeps the denominator's state; the consumer holds the state transposed in fp32 MMA
+accumulators (the register operand of its reads: it never goes through shared memory), reads and updates it, and
+stores o = num / den. v comes by TMA: `fence_async_shared` (MEMBAR.ALL.CTA on sm_90a) waits for every load a thread
+has in flight, but not for TMA.
 
-- producer 0 (`_producer`, ROLE 0): loads q and k, builds the query features ψ(q) and the chunk's weights
-  w = 1 + s + s²/2 (s = q_s kᵀ, causal) into a slot; storing states, also the denominators den = w·1 + Σ ψ_blk z_blk;
-- producer 1 (ROLE 1): loads k, builds the key features φ(k); storing states it keeps z_blk = Σ φ_blkᵀ 1 and hands
-  it to producer 0 (`zready`); for inference it keeps the moments M = [Σ k kᵀ; Σ kᵀ] (one MMA a chunk) and puts
-  them, rows 0-15 halved, in the slot as a bf16 head and tail;
-- the consumer (`_consumer`): holds the state transposed, Sᵀ_blk [V, 64] in fp32 MMA accumulators (the register
-  operand of its reads, so it never goes through shared memory; read in bf16, as the Triton kernels do), and per
-  chunk computes numᵀ = vᵀ wᵀ + Σ_blk Sᵀ_blk ψ_blkᵀ, then Sᵀ_blk += vᵀ φ_blk, and stores o = num / den. It loads v
-  by TMA two chunks ahead (`vbar`) and takes vᵀ into registers once. For inference its updates queue behind the
-  reads and it makes den itself: with q_s = scale·q, ψ(q)·z = n + q_s·z₁ + ½ q_sᵀ Z₂ q_s, i.e. Σ_j q_s,j p_j + w·1 + n
-  with p = q_s M₀₋₁₅ + 1·M₁₆ (four K = 16 MMAs).
+Each feature is a product of two factors, each a K = 16 MMA of the chunk's x [C, 16] with a 0/1 matrix
+(`_factor_mats`); the query side carries the ½ weights, so Σ_f ψ_f(q) φ_f(k) = 1 + s + s²/2. Two layouts
+(`feature_rows`): wide, 192 = 3 × 64 (block 0: x_a, x_a², 1; blocks 1, 2: the pairs (a, a + d mod 16), d = 1..8),
+which training stores and the backward reads; narrow, 160 (the 153 distinct features), for inference, whose
+denominator the consumer makes from the key moments Σ [k, 1]ᵀ k."""
 
-`fence_async_shared` compiles to MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S on sm_90a, and the MEMBAR waits for every global
-load and store the thread has in flight; so v comes by TMA (which no fence waits for), k is loaded after producer 1's
-fences, and den is stored by the consumer.
-
-Features. Each is a product of two factors, each a dot of the chunk's inputs x [C, 16] with a 0/1 matrix (one
-K = 16 MMA), so no register shuffles. Two layouts (`_factor_mats`, `feature_rows`):
-
-    wide (192 = 3 blocks of 64), where states are stored for a backward (whose kernels read it):
-      block 0: x_a (16), x_a² (16), 1 (1), zeros (31); the x_a are the first factor alone and the constant is added
-      block 1, 2: the pairs x_a·x_b, b = (a + d) mod 16, d = 1..8 (row j = (d-1)·16 + a; `primitives._pair_cols`)
-    narrow (160 = 64 + 64 + 32), the inference forward: the 153 distinct features, a sixth less work than 192
-      block 0, 1: the pairs (a, a + d mod 16), d = 0..3 and 4..7 (d = 0: x_a²)
-      block 2: x_a (16), the pairs (a, a + 8) for a < 8 (8, each once), 1 (1), zeros (7)
-
-The first factor is x_(c mod 16) in column c of every block, so inference makes it once a chunk for blocks 0 and 1.
-The query side (q_s rounded to bf16, as in the Triton kernels) weighs the diagonal (and in the wide layout d = 8, held
-twice) by ½, so Σ_f ψ_f(q) φ_f(k) = 1 + s + s²/2. The states travel in this kernel's row order (`feature_rows`),
-converted from and to the Taylor-order form in PyTorch.
-"""
+import functools
 
 import torch
 from triton.experimental import gluon
@@ -50,12 +29,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from kernels.based.primitives import gather_rows, invert_rows
 from kernels.launch import launch
 
-# the partition-wide barrier: gl.thread_barrier in Triton 3.5-3.6 (the H200's), gl.barrier from 3.7 on
+# names that changed after Triton 3.6 (the H200's)
 _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
-# a TMA store from shared memory: tma.async_copy_shared_to_global in Triton 3.5-3.6, tma.async_store later (where the
-# old name raises)
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 C_ = gl.constexpr(64)  # tokens per chunk
@@ -67,41 +45,32 @@ ZR_ = gl.constexpr(273)  # rows of the Taylor-order denominator state: 1 + 16 + 
 
 @gluon.jit
 def _offsets(i_bh, T, H: gl.constexpr):
-    """Where sequence i_bh (= batch·H + head) starts in q, k [B, T, H, K], in v, dO, o [B, T, H, V] and in den
-    [B, T, H] (elements)."""
+    """Where sequence i_bh starts in q, k [B, T, H, K], in v, dO, o [B, T, H, V] and in den [B, T, H]."""
     i_b = (i_bh // H).to(gl.int64)
     return i_b * T * H * K_ + (i_bh % H) * K_, i_b * T * H * V_ + (i_bh % H) * V_, i_b * T * H + i_bh % H
 
 
 @gluon.jit
 def _rcp(x):
-    """1/x by the hardware's approximate reciprocal (rcp.approx.ftz: one MUFU, ≤ 1 ulp), for x positive and normal, as
-    the denominators are (≥ ½): `1.0 / x` compiles to a division with range checks, ≈ 4 instructions more a value."""
+    """1/x by rcp.approx.ftz (one MUFU, ≤ 1 ulp) for positive normal x, as the denominators are (≥ ½)."""
     return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
                                      pack=1)
 
 
 @gluon.jit
 def _block0(f, fa, c, one, CONST: gl.constexpr):
-    """The features of the block holding orders 0 and 1 (block 0 of 64, or the narrow layout's block 2 of 32) from
-    the product f = fa ⊙ fb of its factors: + fa in columns 0-15 (the order-1 features x_a, where fb is zero) and the
-    constant 1 in column CONST where `one` holds (c: the columns [1, W], in f's layout)."""
+    """The block holding orders 0 and 1 from f = fa ⊙ fb: + fa in columns 0-15 (x_a, where fb is zero) and 1 in
+    column CONST where `one` holds (c: the columns [1, W], in f's layout)."""
     return f + gl.where(c < 16, fa, 0.0) + gl.where((c == CONST) & one, 1.0, 0.0)
 
 
 @gluon.jit
 def _factor_mats(ra, rb, BLK: gl.constexpr, QUERY: gl.constexpr, L: gl.constexpr, NARROW: gl.constexpr,
                  W: gl.constexpr):
-    """The 0/1 matrices [K_, W] of feature block BLK for one side, so that feature = (x·ra) ⊙ (x·rb): factor a into
-    ra, factor b (with the query's ½ weights) into rb. Factor a is x_(c mod 16) in column c of every block (so one
-    MMA a chunk makes it for blocks 0 and 1). The block holding orders 0 and 1 (`_block0`) has a second factor of zero
-    in columns 0-15 and at its constant, where x·ra is added and the 1.
-
-    The wide layout (3 blocks of 64, the states stored for a backward): block 0 = x_a, x_a² (½ on the query side),
-    the constant at 32 and 31 zeros; blocks 1 and 2: the pairs (a, a + d mod 16), d = 1..8, d = 8 twice (½ each).
-    The narrow layout (64 + 64 + 32 = 160, the inference forward): blocks 0 and 1: the pairs d = 0..3 and
-    4..7 (d = 0 the diagonal, ½ on the query side); block 2: x_a (16), the pairs (a, a + 8) for a < 8 once each, the
-    constant at 24 and 7 zeros."""
+    """The 0/1 matrices [K_, W] of feature block BLK, feature = (x·ra) ⊙ (x·rb), the query's ½ weights in rb.
+    Factor a is x_(c mod 16) in column c of every block. Wide: block 0 = x_a, x_a², 1 at 32; blocks 1, 2: the pairs
+    (a, a + d mod 16), d = 1..8 (d = 8 twice, ½ each). Narrow: blocks 0, 1: the pairs d = 0..3 and 4..7 (d = 0 the
+    diagonal); block 2: x_a, the pairs (a, a + 8) for a < 8, 1 at 24."""
     r = gl.arange(0, K_, layout=gl.SliceLayout(1, L))[:, None]
     c = gl.arange(0, W, layout=gl.SliceLayout(0, L))[None, :]
     if NARROW:
@@ -138,8 +107,7 @@ def _head_tail(Z, c8):
 
 @gluon.jit
 def _publish_z(zt01_s, zt2_s, slot, Z0, Z1, Z2, c8):
-    """z of the three feature blocks (wide layout) into slot `slot` as the denominators' MMAs take it, a bf16 head and
-    tail: [8, 64] each (from [64, 8] with equal columns)."""
+    """z of the three feature blocks (wide) into slot `slot` as bf16 head and tail [8, 64] each, for den."""
     zt01_s.index(slot * 2).store(gl.permute(_head_tail(Z0, c8), (1, 0)))
     zt01_s.index(slot * 2 + 1).store(gl.permute(_head_tail(Z1, c8), (1, 0)))
     zt2_s.index(slot).store(gl.permute(_head_tail(Z2, c8), (1, 0)))
@@ -150,15 +118,11 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
               STORE_HT: gl.constexpr, STORE_STATES: gl.constexpr, x_s, q16_s, k16_s, ra_s, rb_s, ra2_s, rb2_s, f01_s,
               f2_s, w_s, zt01_s, zt2_s, dn_s, ones_s, one0_s, kt_s, ready, free, zready, NSLOT: gl.constexpr,
               ROLE: gl.constexpr, NARROW: gl.constexpr, W2: gl.constexpr):
-    """One of two worker partitions (4 warps each), both arriving on the `ready` barrier (count 2) of the slot the
-    consumer reads next. ROLE 0 builds ψ(q) (from q_s in q16_s, per slot in the narrow layout, where the consumer reads
-    it too), the weights w and, storing states, the chunk's denominators den = w·1 + ψ·z; ROLE 1 builds φ(k) (from k
-    in x_s, or narrow in columns 0-15 of kt_s) and keeps z over the chunks before (fp32 MMA accumulators): storing
-    states z = Σ φ(k), which it hands to ROLE 0 as a bf16 head and tail (`zt01_s`, `zt2_s`, `zready`); narrow, the
-    moments M = Σ [k, 1]ᵀ k [64, 16], which it puts in the slot (`zt2_s`) for the consumer's den (module docstring).
-    Each feature block takes two K = 16 MMAs; in the narrow layout (NARROW: 64 + 64 + 32 features, the inference
-    forward) blocks 0 and 1 share factor a. q and k come through registers, loaded one chunk ahead; v comes by TMA
-    (the consumer's)."""
+    """A worker partition (4 warps); both arrive on the `ready` barrier (count 2) of the slot the consumer reads next.
+    ROLE 0 builds ψ(q) (from q_s in q16_s), w and, wide, den = w·1 + ψ·z. ROLE 1 builds φ(k) and keeps the
+    denominator's state in fp32 MMA accumulators: wide, z = Σ φ(k), handed to ROLE 0 as bf16 head and tail
+    (`zready`); narrow, the moments M = Σ [k, 1]ᵀ k [64, 16], put in the slot for the consumer's den. q and k come
+    through registers, loaded a chunk ahead."""
     LV: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     L16: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
     LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -196,8 +160,7 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
         fence_async_shared()
     else:
         xin = x_s
-        if NARROW:  # [k, 1, 0…] [C, 64] in kt_s, whose transpose is the A operand of M += [k, 1]ᵀ k: k (stored each
-            # chunk) is its first [C, 16] tile (32-byte swizzle: four [C, 16] tiles one after another), column 16 ones
+        if NARROW:  # [k, 1, 0…] [C, 64] in kt_s, the A operand of M += [k, 1]ᵀ k; k is its first [C, 16] tile
             xin = kt_s.slice(0, K_, dim=1)
             r64 = gl.arange(0, 64, layout=gl.SliceLayout(1, LV))[:, None]
             kt_s.store(gl.where((cv == K_) & (r64 >= 0), 1.0, 0.0).to(gl.bfloat16))
@@ -240,10 +203,8 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
         if ROLE == 1 or not NARROW:
             mbarrier.wait(free.index(slot), ((c // NSLOT) & 1) ^ 1)  # the consumer is done with this slot
         if ROLE == 1:
-            # z entering this chunk, for ROLE 0's denominators (whose last read of the slot's buffer, at chunk
-            # c - NSLOT, came before that chunk's `ready`), and where states are stored
-            if NARROW:  # for the consumer's den: B = M with rows 0-15 halved (the query's ½ on order 2), a bf16 head
-                # and tail, fenced with the features before `ready`
+            # z entering this chunk, for the denominators
+            if NARROW:  # for the consumer's den: M with rows 0-15 halved (the query's ½), bf16 head and tail
                 Zh = Z * gl.where(rz < K_, 0.5, 1.0)
                 hi = Zh.to(gl.bfloat16)
                 zt2_s.index(slot * 2).store(hi)
@@ -253,8 +214,7 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
                 fence_async_shared()
                 _barrier()
                 mbarrier.arrive(zready.index(slot))
-            # the next chunk's keys, after this chunk's fences: each fence (MEMBAR.ALL.CTA in SASS) waits for the
-            # loads in flight, so loading before them would cost producer 1 the load's latency every chunk
+            # the next chunk's keys, after this chunk's fences (each waits for the loads in flight)
             nk16 = gl.load(k + t16 * (H * K_) + c16, mask=t16 < T, other=0.0)
             if STORE_STATES == 2:  # every second chunk's, in this kernel's rows
                 if c % 2 == 0:
@@ -269,15 +229,13 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
             fb = warpgroup_mma(xin, rb_s.index(0), z, use_acc=False, is_async=True)
             fa, fb = warpgroup_mma_wait(0, deps=[fa, fb])
             f01_s.index(slot * 2).store((fa * fb).to(gl.bfloat16))
-            # (block 1's MMA issued while block 0 is stored, and block 2's while block 1 is: T=4096 0.1075 → 0.133 ms)
             fb = warpgroup_mma(xin, rb_s.index(1), z, use_acc=False)
             f01_s.index(slot * 2 + 1).store((fa * fb).to(gl.bfloat16))
             fa2 = warpgroup_mma(xin, ra2_s, z2, use_acc=False, is_async=True)
             fb2 = warpgroup_mma(xin, rb2_s, z2, use_acc=False, is_async=True)
             fa2, fb2 = warpgroup_mma_wait(0, deps=[fa2, fb2])
             f2_s.index(slot).store(_block0(fa2 * fb2, fa2, c2, (start + r2 < T) | (ROLE == 0), 24).to(gl.bfloat16))
-        else:  # storing states, factor a once a block (three copies, or the compiler keeps the first product live
-            # across the blocks, which cost the forward storing states 0.1372 → 0.1404)
+        else:  # wide: factor a once a block (else the compiler keeps the first product live across the blocks)
             for blk in gl.static_range(2):
                 fa = warpgroup_mma(xin, ra_s.index(blk), z, use_acc=False)
                 fb = warpgroup_mma(xin, rb_s.index(blk), z, use_acc=False)
@@ -291,8 +249,7 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
         if ROLE == 0:
             s = warpgroup_mma(xin, k16_s.permute((1, 0)), z, use_acc=False)
             if NARROW:  # w = fma(s, fma(s, ½, 1), 1), masked in fp32 and converted by asm, past which the compiler
-                # cannot move the causal select (it had selected bf16 halves: unpack, select, pack): producer 0's loop
-                # 558 → 498 instructions, T=4096 0.1081 → 0.1060 ms (storing states: no gain, kept as it was)
+                # cannot move the causal select onto bf16 halves
                 w = gl.where(ra >= ca, gl.fma(s, gl.fma(s, 0.5, 1.0), 1.0), 0.0)
                 w_s.index(slot).store(gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [w],
                                                                 dtype=gl.bfloat16, is_pure=True, pack=2))
@@ -337,8 +294,8 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
 
 @gluon.jit
 def _den_mmas(w_s, one0_s, q16_s, zt2_s, slot):
-    """Issue the narrow layout's denominator MMAs (asynchronous): w·1 (column 0) and p = q_s ½Z₂ + z₁ [C, 16] (M's
-    bf16 head and tail: ≈ 16 bits), so that den = Σ_j q_s p + w·1 + n."""
+    """Issue the narrow layout's denominator MMAs: w·1 (column 0) and p = q_s ½Z₂ + z₁ [C, 16] (M as bf16 head and
+    tail), so that den = Σ_j q_s p + w·1 + n."""
     A16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
     zero = gl.zeros([C_, K_], gl.float32, A16)
     e0 = one0_s.permute((1, 0))  # [C, 16], column 0 ones: B's column 0 (w's row sums); as A, M's row 16 everywhere
@@ -364,10 +321,8 @@ def _update(vt, phi01_s, phi2_s, slot, S0, S1, S2):
 def _consumer(o, den_out, h0, hT, hs, hs_desc, v_desc, i_bh, T, H: gl.constexpr, USE_H0: gl.constexpr,
               STORE_HT: gl.constexpr, STORE_STATES: gl.constexpr, psi01_s, psi2_s, phi01_s, phi2_s, w_s, v_s, dn_s,
               hst_s, ready, free, vbar, NSLOT: gl.constexpr, W2: gl.constexpr, o_s, q16_s, zt2_s, one0_s, z0):
-    """The default partition with the state transposed: Sᵀ_blk [V, 64] accumulates vᵀ φ(k) and is the register (A)
-    operand of the reads numᵀ = Σ Sᵀ ψ(q)ᵀ + vᵀ wᵀ, so the state never goes through shared memory; the denominators
-    come with the slot (producer 0's) where states are stored, and in the narrow layout are made here from q_s, w and
-    producer 1's moments M (`_den_mmas`). Blocks 0 and 1 are [V, 64], block 2 [V, W2] (32 in the narrow layout)."""
+    """The default partition: Sᵀ_blk [V, 64] ([V, W2] for block 2) accumulates vᵀ φ(k) and is the register (A)
+    operand of numᵀ = Σ Sᵀ ψ(q)ᵀ + vᵀ wᵀ. Wide, den comes with the slot; narrow, it is made here (`_den_mmas`)."""
     LO: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])  # [V, C] tiles stored to o[t, v]
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     AW2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, W2, 16])
@@ -396,8 +351,7 @@ def _consumer(o, den_out, h0, hT, hs, hs_desc, v_desc, i_bh, T, H: gl.constexpr,
         S1 = gl.zeros([V_, 64], gl.float32, A64)
         S2 = gl.zeros([V_, W2], gl.float32, AW2)
     NC = gl.cdiv(T, C_)
-    # v comes by TMA (rows past T zero), issued here NSLOT chunks ahead into the slot just read: no fence waits for a
-    # TMA load, where the producers' fences would wait for loads into registers
+    # v comes by TMA (rows past T zero), NSLOT chunks ahead into the slot just read
     for i in gl.static_range(NSLOT):
         if i < NC:
             mbarrier.expect(vbar.index(i), C_ * V_ * 2)
@@ -409,8 +363,7 @@ def _consumer(o, den_out, h0, hT, hs, hs_desc, v_desc, i_bh, T, H: gl.constexpr,
         mbarrier.wait(ready.index(slot), (c // NSLOT) & 1)
         mbarrier.wait(vbar.index(slot), (c // NSLOT) & 1)
         b = slot * 2
-        # vᵀ once from shared memory into registers, the A operand of its four MMAs (24 KB less of shared memory read a
-        # chunk than four shared-memory operands)
+        # vᵀ once from shared memory into registers, the A operand of its four MMAs
         vt = v_s.index(slot).permute((1, 0)).load(AOP)
         if NARROW:  # den's MMAs first, done when num is
             dd, p = _den_mmas(w_s, one0_s, q16_s, zt2_s, slot)
@@ -435,14 +388,13 @@ def _consumer(o, den_out, h0, hT, hs, hs_desc, v_desc, i_bh, T, H: gl.constexpr,
                 _tma_store(hs_desc, [row, 0], hst_s.index(0))
                 _tma_store(hs_desc, [row, 64], hst_s.index(1))
                 _tma_store(hs_desc, [row, 128], hst_s.index(2))
-        if NARROW:  # the state updates queued behind the reads (whose bf16 copies of S are registers of their own),
-            # num awaited while they run
+        if NARROW:  # the state updates queued behind the reads, num awaited while they run
             S0, S1, S2 = _update(vt, phi01_s, phi2_s, slot, S0, S1, S2)
             qa = q16_s.index(slot).load(A16).to(gl.float32)
             dd, p, num = warpgroup_mma_wait(3, deps=[dd, p, num])
             dn_s.index(slot).store(gl.sum(qa * p + dd, 1) + (n0 + start))
             _barrier()
-        else:  # storing states: each behind the other (T=16384 0.4963 → 0.5036 with the updates queued)
+        else:  # wide: the updates after the reads
             num = warpgroup_mma_wait(0, deps=[num])
         if c + NSLOT < NC:  # vᵀ is in registers: this slot's v buffer takes chunk c + NSLOT's
             fence_async_shared()
@@ -456,8 +408,7 @@ def _consumer(o, den_out, h0, hT, hs, hs_desc, v_desc, i_bh, T, H: gl.constexpr,
             dn1 = dn_s.index(slot).load(L1)
             gl.store(den_out + (start + r1) * H, dn1, mask=(start + r1) < T)
         out = (num * _rcp(den)[None, :]).to(gl.bfloat16)  # one reciprocal per column
-        if NARROW:  # transposed through a tile of its own: one shared-memory round trip and one barrier, where
-            # convert_layout took four of each through its 2 KB scratch
+        if NARROW:  # transposed through a tile of its own (one round trip, where convert_layout takes four)
             o_s.permute((1, 0)).store(out)
             _barrier()
             out = o_s.permute((1, 0)).load(LO)
@@ -481,13 +432,9 @@ def _consumer(o, den_out, h0, hT, hs, hs_desc, v_desc, i_bh, T, H: gl.constexpr,
 def _gluon_fwd_kernel(q, k, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, T, scale, H: gl.constexpr,
                       USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STORE_STATES: gl.constexpr, NSLOT: gl.constexpr,
                       PRODUCER_REGS: gl.constexpr):
-    """One program per sequence i_bh: two producer partitions build each chunk's features into one of NSLOT
-    shared-memory slots while the default partition (the consumer) runs the chunk before. h0/hT: [B·H, NR, V] and
-    z0/zT: [B·H, NR], fp32, the state in this kernel's row order (`feature_rows`): NR = 160 in the narrow layout of
-    the inference forward (STORE_STATES = 0), whose z0/zT are the Taylor-order [B·H, 273] (n, Σ k, Σ k kᵀ), 192 in
-    the wide one. With STORE_STATES = 2 (training; 0: inference), den [B, T, H] fp32, zs [B·H, NQ, 192] and, through
-    hs_desc (TMA stores), hs [B·H, NQ, V, 192] (NQ = ⌈T/128⌉: the state entering every second chunk, transposed)
-    receive what `gluon_backward` reads."""
+    """One program per sequence. h0/hT [B·H, NR, V], z0/zT [B·H, NR] fp32 in `feature_rows` order: NR = 160 narrow
+    (STORE_STATES = 0, inference; z0/zT Taylor-order [B·H, 273]), 192 wide. STORE_STATES = 2 (training) also writes
+    den [B, T, H], zs [B·H, NQ, 192] and by TMA hs [B·H, NQ, V, 192] (NQ = ⌈T/128⌉, transposed)."""
     i_bh = gl.program_id(0)
     ok, ov, od = _offsets(i_bh, T, H)
     q += ok
@@ -495,8 +442,6 @@ def _gluon_fwd_kernel(q, k, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, T, 
     o += ov
     if STORE_STATES:
         den += od
-    # the narrow layout (64 + 64 + 32 features) where no states are stored for a backward, whose kernels
-    # read the wide one (3 × 64)
     NARROW: gl.constexpr = STORE_STATES == 0
     W2: gl.constexpr = 32 if NARROW else 64
     sl16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_, K_], gl.bfloat16)
@@ -524,9 +469,7 @@ def _gluon_fwd_kernel(q, k, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, T, 
     rb2q_s = gl.allocate_shared_memory(gl.bfloat16, [K_, W2], slr2)
     ra2k_s = gl.allocate_shared_memory(gl.bfloat16, [K_, W2], slr2)
     rb2k_s = gl.allocate_shared_memory(gl.bfloat16, [K_, W2], slr2)
-    # z entering each slot's chunk (producer 1 to producer 0: bf16 head and tail; block 2's in rows 0 and 1 of
-    # [64, 32] in the narrow layout), the slot's denominators (producer 0 to the consumer), the ones of the MMAs that
-    # sum z and w's rows
+    # z entering each slot's chunk, the slot's denominators, the ones of the MMAs that sum z and w's rows
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     if NARROW:  # z as the matrix M [64, 16] (`_producer`), B of the denominators' MMAs: head and tail per slot
         zt01_s = gl.allocate_shared_memory(gl.bfloat16, [1, 8, 64], sl8)  # (unused)
@@ -566,76 +509,36 @@ def _gluon_fwd_kernel(q, k, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, T, 
     ], [4, 4], [PRODUCER_REGS, PRODUCER_REGS])
 
 
-def feature_rows(K: int = 16, narrow: bool = False) -> list[int]:
-    """For each of the kernel's state rows (192 in the wide layout, 160 in the narrow one: `_factor_mats`), the row of
-    the Taylor-order form (`naive.state_to_orders`: 1 + K + K² rows [1, k, k⊗k]) it holds, or -1 for a zero row."""
+@functools.cache
+def feature_rows(narrow: bool = False) -> tuple[int, ...]:
+    """For each of the kernel's state rows (192 wide, 160 narrow: `_factor_mats`), the row of the Taylor-order form
+    (1 + 16 + 16² rows [1, k, k⊗k]) it holds, or -1 for a zero row."""
+    K = 16
     if narrow:
         rows = [1 + K + (c % 16) * K + (c % 16 + c // 16) % 16 for c in range(128)]  # pairs d = 0..7
-        return rows + [1 + c if c < 16 else 1 + K + (c - 16) * K + c - 8 if c < 24 else 0 if c == 24 else -1
-                       for c in range(32)]
+        rows += [1 + c if c < 16 else 1 + K + (c - 16) * K + c - 8 if c < 24 else 0 if c == 24 else -1
+                 for c in range(32)]
+        return tuple(rows)
     rows = [1 + c if c < 16 else 1 + K + (c - 16) * (K + 1) if c < 32 else 0 if c == 32 else -1 for c in range(64)]
-    for j in range(128):
-        a, d = j % 16, 1 + j // 16
-        rows.append(1 + K + a * K + (a + d) % 16)
-    return rows
-
-
-def order_rows(K: int = 16, narrow: bool = False) -> list[int]:
-    """For each row of the Taylor-order form, the kernel's state row holding it (order 2 is symmetric: (a, b) and
-    (b, a) read the same pair row)."""
-    if narrow:
-        out = [128 + 24] + [128 + a for a in range(K)]
-        for a in range(K):
-            for b in range(K):
-                d = (b - a) % 16
-                out.append(d * 16 + a if d < 8 else 128 + 16 + min(a, b) if d == 8 else (16 - d) * 16 + b)
-        return out
-    out = [32] + list(range(16))
-    for a in range(K):
-        for b in range(K):
-            if a == b:
-                out.append(16 + a)
-            elif 1 <= (b - a) % 16 <= 8:
-                out.append(64 + ((b - a) % 16 - 1) * 16 + a)
-            else:
-                out.append(64 + ((a - b) % 16 - 1) * 16 + b)
-    return out
-
-
-_INDEX = {}
-
-
-def _index(K: int, device, inverse: bool, narrow: bool = False) -> torch.Tensor:
-    """The row map on `device`, made once (so that calls under CUDA-graph capture copy nothing from the host)."""
-    key = (K, str(device), inverse, narrow)
-    if key not in _INDEX:
-        _INDEX[key] = torch.tensor(order_rows(K, narrow) if inverse else feature_rows(K, narrow), device=device)
-    return _INDEX[key]
+    return tuple(rows + [1 + K + (j % 16) * K + (j % 16 + 1 + j // 16) % 16 for j in range(128)])
 
 
 def to_kernel_rows(hv: torch.Tensor, hz: torch.Tensor, narrow: bool = False):
-    """Taylor-order state (hv [B, H, 1+K+K², V], hz [B, H, 1+K+K²]) -> this kernel's rows [B·H, NR, V], [B·H, NR]
-    (NR = 192, wide), or in the narrow layout [B·H, 160, V] and z as it is, [B·H, 1+K+K²] (the kernel keeps it as
-    the matrix Σ [k, 1]ᵀ k and the count: `_producer`)."""
-    B, H, F, V = hv.shape
-    idx = _index(16, hv.device, False, narrow)
-    hv = torch.cat([hv, hv.new_zeros(B, H, 1, V)], 2)[:, :, idx]  # row -1: the zero row appended
-    if narrow:
-        return hv.reshape(B * H, len(idx), V).contiguous(), hz.reshape(B * H, F).contiguous()
-    hz = torch.cat([hz, hz.new_zeros(B, H, 1)], 2)[:, :, idx]
-    return hv.reshape(B * H, len(idx), V).contiguous(), hz.reshape(B * H, len(idx)).contiguous()
+    """Taylor-order state (hv [B, H, 1+K+K², V], hz [B, H, 1+K+K²]) -> the kernel's rows [B·H, NR, V], [B·H, NR];
+    narrow, z stays Taylor-order [B·H, 1+K+K²] (the kernel keeps it as the moments n, Σ k, Σ k kᵀ: `_producer`)."""
+    rows = feature_rows(narrow)
+    hz = hz.flatten(0, 1)
+    return gather_rows(hv.flatten(0, 1), rows), hz.contiguous() if narrow else gather_rows(hz, rows)
 
 
 def from_kernel_rows(h: torch.Tensor, z: torch.Tensor, B: int, H: int):
-    """Inverse of `to_kernel_rows` (symmetric order 2; the layout read from the number of rows): -> (hv [B, H,
-    1+K+K², V], hz [B, H, 1+K+K²])."""
+    """Inverse of `to_kernel_rows` (the layout read from the number of rows) -> (hv [B, H, 1+K+K², V], hz)."""
     narrow = h.shape[1] == 160
-    idx = _index(16, h.device, True, narrow)
-    return h[:, idx].reshape(B, H, len(idx), h.shape[-1]), (z if narrow else z[:, idx]).reshape(B, H, len(idx))
+    inv = invert_rows(feature_rows(narrow), 16)
+    return gather_rows(h, inv).view(B, H, -1, h.shape[-1]), (z if narrow else gather_rows(z, inv)).view(B, H, -1)
 
 
-# Registers per thread of each producer partition (setmaxnreg; the consumer gets what is left, 248 at 128): the
-# fastest on an H200 (fewer spill, more starve the consumer).
+# registers per thread of each producer partition (setmaxnreg; the consumer gets the rest): fastest on an H200
 PRODUCER_REGS = 128
 
 
@@ -646,8 +549,7 @@ _V_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, ra
 
 
 def _states_descriptor(hs: torch.Tensor | None, device) -> TensorDescriptor:
-    """The TMA descriptor of the stored states hs [B·H, NQ, V, 192] seen as [B·H·NQ·V, 192] in [V, 64] tiles; where
-    none are stored, one over a small buffer made once per device (the kernel takes a descriptor either way)."""
+    """The TMA descriptor of hs [B·H, NQ, V, 192] as [B·H·NQ·V, 192] in [V, 64] tiles (without states, a dummy)."""
     if hs is None:
         if device not in _NO_STATES:
             buf = torch.empty(64, 3 * 64, device=device, dtype=torch.bfloat16)
@@ -658,11 +560,9 @@ def _states_descriptor(hs: torch.Tensor | None, device) -> TensorDescriptor:
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, hv0: torch.Tensor | None = None,
             hz0: torch.Tensor | None = None, output_final_state: bool = False, store_states: bool = False):
-    """Normalised Based attention, bf16, K = 16, V = 64, q, k, v contiguous. hv0/hz0: the initial state in
-    Taylor-order form (`naive.state_to_orders`, fp32) or None. Returns (o, den, hvT, hzT, hs, zs): o [B, T, H, V],
-    the final state in Taylor-order form (or None, None), and with store_states what `gluon_backward.backward`
-    reads: den [B, T, H] fp32 and every second chunk's entering state in this kernel's wide rows, hs [B·H, NQ, V,
-    192] bf16 (transposed) and zs [B·H, NQ, 192] fp32, NQ = ⌈T/128⌉ (else None, None, None)."""
+    """(o, den, hvT, hzT, hs, zs) for bf16 q, k, v (contiguous, K = 16, V = 64); states in Taylor-order form (fp32)
+    or None. With store_states, what `gluon_backward.backward` reads: den [B, T, H] fp32 and every second chunk's
+    entering state in the wide rows, hs [B·H, NQ, V, 192] bf16 and zs [B·H, NQ, 192] fp32 (else None)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if K != 16 or V != 64 or q.dtype != torch.bfloat16:

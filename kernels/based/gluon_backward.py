@@ -1,37 +1,24 @@
 """Based backward as Gluon kernels for Hopper (sm_90), the twin of `gluon.py`'s forward.
 
-The forward (`gluon.forward(..., store_states=True)`) leaves three things behind: the output o, its denominator den,
-and the state entering every second chunk (tokens 0, 128, 256, …) in this module's row order (`gluon.feature_rows`:
-192 rows, 3 blocks of 64 features), hs [B·H, NQ, V, 192] in bf16 (transposed, as the forward's MMAs hold it) and zs
-[B·H, NQ, 192] in fp32, NQ = ⌈T/128⌉ (half the states of one per chunk, half the forward's stores). With
-g = dO/den and e = −(dO·o)/den (the normalisation's chain rule) the gradient
-is that of Σ_i g_i·num_i + e_i·den_i, and two kernels take it:
+The forward (`store_states=True`) leaves o, den and the state entering every second chunk in the wide rows
+(`gluon.feature_rows`): hs [B·H, NQ, V, 192] bf16 (transposed) and zs [B·H, NQ, 192] fp32, NQ = ⌈T/128⌉. With
+g = dO/den and e = −(dO·o)/den the gradient is that of Σ_i g_i·num_i + e_i·den_i, in two kernels:
 
-- `_dq_kernel`, fully parallel over steps of two chunks (each program loops over steps; every chunk's inputs and
-  the next step's state are copied into shared memory while the chunk before computes): dq of a step's chunks
-  needs only the step and the state entering it. dψ(q) = g Sᵀ + e zᵀ (S from hs), then through the feature map
-  (below), plus the step's own part ds·k with ds = (g vᵀ + e) ⊙ (1 + s), causal: the
-  chunk's own keys, and for the second chunk the first one's too. It also stores g and e for the walk.
-- `_dkv_kernel`, one program per sequence, walking the chunks backwards with the reverse state dS = Σ_{later i}
-  ψ(q_i) g_iᵀ [192, V] and dz = Σ ψ(q_i) e_i, in three partitions of 4 warps: the producer loads each chunk and
-  builds ψ(q) and φ(k) into one of two shared-memory slots, with dz entering the chunk (it keeps dz itself); the
-  consumer holds dS (fp32 accumulators), adds each chunk's queries and publishes it (double-buffered, in
-  bf16), then computes dv = φ(k) dS + wᵀ g; the dk partition computes dk = the feature map's Jacobian of
-  dφ(k) = v dSᵀ + dz, plus dsᵀ q_s. ptxas holds every
-  partition to 168 registers (65536 / 384 threads), which is what sets this split: dS alone takes 96.
+- `_dq_kernel`, fully parallel over steps of two chunks (inputs copied into shared memory a chunk ahead):
+  dψ(q) = g Sᵀ + e zᵀ through the feature map, plus the step's own part ds·k, ds = (g vᵀ + e) ⊙ (1 + s), causal.
+  It also stores g and e for the walk.
+- `_dkv_kernel`, one program per sequence walking the chunks backwards with the reverse state dS = Σ_{later} ψ gᵀ
+  [192, V] and dz = Σ ψ e, in three partitions of 4 warps: the producer builds ψ(q), φ(k) and dz into one of two
+  slots; the consumer holds dS (fp32 accumulators), publishes it in bf16 (double-buffered) and computes
+  dv = φ(k) dS + wᵀ g; the dk partition computes dk from dφ(k) = v dSᵀ + dz and dsᵀ q_s. ptxas holds every partition
+  to 168 registers (65536 / 384 threads); dS alone takes 96.
 
-The feature map. Each feature is a product of two factors, f = h ⊙ (x·A) ⊙ (x·B), with x [C, 16] (q_s or k), A and B
-0/1 matrices [16, 64] per block (`factor_matrices`, the forward's `_factor_mats`), and h the query side's ½ weights
-(1 on the key side); in block 0 the order-1 features are x·A alone (columns 0-15, where B is zero) and column 32 is
-the constant 1 (0 past T on the key side), both added in registers (`_block0`). So the Jacobian is two more MMAs per
-block:
+Each feature is f = h ⊙ (x·A) ⊙ (x·B) (`factor_matrices`; h: the query's ½ weights; block 0's order-1 features are
+x·A alone and its column 32 the constant, `_block0`), so the Jacobian is two more MMAs a block:
 
-    dx = (G_f ⊙ h ⊙ (x·B + u))·Aᵀ + (G_f ⊙ h ⊙ (x·A))·Bᵀ,   u = 1 in block 0's columns 0-15, else 0
+    dx = (G_f ⊙ h ⊙ (x·B + u))·Aᵀ + (G_f ⊙ h ⊙ (x·A))·Bᵀ,   u = 1 in block 0's columns 0-15, else 0"""
 
-(the kernels take h inside a third matrix, B ⊙ h, on the query side)
-
-and w = ((1+s)² + 1)/2 with s = q_s·kᵀ from one K = 16 MMA.
-"""
+import functools
 
 import torch
 from triton.experimental import gluon
@@ -44,11 +31,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from kernels.based.gluon import _barrier, _block0, _index, _offsets
+from kernels.based.gluon import _barrier, _block0, _offsets, feature_rows
+from kernels.based.primitives import invert_rows, scatter_rows
 from kernels.launch import launch
 
-# cp.async from global to shared memory: async_copy_global_to_shared in Triton 3.5-3.6 (the H200's), async_load
-# from 3.7 on (where the old name raises)
+# cp.async to shared memory: renamed after Triton 3.6 (the H200's)
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 C_ = gl.constexpr(64)  # tokens per chunk
@@ -62,8 +49,7 @@ DQ_ = gl.constexpr(DQ_CHUNK)
 
 @gluon.jit
 def _load_mats(mats, dst, M: gl.constexpr):
-    """Factor matrix M of every block (`factor_matrices`, [3, NB, K_, 64] bf16 in global memory: 0 A, 1 B, 2 B ⊙ h)
-    into dst [NB, K_, 64] in shared memory."""
+    """Factor matrix M (0 A, 1 B, 2 B ⊙ h) of every block from `mats` [3, NB, K_, 64] into dst [NB, K_, 64]."""
     LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     r = gl.arange(0, K_, layout=gl.SliceLayout(1, LR))[:, None]
     c = gl.arange(0, 64, layout=gl.SliceLayout(0, LR))[None, :]
@@ -73,7 +59,7 @@ def _load_mats(mats, dst, M: gl.constexpr):
 
 @gluon.jit
 def _load_x(q, k, start, T, scale, H: gl.constexpr):
-    """A chunk's q_s (bf16, rounded as the forward's features take it) and k [C, 16]; rows past T are zero."""
+    """A chunk's q_s (rounded to bf16, as the forward's features take it) and k [C, 16]; zero past T."""
     LX: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
     rx = gl.arange(0, C_, layout=gl.SliceLayout(1, LX))[:, None]
     cx = gl.arange(0, K_, layout=gl.SliceLayout(0, LX))[None, :]
@@ -85,9 +71,8 @@ def _load_x(q, k, start, T, scale, H: gl.constexpr):
 
 @gluon.jit
 def _stage_chunk(q, k, v, do, o, den, qst, dost, ost, dnst, xk_dst, v_dst, start, T, H: gl.constexpr, pred):
-    """Start copying a chunk's inputs into shared memory (cp.async, one commit group): q into qst and k into xk_dst
-    [C, 16], v into v_dst, dO and o into dost and ost, den into dnst [C]. Rows past T, and everything where pred is
-    false, are zero."""
+    """Start copying a chunk's q, k, v, dO, o and den into shared memory (cp.async, one commit group); zero past T
+    and where pred is false."""
     LX: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
     LV: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     rx = gl.arange(0, C_, layout=gl.SliceLayout(1, LX))[:, None]
@@ -111,9 +96,8 @@ def _stage_chunk(q, k, v, do, o, den, qst, dost, ost, dnst, xk_dst, v_dst, start
 
 @gluon.jit
 def _ge_from_stage(qst, dost, ost, dnst, start, T, scale, H: gl.constexpr, g_out, e_out):
-    """From a staged chunk: q_s [C, 16] (bf16; rounded as the forward's features take it), g = dO/den (bf16) and
-    e = −(dO·o)/den [C] (fp32), zero past T; g and e also go to g_out [B, T, H, V] and e_out [B, T, H] (at this
-    sequence's offsets) for the dk/dv walk."""
+    """From a staged chunk: q_s [C, 16] bf16, g = dO/den (bf16) and e = −(dO·o)/den [C] fp32, zero past T; g and e
+    also go to g_out and e_out for the dk/dv walk."""
     LX: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
     LV: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     rv = gl.arange(0, C_, layout=gl.SliceLayout(1, LV))[:, None]
@@ -133,8 +117,8 @@ def _ge_from_stage(qst, dost, ost, dnst, start, T, scale, H: gl.constexpr, g_out
 
 @gluon.jit
 def _copy_state(h_s, z_s, hs, zs, idx, rf, cv, pred):
-    """Start copying the state entering step idx (hs [B·H·NQ, V, F_] bf16, transposed; zs [B·H·NQ, F_] fp32) into
-    h_s ([V, 64] per feature block) and z_s (cp.async, one commit group; nothing is copied where pred is false)."""
+    """Start copying the state entering step idx (hs bf16 transposed, zs fp32) into h_s ([V, 64] a block) and z_s
+    (cp.async, one commit group; nothing where pred is false)."""
     LD: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     rz = gl.arange(0, 64, layout=LD)
     src = hs + idx.to(gl.int64) * (F_ * V_)
@@ -146,15 +130,9 @@ def _copy_state(h_s, z_s, hs, zs, idx, rf, cv, pred):
 
 @gluon.jit
 def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, dq, g_out, e_out, T, scale, BH, H: gl.constexpr):
-    """dq, a step of two chunks at a time (the forward stores the state entering every second chunk): each program
-    takes steps pid, pid + grid, … (of all sequences; NQ per sequence) and for each of its chunks computes the
-    chunk's own part, the second chunk's read of the first one's keys (unmasked, as in the chunk's own part) and the
-    read of the step's entering state (hs, zs), through the query feature map. The factor matrices (A, and B with
-    the query's ½ weights) are loaded once per program. Also stores g = dO/den and e = −(dO·o)/den, which the dk/dv
-    walk reads instead of dO, o and den.
-
-    Loads run one chunk ahead: each chunk's q, k, v, dO and o are copied into shared memory (cp.async)
-    while the chunk before computes, the next step's state once this step's reads of it are done."""
+    """dq, a step of two chunks at a time: each program takes steps pid, pid + grid, … of all sequences (NQ each) and
+    for each chunk adds its own part, the second chunk's read of the first one's keys and the read of the step's
+    entering state (hs, zs) through the query feature map. Also stores g = dO/den and e = −(dO·o)/den for the walk."""
     LV: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     A16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
@@ -259,7 +237,7 @@ def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, dq, g_out, e_out, T, scale, BH
 
 @gluon.jit
 def _copy_vg(v_s, g_s, slot, v, g, start, T, H: gl.constexpr, rv, cv):
-    """Start copying a chunk's v and g [C, V] (bf16) into their slot (cp.async, one commit group; rows past T zero)."""
+    """Start copying a chunk's v and g [C, V] into their slot (cp.async, one commit group; zero past T)."""
     t = start + rv
     _cp_async(v_s.index(slot), v + t * (H * V_) + cv, mask=(t < T) & (cv >= 0))
     _cp_async(g_s.index(slot), g + t * (H * V_) + cv, mask=(t < T) & (cv >= 0))
@@ -267,15 +245,32 @@ def _copy_vg(v_s, g_s, slot, v, g, start, T, H: gl.constexpr, rv, cv):
 
 
 @gluon.jit
+def _store_features(x_s, ra_s, rb_s, dst, base, z64, cj, rj, c, T, KEY: gl.constexpr):
+    """The three feature blocks of x_s [C, 16] (chunk c) into dst[base + b], f = (x·A_b) ⊙ (x·B_b) (blocks 1 and 2
+    share factor a), block 0 with x_a and the constant (`_block0`; on the key side 0 past T)."""
+    for b in gl.static_range(NB):
+        fb = warpgroup_mma(x_s, rb_s.index(b), z64, use_acc=False, is_async=True)
+        if b < 2:
+            fa = warpgroup_mma(x_s, ra_s.index(b), z64, use_acc=False, is_async=True)
+            fb, fa = warpgroup_mma_wait(0, deps=[fb, fa])
+        else:
+            fb = warpgroup_mma_wait(0, deps=[fb])
+        f = fa * fb
+        if b == 0 and KEY:
+            f = _block0(f, fa, cj[None, :], c * C_ + rj < T, 32)
+        elif b == 0:
+            f = _block0(f, fa, cj[None, :], True, 32)
+        dst.index(base + b).store(f.to(gl.bfloat16))
+
+
+@gluon.jit
 def _producer(q, k, v, g_in, e_in, dzT, dz0, i_bh, T, scale, H: gl.constexpr, USE_DHT: gl.constexpr,
               STORE_DH0: gl.constexpr, mats, xq_s, xk_s, v_s, g_s, e_s, psi_s, phi_s, dz_s, ra_s, rb_s, rbq_s,
               mats_ready, ready, free, NSLOT: gl.constexpr):
-    """Worker partition 0 (4 warps): loads the factor matrices for all three partitions, then for each chunk from
-    the last stores its inputs, e (as a bf16 head and tail), ψ(q), φ(k) and dz entering the chunk (the dk partition's)
-    into the slot the others read next. It keeps dz = Σ_{later} ψᵀ e itself (fp32 MMA accumulators [64, 8] per block:
-    column 0 sums ψ·e's bf16 head, column 1 its tail). Once a chunk is handed
-    over, the producer waits for the other slot to be free and starts the next chunk's v and g copies into it
-    (cp.async), which fly while that chunk's features are built."""
+    """Worker partition 0: loads the factor matrices for all three partitions, then, from the last chunk, stores each
+    chunk's inputs, e (bf16 head and tail), ψ(q), φ(k) and the entering dz into the slot the others read next. It keeps
+    dz = Σ_{later} ψᵀ e (fp32 accumulators [64, 8] a block: columns 0 and 1 sum e's head and tail), and copies the
+    next chunk's v and g into the other slot once it is free."""
     LE: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     A8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
@@ -323,28 +318,9 @@ def _producer(q, k, v, g_in, e_in, dzT, dz0, i_bh, T, scale, H: gl.constexpr, US
         dz_s.index(slot * NB + 2).store(_zsum(Z2))
         fence_async_shared()
         _barrier()
-        for b in gl.static_range(NB):
-            fb = warpgroup_mma(xq_s.index(slot), rbq_s.index(b), z64, use_acc=False, is_async=True)  # h ⊙ x·B
-            if b < 2:  # blocks 1 and 2 share factor a
-                fa = warpgroup_mma(xq_s.index(slot), ra_s.index(b), z64, use_acc=False, is_async=True)
-                fb, fa = warpgroup_mma_wait(0, deps=[fb, fa])
-            else:
-                fb = warpgroup_mma_wait(0, deps=[fb])
-            f = fa * fb
-            if b == 0:  # the query's constant stays past T (harmless: g = e = 0 there)
-                f = _block0(f, fa, cj[None, :], True, 32)
-            psi_s.index(slot * NB + b).store(f.to(gl.bfloat16))
-        for b in gl.static_range(NB):
-            fb = warpgroup_mma(xk_s.index(slot), rb_s.index(b), z64, use_acc=False, is_async=True)
-            if b < 2:
-                fa = warpgroup_mma(xk_s.index(slot), ra_s.index(b), z64, use_acc=False, is_async=True)
-                fb, fa = warpgroup_mma_wait(0, deps=[fb, fa])
-            else:
-                fb = warpgroup_mma_wait(0, deps=[fb])
-            f = fa * fb
-            if b == 0:  # the key's constant is 0 past T
-                f = _block0(f, fa, cj[None, :], c * C_ + rj < T, 32)
-            phi_s.index(slot * NB + b).store(f.to(gl.bfloat16))
+        # ψ(q) (B ⊙ h: the query's weights; its constant stays past T, harmless: g = e = 0 there) and φ(k)
+        _store_features(xq_s.index(slot), ra_s, rbq_s, psi_s, slot * NB, z64, cj, rj, c, T, False)
+        _store_features(xk_s.index(slot), ra_s, rb_s, phi_s, slot * NB, z64, cj, rj, c, T, True)
         async_copy.wait_group(0)  # this chunk's v and g have landed
         fence_async_shared()
         _barrier()
@@ -373,8 +349,8 @@ def _producer(q, k, v, g_in, e_in, dzT, dz0, i_bh, T, scale, H: gl.constexpr, US
 @gluon.jit
 def _dk_partition(dk, T, H: gl.constexpr, xq_s, xk_s, v_s, g_s, e_s, ra_s, rb_s, dS_s, dz_s, mats_ready, ready, free,
                   ds_ready, ds_free, NSLOT: gl.constexpr):
-    """Worker partition 1 (4 warps), stateless: per chunk dk = dsᵀ q_s + Σ_b [(G_b ⊙ x·B_b)·A_bᵀ + (G_b ⊙ x·A_b)·B_bᵀ]
-    with G_b = v dS_bᵀ + dz_b, reading the reverse state that the consumer published for this chunk."""
+    """Worker partition 1, stateless: dk = dsᵀ q_s + Σ_b [(G_b ⊙ x·B_b)·A_bᵀ + (G_b ⊙ x·A_b)·B_bᵀ] with
+    G_b = v dS_bᵀ + dz_b, from the reverse state the consumer published for this chunk."""
     LE: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     A16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
@@ -438,7 +414,7 @@ def _dk_partition(dk, T, H: gl.constexpr, xq_s, xk_s, v_s, g_s, e_s, ra_s, rb_s,
 
 @gluon.jit
 def _zsum(Z):
-    """dz's accumulators [64, 8] -> dz [64]: column 0 (ψ·e's bf16 head) plus column 1 (its tail)."""
+    """dz's accumulators [64, 8] -> dz [64]: column 0 (e's bf16 head) plus column 1 (its tail)."""
     c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, Z.type.layout))[None, :]
     return gl.sum(gl.where(c8 < 2, Z, 0.0), 1)
 
@@ -456,9 +432,8 @@ def _publish(dS_s, buf, S0, S1, S2):
 @gluon.jit
 def _consumer(dv, dhT, dh0, i_bh, T, H: gl.constexpr, USE_DHT: gl.constexpr, STORE_DH0: gl.constexpr, xq_s, xk_s,
               g_s, psi_s, phi_s, dS_s, mats_ready, ready, free, ds_ready, ds_free, NSLOT: gl.constexpr):
-    """The default partition (4 warps): holds the reverse state dS (fp32, [64, V] per feature block); per chunk
-    dv = wᵀ g + Σ_b φ_b dS_b, after dS_b += ψ_bᵀ g is published (double-buffered, in bf16) for the next chunk's reads
-    here and in the dk partition (dz is the producer's)."""
+    """The default partition: holds dS (fp32, [64, V] a block); per chunk publishes dS_b += ψ_bᵀ g (bf16,
+    double-buffered) and computes dv = wᵀ g + Σ_b φ_b dS_b from the state before the chunk."""
     LO: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
     A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     rs = gl.arange(0, 64, layout=gl.SliceLayout(1, A64))[:, None]  # rows of dS: features; of wᵀ: keys j
@@ -499,7 +474,7 @@ def _consumer(dv, dhT, dh0, i_bh, T, H: gl.constexpr, USE_DHT: gl.constexpr, STO
         st = warpgroup_mma(xk_s.index(slot), xq_s.index(slot).permute((1, 0)), z64, use_acc=False)  # sᵀ
         wt = gl.where(cs >= rs, (0.5 * st + 1.0) * st + 1.0, 0.0).to(gl.bfloat16)  # 1 + s + s²/2, two FMAs
         # wᵀ through shared memory, into the slot's first ψ block (the updates above were its last reader): as a
-        # register operand it kept ptxas short of registers for the MMAs in flight, which it then serialised
+        # register operand it leaves ptxas short of registers for the MMAs in flight
         wt_s = psi_s.index(slot * NB)
         wt_s.store(wt)
         fence_async_shared()
@@ -525,7 +500,7 @@ def _dkv_kernel(q, k, v, g, e, mats, dk, dv, dhT, dzT, dh0, dz0, T, scale, H: gl
                 USE_DHT: gl.constexpr, STORE_DH0: gl.constexpr, NSLOT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                 DK_REGS: gl.constexpr):
     """One program per sequence, walking its chunks from the last in three partitions: the producer, the consumer
-    (dv and the reverse state) and the dk partition. Also the initial state's gradient (STORE_DH0)."""
+    (dv and the reverse state) and the dk partition; with STORE_DH0 also the initial state's gradient."""
     i_bh = gl.program_id(0)
     ok, ov, od = _offsets(i_bh, T, H)
     q += ok
@@ -576,17 +551,14 @@ def _dkv_kernel(q, k, v, g, e, mats, dk, dv, dhT, dzT, dh0, dz0, T, scale, H: gl
     ], [4, 4], [PRODUCER_REGS, DK_REGS])
 
 
-# Registers per thread of the dk/dv walk's worker partitions (setmaxnreg; the consumer asks for what is left of
-# 512). ptxas compiles the whole kernel to 168 (65536 registers / 384 threads) whatever these ask, so more buys
-# nothing and less spills (64: 1,024 bytes with Triton 3.9).
+# registers per thread of the dk/dv walk's worker partitions: ptxas holds the kernel to 168 whatever these ask
 PRODUCER_REGS = 168
 DK_REGS = 168
 
 
 def factor_matrices(device=None) -> torch.Tensor:
-    """[3, 3, 16, 64] bf16: the 0/1 matrices A (index 0) and B (index 1) of each feature block, so that feature f of
-    block b is (x·A_b)_f · (x·B_b)_f (the forward's `_factor_mats`, key side), and B with the query's ½ weights
-    (index 2: B ⊙ h, `query_weights`); block 0's order-1 features x_a are (x·A_0)_f alone (B_0 is zero there) and its
+    """[3, 3, 16, 64] bf16: A (index 0), B (1) and B ⊙ h (2, `query_weights`) of each feature block: feature f of
+    block b is (x·A_b)_f · (x·B_b)_f (the forward's `_factor_mats`, key side); block 0's x_a are (x·A_0)_f alone and its
     constant (column 32) is added (`_block0`)."""
     m = torch.zeros(3, 3, 16, 64)
     for c in range(32):  # block 0: x_a (a < 16), x_a²
@@ -602,8 +574,8 @@ def factor_matrices(device=None) -> torch.Tensor:
 
 
 def query_weights(device=None) -> torch.Tensor:
-    """[192] fp32: the query side's feature weights h (½ on the diagonal x_a² and on the pairs d = 8, which the key
-    side holds twice), so that Σ_f h_f ψ_f(q) φ_f(k) = 1 + s + s²/2."""
+    """[192] fp32: the query side's feature weights h (½ on x_a² and on the pairs d = 8, held twice), so that
+    Σ_f h_f ψ_f(q) φ_f(k) = 1 + s + s²/2."""
     h = torch.ones(192)
     h[16:32] = 0.5
     h[64 + 112: 64 + 128] = 0.5
@@ -612,59 +584,38 @@ def query_weights(device=None) -> torch.Tensor:
 
 # dq's programs per SM (each loops over steps of two chunks, the next step's state in flight; 2 fit by shared memory)
 DQ_PROGRAMS_PER_SM = 2
-_CONSTANTS = {}
-_SMS = {}
 
 
+@functools.cache
 def _sm_count(device) -> int:
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SMS[device]
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.cache
 def _constants(device):
     """The factor matrices on `device`, made once."""
-    if device not in _CONSTANTS:
-        _CONSTANTS[device] = factor_matrices(device).contiguous()
-    return _CONSTANTS[device]
-
-
-def _kept_rows(device) -> torch.Tensor:
-    """The kernel rows that hold a Taylor-order row (all but block 0's zero rows), on `device`, made once."""
-    if ("kept", device) not in _CONSTANTS:
-        _CONSTANTS[("kept", device)] = torch.nonzero(_index(16, device, False) >= 0).flatten()
-    return _CONSTANTS[("kept", device)]
+    return factor_matrices(device).contiguous()
 
 
 def state_grad_to_rows(dhv: torch.Tensor, dhz: torch.Tensor):
-    """The gradient of a final state in Taylor-order form (dhv [B, H, 1+K+K², V], dhz [B, H, 1+K+K²], not
-    symmetrised) -> the gradient of the kernel's rows [B·H, 192, V], [B·H, 192] (`gluon.from_kernel_rows` gathers,
-    so its transpose sums the order rows reading each kernel row)."""
-    B, H, F, V = dhv.shape
-    idx = _index(16, dhv.device, True)
-    dt = torch.promote_types(dhv.dtype, torch.float32)
-    rows = dhv.new_zeros(B * H, 192, V, dtype=dt).index_add_(1, idx, dhv.reshape(B * H, F, V).to(dt))
-    zrows = dhz.new_zeros(B * H, 192, dtype=dt).index_add_(1, idx, dhz.reshape(B * H, F).to(dt))
-    return rows.contiguous(), zrows.contiguous()
+    """The final state's gradient, Taylor-order (dhv [B, H, 1+K+K², V], dhz [B, H, 1+K+K²], not symmetrised) -> that
+    of the kernel's rows [B·H, 192, V], [B·H, 192]: the transpose of `gluon.from_kernel_rows`'s gather."""
+    inv = invert_rows(feature_rows(), 16)
+    return scatter_rows(dhv.flatten(0, 1), inv, 192), scatter_rows(dhz.flatten(0, 1), inv, 192)
 
 
 def rows_grad_to_state(dh: torch.Tensor, dz: torch.Tensor, B: int, H: int):
-    """The gradient of the kernel's initial rows -> that of the Taylor-order initial state (`gluon.to_kernel_rows`
-    gathers row feature_rows[r] into row r, so its transpose sums back; the zero rows are dropped)."""
+    """The gradient of the kernel's initial rows -> that of the Taylor-order initial state: the transpose of
+    `gluon.to_kernel_rows`'s gather."""
     F = 1 + 16 + 16 * 16
-    idx = _index(16, dh.device, False)
-    keep = _kept_rows(dh.device)
-    V = dh.shape[-1]
-    dhv = dh.new_zeros(B * H, F, V).index_add_(1, idx[keep], dh[:, keep])
-    dhz = dz.new_zeros(B * H, F).index_add_(1, idx[keep], dz[:, keep])
-    return dhv.reshape(B, H, F, V), dhz.reshape(B, H, F)
+    return (scatter_rows(dh, feature_rows(), F).view(B, H, F, dh.shape[-1]),
+            scatter_rows(dz, feature_rows(), F).view(B, H, F))
 
 
 def backward(q, k, v, o, do, den, hs, zs, scale, dhvT=None, dhzT=None, need_dh0=False):
-    """The gradient of `gluon.forward(..., store_states=True)`: q, k, v, o, do [B, T, H, ·] (bf16), den
-    [B, T, H] fp32, (hs, zs) the stored states (the forward's rows, every second chunk's). dhvT/dhzT: the final
-    state's gradient in Taylor-order form (or None). Returns dq, dk, dv (bf16) and, with need_dh0, the initial
-    state's gradient in Taylor-order form."""
+    """The gradient of `gluon.forward(..., store_states=True)`: q, k, v, o, do bf16, den fp32, (hs, zs) the stored
+    states; dhvT/dhzT: the final state's gradient (Taylor-order) or None. Returns dq, dk, dv (bf16) and with need_dh0
+    the initial state's gradient (Taylor-order)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     mats = _constants(q.device)
@@ -673,10 +624,8 @@ def backward(q, k, v, o, do, den, hs, zs, scale, dhvT=None, dhzT=None, need_dh0=
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     dhT = dzT = dh0 = dz0 = dq  # placeholders where unused
-    use_dht = dhvT is not None or dhzT is not None
+    use_dht = dhvT is not None
     if use_dht:
-        dhvT = torch.zeros(B, H, 273, V, device=q.device) if dhvT is None else dhvT
-        dhzT = torch.zeros(B, H, 273, device=q.device) if dhzT is None else dhzT
         dhT, dzT = state_grad_to_rows(dhvT, dhzT)
     if need_dh0:
         dh0 = torch.empty(B * H, 192, V, device=q.device, dtype=torch.float32)

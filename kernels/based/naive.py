@@ -8,6 +8,7 @@ flash-linear-attention's linear-attention ops:
     φ(x) = [1, x/f^¼, x_i²/(√2·√f) for i, x_i·x_j/√f for i<j (row-major)]     E = 1 + f + f(f+1)/2
 """
 
+import functools
 import math
 
 import torch
@@ -30,19 +31,17 @@ def taylor_feature_map(x: torch.Tensor) -> torch.Tensor:
 
 
 def _query_features(q: torch.Tensor, scale: float) -> torch.Tensor:
-    """φ(q') with q' = q·scale·√f, so that φ(q')·φ(k) = 1 + s + s²/2 with s = scale·q·k for any scale.
-
-    The keys (and with them the state) always use φ(k) unscaled, FLA's TaylorFeatureMap. At the default scale
-    1/√f, q' = q.
-    """
+    """φ(q') with q' = q·scale·√f, so that φ(q')·φ(k) = 1 + s + s²/2, s = scale·q·k, for any scale (the keys, and the
+    state, use φ(k) unscaled)."""
     f = q.shape[-1]
     return taylor_feature_map(q * (scale * math.sqrt(f)))
 
 
-def _check_state(initial_state, B: int, H: int, E: int, V: int):
-    kv0, ksum0 = initial_state
+def check_state(state, B: int, H: int, E: int, V: int):
+    """state as (kv, k_sum), checked to be (kv [B, H, E, V], k_sum [B, H, E])."""
+    kv0, ksum0 = state
     if tuple(kv0.shape) != (B, H, E, V) or tuple(ksum0.shape) != (B, H, E):
-        raise ValueError(f"initial_state must be (kv [B,H,E,V], k_sum [B,H,E]) = ({(B, H, E, V)}, {(B, H, E)}), "
+        raise ValueError(f"the state must be (kv [B,H,E,V], k_sum [B,H,E]) = ({(B, H, E, V)}, {(B, H, E)}), "
                          f"got ({tuple(kv0.shape)}, {tuple(ksum0.shape)})")
     return kv0, ksum0
 
@@ -53,13 +52,11 @@ def _state_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def naive_parallel_based(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True):
-    """The quadratic (parallel) form, O(T²): y_i = Σ_{j≤i} w_ij v_j / Σ_{j≤i} w_ij with w_ij = 1 + s_ij + s_ij²/2.
+    """The quadratic form, O(T²): y_i = Σ_{j≤i} w_ij v_j / Σ_{j≤i} w_ij, w_ij = 1 + s_ij + s_ij²/2.
 
-    q, k: [B, T, H, f]; v: [B, T, H, V]. scale defaults to 1/√f. initial_state = (kv [B,H,E,V], k_sum [B,H,E])
-    adds φ(q')·kv to the numerator and φ(q')·k_sum to the denominator. Arithmetic runs in the inputs' dtype: fp32 or
-    fp64 inputs give the reference, bf16/fp16 inputs give the low-precision baseline of the tolerance rule.
-    Returns (o [B, T, H, V] in the inputs' dtype, (kv, k_sum) in fp32 or fp64, or None).
-    """
+    q, k: [B, T, H, f]; v: [B, T, H, V]; scale defaults to 1/√f; initial_state = (kv [B,H,E,V], k_sum [B,H,E]) adds
+    φ(q')·kv and φ(q')·k_sum. Runs in the inputs' dtype (fp64: the reference; bf16/fp16: the tolerance rule's
+    baseline). Returns (o [B, T, H, V] in the inputs' dtype, (kv, k_sum) in fp32 or fp64, or None)."""
     B, T, H, f = q.shape
     V = v.shape[-1]
     scale = f**-0.5 if scale is None else scale
@@ -69,7 +66,7 @@ def naive_parallel_based(q, k, v, scale=None, initial_state=None, output_final_s
     num = torch.einsum("bhij,bjhv->bihv", w, v)  # [B, T, H, V]
     den = w.sum(-1).transpose(1, 2)  # [B, T, H]
     if initial_state is not None:
-        kv0, ksum0 = _check_state(initial_state, B, H, feature_dim(f), V)
+        kv0, ksum0 = check_state(initial_state, B, H, feature_dim(f), V)
         phi_q = _query_features(q, scale)  # [B, T, H, E]
         num = num + torch.einsum("bthe,bhev->bthv", phi_q, kv0.to(q.dtype))
         den = den + torch.einsum("bthe,bhe->bth", phi_q, ksum0.to(q.dtype))
@@ -98,7 +95,7 @@ def naive_recurrent_based(q, k, v, scale=None, initial_state=None, output_final_
     if initial_state is None:
         kv, k_sum = q.new_zeros(B, H, E, V, dtype=sd), q.new_zeros(B, H, E, dtype=sd)
     else:
-        kv0, ksum0 = _check_state(initial_state, B, H, E, V)
+        kv0, ksum0 = check_state(initial_state, B, H, E, V)
         kv, k_sum = kv0.to(sd), ksum0.to(sd)
     phi_q = _query_features(q, scale).to(sd)  # [B, T, H, E]
     phi_k = taylor_feature_map(k).to(sd)  # [B, T, H, E]
@@ -115,15 +112,10 @@ def naive_recurrent_based(q, k, v, scale=None, initial_state=None, output_final_
 
 def naive_chunk_based(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True,
                       chunk_size=64):
-    """The chunked form the Triton kernel implements, written with the three Taylor orders kept apart.
-
-    Within a chunk the quadratic form; across chunks the states of each order (s = scale·q·k, q_s = scale·q):
-      order 0: S0 = Σ v_j [V] and n = Σ 1                     contributes S0 and n
-      order 1: S1 = Σ k_j v_jᵀ [f, V] and z1 = Σ k_j [f]       contributes q_s·S1 and q_s·z1
-      order 2: S2 = Σ (k_j⊗k_j) v_jᵀ [f², V], Z2 = Σ k_j k_jᵀ  contributes ½(q_s⊗q_s)·S2 and ½ q_sᵀ Z2 q_s
-    The E-feature state (kv, k_sum) is converted to these orders at the start and back at the end
-    (`state_to_orders`, `orders_to_state`). Same arguments and returns as `naive_parallel_based`.
-    """
+    """The chunked form the kernels implement, with the three Taylor orders kept apart (s = scale·q·k, q_s = scale·q):
+    within a chunk the quadratic form; across chunks the states S0 = Σ v, n = Σ 1 (order 0), S1 = Σ k vᵀ, z1 = Σ k
+    (order 1), S2 = Σ (k⊗k) vᵀ, Z2 = Σ k kᵀ (order 2), read as S0 + q_s·S1 + ½(q_s⊗q_s)·S2 and likewise for the
+    denominator. Same arguments and returns as `naive_parallel_based`."""
     B, T, H, f = q.shape
     V = v.shape[-1]
     E = feature_dim(f)
@@ -131,7 +123,7 @@ def naive_chunk_based(q, k, v, scale=None, initial_state=None, output_final_stat
     sd = _state_dtype(q.dtype)
     if initial_state is None:
         initial_state = (q.new_zeros(B, H, E, V, dtype=sd), q.new_zeros(B, H, E, dtype=sd))
-    kv0, ksum0 = _check_state(initial_state, B, H, E, V)
+    kv0, ksum0 = check_state(initial_state, B, H, E, V)
     hv, hz = state_to_orders(kv0.to(sd), ksum0.to(sd))  # [B, H, 1+f+f², V], [B, H, 1+f+f²]
     outs = []
     for start in range(0, T, chunk_size):
@@ -153,24 +145,11 @@ def naive_chunk_based(q, k, v, scale=None, initial_state=None, output_final_stat
     return o, (orders_to_state(hv, hz) if output_final_state else None)
 
 
-def _order_maps(f: int, device, dtype):
-    """`_make_order_maps`, made once per (f, device, dtype): the conversions then cost no host work but the einsums,
-    and run under CUDA-graph capture."""
-    key = (f, torch.device(device), dtype)
-    if key not in _ORDER_MAPS:
-        _ORDER_MAPS[key] = _make_order_maps(f, device, dtype)
-    return _ORDER_MAPS[key]
-
-
-_ORDER_MAPS: dict = {}
-
-
-def _make_order_maps(f: int, device, dtype):
-    """Linear maps between the E-feature state and the Taylor-order state (rows 1 + f + f², f² row-major).
-
-    to_orders [1+f+f², E]: order 0 = kv[0]; order 1 = f^¼·kv[1:1+f]; order 2 (a,a) = √2·√f·kv[diag a],
-    (a,b) and (b,a) = √f·kv[off a<b]. to_state [E, 1+f+f²] reads the upper triangle back.
-    """
+@functools.cache
+def _order_maps(f: int, device: torch.device, dtype: torch.dtype):
+    """Linear maps between the E-feature state and the Taylor-order state (rows 1 + f + f², f² row-major), made once per
+    (f, device, dtype) so that conversions run under CUDA-graph capture. to_orders [1+f+f², E]: order 0 = kv[0],
+    order 1 = f^¼·kv[1:1+f], (a,a) = √2·√f·kv[diag a], (a,b) and (b,a) = √f·kv[off a<b]; to_state reads them back."""
     E, F = feature_dim(f), 1 + f + f * f
     to_orders = torch.zeros(F, E, device=device, dtype=dtype)
     to_state = torch.zeros(E, F, device=device, dtype=dtype)

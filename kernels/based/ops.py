@@ -1,27 +1,10 @@
-"""Based linear attention's public ops, `chunk_based` and `fused_recurrent_based`, and the rule that picks the
-kernels behind `chunk_based`.
+"""Based linear attention's public ops, `chunk_based` and `fused_recurrent_based`, and `choose_path`, the rule that
+picks the kernels behind `chunk_based` (kernels/based/README.md has it as a table).
 
-The dispatch rule (`choose_path`; kernels/based/README.md has it as a table). One path serves a call, forward and
-backward alike:
-
-- "gluon" (`gluon.py`, `gluon_backward.py`): a Hopper GPU (sm_90), bf16, K = 16, V = 64, normalised, and either at
-  least MIN_SEQUENCES sequences (B·H) or at most MAX_SHORT_T tokens (one program per sequence: few long sequences
-  leave the GPU idle, where the fused form's parallel segments do better).
-- "split" (`split.py`): where a gradient follows, on any GPU, for bf16 and fp16 with K ≤ 16 and 32 < V ≤ 128, once
-  B·H·T ≥ SPLIT_MIN_WORK or while a CUDA graph is being captured. Below that size the fused form's four launches
-  cost the host less than the split form's seven, unless the launches are captured.
-- "fused" (`fused.py`): everything else: inference off sm_90, fp32, K > 16, other V, small problems.
-
-A path can be forced for debugging through `BasedConfig` (the `config` argument) or, process-wide, the environment
-variable ZOO_BASED_PATH (auto, gluon, split or fused), read once at import. A forced path that cannot take the call
-raises a one-line error.
-
-The path is chosen on the host from the inputs' metadata alone, once per call signature (`_plan`), before any kernel
-runs, and is passed to the kernels explicitly: under torch.compile `chunk_based` calls the custom ops
-`zoo_based::chunk_fwd` and `zoo_based::chunk_bwd` (registered below with fake implementations and autograd), which
-run exactly the kernels an eager call runs, the Gluon ones included. Eager calls skip the dispatcher (an
-autograd.Function, or no autograd at all when no gradient follows), so their host cost is the kernels' launches and
-little else.
+The path is chosen on the host from the inputs' metadata, once per call signature (`_plan`), and passed to the
+kernels explicitly. Eager calls run an autograd.Function (no autograd at all when no gradient follows), so their
+host cost is the launches; under torch.compile `chunk_based` calls the custom ops `zoo_based::chunk_fwd` and
+`zoo_based::chunk_bwd`, which run the same kernels.
 """
 
 import math
@@ -32,7 +15,7 @@ import torch
 
 from kernels.based import fused, split
 from kernels.based.decode import _decode_kernel
-from kernels.based.naive import feature_dim, orders_to_state, state_to_orders
+from kernels.based.naive import check_state, feature_dim, orders_to_state, state_to_orders
 from kernels.based.primitives import forward_dot
 from kernels.launch import check_devices, is_capturing, launch, next_power_of_2
 
@@ -89,7 +72,14 @@ def split_takes(dtype: torch.dtype, K: int, V: int) -> bool:
 
 def choose_path(*, sm90: bool, dtype: torch.dtype, B: int, T: int, H: int, K: int, V: int, normalize: bool,
                 grad: bool, capturing: bool, forced: str = "auto") -> str:
-    """The dispatch rule: "gluon", "split" or "fused" (see the module docstring); `forced` overrides it, checked."""
+    """The dispatch rule, one path for a call's forward and backward; `forced` overrides it, checked.
+
+    - "gluon": Hopper (sm_90), bf16, K = 16, V = 64, normalised, and B·H ≥ MIN_SEQUENCES or T ≤ MAX_SHORT_T (one
+      program per sequence: few long sequences leave the GPU idle, where the fused form's segments do better).
+    - "split": a gradient follows, bf16 or fp16, K ≤ 16, 32 < V ≤ 128, and B·H·T ≥ SPLIT_MIN_WORK or a CUDA graph is
+      being captured (below that the fused form's four launches cost the host less than the split form's seven).
+    - "fused": everything else (inference off sm_90, fp32, K > 16, other V, small problems).
+    """
     if forced == "gluon" and not gluon_takes(sm90, dtype, B, 0, H, K, V, normalize):
         raise ValueError("the Gluon path needs an sm_90 GPU, bf16, K=16, V=64 and normalize=True")
     if forced == "split" and K > 16:
@@ -121,6 +111,11 @@ def _backward(q, k, v, o, den, hs, zs, hv0, hz0, do, dhvT, dhzT, scale: float, p
     """(dq, dk, dv, dhv0, dhz0) from the path's kernels (dhv0, dhz0 None without an initial state)."""
     if do is None:  # only the final state reaches the loss
         do = torch.zeros_like(o)
+    if (dhvT is None) != (dhzT is None):  # one part of the final state reaches the loss: the other's gradient is 0
+        B, _, H, K = q.shape
+        F = 1 + K + K * K
+        dhvT = q.new_zeros(B, H, F, v.shape[-1], dtype=torch.float32) if dhvT is None else dhvT
+        dhzT = q.new_zeros(B, H, F, dtype=torch.float32) if dhzT is None else dhzT
     if path == "gluon":
         return gluon_backward.backward(q, k, v, o, do, den, hs, zs, scale, dhvT, dhzT, need_dh0=hv0 is not None)
     if path == "split":
@@ -175,15 +170,13 @@ def _chunk_fwd_fake(q, k, v, hv0, hz0, scale, path, normalize, output_final_stat
     hvT = torch.empty(B, H, F, V, **f32) if output_final_state else empty()
     hzT = torch.empty(B, H, F, **f32) if output_final_state else empty()
     hs, zs = empty(), empty()
-    if save and path == "gluon":
-        NQ = -(-T // 128)
-        hs = torch.empty(B * H, NQ, V, 192, device=q.device, dtype=torch.bfloat16)
-        zs = torch.empty(B * H, NQ, 192, **f32)
-    elif save and path == "split":
+    if save and path == "gluon":  # every second chunk's entering state (`gluon.forward`)
+        hs = torch.empty(B * H, -(-T // 128), V, 192, device=q.device, dtype=torch.bfloat16)
+        zs = torch.empty(B * H, -(-T // 128), 192, **f32)
+    elif save and path == "split":  # every chunk's (`split.forward`)
         NC = -(-T // split.CONFIG.BC)
-        hs = torch.empty(B * H, NC, 1 + 2 * 16 + 16 * 8, V, device=q.device,
-                         dtype=split._state_dtype(forward_dot(q.dtype, K)))
-        zs = torch.empty(B * H, NC, 1 + 16 + 16 * 16, **f32)
+        hs = torch.empty(B * H, NC, split.R_, V, device=q.device, dtype=split._state_dtype(forward_dot(q.dtype, K)))
+        zs = torch.empty(B * H, NC, split.ZR_, **f32)
     return torch.empty_like(v), den, hvT, hzT, hs, zs
 
 
@@ -225,12 +218,6 @@ def _chunk_grad(ctx, do, dden, dhvT, dhzT, dhs, dzs):
 _chunk_fwd_op.register_autograd(_chunk_grad, setup_context=_chunk_setup)
 
 
-def _public_state(hv: torch.Tensor, hz: torch.Tensor):
-    """A Taylor-order state -> (kv [B, H, E, V], k_sum [B, H, E]), contiguous fp32 (what decoding updates)."""
-    kv, k_sum = orders_to_state(hv, hz)
-    return kv.contiguous(), k_sum.contiguous()
-
-
 def _plan(q, k, v, scale, initial_state, normalize: bool, grad: bool, capturing: bool, config: BasedConfig):
     """Check a call's arguments and choose its path: (path, scale as a float). Reads metadata only, so `chunk_based`
     runs it once per (shapes, dtypes, devices, scale, flags)."""
@@ -245,10 +232,7 @@ def _plan(q, k, v, scale, initial_state, normalize: bool, grad: bool, capturing:
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"chunk_based supports fp32, fp16 and bf16 inputs, got {q.dtype}")
     if initial_state is not None:
-        E = feature_dim(K)
-        if initial_state[0].shape != (B, H, E, V) or initial_state[1].shape != (B, H, E):
-            raise ValueError(f"initial_state must be (kv {(B, H, E, V)}, k_sum {(B, H, E)}), got "
-                             f"({initial_state[0].shape}, {initial_state[1].shape})")
+        check_state(initial_state, B, H, feature_dim(K), V)
     scale = K**-0.5 if scale is None else float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
@@ -304,7 +288,7 @@ def chunk_based(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float 
         o, hvT, hzT = _ChunkBased.apply(q, k, v, hv0, hz0, scale, path, normalize, output_final_state)
     else:
         o, _, hvT, hzT, _, _ = _forward(q, k, v, hv0, hz0, scale, path, normalize, output_final_state, False)
-    return o, (_public_state(hvT, hzT) if output_final_state else None)
+    return o, (orders_to_state(hvT, hzT) if output_final_state else None)
 
 
 def fused_recurrent_based(q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor,
@@ -322,8 +306,7 @@ def fused_recurrent_based(q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tenso
     E = feature_dim(K)
     if k_t.shape != q_t.shape or v_t.shape[:2] != (B, H):
         raise ValueError(f"q_t, k_t must be [B, H, K] and v_t [B, H, V]; got {q_t.shape}, {k_t.shape}, {v_t.shape}")
-    if kv.shape != (B, H, E, V) or k_sum.shape != (B, H, E):
-        raise ValueError(f"state must be (kv {(B, H, E, V)}, k_sum {(B, H, E)}), got ({kv.shape}, {k_sum.shape})")
+    check_state(state, B, H, E, V)
     if kv.dtype != torch.float32 or k_sum.dtype != torch.float32 or not (kv.is_contiguous() and k_sum.is_contiguous()):
         raise ValueError("the state must be contiguous fp32 tensors (it is updated in place)")
     check_devices("fused_recurrent_based", q_t, k_t, v_t, kv, k_sum, out)

@@ -1,15 +1,12 @@
-"""What the Triton forms of Based share: operand precision, the pair layout of the order-2 state, and the
-conversions between the state layouts.
+"""What the Based forms share: the dots' operand precision (DOT_*, `_mm`; accumulation is fp32 throughout), the pair
+layout of the order-2 state, and the row maps between state layouts (`gather_rows`).
 
-The order-2 state Σ (k⊗k) vᵀ is symmetric, so the Triton kernels keep it as a diagonal block [BK, BV] plus one row
-per unordered pair {a, b}, a ≠ b, laid out cyclically: row j = (d-1)·BK + a holds the pair (a, (a+d) mod BK),
-d = 1..BK/2, with weight w_j = 2 (or 1 at d = BK/2, where both orders have a row). That is BK²/2 rows instead of
-BK², and each pair feature x_a·x_b is a product of two dots with 0/1 matrices, which keeps every tensor in the
-matrix units' layouts. The rows come in two halves (d = 1..BK/4 and the rest) so that one half's features are live
-at a time.
+The order-2 state Σ (k⊗k) vᵀ is symmetric, so the Triton forms keep a diagonal block [BK, BV] plus one row per
+unordered pair: row j = (d-1)·BK + a holds (a, (a+d) mod BK), d = 1..BK/2, weight w_j = 2 (1 at d = BK/2, where
+both orders have a row), in two halves so that one half's features are live at a time. Each pair feature x_a·x_b
+is a product of two dots with 0/1 matrices, which keeps every tensor in the matrix units' layouts."""
 
-DOT names the operand precision of a kernel's dots (`_mm`); accumulation is fp32 throughout.
-"""
+import functools
 
 import torch
 import triton
@@ -20,12 +17,8 @@ BK_PAIRS = 16  # the feature block of the pair layout (K ≤ 16)
 
 
 def backward_dot(dtype: torch.dtype, K: int = 16) -> int:
-    """The fused backward's DOT for inputs of `dtype` with feature dim K.
-
-    fp32: three tf32 products per dot ("tf32x3", ≈ fp32's accuracy on the tensor cores; ieee fp32 dots run on the
-    vector units), except at K > 16, where the split operands overflow an H200's shared memory and ieee fits. fp16:
-    tf32 operands (fp16's mantissa, fp32's range: the order-2 state and dO/den leave fp16's range at long T). bf16:
-    bf16 operands."""
+    """The fused backward's DOT: fp32 tf32x3 (≈ fp32's accuracy on the tensor cores; ieee at K > 16, where its split
+    operands overflow shared memory), fp16 tf32 (fp32's range: the state and dO/den leave fp16's), bf16 bf16."""
     if dtype == torch.float32:
         return DOT_TF32X3 if K <= 16 else DOT_IEEE
     if dtype == torch.float16:
@@ -36,9 +29,8 @@ def backward_dot(dtype: torch.dtype, K: int = 16) -> int:
 
 
 def forward_dot(dtype: torch.dtype, K: int = 16) -> int:
-    """The fused forward's and the split kernels' DOT: `backward_dot`'s, except fp16 operands for fp16 inputs (those
-    kernels keep what they carry in fp16's range: the fused forward reads the state as S/n, the split kernels store it
-    so and carry dO/den times each chunk's smallest den)."""
+    """The fused forward's and the split kernels' DOT: `backward_dot`'s, except fp16 operands for fp16 (those kernels
+    keep what they carry in fp16's range)."""
     return DOT_FP16 if dtype == torch.float16 else backward_dot(dtype, K)
 
 
@@ -59,9 +51,8 @@ def _mm(a, b, DOT: tl.constexpr):
 
 @triton.jit
 def _pair_cols(BK: tl.constexpr, P: tl.constexpr, NP: tl.constexpr):
-    """The pair layout's rows j = (d-1)·BK + a, d = 1..BK/2: the pair (a_j, b_j = (a_j + d) mod BK) and its
-    weight w_j, the number of ordered pairs (a, b), a≠b, it stands for (2, or 1 at d = BK/2, where (a, a+BK/2)
-    and (a+BK/2, a) both have rows). So Σ_{a≠b} x_a x_b S_ab = Σ_j w_j x_{a_j} x_{b_j} S_{a_j b_j} for symmetric S."""
+    """Part P of NP of the pair rows: a_j, b_j = (a_j + d) mod BK and the weight w_j, so that for symmetric S
+    Σ_{a≠b} x_a x_b S_ab = Σ_j w_j x_{a_j} x_{b_j} S_{a_j b_j}."""
     j = P * (BK * (BK // 2) // NP) + tl.arange(0, BK * (BK // 2) // NP)  # part P of NP (NP = 2: the two halves)
     d = 1 + j // BK
     a = j % BK
@@ -73,8 +64,8 @@ def _pair_cols(BK: tl.constexpr, P: tl.constexpr, NP: tl.constexpr):
 @triton.jit
 def _pair_reps(BK: tl.constexpr, TRANSPOSED: tl.constexpr, WEIGHTED: tl.constexpr, P: tl.constexpr,
                NP: tl.constexpr):
-    """0/1 matrices selecting a_j and b_j: [BK, J] (x @ rep puts x_{a_j} at column j), or [J, BK] transposed;
-    WEIGHTED puts w_j instead of 1 in the a_j matrix (exact: 1 or 2)."""
+    """0/1 matrices selecting a_j and b_j: [BK, J] (x @ rep puts x_{a_j} in column j), or [J, BK] transposed;
+    WEIGHTED puts w_j in the a_j matrix."""
     a, b, w = _pair_cols(BK, P, NP)
     rows = tl.arange(0, BK)
     if TRANSPOSED:
@@ -92,10 +83,8 @@ def _pair_reps(BK: tl.constexpr, TRANSPOSED: tl.constexpr, WEIGHTED: tl.constexp
 
 @triton.jit
 def _pairs(x, BK: tl.constexpr, DOT: tl.constexpr, P: tl.constexpr, NP: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """The pair features of part P of NP: x [BC, BK] -> [BC, J] with x_{a_j}·x_{b_j} (the reads' form), or with
-    TRANSPOSED x [BK, BC] -> [J, BC] with w_j·x_{a_j}·x_{b_j} (the updates' form, weights included). x is first
-    rounded to the dot's operand dtype; the two factors come from dots with 0/1 matrices (exact: one nonzero term
-    each)."""
+    """The pair features of part P: x [BC, BK] -> [BC, J], x_{a_j}·x_{b_j} (reads), or TRANSPOSED x [BK, BC] -> [J, BC]
+    with w_j (updates); x rounded to the operand dtype first, each factor a dot with a 0/1 matrix (exact)."""
     if DOT == 2:
         x = x.to(tl.bfloat16)
     rep_a, rep_b = _pair_reps(BK, TRANSPOSED, TRANSPOSED, P, NP)
@@ -107,8 +96,8 @@ def _pairs(x, BK: tl.constexpr, DOT: tl.constexpr, P: tl.constexpr, NP: tl.const
 
 @triton.jit
 def _pair_contract(g, x, BK: tl.constexpr, DOT: tl.constexpr, P: tl.constexpr, NP: tl.constexpr):
-    """½ ∂/∂x_r of Σ_j g_j x_{a_j} x_{b_j}, per row: g [BC, J], x [BC, BK] -> [BC, BK]. With g_j = w_j·(G_{a_j b_j})
-    for a symmetric G this is Σ_{b≠r} G_rb x_b, the off-diagonal part of `_contract`."""
+    """½ ∂/∂x_r of Σ_j g_j x_{a_j} x_{b_j}: g [BC, J], x [BC, BK] -> [BC, BK]; with g_j = w_j·G_{a_j b_j}, G symmetric,
+    Σ_{b≠r} G_rb x_b."""
     rep_a, rep_b = _pair_reps(BK, False, False, P, NP)
     rep_at, rep_bt = _pair_reps(BK, True, False, P, NP)
     xa = _mm(x, rep_a, DOT)
@@ -122,8 +111,8 @@ def _pair_contract(g, x, BK: tl.constexpr, DOT: tl.constexpr, P: tl.constexpr, N
 @triton.jit
 def _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H: tl.constexpr, V: tl.constexpr, BC: tl.constexpr,
                NORMALIZE: tl.constexpr):
-    """The gradients reaching the numerator, dO/den [BC, BV], and the denominator [BC]; the latter only in the
-    first V block (zero elsewhere), so that sums over V blocks count it once."""
+    """dO/den [BC, BV] and the denominator's gradient [BC], the latter in the first V block only (so that sums over
+    V blocks count it once)."""
     dnum = tl.load(do + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
     dnum = dnum.to(tl.float32)
     if NORMALIZE:
@@ -135,63 +124,73 @@ def _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H: tl.constexpr, V: tl
     return dnum, dd
 
 
-def _pair_index(BK: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The pair rows j = (d-1)·BK + a, d = 1..BK/2: a_j, b_j = (a_j + d) mod BK, weight w_j and validity (a, b < K)."""
-    j = torch.arange(BK * BK // 2, device=device)
-    d = 1 + j // BK
-    a = j % BK
-    b = (a + d) % BK
-    w = torch.where(d < BK // 2, 2.0, 1.0)
-    return a, b, w, (a < K) & (b < K)
+@functools.cache
+def pair_rows(K: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """The split form's state rows as rows of the Taylor-order form (-1: a zero row) and their weights: order 0,
+    order 1 [16], the order-2 diagonal [16], then the pair rows (`_pair_cols`, BK = 16) with weight w_j."""
+    rows = [0] + [1 + a if a < K else -1 for a in range(BK_PAIRS)]
+    rows += [1 + K + a * (K + 1) if a < K else -1 for a in range(BK_PAIRS)]
+    weights = [1.0] * len(rows)
+    for j in range(BK_PAIRS * BK_PAIRS // 2):
+        d, a = 1 + j // BK_PAIRS, j % BK_PAIRS
+        b = (a + d) % BK_PAIRS
+        rows.append(1 + K + a * K + b if a < K and b < K else -1)
+        weights.append(2.0 if d < BK_PAIRS // 2 else 1.0)
+    return tuple(rows), tuple(weights)
 
 
-def orders_to_pairs(h: torch.Tensor, K: int, BK: int) -> torch.Tensor:
-    """A Taylor-order state [N, 1 + K + K², C] (order-2 rows (a, b) at 1 + K + a·K + b) -> the pair layout
-    [N, 1 + 2·BK + BK²/2, C]: order 0, order 1, the diagonal, then pair row j = h_(a,b) + h_(b,a) where w_j = 2
-    and h_(a,b) where w_j = 1 (the mirror has its own row); rows past K are zero."""
-    N, _, C = h.shape
-    a, b, w, ok = _pair_index(BK, K, h.device)
-    o2 = h[:, 1 + K :].reshape(N, K, K, C)
-    out = h.new_zeros(N, 1 + 2 * BK + BK * BK // 2, C)
-    out[:, : 1 + K] = h[:, : 1 + K]
-    idx = torch.arange(K, device=h.device)
-    out[:, 1 + BK + idx] = o2[:, idx, idx]
-    a, b, w = a[ok], b[ok], w[ok].to(h.dtype)
-    out[:, 1 + 2 * BK + ok.nonzero()[:, 0]] = o2[:, a, b] + (w > 1.5).to(h.dtype)[:, None] * o2[:, b, a]
-    return out
+@functools.cache
+def padded_rows(K: int) -> tuple[int, ...]:
+    """The split form's denominator rows [1 + 16 + 16²] as rows of the Taylor-order form (-1: zero past K)."""
+    rows = [0] + [1 + a if a < K else -1 for a in range(BK_PAIRS)]
+    rows += [1 + K + a * K + b if a < K and b < K else -1 for a in range(BK_PAIRS) for b in range(BK_PAIRS)]
+    return tuple(rows)
 
 
-def pairs_to_orders(p: torch.Tensor, K: int, BK: int) -> torch.Tensor:
-    """Inverse of `orders_to_pairs` for symmetric order-2 states: [N, 1 + 2·BK + BK²/2, C] -> [N, 1 + K + K², C]."""
-    N, _, C = p.shape
-    a, b, w, ok = _pair_index(BK, K, p.device)
-    o2 = p.new_zeros(N, K, K, C)
-    idx = torch.arange(K, device=p.device)
-    o2[:, idx, idx] = p[:, 1 + BK + idx]
-    x = p[:, 1 + 2 * BK + ok.nonzero()[:, 0]] / w[ok].to(p.dtype)[:, None]
-    a, b, two = a[ok], b[ok], w[ok] > 1.5
-    o2[:, a, b] = x
-    o2[:, b[two], a[two]] = x[:, two]
-    return torch.cat([p[:, : 1 + K], o2.reshape(N, K * K, C)], dim=1)
+@functools.cache
+def invert_rows(rows: tuple[int, ...], K: int) -> tuple[int, ...]:
+    """For each row of the Taylor-order form [1 + K + K²], the first of `rows` that holds it, or else its mirror
+    (b, a): order 2 is symmetric."""
+    where: dict = {}
+    for r, t in enumerate(rows):
+        where.setdefault(t, r)
+    out = []
+    for t in range(1 + K + K * K):
+        a, b = divmod(t - 1 - K, K)
+        out.append(where[t] if t in where else where[1 + K + b * K + a])
+    return tuple(out)
 
 
-def _pad_orders(z: torch.Tensor, K: int, BK: int) -> torch.Tensor:
-    """A Taylor-order vector [N, 1 + K + K²] -> [N, 1 + BK + BK²], zeros in the rows past K."""
-    N = z.shape[0]
-    out = z.new_zeros(N, 1 + BK + BK * BK)
-    out[:, : 1 + K] = z[:, : 1 + K]
-    out[:, 1 + BK :].view(N, BK, BK)[:, :K, :K] = z[:, 1 + K :].reshape(N, K, K)
-    return out
+@functools.cache
+def _tensor(values: tuple, device: torch.device) -> torch.Tensor:
+    """`values` as a tensor on `device`, made once, so that calls under CUDA-graph capture copy nothing."""
+    return torch.tensor(values, device=device)
 
 
-def _unpad_orders(z: torch.Tensor, K: int, BK: int) -> torch.Tensor:
-    """Inverse of `_pad_orders`."""
-    N = z.shape[0]
-    return torch.cat([z[:, : 1 + K], z[:, 1 + BK :].reshape(N, BK, BK)[:, :K, :K].reshape(N, K * K)], dim=1)
+def gather_rows(x: torch.Tensor, rows: tuple[int, ...], weights: tuple[float, ...] | None = None) -> torch.Tensor:
+    """x [N, F, *] -> [N, len(rows), *], contiguous: row r = weights[r]·x[:, rows[r]], zero where rows[r] = -1."""
+    x = torch.cat([x, x.new_zeros(x.shape[0], 1, *x.shape[2:])], 1)[:, _tensor(rows, x.device)]
+    if weights is not None:
+        x = x * _tensor(weights, x.device).to(x.dtype).view(1, -1, *([1] * (x.dim() - 2)))
+    return x.contiguous()
 
 
-def _symmetrise_order2(hv: torch.Tensor, K: int) -> torch.Tensor:
-    """G + Gᵀ on the order-2 rows of a Taylor-order tensor [B, H, 1+K+K², *] (orders 0 and 1 unchanged)."""
+@functools.cache
+def _scatter_index(rows: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of `rows` that hold a row (not -1) and the rows they hold, on `device`, made once."""
+    keep = [r for r, t in enumerate(rows) if t >= 0]
+    return torch.tensor(keep, device=device), torch.tensor([rows[r] for r in keep], device=device)
+
+
+def scatter_rows(x: torch.Tensor, rows: tuple[int, ...], n: int) -> torch.Tensor:
+    """The transpose of `gather_rows` (weights 1): x [N, len(rows), *] -> [N, n, *], out[:, rows[r]] += x[:, r]."""
+    keep, into = _scatter_index(rows, x.device)
+    return x.new_zeros(x.shape[0], n, *x.shape[2:]).index_add_(1, into, x[:, keep])
+
+
+def symmetrise_order2(hv: torch.Tensor, K: int) -> torch.Tensor:
+    """G + Gᵀ on the order-2 rows of a Taylor-order tensor [B, H, 1+K+K², *] in fp32 (orders 0 and 1 unchanged)."""
+    hv = hv.float()
     head, o2 = hv[:, :, : 1 + K], hv[:, :, 1 + K:]
     o2 = o2.reshape(*o2.shape[:2], K, K, *o2.shape[3:])
-    return torch.cat([head, (o2 + o2.transpose(2, 3)).flatten(2, 3)], dim=2)
+    return torch.cat([head, (o2 + o2.transpose(2, 3)).flatten(2, 3)], dim=2).contiguous()

@@ -1,29 +1,19 @@
-"""The split chunked Based kernels: no serial chain through the outputs. States first, then every chunk at once.
+"""The split chunked Based kernels, the portable training path: no output waits on a serial chain.
 
-The fused form (`fused.py`) carries the state in registers through a chain of T/BC dependent steps per program, each
-with the state update, the state read and the intra-chunk tile. This form separates them, for bf16 and fp16 inputs
-with K ≤ 16 and 32 < V ≤ 128 where a gradient follows (the portable training path for GPUs without Gluon):
+For bf16 and fp16 with K ≤ 16 and 32 < V ≤ 128 where a gradient follows (`ops.choose_path`):
 
-1. The state pass stores the state entering every chunk. `_features_kernel`, grid (chunks, B·H), writes every
-   token's key features feature-major (F [B·H, R, T]) and every chunk's own denominator sums, fully parallel; then
-   `_chain_kernel`, grid (row parts, V blocks, B·H), walks the chunks with one load and one dot per step,
-   hs[c + 1] = hs[c] + F[:, c]·v[c], and turns the denominator sums into entering states on the way.
-2. `_output_kernel`, grid (chunks, V blocks, B·H): every chunk at once from its entering state:
-   o = w·v (the causal tile, w = 1 + s + s²/2) + φ(q)·hs[c], and the same for the denominator.
+1. State pass: `_features_kernel` (grid chunks × B·H) stores every token's key features feature-major and every
+   chunk's own denominator sums, fully parallel; `_chain_kernel` (grid row parts × V blocks × B·H) then walks the
+   chunks with one load and one dot per step and stores the state entering every chunk.
+2. `_output_kernel` (grid chunk groups × V blocks × B·H): every chunk at once from its entering state.
 
-The backward has the same shape: the forward's entering states (kept from the forward), a reverse state pass over
-(q, dO/den) by the same two kernels (which also computes dden), then every chunk's dq, dv and dk at once.
-
-The state rows use the pair layout of `primitives.py` (R = 1 + 2·BK + BK²/2 rows: order 0, order 1 [BK], the
-order-2 diagonal [BK], then one row per unordered pair), stored in the dot's operand dtype: bf16 for bf16 inputs
-(the fused kernel rounds the state to bf16 at every read too), fp16 for fp16 inputs, as S/n with n the tokens
-summed (`_chain_kernel`). The denominator's state (n, z1, Z2 [BK, BK]) is kept in fp32, in the Taylor-order layout.
-States cross the boundary in the Taylor-order layout ([1 + K + K², V]), converted here in PyTorch.
-
-Traffic: the entering states are B·H·(T/BC)·R·V elements, written once and read once: at B=8, H=16, T=4096, K=16,
-V=64, BC=64 in bf16, 169 MB each way, against ≈ 30 MB for q, k, v, o.
+The backward reuses the forward's states, runs a reverse state pass of the same two kernels over (q, dO/den), which
+also computes dden, then every chunk's dq, dv and dk at once. The states use the pair layout (`primitives.pair_rows`,
+R = 161 rows) in the operand dtype (fp16 as S/n, n the tokens summed); the denominator's state stays fp32 in the
+padded Taylor-order layout (`primitives.padded_rows`, ZR = 273 rows).
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -33,28 +23,26 @@ import triton.language as tl
 from kernels.based.primitives import (
     _load_dout,
     _mm,
-    _pad_orders,
     _pair_contract,
     _pairs,
-    _symmetrise_order2,
-    _unpad_orders,
     forward_dot,
-    orders_to_pairs,
-    pairs_to_orders,
+    gather_rows,
+    invert_rows,
+    padded_rows,
+    pair_rows,
+    symmetrise_order2,
 )
 from kernels.launch import cdiv, launch, next_power_of_2
 
 
 @dataclass(frozen=True)
 class SplitConfig:
-    """Launch settings of the split kernels, as measured fastest on an H200 (experiments/LOG.md).
-
-    BC: tokens per chunk; BV: the value block of the state passes and of dk/dv (64: 32 made Triton 3.6 compile the
-    dk kernel into an out-of-bounds shared-memory read); output_BV: that of the output pass and dq; OP: parts of the
-    pair rows a per-chunk kernel reads at a time; *_chunks / *_stages: chunks per program and pipeline stages of
-    the per-chunk kernels; *_maxnreg: register caps (168 lets 3 programs of 4 warps share an SM); features_rows /
-    features_parts / features_stages: the row part of a chain walk, the pair rows of the features kernel in parts,
-    the chain walk's pipeline stages."""
+    """Launch settings, the fastest measured on an H200 (experiments/LOG.md). BC: tokens per chunk; BV: the value
+    block of the state passes and dk/dv (at 32, Triton 3.6 compiles the dk kernel into an out-of-bounds shared-memory
+    read); output_BV: that of the output pass and dq; OP: parts of the pair rows a per-chunk kernel reads at a time;
+    *_chunks, *_stages: chunks per program and pipeline stages of the per-chunk kernels; maxnreg: their register cap
+    (168: 3 programs of 4 warps per SM); features_rows, features_parts, features_stages: the chain's row part, the
+    features kernel's pair-row parts, the chain's pipeline stages."""
 
     BC: int = 64
     BV: int = 64
@@ -76,27 +64,24 @@ class SplitConfig:
 
 
 CONFIG = SplitConfig()
+R_, ZR_ = 1 + 2 * 16 + 16 * 8, 1 + 16 + 16 * 16  # the state's and the denominator state's rows
 
 
 def _state_dtype(dot: int) -> torch.dtype:
-    """The stored features and states' dtype: the dots' operand dtype (bf16, fp16), fp32 for tf32 / fp32 dots."""
+    """The stored features' and states' dtype: the dots' operand dtype (bf16, fp16), else fp32."""
     return {2: torch.bfloat16, 4: torch.float16}.get(dot, torch.float32)
 
 
-def _blocks(T: int, V: int, BV: int | None = None, cfg: SplitConfig = CONFIG) -> tuple[int, int, int, int]:
-    """(BC, BV, NV, NC) at length T and value width V: chunk, value block (cfg.BV unless given), their counts."""
-    BV = min(cfg.BV if BV is None else BV, max(16, next_power_of_2(V)))
+def _blocks(T: int, V: int, BV: int, cfg: SplitConfig) -> tuple[int, int, int, int]:
+    """(BC, BV, NV, NC): chunk, value block (at most BV), their counts."""
+    BV = min(BV, max(16, next_power_of_2(V)))
     return cfg.BC, BV, cdiv(V, BV), cdiv(T, cfg.BC)
-
 
 
 @triton.jit
 def _dout_scale(den, c, T, BC: tl.constexpr, H: tl.constexpr):
-    """The factor that fp16 operands (DOT 4) carry dO/den and its products in for chunk c: the smallest |den| of the
-    chunk's tokens (den at the sequence, [T, H] strides). den grows like the tokens summed, so dO/den falls far below
-    dO and, in fp16, into subnormals and zero; times this factor it is at most dO's size (a min, not the first
-    token's den, since den can vary a lot inside a chunk: large scores make some w huge). Every kernel that scales
-    or unscales computes it from the same values, and a min is exact in any order."""
+    """The factor fp16 operands (DOT 4) carry dO/den in for chunk c: the chunk's smallest |den| (den at the
+    sequence). dO/den shrinks like 1/tokens and in fp16 falls into subnormals; times this it is at most dO's size."""
     t = c * BC + tl.arange(0, BC)
     d = tl.load(den + t * H, mask=t < T, other=float("inf"))
     return tl.maximum(tl.min(tl.abs(d), 0), 1e-30)
@@ -114,15 +99,10 @@ def _features_kernel(k, g, F, zc, w, den, wout, o, scale, T, NC, H: tl.constexpr
                      V: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr, NPF: tl.constexpr,
                      DOT: tl.constexpr, USE_G: tl.constexpr, STORE_W: tl.constexpr,
                      DDEN: tl.constexpr = False):
-    """Chunk i_c of sequence i_bh's features of x = scale·k (k: the keys, or the queries for the
-    reverse pass), feature-major, in the state's pair-layout row order (F [B·H, R, T] in the operand dtype: 1, x_a,
-    x_a², then w_j·x_{a_j}·x_{b_j}, the products exact in fp32 before the one rounding the dot would apply), and the
-    chunk's own denominator sums with per-token weights g (zc [B·H, NC, ZR] fp32: Σ g, Σ x g, Σ x xᵀ g; g = dden
-    [B, T, H] with USE_G, else 1 per token: the count, Σ k, Σ k kᵀ). With STORE_W also the walk's other operand for
-    the reverse pass, wout = w / den (dO/den, [B, T, H, V] in F's dtype; BW ≥ V). Fully parallel: what the state
-    walk then does per step is one load and one dot. With DDEN (and STORE_W) the weights g are computed here rather
-    than loaded, g = dden = -Σ_v dO·o / den (`fused._dden_kernel`'s values), and stored to g for the gradient
-    kernels: dO and den are loaded here anyway, so this saves that launch and its second read of dO."""
+    """Chunk i_c of sequence i_bh: the features of x = scale·k (the queries in the reverse pass) feature-major in the
+    pair-layout row order (F [B·H, R, T], operand dtype), and the chunk's own denominator sums with per-token weights g
+    (zc [B·H, NC, ZR] fp32: Σ g, Σ x g, Σ x xᵀ g; without USE_G, g = 1). With STORE_W also the reverse walk's operand
+    wout = w / den; with DDEN, g = dden = -Σ_v dO·o / den is computed here (dO and den are loaded anyway) and stored."""
     scale = tl.cast(scale, tl.float32)  # a no-op for the fp32 Triton passes; torch.compile passes fp64
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -177,18 +157,11 @@ def _chain_kernel(F, v, hs, h0, hT, zc, z0, zT, den, T, NC, H: tl.constexpr, V: 
                   RP: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr, ZR: tl.constexpr, BZ: tl.constexpr,
                   USE_H0: tl.constexpr, STORE_HT: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr,
                   REVERSE: tl.constexpr = False, SCALED_W: tl.constexpr = False):
-    """Rows i_p·RP up to (i_p + 1)·RP of sequence i_bh's state, value block i_v, walked over
-    the chunks from the features `_features_kernel` stored: hs[i_bh, c] = h0 + Σ_{c' < c} F[:, c'] v[c'] (with
-    REVERSE, Σ_{c' > c}: the reverse pass, v = dO/den) and the whole sum in hT (fp32), one load and one dot per
-    step, Triton's pipelined loop loading STAGES - 1 chunks ahead. Every row is alike here, so the row parts need
-    not follow the layout's orders. The first program of each sequence (row part 0, value block 0) also turns the
-    chunks' own denominator sums zc [B·H, NC, ZR] (fp32) into the entering ones in place, from z0, with the whole
-    sum in zT (the other programs' masks are empty): no launch or PyTorch op of its own.
-
-    fp16 operands (DOT 4) keep what they carry in fp16's range: the forward walk stores hs[c] / max(n_c, 1), n_c the
-    tokens summed (n0 + c·BC, n0 the initial state's count), as the fused forward reads its state; the reverse walk
-    (SCALED_W) takes dO/den times the chunk's `_dout_scale` from the features kernel and divides it out of each step's
-    dot. Its stored states are sums of dO/den over the later tokens, of dO's own size, and stay unscaled."""
+    """Rows i_p·RP up to (i_p + 1)·RP of sequence i_bh's state, value block i_v: hs[c] = h0 + Σ_{c' < c} F[:, c'] v[c']
+    (REVERSE: c' > c), the whole sum in hT, one load and one dot per pipelined step. The first program of a sequence
+    also turns zc into the entering denominator states in place, from z0 (total in zT). fp16 (DOT 4): the forward
+    stores hs[c] / max(n_c, 1), n_c the tokens summed; the reverse walk (SCALED_W) divides the chunk's `_dout_scale`
+    out of each step's dot."""
     i_p, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     rows = i_p * RP + tl.arange(0, RP)
@@ -240,9 +213,8 @@ def _output_kernel(q, k, v, o, den, hs, zs, scale, T, NC,
                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                    BC: tl.constexpr, OP: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr,
                    G: tl.constexpr = 1, STAGES: tl.constexpr = 1):
-    """Chunks i_g·G up to (i_g + 1)·G of sequence i_bh, value block i_v, one after another (with STAGES > 1 the
-    next chunk's loads are in flight during this one's dots): the causal tile plus the read of the entering state
-    (the order-2 pair rows in OP parts, so that one part's [BC, J/OP] pair features are live at a time)."""
+    """Chunks i_g·G up to (i_g + 1)·G of sequence i_bh, value block i_v (STAGES > 1: the next chunk's loads in flight):
+    the causal tile plus the read of the entering state, the pair rows in OP parts."""
     scale = tl.cast(scale, tl.float32)  # a no-op for the fp32 Triton passes; torch.compile passes fp64
     i_g, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
@@ -257,138 +229,49 @@ def _output_kernel(q, k, v, o, den, hs, zs, scale, T, NC,
     k += i_b.to(tl.int64) * T * H * K + i_h * K
     v += i_b.to(tl.int64) * T * H * V + i_h * V
     o += i_b.to(tl.int64) * T * H * V + i_h * V
-    for i_c in tl.range(i_g * G, tl.minimum(i_g * G + G, NC), num_stages=STAGES):
-        _output_chunk(q, k, v, o, den, hs, zs, scale, T, NC, i_c, i_b, i_h, i_bh, i_v, offs_c, offs_k, offs_v,
-                      offs_j, m_k, m_v, causal, H, K, V, BK, BV, BC, OP, NORMALIZE, DOT)
-
-
-@triton.jit
-def _output_chunk(q, k, v, o, den, hs, zs, scale, T, NC, i_c, i_b, i_h, i_bh, i_v, offs_c, offs_k, offs_v, offs_j,
-                  m_k, m_v, causal, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                  BV: tl.constexpr, BC: tl.constexpr, OP: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr):
-    """`_output_kernel`'s chunk i_c (pointers already at the sequence)."""
     R: tl.constexpr = 1 + 2 * BK + BK * (BK // 2)
     ZR: tl.constexpr = 1 + BK + BK * BK
-    JP: tl.constexpr = BK * (BK // 2) // OP
-    t = i_c * BC + offs_c
-    m_t = t < T
-    h = hs + (i_bh.to(tl.int64) * NC + i_c) * R * V
-    z = zs + (i_bh.to(tl.int64) * NC + i_c) * ZR
+    for i_c in tl.range(i_g * G, tl.minimum(i_g * G + G, NC), num_stages=STAGES):
+        t = i_c * BC + offs_c
+        m_t = t < T
+        h = hs + (i_bh.to(tl.int64) * NC + i_c) * R * V
+        z = zs + (i_bh.to(tl.int64) * NC + i_c) * ZR
 
-    bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-    bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
-    bv = tl.load(v + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-    qs = bq.to(tl.float32) * scale  # [BC, BK]
-    s = _mm(bq, bkt, DOT) * scale  # [BC, BC]
-    w = tl.where(causal, 1.0 + s + 0.5 * s * s, 0.0)
+        bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+        bv = tl.load(v + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        qs = bq.to(tl.float32) * scale  # [BC, BK]
+        s = _mm(bq, bkt, DOT) * scale  # [BC, BC]
+        w = tl.where(causal, 1.0 + s + 0.5 * s * s, 0.0)
 
-    S0 = tl.load(h + offs_v, mask=m_v, other=0.0).to(tl.float32)
-    # the state tiles go to the dots as stored (`_mm` casts to the operand dtype), so that a pipelined loop
-    # (STAGES > 1) can load them ahead
-    S1 = tl.load(h + (1 + offs_k)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
-    Sd = tl.load(h + (1 + BK + offs_k)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
-    o2 = _mm(qs * qs, Sd, DOT)
-    for p in tl.static_range(OP):
-        S2 = tl.load(h + (1 + 2 * BK + p * JP + offs_j)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
-        o2 += _mm(_pairs(qs, BK, DOT, p, OP, False), S2, DOT)
-    if DOT == 4:  # fp16 operands: hs holds the state over max(n, 1) (`_chain_kernel`)
-        num = _mm(w, bv, DOT) + (S0[None, :] + _mm(qs, S1, DOT) + 0.5 * o2) * tl.maximum(tl.load(z), 1.0)
-    else:
-        num = _mm(w, bv, DOT) + S0[None, :] + _mm(qs, S1, DOT) + 0.5 * o2
-    if NORMALIZE:
-        Z2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
-        d2 = tl.sum(_mm(qs, Z2, 0) * qs, 1)
-        d = tl.sum(w, 1) + tl.load(z) + tl.sum(qs * tl.load(z + 1 + offs_k)[None, :], 1) + 0.5 * d2
-        num = num / d[:, None]
-        if i_v == 0:
-            tl.store(den + i_b.to(tl.int64) * T * H + i_h + t * H, d, mask=m_t)
-    tl.store(o + t[:, None] * H * V + offs_v[None, :], num.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
-
-
-def _features_walk(x, g, w, scale: float, h0, z0, store_total: bool, reverse: bool, dot: int, den=None, o=None,
-                   cfg: SplitConfig = CONFIG):
-    """A state pass: the features of scale·x and each chunk's denominator sums (weights g [B, T, H] fp32, or None:
-    1 per token) at once (`_features_kernel`), then the walk over w [B, T, H, V] as one load and one dot per step
-    (`_chain_kernel`, from the last chunk with reverse), which also sums the denominator's entering states over the
-    chunks (fp32). The forward: x = k, w = v; the reverse: x = q (times scale), w = dO, den the forward's
-    denominator (the walk then runs over dO/den, which the features kernel stores). h0, z0: the state the walk
-    starts from, pair / padded Taylor-order layouts, or None. o: the forward's output, with den: the features kernel
-    then computes g = dden itself and fills g (an empty [B, T, H] fp32) with it. Returns (hs, zs, hT, zT): the
-    states entering every chunk [B·H, NC, R, V] and [B·H, NC, ZR], and the whole sums (or None)."""
-    B, T, H, K = x.shape
-    V = w.shape[-1]
-    BK = 16
-    BC, BV, NV, NC = _blocks(T, V, cfg=cfg)
-    R, ZR = 1 + 2 * BK + BK * BK // 2, 1 + BK + BK * BK
-    dev = x.device
-    dt = _state_dtype(dot)
-    F = torch.empty(B * H, R, T, device=dev, dtype=dt)
-    zc = torch.empty(B * H, NC, ZR, device=dev, dtype=torch.float32)
-    wout = None if den is None else torch.empty(w.shape, device=dev, dtype=dt)
-    launch(_features_kernel, (NC, B * H), x, g, F, zc, w, den, wout, o, scale, T, NC, H=H, K=K, V=V, BK=BK, BC=BC,
-           BW=max(16, next_power_of_2(V)), NPF=cfg.features_parts, DOT=dot, USE_G=g is not None,
-           STORE_W=den is not None, DDEN=o is not None, num_warps=cfg.warps)
-    w = w if den is None else wout
-    hs = torch.empty(B * H, NC, R, V, device=dev, dtype=dt)
-    hT = torch.empty(B * H, R, V, device=dev, dtype=torch.float32) if store_total else None
-    zT = torch.empty(B * H, ZR, device=dev, dtype=torch.float32) if store_total else None
-    RP = cfg.features_rows
-    # zc becomes the entering denominator states in place (the chain's first program per sequence)
-    scaled_w = dot == 4 and den is not None
-    launch(_chain_kernel, (cdiv(R, RP), NV, B * H), F, w, hs, h0, hT, zc, z0, zT, den if scaled_w else None, T, NC,
-           H=H, V=V, R=R, RP=RP, BV=BV, BC=BC, ZR=ZR, BZ=next_power_of_2(ZR), USE_H0=h0 is not None,
-           STORE_HT=store_total, DOT=dot, STAGES=cfg.features_stages, REVERSE=reverse, SCALED_W=scaled_w,
-           num_warps=cfg.warps, maxnreg=None)
-    return hs, zc, hT, zT
-
-
-def state_pass(k, v, hv0, hz0, output_final_state: bool, dot: int, cfg: SplitConfig = CONFIG):
-    """The forward's state pass: (hs [B·H, NC, R, V], zs [B·H, NC, ZR], hT, zT) in the pair / padded layouts (hT, zT
-    None unless output_final_state); hv0/hz0 in the Taylor-order layout, or None."""
-    B, T, H, K = k.shape
-    V = v.shape[-1]
-    BK = 16
-    h0 = z0 = None
-    if hv0 is not None:
-        h0 = orders_to_pairs(hv0.reshape(B * H, 1 + K + K * K, V), K, BK).contiguous()
-        z0 = _pad_orders(hz0.reshape(B * H, 1 + K + K * K), K, BK).contiguous()
-    return _features_walk(k, None, v, 1.0, h0, z0, output_final_state, False, dot, cfg=cfg)
-
-
-def output_pass(q, k, v, hs, zs, scale: float, normalize: bool, dot: int, cfg: SplitConfig = CONFIG):
-    """The output pass: o [B, T, H, V] in v's dtype and den [B, T, H] fp32 (None unless normalize)."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    BC, BV, NV, NC = _blocks(T, V, cfg.output_BV, cfg)
-    o = torch.empty_like(v)
-    den = torch.empty(B, T, H, device=q.device, dtype=torch.float32) if normalize else None
-    G = cfg.output_chunks
-    launch(_output_kernel, (cdiv(NC, G), NV, B * H), q, k, v, o, den, hs, zs, scale, T, NC, H=H, K=K, V=V, BK=16,
-           BV=BV, BC=BC, OP=cfg.OP, NORMALIZE=normalize, DOT=dot, G=G, STAGES=cfg.output_stages,
-           num_warps=cfg.warps, maxnreg=cfg.maxnreg)
-    return o, den
-
-
-def forward(q, k, v, hv0, hz0, scale: float, output_final_state: bool, normalize: bool, cfg: SplitConfig = CONFIG):
-    """o [B, T, H, V], den [B, T, H] fp32 (or None), the final state (hvT, hzT) in the Taylor-order layout (or None,
-    None), and (hs, zs), the states entering every chunk, for `backward`. hv0/hz0: the initial state in that layout,
-    or None. K ≤ 16, bf16 or fp16 (the operand dtype follows the inputs: `primitives.forward_dot`)."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    dot = forward_dot(q.dtype, K)
-    hs, zs, hT, zT = state_pass(k, v, hv0, hz0, output_final_state, dot, cfg)
-    o, den = output_pass(q, k, v, hs, zs, scale, normalize, dot, cfg)
-    hvT = hzT = None
-    if output_final_state:
-        hvT = pairs_to_orders(hT, K, 16).reshape(B, H, 1 + K + K * K, V).contiguous()
-        hzT = _unpad_orders(zT, K, 16).reshape(B, H, 1 + K + K * K).contiguous()
-    return o, den, hvT, hzT, hs, zs
+        S0 = tl.load(h + offs_v, mask=m_v, other=0.0).to(tl.float32)
+        # the state tiles go to the dots as stored (`_mm` casts to the operand dtype), so that a pipelined loop
+        # (STAGES > 1) can load them ahead
+        S1 = tl.load(h + (1 + offs_k)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
+        Sd = tl.load(h + (1 + BK + offs_k)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
+        o2 = _mm(qs * qs, Sd, DOT)
+        for p in tl.static_range(OP):
+            S2 = tl.load(h + (1 + 2 * BK + p * JP + offs_j)[:, None] * V + offs_v[None, :], mask=m_v[None, :],
+                         other=0.0)
+            o2 += _mm(_pairs(qs, BK, DOT, p, OP, False), S2, DOT)
+        if DOT == 4:  # fp16 operands: hs holds the state over max(n, 1) (`_chain_kernel`)
+            num = _mm(w, bv, DOT) + (S0[None, :] + _mm(qs, S1, DOT) + 0.5 * o2) * tl.maximum(tl.load(z), 1.0)
+        else:
+            num = _mm(w, bv, DOT) + S0[None, :] + _mm(qs, S1, DOT) + 0.5 * o2
+        if NORMALIZE:
+            Z2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
+            d2 = tl.sum(_mm(qs, Z2, 0) * qs, 1)
+            d = tl.sum(w, 1) + tl.load(z) + tl.sum(qs * tl.load(z + 1 + offs_k)[None, :], 1) + 0.5 * d2
+            num = num / d[:, None]
+            if i_v == 0:
+                tl.store(den + i_b.to(tl.int64) * T * H + i_h + t * H, d, mask=m_t)
+        tl.store(o + t[:, None] * H * V + offs_v[None, :], num.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
 
 @triton.jit
 def _pair_grad(y, x, h, offs_v, m_v, V: tl.constexpr, BK: tl.constexpr, OP: tl.constexpr, DOT: tl.constexpr):
-    """Σ_b (y·S[a, b])·x_b for the symmetric order-2 state S held in the pair layout at h (the diagonal and the
-    pair rows, read transposed): y [BC, BV], x [BC, BK] -> [BC, BK] (`fused._order2_contract`)."""
+    """Σ_b (y·S[a, b])·x_b for the symmetric order-2 state S in the pair layout at h: y [BC, BV], x [BC, BK] ->
+    [BC, BK] (`fused._order2_contract`)."""
     JP: tl.constexpr = BK * (BK // 2) // OP
     offs_k = tl.arange(0, BK)
     offs_j = tl.arange(0, JP)
@@ -419,8 +302,8 @@ def _dq_kernel(q, k, v, do, den, dden, dq, hs, zs, scale, T, NC,
                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                BC: tl.constexpr, OP: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr,
                G: tl.constexpr = 1, STAGES: tl.constexpr = 1):
-    """dq of chunks i_g·G up to (i_g + 1)·G (partial over V blocks: dq [NV, B, T, H, K]) from the forward states
-    entering them, one chunk after another (STAGES as in `_output_kernel`)."""
+    """dq of chunks i_g·G up to (i_g + 1)·G (dq [NV, B, T, H, K], sums over V blocks) from the forward's entering
+    states."""
     scale = tl.cast(scale, tl.float32)  # a no-op for the fp32 Triton passes; torch.compile passes fp64
     i_g, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
@@ -438,54 +321,44 @@ def _dq_kernel(q, k, v, do, den, dden, dq, hs, zs, scale, T, NC,
     if NORMALIZE:
         den += i_b.to(tl.int64) * T * H + i_h
         dden += i_b.to(tl.int64) * T * H + i_h
-    for i_c in tl.range(i_g * G, tl.minimum(i_g * G + G, NC), num_stages=STAGES):
-        _dq_chunk(q, k, v, do, den, dden, dq, hs, zs, scale, T, NC, i_c, i_bh, offs_c, offs_k, offs_v, m_k, m_v,
-                  first, causal, H, K, V, BK, BV, BC, OP, NORMALIZE, DOT)
-
-
-@triton.jit
-def _dq_chunk(q, k, v, do, den, dden, dq, hs, zs, scale, T, NC, i_c, i_bh, offs_c, offs_k, offs_v, m_k, m_v, first,
-              causal, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-              BC: tl.constexpr, OP: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr):
-    """`_dq_kernel`'s chunk i_c (pointers already at the sequence)."""
     R: tl.constexpr = 1 + 2 * BK + BK * (BK // 2)
     ZR: tl.constexpr = 1 + BK + BK * BK
-    t = i_c * BC + offs_c
-    m_t = t < T
-    h = hs + (i_bh.to(tl.int64) * NC + i_c) * R * V
-    z = zs + (i_bh.to(tl.int64) * NC + i_c) * ZR
+    for i_c in tl.range(i_g * G, tl.minimum(i_g * G + G, NC), num_stages=STAGES):
+        t = i_c * BC + offs_c
+        m_t = t < T
+        h = hs + (i_bh.to(tl.int64) * NC + i_c) * R * V
+        z = zs + (i_bh.to(tl.int64) * NC + i_c) * ZR
 
-    bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-    bk = tl.load(k + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-    bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
-    bvt = tl.load(v + t[None, :] * H * V + offs_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0)
-    dnum, dd = _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H, V, BC, NORMALIZE)
-    qs = bq.to(tl.float32) * scale
+        bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        bk = tl.load(k + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+        bvt = tl.load(v + t[None, :] * H * V + offs_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0)
+        dnum, dd = _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H, V, BC, NORMALIZE)
+        qs = bq.to(tl.float32) * scale
 
-    s = _mm(bq, bkt, DOT) * scale  # [BC, BC]
-    if DOT == 4:
-        # fp16 operands: dO/den and dd (and so ds) times u, the chunk's `_dout_scale`, and hs over max(n, 1)
-        # (`_chain_kernel`); both come out of the fp32 results
-        u = 1.0
-        if NORMALIZE:
-            u = _dout_scale(den, i_c, T, BC, H)
-        dnum = dnum * u
-        dp = _mm(dnum, bvt, DOT) + (dd * u)[:, None]
-        ds = tl.where(causal, dp * (1.0 + s), 0.0)
-        S1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
-        r = tl.maximum(tl.load(z), 1.0) / u
-        dqs = _mm(ds, bk, DOT) * (1.0 / u) + _mm(dnum, S1t, DOT) * r
-        dqs += _pair_grad(dnum, qs, h, offs_v, m_v, V, BK, OP, DOT) * r
-    else:
-        dp = _mm(dnum, bvt, DOT) + dd[:, None]
-        ds = tl.where(causal, dp * (1.0 + s), 0.0)
-        S1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
-        dqs = _mm(ds, bk, DOT) + _mm(dnum, S1t, DOT) + _pair_grad(dnum, qs, h, offs_v, m_v, V, BK, OP, DOT)
-    if NORMALIZE:  # dd is zero past the first V block; no branch, so that a pipelined loop loads Z2 ahead
-        Z2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
-        dqs += dd[:, None] * (tl.load(z + 1 + offs_k)[None, :] + _mm(qs, Z2, 0))
-    tl.store(dq + t[:, None] * H * K + offs_k[None, :], (dqs * scale).to(dq.dtype.element_ty),
-             mask=m_t[:, None] & m_k[None, :])
+        s = _mm(bq, bkt, DOT) * scale  # [BC, BC]
+        if DOT == 4:
+            # fp16: dO/den and dd times u, the chunk's `_dout_scale`, and hs over max(n, 1), both undone in fp32
+            u = 1.0
+            if NORMALIZE:
+                u = _dout_scale(den, i_c, T, BC, H)
+            dnum = dnum * u
+            dp = _mm(dnum, bvt, DOT) + (dd * u)[:, None]
+            ds = tl.where(causal, dp * (1.0 + s), 0.0)
+            S1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
+            r = tl.maximum(tl.load(z), 1.0) / u
+            dqs = _mm(ds, bk, DOT) * (1.0 / u) + _mm(dnum, S1t, DOT) * r
+            dqs += _pair_grad(dnum, qs, h, offs_v, m_v, V, BK, OP, DOT) * r
+        else:
+            dp = _mm(dnum, bvt, DOT) + dd[:, None]
+            ds = tl.where(causal, dp * (1.0 + s), 0.0)
+            S1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
+            dqs = _mm(ds, bk, DOT) + _mm(dnum, S1t, DOT) + _pair_grad(dnum, qs, h, offs_v, m_v, V, BK, OP, DOT)
+        if NORMALIZE:  # dd is zero past the first V block; no branch, so that a pipelined loop loads Z2 ahead
+            Z2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
+            dqs += dd[:, None] * (tl.load(z + 1 + offs_k)[None, :] + _mm(qs, Z2, 0))
+        tl.store(dq + t[:, None] * H * K + offs_k[None, :], (dqs * scale).to(dq.dtype.element_ty),
+                 mask=m_t[:, None] & m_k[None, :])
 
 
 @triton.jit
@@ -493,9 +366,8 @@ def _dkv_kernel(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                 BC: tl.constexpr, OP: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr,
                 DV: tl.constexpr = True, DK: tl.constexpr = True, G: tl.constexpr = 1, STAGES: tl.constexpr = 1):
-    """dv (DV) and dk (DK; partial over V blocks: dk [NV, B, T, H, K]) of chunks i_g·G up to (i_g + 1)·G from the
-    reverse states entering them, one chunk after another (STAGES as in `_output_kernel`); `chunk_grads`
-    launches it twice, once for each, to halve what is live at a time."""
+    """dv (DV) and dk (DK; dk [NV, B, T, H, K], sums over V blocks) of chunks i_g·G up to (i_g + 1)·G from the reverse
+    states entering them."""
     scale = tl.cast(scale, tl.float32)  # a no-op for the fp32 Triton passes; torch.compile passes fp64
     i_g, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
@@ -514,150 +386,164 @@ def _dkv_kernel(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC,
     if NORMALIZE:
         den += i_b.to(tl.int64) * T * H + i_h
         dden += i_b.to(tl.int64) * T * H + i_h
-    for i_c in tl.range(i_g * G, tl.minimum(i_g * G + G, NC), num_stages=STAGES):
-        _dkv_chunk(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, i_c, i_bh, offs_c, offs_k, offs_v, m_k,
-                   m_v, first, causal_t, H, K, V, BK, BV, BC, OP, NORMALIZE, DOT, DV, DK)
-
-
-@triton.jit
-def _dkv_chunk(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, i_c, i_bh, offs_c, offs_k, offs_v, m_k, m_v,
-               first, causal_t, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-               BV: tl.constexpr, BC: tl.constexpr, OP: tl.constexpr, NORMALIZE: tl.constexpr, DOT: tl.constexpr,
-               DV: tl.constexpr, DK: tl.constexpr):
-    """`_dkv_kernel`'s chunk i_c (pointers already at the sequence)."""
     R: tl.constexpr = 1 + 2 * BK + BK * (BK // 2)
     ZR: tl.constexpr = 1 + BK + BK * BK
-    t = i_c * BC + offs_c
-    m_t = t < T
-    h = ds + (i_bh.to(tl.int64) * NC + i_c) * R * V
-    z = dzs + (i_bh.to(tl.int64) * NC + i_c) * ZR
+    for i_c in tl.range(i_g * G, tl.minimum(i_g * G + G, NC), num_stages=STAGES):
+        t = i_c * BC + offs_c
+        m_t = t < T
+        h = ds + (i_bh.to(tl.int64) * NC + i_c) * R * V
+        z = dzs + (i_bh.to(tl.int64) * NC + i_c) * ZR
 
-    bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-    bqt = tl.load(q + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
-    bk = tl.load(k + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-    bv = tl.load(v + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-    dnum, dd = _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H, V, BC, NORMALIZE)
-    qs = bq.to(tl.float32) * scale
-    kf = bk.to(tl.float32)
-    # fp16 operands (DOT 4): dO/den and dd times u, the chunk's `_dout_scale`, divided out of the fp32 results (the
-    # reverse states ds are stored unscaled, `_chain_kernel`)
-    u = 1.0
-    if DOT == 4 and NORMALIZE:
-        u = _dout_scale(den, i_c, T, BC, H)
+        bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        bqt = tl.load(q + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+        bk = tl.load(k + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        bv = tl.load(v + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        dnum, dd = _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H, V, BC, NORMALIZE)
+        qs = bq.to(tl.float32) * scale
+        kf = bk.to(tl.float32)
+        # fp16 (DOT 4): dO/den and dd times u, the chunk's `_dout_scale`, divided out of the fp32 results
+        u = 1.0
+        if DOT == 4 and NORMALIZE:
+            u = _dout_scale(den, i_c, T, BC, H)
 
-    st = _mm(bk, bqt, DOT) * scale  # [BC keys, BC queries]
-    if DV:
-        wt = tl.where(causal_t, 1.0 + st + 0.5 * st * st, 0.0)
-        D0 = tl.load(h + offs_v, mask=m_v, other=0.0).to(tl.float32)
-        D1 = tl.load(h + (1 + offs_k)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
-        if DOT == 4:
-            bdv = _mm(wt, dnum * u, DOT) * (1.0 / u) + D0[None, :] + _mm(kf, D1, DOT)
-        else:
-            bdv = _mm(wt, dnum, DOT) + D0[None, :] + _mm(kf, D1, DOT)
-        bdv += 0.5 * _order2_of(kf, h, offs_v, m_v, V, BK, OP, DOT)
-        tl.store(dv + t[:, None] * H * V + offs_v[None, :], bdv.to(dv.dtype.element_ty),
-                 mask=m_t[:, None] & m_v[None, :])
-    if DK:
-        # dO/den loaded again, transposed, rather than tl.trans(dnum) (with BV=32 Triton 3.6 compiled this kernel
-        # into an out-of-bounds shared-memory read on the H200, compute-sanitizer; the load alone did not
-        # remove it, so SplitConfig keeps BV=64)
-        dnumt = tl.load(do + t[None, :] * H * V + offs_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0)
-        dnumt = dnumt.to(tl.float32)
-        if NORMALIZE:
-            dnumt = dnumt / tl.load(den + t * H, mask=m_t, other=1.0)[None, :]
-        # (the order of these lines matters on Triton 3.6: with the D1t load first this kernel read shared memory out
-        # of bounds on the H200, compute-sanitizer)
-        if DOT == 4:
-            dpt = _mm(bv, dnumt * u, DOT) + (dd * u)[None, :]
-            dst = tl.where(causal_t, dpt * (1.0 + st), 0.0)
-            D1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
-            bdk = _mm(dst, qs, DOT) * (1.0 / u) + _mm(bv, D1t, DOT)
-        else:
-            dpt = _mm(bv, dnumt, DOT) + dd[None, :]
-            dst = tl.where(causal_t, dpt * (1.0 + st), 0.0)
-            D1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
-            bdk = _mm(dst, qs, DOT) + _mm(bv, D1t, DOT)
-        bdk += _pair_grad(bv, kf, h, offs_v, m_v, V, BK, OP, DOT)
-        # the denominator's reverse state, counted once (first V block), weighted by 0 or 1 rather than in a branch
-        d2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
-        bdk += first.to(tl.float32) * (tl.load(z + 1 + offs_k)[None, :] + _mm(kf, d2, 0))
-        tl.store(dk + t[:, None] * H * K + offs_k[None, :], bdk.to(dk.dtype.element_ty),
-                 mask=m_t[:, None] & m_k[None, :])
+        st = _mm(bk, bqt, DOT) * scale  # [BC keys, BC queries]
+        if DV:
+            wt = tl.where(causal_t, 1.0 + st + 0.5 * st * st, 0.0)
+            D0 = tl.load(h + offs_v, mask=m_v, other=0.0).to(tl.float32)
+            D1 = tl.load(h + (1 + offs_k)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
+            if DOT == 4:
+                bdv = _mm(wt, dnum * u, DOT) * (1.0 / u) + D0[None, :] + _mm(kf, D1, DOT)
+            else:
+                bdv = _mm(wt, dnum, DOT) + D0[None, :] + _mm(kf, D1, DOT)
+            bdv += 0.5 * _order2_of(kf, h, offs_v, m_v, V, BK, OP, DOT)
+            tl.store(dv + t[:, None] * H * V + offs_v[None, :], bdv.to(dv.dtype.element_ty),
+                     mask=m_t[:, None] & m_v[None, :])
+        if DK:
+            # dO/den loaded again, transposed, rather than tl.trans(dnum): Triton 3.6 miscompiles the latter
+            dnumt = tl.load(do + t[None, :] * H * V + offs_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0)
+            dnumt = dnumt.to(tl.float32)
+            if NORMALIZE:
+                dnumt = dnumt / tl.load(den + t * H, mask=m_t, other=1.0)[None, :]
+            # (the order of these lines matters: with the D1t load first Triton 3.6 reads shared memory out of bounds)
+            if DOT == 4:
+                dpt = _mm(bv, dnumt * u, DOT) + (dd * u)[None, :]
+                dst = tl.where(causal_t, dpt * (1.0 + st), 0.0)
+                D1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
+                bdk = _mm(dst, qs, DOT) * (1.0 / u) + _mm(bv, D1t, DOT)
+            else:
+                dpt = _mm(bv, dnumt, DOT) + dd[None, :]
+                dst = tl.where(causal_t, dpt * (1.0 + st), 0.0)
+                D1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
+                bdk = _mm(dst, qs, DOT) + _mm(bv, D1t, DOT)
+            bdk += _pair_grad(bv, kf, h, offs_v, m_v, V, BK, OP, DOT)
+            # the denominator's reverse state, counted once (first V block), weighted by 0 or 1 rather than in a branch
+            d2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
+            bdk += first.to(tl.float32) * (tl.load(z + 1 + offs_k)[None, :] + _mm(kf, d2, 0))
+            tl.store(dk + t[:, None] * H * K + offs_k[None, :], bdk.to(dk.dtype.element_ty),
+                     mask=m_t[:, None] & m_k[None, :])
 
 
-def reverse_pass(q, do, den, dhvT, dhzT, store_dh0: bool, scale: float, normalize: bool, dot: int, o=None,
-                 cfg: SplitConfig = CONFIG):
-    """The backward's reverse state pass: (ds [B·H, NC, R, V], dzs [B·H, NC, ZR], dh0, dz0, dden), the reverse
-    states entering every chunk in the pair / padded Taylor-order layouts, with store_dh0 what is left at t = 0
-    (else None, None), and dden = -Σ_v dO·o / den (normalize; computed by the features kernel from the dO and den it
-    loads anyway; else None). dhvT/dhzT: the final state's gradient (Taylor-order, order 2 symmetrised) or None."""
-    B, T, H, K = q.shape
-    V = do.shape[-1]
-    BK = 16
-    dhT = dzT = None
-    if dhvT is not None:
-        dhT = orders_to_pairs(dhvT.reshape(B * H, 1 + K + K * K, V), K, BK).contiguous()
-        dzT = _pad_orders(dhzT.reshape(B * H, 1 + K + K * K), K, BK).contiguous()
-    if normalize:
-        dden = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
-        ds, dzs, dh0, dz0 = _features_walk(q, dden, do, scale, dhT, dzT, store_dh0, True, dot, den=den, o=o, cfg=cfg)
-        return ds, dzs, dh0, dz0, dden
-    g = torch.zeros(B, T, H, device=q.device, dtype=torch.float32)
-    return (*_features_walk(q, g, do, scale, dhT, dzT, store_dh0, True, dot, cfg=cfg), None)
+
+@functools.cache
+def _unpair_maps(K: int, order2: float):
+    """The rows and weights taking pair-layout states back to the Taylor-order form, order 2 times order2."""
+    rows, weights = pair_rows(K)
+    inv = invert_rows(rows, K)
+    scale = [1.0] * (1 + K) + [order2] * (K * K)
+    return inv, tuple(s / weights[r] for s, r in zip(scale, inv)), invert_rows(padded_rows(K), K), tuple(scale)
 
 
-def chunk_grads(q, k, v, do, den, dden, hs, zs, ds, dzs, scale: float, normalize: bool, dot: int,
+def _to_pairs(hv: torch.Tensor, hz: torch.Tensor, K: int):
+    """A Taylor-order state [B, H, F, V], [B, H, F] (order 2 symmetric) -> the pair and padded layouts [B·H, R, V],
+    [B·H, ZR]."""
+    return gather_rows(hv.flatten(0, 1), *pair_rows(K)), gather_rows(hz.flatten(0, 1), padded_rows(K))
+
+
+def _from_pairs(h: torch.Tensor, z: torch.Tensor, K: int, B: int, H: int, order2: float = 1.0):
+    """The inverse of `_to_pairs`, order 2 times order2: -> [B, H, F, V], [B, H, F]."""
+    rows, weights, zrows, zweights = _unpair_maps(K, order2)
+    return gather_rows(h, rows, weights).view(B, H, -1, h.shape[-1]), gather_rows(z, zrows, zweights).view(B, H, -1)
+
+
+def _state_pass(x, w, scale: float, h0, z0, store_total: bool, reverse: bool, dot: int, g=None, den=None, o=None,
                 cfg: SplitConfig = CONFIG):
-    """Every chunk's dq and dk and dv, at once, from the entering states of `state_pass` (hs, zs) and
-    `reverse_pass` (ds, dzs). dq and dk come in q's dtype where one value block covers V (stored straight from the
-    fp32 sums), else as fp32 sums of the value blocks' parts. dv and dk in two launches, to halve what is live."""
+    """The states entering every chunk: `_features_kernel`, then the walk over w (`_chain_kernel`, from the last chunk
+    with reverse). Forward: x = k, w = v, g None. Reverse: x = q, w = dO; with den and o the walk runs over dO/den and
+    dden is written into g. h0, z0: the starting state (pair / padded layouts) or None. Returns hs [B·H, NC, R, V],
+    zs [B·H, NC, ZR] and with store_total the whole sums hT, zT (else None)."""
+    B, T, H, K = x.shape
+    V = w.shape[-1]
+    BC, BV, NV, NC = _blocks(T, V, cfg.BV, cfg)
+    dev = x.device
+    dt = _state_dtype(dot)
+    F = torch.empty(B * H, R_, T, device=dev, dtype=dt)
+    zc = torch.empty(B * H, NC, ZR_, device=dev, dtype=torch.float32)
+    wout = None if den is None else torch.empty(w.shape, device=dev, dtype=dt)
+    launch(_features_kernel, (NC, B * H), x, g, F, zc, w, den, wout, o, scale, T, NC, H=H, K=K, V=V, BK=16, BC=BC,
+           BW=max(16, next_power_of_2(V)), NPF=cfg.features_parts, DOT=dot, USE_G=g is not None,
+           STORE_W=den is not None, DDEN=o is not None, num_warps=cfg.warps)
+    hs = torch.empty(B * H, NC, R_, V, device=dev, dtype=dt)
+    hT = torch.empty(B * H, R_, V, device=dev, dtype=torch.float32) if store_total else None
+    zT = torch.empty(B * H, ZR_, device=dev, dtype=torch.float32) if store_total else None
+    scaled_w = dot == 4 and den is not None
+    # zc becomes the entering denominator states in place (the chain's first program per sequence)
+    launch(_chain_kernel, (cdiv(R_, cfg.features_rows), NV, B * H), F, w if den is None else wout, hs, h0, hT, zc,
+           z0, zT, den if scaled_w else None, T, NC, H=H, V=V, R=R_, RP=cfg.features_rows, BV=BV, BC=BC, ZR=ZR_,
+           BZ=next_power_of_2(ZR_), USE_H0=h0 is not None, STORE_HT=store_total, DOT=dot,
+           STAGES=cfg.features_stages, REVERSE=reverse, SCALED_W=scaled_w, num_warps=cfg.warps, maxnreg=None)
+    return hs, zc, hT, zT
+
+
+def forward(q, k, v, hv0, hz0, scale: float, output_final_state: bool, normalize: bool, cfg: SplitConfig = CONFIG):
+    """(o, den, hvT, hzT, hs, zs): o, den fp32 (None unless normalize), the final state Taylor-order (or None, None)
+    and the states entering every chunk, for `backward`. hv0/hz0: the initial state, Taylor-order, or None."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    BC, BV, NV, NC = _blocks(T, V, cfg=cfg)
-    dev = q.device
+    dot = forward_dot(q.dtype, K)
+    h0, z0 = _to_pairs(hv0, hz0, K) if hv0 is not None else (None, None)
+    hs, zs, hT, zT = _state_pass(k, v, 1.0, h0, z0, output_final_state, False, dot, cfg=cfg)
+    BC, BV, NV, NC = _blocks(T, V, cfg.output_BV, cfg)
+    o = torch.empty_like(v)
+    den = torch.empty(B, T, H, device=q.device, dtype=torch.float32) if normalize else None
+    G = cfg.output_chunks
+    launch(_output_kernel, (cdiv(NC, G), NV, B * H), q, k, v, o, den, hs, zs, scale, T, NC, H=H, K=K, V=V, BK=16,
+           BV=BV, BC=BC, OP=cfg.OP, NORMALIZE=normalize, DOT=dot, G=G, STAGES=cfg.output_stages,
+           num_warps=cfg.warps, maxnreg=cfg.maxnreg)
+    hvT, hzT = _from_pairs(hT, zT, K, B, H) if output_final_state else (None, None)
+    return o, den, hvT, hzT, hs, zs
+
+
+def backward(q, k, v, o, den, hv0, hz0, hs, zs, do, dhvT, dhzT, scale: float, normalize: bool,
+             cfg: SplitConfig = CONFIG):
+    """dq, dk, dv (in q's dtype) and the initial state's gradient (Taylor-order, or None) from the forward's inputs,
+    o, den and entering states. dhvT/dhzT: the final state's gradient (Taylor-order) or None."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    dot = forward_dot(q.dtype, K)
+    do = do.contiguous()
+    dhT, dzT = (None, None) if dhvT is None else _to_pairs(symmetrise_order2(dhvT, K), symmetrise_order2(dhzT, K), K)
+    # the reverse state pass; normalised, the features kernel writes dden = -Σ_v dO·o / den into g
+    g = torch.empty(B, T, H, device=q.device, dtype=torch.float32) if normalize else torch.zeros(
+        B, T, H, device=q.device, dtype=torch.float32)
+    ds, dzs, dh0, dz0 = _state_pass(q, do, scale, dhT, dzT, hv0 is not None, True, dot, g=g,
+                                    den=den if normalize else None, o=o if normalize else None, cfg=cfg)
+    dden = g if normalize else None
+    # every chunk's dq, dv and dk at once; dv and dk in two launches, to halve what is live
+    BC, BV, NV, NC = _blocks(T, V, cfg.BV, cfg)
     _, BVQ, NVQ, _ = _blocks(T, V, cfg.output_BV, cfg)
-    dq = torch.empty(NVQ, B, T, H, K, device=dev, dtype=q.dtype if NVQ == 1 else torch.float32)
-    dk = torch.empty(NV, B, T, H, K, device=dev, dtype=q.dtype if NV == 1 else torch.float32)
+    dq = torch.empty(NVQ, B, T, H, K, device=q.device, dtype=q.dtype if NVQ == 1 else torch.float32)
+    dk = torch.empty(NV, B, T, H, K, device=q.device, dtype=q.dtype if NV == 1 else torch.float32)
     dv = torch.empty_like(v)
     meta = dict(H=H, K=K, V=V, BK=16, BC=BC, OP=cfg.OP, NORMALIZE=normalize, DOT=dot, num_warps=cfg.warps,
                 maxnreg=cfg.maxnreg)
     G = cfg.dq_chunks
     launch(_dq_kernel, (cdiv(NC, G), NVQ, B * H), q, k, v, do, den, dden, dq, hs, zs, scale, T, NC, BV=BVQ, G=G,
            STAGES=cfg.dq_stages, **meta)
-    G = cfg.dv_chunks
-    launch(_dkv_kernel, (cdiv(NC, G), NV, B * H), q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, BV=BV, G=G,
-           STAGES=cfg.dv_stages, DV=True, DK=False, **meta)
-    G = cfg.dk_chunks
-    launch(_dkv_kernel, (cdiv(NC, G), NV, B * H), q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, BV=BV, G=G,
-           STAGES=cfg.dk_stages, DV=False, DK=True, **meta)
-    return (dq[0] if NVQ == 1 else dq.sum(0)), (dk[0] if NV == 1 else dk.sum(0)), dv
-
-
-def backward(q, k, v, o, den, hv0, hz0, hs, zs, do, dhvT, dhzT, scale: float, normalize: bool,
-             cfg: SplitConfig = CONFIG):
-    """dq, dk, dv (in q's dtype) and the initial state's gradient (dhv0, dhz0) in the Taylor-order layout (None
-    without an initial state), from the forward's inputs, o, den and its entering states (hs, zs). dhvT/dhzT: the
-    final state's gradient (Taylor-order, not symmetrised), or None."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    F = 1 + K + K * K
-    dot = forward_dot(q.dtype, K)
-    do = do.contiguous()
-    if dhvT is not None or dhzT is not None:
-        dhvT = torch.zeros(B, H, F, V, device=q.device, dtype=torch.float32) if dhvT is None else dhvT
-        dhzT = torch.zeros(B, H, F, device=q.device, dtype=torch.float32) if dhzT is None else dhzT
-        dhvT = _symmetrise_order2(dhvT.float(), K).contiguous()
-        dhzT = _symmetrise_order2(dhzT.float(), K).contiguous()
-    ds, dzs, dh0, dz0, dden = reverse_pass(q, do, den, dhvT, dhzT, hv0 is not None, scale, normalize, dot, o=o,
-                                           cfg=cfg)
-    dq, dk, dv = chunk_grads(q, k, v, do, den, dden, hs, zs, ds, dzs, scale, normalize, dot, cfg)
-    dhv0 = dhz0 = None
-    if hv0 is not None:
-        # what is left at t = 0 is the initial state's gradient, order 2 halved (the fused kernel's convention)
-        dhv0 = pairs_to_orders(dh0, K, 16)
-        dhv0[:, 1 + K :] *= 0.5
-        dhz0 = _unpad_orders(dz0, K, 16)
-        dhz0[:, 1 + K :] *= 0.5
-        dhv0 = dhv0.reshape(B, H, F, V).contiguous()
-        dhz0 = dhz0.reshape(B, H, F).contiguous()
+    for G, stages, is_dv in ((cfg.dv_chunks, cfg.dv_stages, True), (cfg.dk_chunks, cfg.dk_stages, False)):
+        launch(_dkv_kernel, (cdiv(NC, G), NV, B * H), q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC, BV=BV,
+               G=G, STAGES=stages, DV=is_dv, DK=not is_dv, **meta)
+    dq = dq[0] if NVQ == 1 else dq.sum(0)
+    dk = dk[0] if NV == 1 else dk.sum(0)
+    # what is left of the reverse states at t = 0 is the initial state's gradient, order 2 halved
+    dhv0, dhz0 = _from_pairs(dh0, dz0, K, B, H, 0.5) if hv0 is not None else (None, None)
     return dq.to(q.dtype), dk.to(k.dtype), dv, dhv0, dhz0

@@ -237,3 +237,30 @@ def test_custom_op_passes_opcheck():
     v = torch.randn(1, 20, 1, 16, generator=g, requires_grad=True)
     torch.library.opcheck(torch.ops.zoo_based.chunk_fwd.default, (q, k, v, None, None, 0.4, "fused", True, True, True),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("path", ["fused", "split"])
+@pytest.mark.parametrize("part", ["kv", "k_sum"])
+def test_one_part_of_the_final_state_in_the_loss(path, part):
+    """A loss of one part of the final state alone (the other's gradient reaches the backward as None): every
+    gradient, the initial state's included, against float64 by the tolerance rule."""
+    case = Case(B=1, T=70, H=2, K=16, V=64)
+    leaves = make_inputs(case, "cpu")
+
+    def grads(fn, dtype):
+        q, k, v, kv0, ks0 = leaves
+        sd = torch.float64 if dtype == torch.float64 else torch.float32
+        _, (kv, ks) = fn(q.to(dtype), k.to(dtype), v.to(dtype), initial_state=(kv0.to(sd), ks0.to(sd)),
+                         output_final_state=True)
+        x = kv if part == "kv" else ks
+        loss = (x.double() * torch.linspace(-1, 1, x.numel(), dtype=torch.float64).view_as(x)).sum()
+        return torch.autograd.grad(loss, leaves, allow_unused=True)
+
+    ref, base = grads(naive_parallel_based, torch.float64), grads(naive_parallel_based, torch.float32)
+    with nan_empty():
+        out = grads(forced(path), torch.float32)
+    for name, a, r, b in zip(("dq", "dk", "dv", "dkv0", "dk_sum0"), out, ref, base):
+        if r is None:  # the loss does not depend on it
+            assert a is None or (a == 0).all(), name
+        else:
+            assert_close(f"{part} only {name}", a, r, b, torch.float32)
