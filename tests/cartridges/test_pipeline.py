@@ -1,6 +1,7 @@
 """The commands end to end on the tiny model: self-study -> distillation (with resume) -> evaluation."""
 
 import json
+import os
 
 import datasets
 import httpx
@@ -109,7 +110,7 @@ def test_distill_killed_while_checkpointing_resumes_to_the_same_cartridge(synthe
             "batch_size=2", "log_every=1", "checkpoint_every=2", "steps=5"]  # fmt: skip
     distill.main([*base, f"output={root / f'kill_ref_{kill}'}"])
     calls = []
-    real_replace, real_save = distill.os.replace, distill.torch.save
+    real_replace, real_save = os.replace, torch.save  # the checkpoint's save goes through both
 
     def killing_replace(src, dst):
         calls.append(dst)
@@ -126,9 +127,9 @@ def test_distill_killed_while_checkpointing_resumes_to_the_same_cartridge(synthe
         return real_save(obj, f)
 
     if kill == "before_rename":
-        monkeypatch.setattr(distill.os, "replace", killing_replace)
+        monkeypatch.setattr(os, "replace", killing_replace)
     else:
-        monkeypatch.setattr(distill.torch, "save", killing_save)
+        monkeypatch.setattr(torch, "save", killing_save)
     out = root / f"kill_{kill}"
     with pytest.raises(KeyboardInterrupt):
         distill.main([*base, f"output={out}"])
