@@ -26,11 +26,15 @@ import argparse
 import json
 import math
 import statistics
-import time
 from contextlib import ExitStack
 from unittest import mock
 
 import torch
+
+try:  # run as a script (python experiments/bench/NAME.py) or as a module
+    from timing import median_ms
+except ImportError:
+    from experiments.bench.timing import median_ms
 
 from zoo.models.mixers import _long_conv, h3, hyena, long_conv
 from zoo.models.mixers._long_conv import DIRECT_MAX_T, direct_causal_conv, fft_causal_conv
@@ -39,25 +43,6 @@ from zoo.models.mixers.hyena import Hyena
 
 FFT_BYTES = {"fwd": 90, "fwd+bwd": 250}  # the bytes model of DIRECT_MAX_T's comment, per (b, t, c) element
 PRODUCTS = {"fwd": 1, "fwd+bwd": 3}  # [T, T] x [T, B] products per channel
-
-
-def timed(fn, device: torch.device, repeats: int) -> float:
-    """Median ms of fn() over `repeats` calls after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def peak_mib(fn, device: torch.device) -> float | None:
@@ -90,7 +75,7 @@ def conv_row(T: int, B: int, C: int, device: torch.device, repeats: int) -> dict
                         return conv(u, h)
                 return torch.autograd.grad(conv(u, h), (u, h), grad_y)
 
-            row[f"{name}_{mode}_ms"] = timed(run, device, repeats)
+            row[f"{name}_{mode}_ms"] = median_ms(run, device, repeats)
             row[f"{name}_{mode}_mib"] = peak_mib(run, device)
         elements = B * T * C
         row[f"direct_{mode}_tflops"] = PRODUCTS[mode] * 2 * elements * T / (row[f"direct_{mode}_ms"] * 1e9)
@@ -144,7 +129,7 @@ def mixer_row(name: str, m: torch.nn.Module, x: torch.Tensor, repeats: int) -> d
             if variant == "fft":
                 for module in FFT_PATCHES:
                     stack.enter_context(mock.patch.object(module, "causal_conv", fft_causal_conv))
-            row[f"{variant}_ms"] = timed(step, device, repeats)
+            row[f"{variant}_ms"] = median_ms(step, device, repeats)
             row[f"{variant}_mib"] = peak_mib(step, device)
             outputs[variant] = step()
     (y0, g0), (y1, g1) = outputs["fft"], outputs["causal_conv"]
@@ -168,7 +153,7 @@ def kernel_rows(m: H3, L: int, device: torch.device, repeats: int) -> list[dict]
                 "mixer": f"h3_kernel_{variant}",
                 "d": m.d_model,
                 "L": L,
-                "ms": timed(kernel_step, device, repeats),
+                "ms": median_ms(kernel_step, device, repeats),
                 "mib": peak_mib(kernel_step, device),
             }
         )

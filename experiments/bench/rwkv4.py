@@ -14,32 +14,16 @@ forward+backward DRAM throughput (the bytes it must move: k, v, wkv, the saved s
 import argparse
 import json
 import os
-import statistics
-import time
 
 import torch
 
+try:  # run as a script (python experiments/bench/NAME.py) or as a module
+    from timing import median_ms
+except ImportError:
+    from experiments.bench.timing import median_ms
+
 GRID = [(d, L, B) for L, B in ((64, 512), (128, 512), (256, 256)) for d in (64, 128, 256, 512)]
 TINY = [(16, 16, 4), (40, 33, 2)]  # (d, L, B)
-
-
-def timed(fn, device: torch.device, repeats: int) -> float:
-    """Median ms of fn() after one warm-up call (which compiles the kernels)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def rel_dev(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -70,9 +54,9 @@ def bench_shape(RWKV4, d: int, L: int, B: int, device: torch.device, dtype: torc
             y.backward(gy.to(y.dtype))
 
         outs[impl] = (forward().detach(), forward_backward().clone())
-        row[f"{impl}_fwd_ms"] = timed(forward, device, repeats)
-        row[f"{impl}_fwdbwd_ms"] = timed(forward_backward, device, repeats)
-        row[f"{impl}_mixer_ms"] = timed(mixer_step, device, repeats)
+        row[f"{impl}_fwd_ms"] = median_ms(forward, device, repeats)
+        row[f"{impl}_fwdbwd_ms"] = median_ms(forward_backward, device, repeats)
+        row[f"{impl}_mixer_ms"] = median_ms(mixer_step, device, repeats)
     elt = k.element_size()
     row["triton_fwdbwd_gb"] = B * L * d * (6 * elt + 32) / 1e9  # fwd: k, v, wkv, states; bwd: those, dwkv, dk, dv
     row["triton_fwdbwd_gbs"] = row["triton_fwdbwd_gb"] / (row["triton_fwdbwd_ms"] / 1e3)

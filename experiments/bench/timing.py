@@ -1,0 +1,28 @@
+"""Timing shared by the benchmarks in this folder."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def median_ms(fn, device: torch.device, repeats: int) -> float:
+    """Median ms of fn() over `repeats` calls after one warm-up call (which compiles and autotunes): CUDA events
+    on the GPU, so only device time between the events counts; wall time on the CPU."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
