@@ -282,6 +282,18 @@ def fill_readme_block(readme: Path, start: str, end: str, block: str) -> None:
     atomic_write_text(readme, f"{head}{start}\n{block}\n{end}{tail}")
 
 
+def markdown_table(columns: list[tuple[str, str]], entries: list[dict[str, Any]]) -> str:
+    """A reproduction's comparison as markdown: `columns` are (header, entry key); None prints as "—" and a
+    float (an accuracy) with three decimals."""
+
+    def cell(value: Any) -> str:
+        return "—" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
+
+    lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(e[key]) for _, key in columns) + " |" for e in entries]
+    return "\n".join(lines)
+
+
 def build_reproduction(summaries_dir: Path, out: Path, rows, plot, comparison, table, markers: tuple[str, str]
                        ) -> dict[str, Any]:
     """A reproduction's build step: its committed summaries -> results.json, its figure and the comparison block

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from zoo.plot import build_reproduction, copy_summaries, mark_best_lr, reproduction_main, result_row
+from zoo.plot import build_reproduction, copy_summaries, mark_best_lr, markdown_table, reproduction_main, result_row
 from zoo.plot import load_summaries as _load_summaries
 
 HERE = Path(__file__).resolve().parent
@@ -41,6 +41,13 @@ PRESETS = {
 }
 ORDER = ["based", "attention", "sliding_window", "mamba", "mamba2", "hyena", "h3", "gla", "gated_deltanet"]
 TOLERANCE = 0.05
+COLUMNS = [  # the README table: (header, comparison entry key)
+    ("model", "mixer"),
+    ("where", "where"),
+    ("paper (Based Fig. 2)", "paper"),
+    ("ours (best lr by valid, test)", "ours"),
+    ("verdict", "verdict"),
+]
 START, END = "<!-- comparison:start -->", "<!-- comparison:end -->"
 
 
@@ -117,14 +124,7 @@ def comparison(result_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def comparison_table(entries: list[dict[str, Any]]) -> str:
-    lines = [
-        "| model | where | paper (Based Fig. 2) | ours (best lr by valid, test) | verdict |",
-        "|---|---|---|---|---|",
-    ]
-    for e in entries:
-        ours = "—" if e["ours"] is None else f"{e['ours']:.3f}"
-        lines.append(f"| {e['mixer']} | {e['where']} | {e['paper']} | {ours} | {e['verdict']} |")
-    return "\n".join(lines)
+    return markdown_table(COLUMNS, entries)
 
 
 def frontier(pts: list[dict[str, Any]]) -> list[dict[str, Any]]:

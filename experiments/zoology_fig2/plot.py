@@ -22,7 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from zoo.plot import build_reproduction, copy_summaries, mark_best_lr, reproduction_main, result_row
+from zoo.plot import build_reproduction, copy_summaries, mark_best_lr, markdown_table, reproduction_main, result_row
 from zoo.plot import load_summaries as _load_summaries
 
 HERE = Path(__file__).resolve().parent
@@ -67,6 +67,15 @@ CLAIMS = (
     ]
 )
 TOLERANCE = 0.05
+COLUMNS = [  # the README table: (header, comparison entry key)
+    ("L", "L"),
+    ("model", "mixer"),
+    ("d_model", "d"),
+    ("paper (Fig. 2)", "paper"),
+    ("ours (best lr by valid, test)", "ours"),
+    ("runs finished", "runs"),
+    ("verdict", "verdict"),
+]
 D_MODELS = [64, 128, 256, 512]  # the grid's widths (sweep.py)
 LRS_PER_POINT = 4  # the grid's learning rates per (L, model, d_model)
 START, END = "<!-- comparison:start -->", "<!-- comparison:end -->"
@@ -128,14 +137,7 @@ def comparison(result_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def comparison_table(entries: list[dict[str, Any]]) -> str:
-    lines = [
-        "| L | model | d_model | paper (Fig. 2) | ours (best lr by valid, test) | runs finished | verdict |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for e in entries:
-        ours = "—" if e["ours"] is None else f"{e['ours']:.3f}"
-        lines.append(f"| {e['L']} | {e['mixer']} | {e['d']} | {e['paper']} | {ours} | {e['runs']} | {e['verdict']} |")
-    return "\n".join(lines)
+    return markdown_table(COLUMNS, entries)
 
 
 def plot(result_rows: list[dict[str, Any]], out: Path) -> Path:
