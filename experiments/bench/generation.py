@@ -321,7 +321,6 @@ def main() -> None:
         "params": {"based": based.num_parameters(), "llama": llama.num_parameters()},
         "copy_GB_per_s": bandwidth / 1e9,
         "rows": rows,
-        "best_decode_tokens_per_s": best,
         "based_tok_s": best["based"],
         "llama_tok_s": best["llama"],
         "decode_ratio_best": best["based"] / best["llama"] if best["based"] and best["llama"] else None,
