@@ -302,9 +302,9 @@ def main() -> None:
     rows = []
     for kind, model in (("based", based), ("llama", llama)):
         rows += sweep(kind, model, args, timer, device)
-    best = {
-        k: max((r["decode_tokens_per_s"] for r in rows if r["model"] == k), default=0.0) for k in ("based", "llama")
-    }
+    best_row = {k: max((r for r in rows if r["model"] == k), key=lambda r: r["decode_tokens_per_s"], default=None)
+                for k in ("based", "llama")}
+    best = {k: r["decode_tokens_per_s"] if r else 0.0 for k, r in best_row.items()}
     at_batch1 = {k: next((r["prefill_ms"] for r in rows if r["model"] == k and r["batch"] == 1), None) for k in best}
     ran = {k: {r["batch"] for r in rows if r["model"] == k} for k in best}
     common = sorted(ran["based"] & ran["llama"])
@@ -312,7 +312,6 @@ def main() -> None:
     if common:
         at_common = {k: next(r["prefill_ms"] for r in rows if r["model"] == k and r["batch"] == common[-1])
                      for k in best}
-    based_best = max((r for r in rows if r["model"] == "based"), key=lambda r: r["decode_tokens_per_s"], default=None)
     result = {
         "device": str(device),
         "dtype": str(dtype),
@@ -324,7 +323,7 @@ def main() -> None:
         "based_tok_s": best["based"],
         "llama_tok_s": best["llama"],
         "decode_ratio_best": best["based"] / best["llama"] if best["based"] and best["llama"] else None,
-        "decode_frac_copy_bw": based_best["decode_GB_per_s"] * 1e9 / bandwidth if based_best else None,
+        "decode_frac_copy_bw": best_row["based"]["decode_GB_per_s"] * 1e9 / bandwidth if best_row["based"] else None,
         "prefill_ms_batch1": at_batch1,
         "prefill_ratio_batch1": at_batch1["llama"] / at_batch1["based"] if all(at_batch1.values()) else None,
         "prefill_batch_common": common[-1] if common else None,
