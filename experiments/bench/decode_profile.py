@@ -23,7 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 
-def _nbytes(module: torch.nn.Module) -> int:
+def weight_bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
@@ -55,7 +55,7 @@ def part_budget(lm, states: list, batch: int) -> dict[str, dict[str, float]]:
     def add(name: str, module: torch.nn.Module, state_bytes: int = 0, matmul_params: int | None = None) -> None:
         p = parts[name]
         p["layers"] += 1
-        p["bytes"] += _nbytes(module) + 2 * state_bytes
+        p["bytes"] += weight_bytes(module) + 2 * state_bytes
         params = sum(q.numel() for q in module.parameters() if q.dim() >= 2) if matmul_params is None else matmul_params
         p["flops"] += 2 * params * batch
 

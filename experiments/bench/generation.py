@@ -46,9 +46,9 @@ from zoo.config import ModelConfig
 from zoo.models.hf import CACHE_KEY, ZooConfig, ZooForCausalLM
 
 try:  # run as a script (python experiments/bench/generation.py) or as a module
-    from decode_profile import gemm_rate, print_profile, profile_decode
+    from decode_profile import gemm_rate, print_profile, profile_decode, weight_bytes
 except ImportError:
-    from experiments.bench.decode_profile import gemm_rate, print_profile, profile_decode
+    from experiments.bench.decode_profile import gemm_rate, print_profile, profile_decode, weight_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -115,10 +115,6 @@ def copy_bandwidth(device: torch.device, timer: Timer) -> float:
     y.copy_(x)
     seconds = statistics.median(timer(lambda: y.copy_(x)) for _ in range(10))
     return 2 * x.numel() * 4 / seconds
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def decode_state_bytes(kind: str, model, batch: int, length: int) -> int:
