@@ -22,6 +22,11 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+try:  # run as a script's sibling (experiments/bench on sys.path) or as a module
+    from timing import median_ms
+except ImportError:
+    from experiments.bench.timing import median_ms
+
 
 def weight_bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
@@ -75,25 +80,7 @@ def gemm_rate(device: torch.device, dtype: torch.dtype) -> float:
     n = 8192 if device.type == "cuda" else 512
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(2):
-        a @ b
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(10):
-            a @ b
-        end.record()
-        torch.cuda.synchronize()
-        seconds = start.elapsed_time(end) / 1e3 / 10
-    else:
-        import time
-
-        t0 = time.perf_counter()
-        for _ in range(3):
-            a @ b
-        seconds = (time.perf_counter() - t0) / 3
-    return 2 * n**3 / seconds
+    return 2 * n**3 / (median_ms(lambda: a @ b, device, 10 if device.type == "cuda" else 3) / 1e3)
 
 
 def profile_decode(lm, states: list, ids: torch.Tensor, copy_bw: float, gemm: float, steps: int = 3) -> dict:
