@@ -127,10 +127,10 @@ def test_config_error_is_one_plain_line(case):
 
 
 def test_cli_error_exits_2_with_the_line(capsys):
-    from zoo.train import main
+    from zoo.cli import run_train
 
     with pytest.raises(SystemExit) as e:
-        main(["model=basde"])
+        run_train(["model=basde"])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("zoo-train: error: model=basde:")

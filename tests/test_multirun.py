@@ -16,7 +16,7 @@ TINY = [
 
 
 def multirun(tmp_path: Path, *overrides: str) -> list[str]:
-    cmd = [sys.executable, "-m", "zoo.train", "-m", *TINY, f"runs_root={tmp_path / 'runs'}", *overrides]
+    cmd = [sys.executable, "-m", "zoo.cli", "zoo-train", "-m", *TINY, f"runs_root={tmp_path / 'runs'}", *overrides]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return sorted(line for line in proc.stdout.splitlines() if line.startswith("zoo-train -m: job"))

@@ -1,7 +1,9 @@
 """The entry points of the zoo commands (pyproject's [project.scripts]): zoo-train, zoo-pretrain, zoo-sweep, zoo-plot.
 
 Each answers `--version` and `--help` here, before torch or Hydra is imported, so both return at once; any
-other command line goes to the command's module, `zoo.train.main(argv)` and so on, imported only then.
+other command line goes to the command's code, imported only then: `run_train` here for zoo-train (one run, or a
+Hydra multirun whose jobs are `zoo.sweep.run_one`), `zoo.pretrain.main(argv)` and so on. The training code
+(zoo.train) and the sweep (zoo.sweep) therefore never import each other's entry points.
 
 The help texts live beside each command's code: the Hydra commands' `USAGE` strings are read from their
 modules' source without importing them (`module_usage`), and the argparse commands (zoo-sweep, zoo-plot),
@@ -54,8 +56,11 @@ def version_line(prog: str) -> str:
     return f"{prog} (zoo {__version__})"
 
 
-def dispatch(prog: str, module: str, argv: list[str] | None, usage: Callable[[], str] | None = None) -> None:
-    """`--version`, or `--help` when `usage` is given, answered here; anything else runs `module.main(args)`."""
+def dispatch(
+    prog: str, run: str | Callable[[list[str]], None], argv: list[str] | None, usage: Callable[[], str] | None = None
+) -> None:
+    """`--version`, or `--help` when `usage` is given, answered here; anything else runs `run(args)`, or
+    `run.main(args)` when `run` names a module."""
     args = list(sys.argv[1:] if argv is None else argv)
     if "--version" in args:
         print(version_line(prog))
@@ -63,7 +68,7 @@ def dispatch(prog: str, module: str, argv: list[str] | None, usage: Callable[[],
     if usage is not None and any(a in HELP_FLAGS for a in args):
         print(usage())
         return
-    importlib.import_module(module).main(args)
+    (importlib.import_module(run).main if isinstance(run, str) else run)(args)
 
 
 def _train_usage() -> str:
@@ -74,9 +79,86 @@ def _pretrain_usage() -> str:
     return module_usage("zoo.pretrain") + "\n" + preset_lines(("model", "lm_data"))
 
 
+def multirun_job(overrides: list[str], job_num: int) -> dict:
+    """One job of a Hydra multirun: `zoo.sweep.run_one` on its overrides (skip if finished, resume if started,
+    failures recorded), on GPU `job_num mod count` when there are GPUs and no train.device override."""
+    import torch
+
+    from zoo.sweep import run_one
+
+    extra = []
+    if not any(o.startswith("train.device=") for o in overrides) and torch.cuda.is_available():
+        extra.append(f"train.device=cuda:{job_num % torch.cuda.device_count()}")
+    record = run_one(list(overrides), extra)
+    print(
+        f"zoo-train -m: job {job_num} {record['status']}: {record.get('run_dir') or ' '.join(overrides)}"
+        + (f" ({record['error']})" if record.get("error") else ""),
+        flush=True,
+    )
+    return record
+
+
+def multirun(args: list[str]) -> None:
+    """`zoo-train -m ...`: hand the command line to Hydra, whose sweeper and launcher run `multirun_job`."""
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+
+    from zoo.config import register_configs
+    from zoo.paths import config_dir
+
+    register_configs()
+
+    @hydra.main(config_path=str(config_dir()), config_name="train", version_base="1.3")
+    def task(_node) -> dict:
+        job = HydraConfig.get().job
+        return multirun_job(list(HydraConfig.get().overrides.task), job.num)
+
+    saved = sys.argv
+    sys.argv = ["zoo-train", *args]
+    try:
+        task()
+    finally:
+        sys.argv = saved
+
+
+def run_train(args: list[str]) -> None:
+    """zoo-train's work: `-m` goes to Hydra (`multirun`); otherwise one run (or one lr pack), its summary printed;
+    a bad config exits 2 with the one-line reason."""
+    if "-m" in args or "--multirun" in args:
+        multirun(args)
+        return
+    import logging
+
+    from zoo.config import ConfigError
+    from zoo.device import set_threads
+    from zoo.train import load_config, train, train_runs
+
+    show = "--cfg" in args
+    args = [a for a in args if a != "--cfg"]
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        cfg, resolved = load_config(args)
+        if show:
+            print(resolved, end="")
+            return
+        set_threads(cfg.train.threads)
+        if cfg.train.pack_lrs:
+            from zoo.steps import pack_members
+
+            summaries = train_runs(pack_members(cfg))
+        else:
+            summaries = [train(cfg, resolved)]
+    except ConfigError as e:
+        print(f"zoo-train: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    keys = ["lr", "valid/accuracy", "test/accuracy", "state_bytes_fp32", "parameters", "wall_time_s"]
+    for summary in summaries:
+        print(" ".join(f"{k}={summary[k]:.4g}" if isinstance(summary[k], float) else f"{k}={summary[k]}" for k in keys))
+
+
 def train(argv: list[str] | None = None) -> None:
     """zoo-train."""
-    dispatch("zoo-train", "zoo.train", argv, _train_usage)
+    dispatch("zoo-train", run_train, argv, _train_usage)
 
 
 def pretrain(argv: list[str] | None = None) -> None:

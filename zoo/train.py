@@ -10,7 +10,6 @@ impossible value fails here, before any work, with a one-line reason.
 
 import hashlib
 import logging
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -384,77 +383,3 @@ Main options (every field and default: zoo/config.py):
   train.resume=true | train.overwrite=true   runs_root=DIR   experiment_name=NAME   logger=wandb
 Presets: model/, data/, optim/, logger/, experiment/ under zoo/configs/ ($ZOO_CONFIG_DIR replaces it).
 Runs go to runs/<experiment_name>/<run>/."""
-
-
-def multirun_job(overrides: list[str], job_num: int) -> dict:
-    """One job of a Hydra multirun: `zoo.sweep.run_one` on its overrides (skip if finished, resume if started,
-    failures recorded), on GPU `job_num mod count` when there are GPUs and no train.device override."""
-    from zoo.sweep import run_one
-
-    extra = []
-    if not any(o.startswith("train.device=") for o in overrides) and torch.cuda.is_available():
-        extra.append(f"train.device=cuda:{job_num % torch.cuda.device_count()}")
-    record = run_one(list(overrides), extra)
-    print(
-        f"zoo-train -m: job {job_num} {record['status']}: {record.get('run_dir') or ' '.join(overrides)}"
-        + (f" ({record['error']})" if record.get("error") else ""),
-        flush=True,
-    )
-    return record
-
-
-def multirun(args: list[str]) -> None:
-    """`zoo-train -m ...`: hand the command line to Hydra, whose sweeper and launcher run `multirun_job`."""
-    import hydra
-    from hydra.core.hydra_config import HydraConfig
-
-    from zoo.config import register_configs
-
-    register_configs()
-
-    @hydra.main(config_path=str(config_dir()), config_name="train", version_base="1.3")
-    def task(_node) -> dict:
-        job = HydraConfig.get().job
-        return multirun_job(list(HydraConfig.get().overrides.task), job.num)
-
-    saved = sys.argv
-    sys.argv = ["zoo-train", *args]
-    try:
-        task()
-    finally:
-        sys.argv = saved
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in args or "--help" in args:
-        print(USAGE)
-        return
-    if "-m" in args or "--multirun" in args:
-        multirun(args)
-        return
-    show = "--cfg" in args
-    args = [a for a in args if a != "--cfg"]
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    try:
-        cfg, resolved = load_config(args)
-        if show:
-            print(resolved, end="")
-            return
-        set_threads(cfg.train.threads)
-        if cfg.train.pack_lrs:
-            from zoo.steps import pack_members
-
-            summaries = train_runs(pack_members(cfg))
-        else:
-            summaries = [train(cfg, resolved)]
-    except ConfigError as e:
-        print(f"zoo-train: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    keys = ["lr", "valid/accuracy", "test/accuracy", "state_bytes_fp32", "parameters", "wall_time_s"]
-    for summary in summaries:
-        print(" ".join(f"{k}={summary[k]:.4g}" if isinstance(summary[k], float) else f"{k}={summary[k]}" for k in keys))
-
-
-if __name__ == "__main__":
-    main()
