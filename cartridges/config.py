@@ -26,6 +26,7 @@ SEED_PROMPT_TYPES = (
 )
 METHODS = ("self_study", "hard_labels", "ntp")
 INITS = ("first_tokens", "corpus_tokens", "random", "peft")
+LR_SCHEDULES = ("constant", "cosine")
 
 
 def _check_device(name: str, device: str) -> None:
@@ -119,6 +120,7 @@ class DistillConfig:
     save_peft: bool = False  # also write <output>/peft_adapter/, the result as a PEFT adapter
     heldout_fraction: float = 0.05  # conversations held out of training, for the logged held-out KL
     lr: float = 2e-2
+    lr_schedule: str = "constant"  # constant (the paper's) | cosine: lr·(1 + cos(π·step/steps))/2, for a fixed budget
     steps: int = 1000
     pack_len: int = 2048  # tokens per packed sequence
     batch_size: int = 1  # packed sequences per step
@@ -141,6 +143,8 @@ class DistillConfig:
             raise ValueError(f"init must be one of {INITS}, got {self.init!r}")
         if (self.init == "peft") != bool(self.peft_adapter):
             raise ValueError("init=peft and peft_adapter=<PEFT adapter dir> go together")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
         if not 0 <= self.heldout_fraction < 1:
             raise ValueError(f"heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
         if self.num_tokens < 1 or not 0 <= self.num_frozen <= self.num_tokens:

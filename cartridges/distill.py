@@ -7,6 +7,11 @@ objective: cross-entropy of the student against the teacher's top-k, shifted to 
 - `hard_labels`: the same conversations, the teacher's chosen tokens as one-hot targets (k = 1, p = 1: CE).
 - `ntp`: next-token prediction on the raw corpus (CE), the baseline that memorises.
 
+Adam at `lr`, constant over the run (the paper's choice) or, with `lr_schedule=cosine`, decayed along a half
+cosine from `lr` at the first step towards 0 after the last (`learning_rate`). With a fixed budget of steps and
+small batches, a constant lr keeps moving the cartridge by full-size noisy steps to the end; the decay makes the
+last steps small, so the run ends settled.
+
 Sequences are packed: each packed row holds several examples; every token sees the whole cartridge and the
 earlier tokens of its own example (a block-diagonal mask), and each example's positions restart at p.
 
@@ -30,6 +35,7 @@ logged after the checkpoint), `cartridge.safetensors` and `summary.json`; with `
 import functools
 import json
 import logging
+import math
 import random
 import time
 from dataclasses import asdict, dataclass, replace
@@ -228,6 +234,13 @@ def tail_kl(logq: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return terms.sum(-1).clamp_min(0).float()  # [N]
 
 
+def learning_rate(cfg: DistillConfig, step: int) -> float:
+    """The lr of the update made at 0-based `step`: a pure function of the step, so a resume continues exactly."""
+    if cfg.lr_schedule == "cosine":
+        return cfg.lr * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+    return cfg.lr
+
+
 def student_logprobs(model, cartridge: Cartridge | StateCartridge, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The student's log-probs [N, V] at the batch's target positions, reading only the cartridge."""
     cache = cartridge.as_cache(batch["input_ids"].shape[0], dtype=model.dtype, config=model.config)
@@ -348,6 +361,12 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None) -> dict:
         state = torch.load(ckpt_path, map_location=device, weights_only=True)
         if "cartridge" not in state:
             raise ConfigError(f"{ckpt_path} predates single-file checkpoints; rerun with overwrite=true")
+        # a constant lr may run on to more steps; a cosine one is a function of the total, which must not change
+        trained_with, total = state.get("schedule", ("constant", None))
+        if trained_with != cfg.lr_schedule or (trained_with == "cosine" and total != cfg.steps):
+            raise ConfigError(
+                f"{ckpt_path} was trained with lr_schedule={trained_with} over {total} steps; resume with the same"
+            )
         cartridge.load_state_dict(state["cartridge"])
         log.info("resuming at step %d", state["step"])
     start = state["step"] if state is not None else 0
@@ -365,7 +384,8 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None) -> dict:
 
     def checkpoint(step: int) -> None:
         # One file: the cartridge, the optimizer and the step can never disagree after a kill.
-        state = {"step": step, "cartridge": cartridge.state_dict(), "optimizer": optimizer.state_dict()}
+        state = {"step": step, "cartridge": cartridge.state_dict(), "optimizer": optimizer.state_dict(),
+                 "schedule": (cfg.lr_schedule, cfg.steps)}  # fmt: skip
         if initial_kl is not None:
             state["initial_heldout_kl"] = initial_kl
         atomic_torch_save(state, ckpt_path)
@@ -392,6 +412,8 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None) -> dict:
         kl = tail_kl(logq, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(cfg, step)
         optimizer.step()
         tokens += int(batch["input_ids"].numel())
         # losses are read back only at log lines, so the host collates the next batch while the GPU works
@@ -403,6 +425,7 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None) -> dict:
                 "step": step + 1,
                 "loss": float(loss_sum) / loss_n,
                 "kl": float(kl_sum) / max(kl_n, 1),
+                "lr": learning_rate(cfg, step),
                 **heldout_kl(),
                 "tokens": tokens,
                 "time_s": time.time() - t0,

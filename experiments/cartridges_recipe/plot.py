@@ -1,15 +1,20 @@
-"""results.json (one row per arm) and recipe.png from a run dir of experiments/cartridges_recipe/run.py.
+"""results.json (one row per arm), recipe.png and the README's results tables of experiments/cartridges_recipe.
 
-python -m experiments.cartridges_recipe.plot runs/cartridges_recipe
+    python -m experiments.cartridges_recipe.plot runs/cartridges_recipe          # a run dir of run.py
+    python -m experiments.cartridges_recipe.plot experiments/cartridges_recipe/h200 --readme
+
+A run dir (it holds eval/) is collected into `results.json` first; a directory `run.py --export` wrote holds
+`results.json` already. Either way the figure is drawn from `results.json`. With `--readme` the figure is left
+as it is, and the table and the targets of that directory replace what stands between its markers in README.md
+(`<!-- results:<dir name>:start -->` and `...:end -->`).
 
 A row: arm, kv_tokens, memory_bytes, accuracy, n, n_in_prefix, accuracy_in_prefix, accuracy_outside_prefix;
-trained arms add method, the distillation overrides of their lever, the held-out KL before and after training,
-the information KL of their data (teacher with chunk vs without: the most distillation could transfer) and
-their training seconds.
+trained arms add method, the distillation overrides of their arm, the held-out KL before and after training,
+the information KL of their data (teacher with chunk vs without: the most distillation could transfer), their
+training seconds, steps and examples.
 """
 
 import json
-import sys
 from pathlib import Path
 
 
@@ -37,20 +42,19 @@ def collect(out: str | Path) -> list[dict]:
     out = Path(out)
     results = json.loads((out / "eval" / "results.json").read_text())
     timings = json.loads((out / "timings.json").read_text()) if (out / "timings.json").is_file() else {}
-    data_dirs = {"recipe": out / "synth_recipe", "paper": out / "synth_paper", "few": out / "data_few"}
     rows = []
     for arm, r in results.items():
         row = {"arm": arm, **r}
         if arm in ARMS:
-            kind, overrides = ARMS[arm]
             summary = json.loads((out / f"c_{arm}" / "summary.json").read_text())
             row.update(
                 method=summary["method"],
-                lever=overrides,
+                lever=ARMS[arm],
                 initial_heldout_kl=summary.get("initial_heldout_kl"),
                 final_heldout_kl=summary.get("final_heldout_kl"),
                 final_kl=summary.get("final_kl"),
-                data_info_kl=data_info_kl(data_dirs[kind]) if kind in data_dirs else None,
+                # NTP trains on the document, not on the conversations
+                data_info_kl=None if summary["method"] == "ntp" else data_info_kl(out / "synth_recipe"),
                 train_s=timings.get(f"distill/{arm}"),
                 steps=summary["steps"],
                 examples=summary["examples"],
@@ -115,7 +119,79 @@ def plot(out: str | Path) -> Path:
     return path
 
 
+def results_table(rows: list[dict]) -> str:
+    """The README's table of one run: accuracy, the part outside the first p tokens, and the KLs per arm."""
+    from zoo.plot import markdown_table
+
+    def kl(r: dict) -> str | None:
+        a, b = r.get("initial_heldout_kl"), r.get("final_heldout_kl")
+        return None if a is None or b is None else f"{a:.3f} → {b:.3f}"
+
+    entries = [
+        {"arm": f"`{r['arm']}`", "kv": r["kv_tokens"], "acc": r["accuracy"],
+         "outside": r.get("accuracy_outside_prefix"), "kl": kl(r), "info": r.get("data_info_kl"),
+         "steps": r.get("steps")}
+        for r in rows
+    ]  # fmt: skip
+    columns = [("arm", "arm"), ("KV tokens", "kv"), ("accuracy", "acc"),
+               ("accuracy, answer outside the first p tokens", "outside"), ("held-out KL start → end", "kl"),
+               ("information KL of its data", "info"), ("steps", "steps")]  # fmt: skip
+    return markdown_table(columns, entries)
+
+
+def targets_line(t: dict) -> str:
+    """The issue's targets on one run, in words."""
+
+    def verdict(ok: bool | None) -> str:
+        return "not measured" if ok is None else "met" if ok else "unmet"
+
+    def ratio(x: float | None, digits: int) -> str:
+        return "—" if x is None else f"{x:.{digits}f}"  # None: the denominator scored 0 or is missing
+
+    parts = [
+        f"ss / truncated {ratio(t['ss_over_truncated'], 1)}× (≥ 2×: {verdict(t['ss_2x_truncated'])})",
+        f"ss / ICL {ratio(t['ss_over_icl'], 2)} (≥ 0.7: {verdict(t['ss_70pct_icl'])})",
+        f"ss > hard_labels > ntp: {verdict(t['ss_gt_hard_gt_ntp'])}",
+    ]
+    if t.get("best_self_study_arm"):
+        parts.append(f"best self-study arm `{t['best_self_study_arm']}` {t['best_self_study_accuracy']:.3f}")
+    return "Targets: " + "; ".join(parts) + "."
+
+
+README = Path(__file__).resolve().parent / "README.md"
+
+
+def fill_readme(run_dir: str | Path, readme: Path = README) -> None:
+    """Replace the block between `run_dir`'s markers in README.md with its table and targets line."""
+    from zoo.plot import fill_readme_block
+
+    run_dir = Path(run_dir)
+    rows = json.loads((run_dir / "results.json").read_text())
+    block = f"{results_table(rows)}\n\n{targets_line(targets(rows))}"
+    name = run_dir.name
+    fill_readme_block(readme, f"<!-- results:{name}:start -->", f"<!-- results:{name}:end -->", block)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("run_dir", nargs="?", default="runs/cartridges_recipe")
+    p.add_argument("--readme", action="store_true", help="fill this directory's block of README.md, not the figure")
+    args = p.parse_args(argv)
+    run_dir = Path(args.run_dir)
+    if (run_dir / "eval" / "results.json").is_file():
+        collect(run_dir)
+    elif not (run_dir / "results.json").is_file():
+        raise SystemExit(f"{run_dir}: neither a run dir (eval/results.json) nor an export (results.json)")
+    rows = json.loads((run_dir / "results.json").read_text())
+    print(json.dumps(targets(rows)))
+    if args.readme:
+        fill_readme(run_dir)
+        print(README)
+    else:
+        print(plot(run_dir))
+
+
 if __name__ == "__main__":
-    run_dir = sys.argv[1] if len(sys.argv) > 1 else "runs/cartridges_recipe"
-    print(json.dumps(targets(collect(run_dir))))
-    print(plot(run_dir))
+    main()

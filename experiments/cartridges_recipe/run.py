@@ -1,27 +1,25 @@
-"""The self-study recipe, lever by lever, at one cartridge size p ≤ 1/14 of the document: which choices make a
-cartridge beat the truncated context of equal memory and approach ICL?
+"""The self-study recipe against its baselines at one cartridge size p ≤ 1/14 of the document: does a cartridge
+beat the truncated context of equal memory, come near ICL, and beat hard labels and NTP?
 
 Arms (all evaluated on the same questions, `cartridges/eval.py`):
-    icl, none, truncated_<p>       the document in context, no document, its first p tokens of context
-    ss                             self-study with the recipe: chunks of 64-512 tokens, fact-stating seed prompts
-                                   (question, quiz, extraction, recall), --conversations of them, lr 2e-2,
-                                   first-tokens init, frozen sink
-    ss_lr1e-3                      the same at PEFT's example lr
-    ss_corpus_init                 initialised from corpus tokens drawn across the document
-    ss_no_sink                     no frozen first token
-    ss_few                         the first --conversations / 8 conversations only
-    ss_paper_seeds                 the paper's seed types (structuring, summarization, question, use_case,
-                                   creative) on chunks of 512-1024 tokens, --paper-conversations of them
-    hard_labels, ntp               the baselines: recipe conversations with one-hot targets; the raw document
+    icl, none, truncated_<p>   the document in context, no document, its first p tokens of context
+    ntp                        next-token prediction on the document itself
+    hard_labels                the self-study conversations with the teacher's chosen tokens as one-hot targets
+    ss                         self-study: the teacher's top-k distribution on the same conversations
+
+The self-study data: chunks of 64-512 tokens, fact-stating seed prompts (question, quiz, extraction, recall),
+--conversations of them. Every trained arm shares the rest (`TRAINING`): --steps steps of 4 packed rows of
+2,048 tokens, Adam lr 2e-2 decayed along a cosine to 0, initialised from the KV of the first p tokens, no frozen
+token. They are trained in the order above, baselines first, so a --time-limit that stops the run early never
+leaves self-study without the baselines it is judged against.
 
 Layout of `--out` (every stage is skipped when its output exists; self-study and distillation resume from their
 shards and checkpoints, so re-running the same command continues an interrupted run):
-    synth_recipe/ synth_paper/     cartridges-synthesize outputs (summary.json: information KL, coverage)
-    data_few/                      the first conversations of synth_recipe
-    c_<arm>/                       cartridges-distill outputs (metrics.jsonl with held-out KL, summary.json)
-    eval/                          results.json, answers.jsonl (with in_prefix per answer)
-    results.json, recipe.png       plot.py: one row per arm, and the figure
-    timings.json                   seconds per stage
+    synth_recipe/              cartridges-synthesize output (summary.json: information KL, coverage)
+    c_<arm>/                   cartridges-distill outputs (metrics.jsonl with held-out KL, summary.json)
+    eval/                      results.json, answers.jsonl (with in_prefix per answer)
+    results.json, recipe.png   plot.py: one row per arm, and the figure
+    timings.json               seconds per stage
 
     python -m experiments.cartridges_recipe.run --out runs/cartridges_recipe --model /path/SmolLM2.gguf
     python -m experiments.cartridges_recipe.run --smoke --out /tmp/recipe_smoke      # tiny Llama, CPU, seconds
@@ -44,17 +42,13 @@ DOCUMENTS = {
     "quellmere": (HERE.parent / "cartridges_tradeoff" / "document.md", HERE.parent / "cartridges_tradeoff" / "qa.json"),
 }
 RECIPE_SEEDS = ["question", "quiz", "extraction", "recall"]
-PAPER_SEEDS = ["structuring", "summarization", "question", "use_case", "creative"]
-# arm -> (data, overrides of cartridges-distill); data: recipe | paper | few | none
+# cartridges-distill settings every trained arm shares
+TRAINING = ["lr=2e-2", "lr_schedule=cosine", "init=first_tokens", "num_frozen=0"]
+# arm -> its own overrides of cartridges-distill, in training order (baselines first)
 ARMS = {
-    "ss": ("recipe", []),
-    "ss_lr1e-3": ("recipe", ["lr=1e-3"]),
-    "ss_corpus_init": ("recipe", ["init=corpus_tokens"]),
-    "ss_no_sink": ("recipe", ["num_frozen=0"]),
-    "ss_few": ("few", []),
-    "ss_paper_seeds": ("paper", []),
-    "hard_labels": ("recipe", ["method=hard_labels"]),
-    "ntp": ("none", ["method=ntp"]),
+    "ntp": ["method=ntp"],
+    "hard_labels": ["method=hard_labels"],
+    "ss": ["method=self_study"],
 }
 
 
@@ -87,13 +81,11 @@ def smoke_document(out: Path) -> tuple[Path, Path]:
 def settings(args) -> dict:
     """Counts and sizes: the H200 defaults, or the CPU smoke run's."""
     if args.smoke:
-        return dict(conversations=16, paper_conversations=8, steps=4, pack_len=256, batch_size=1, synth_batch=8,
-                    user_tokens=8, answer_tokens=8, chunks=(32, 128), paper_chunks=(128, 256), max_new_tokens=4,
-                    eval_batch=8, top_logprobs=5)  # fmt: skip
-    return dict(conversations=args.conversations, paper_conversations=args.paper_conversations, steps=args.steps,
-                pack_len=2048, batch_size=4, synth_batch=args.synth_batch, user_tokens=64, answer_tokens=160,
-                chunks=(64, 512), paper_chunks=(512, 1024), max_new_tokens=32, eval_batch=128,
-                top_logprobs=20)  # fmt: skip
+        return dict(conversations=16, steps=4, pack_len=256, batch_size=1, synth_batch=8, user_tokens=8,
+                    answer_tokens=8, chunks=(32, 128), max_new_tokens=4, eval_batch=8, top_logprobs=5)  # fmt: skip
+    return dict(conversations=args.conversations, steps=args.steps, pack_len=2048, batch_size=4,
+                synth_batch=args.synth_batch, user_tokens=64, answer_tokens=160, chunks=(64, 512),
+                max_new_tokens=32, eval_batch=128, top_logprobs=20)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -112,15 +104,15 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--arms", nargs="+", choices=sorted(ARMS), default=list(ARMS))
     p.add_argument("--conversations", type=int, default=4096)
-    p.add_argument("--paper-conversations", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=160)
+    p.add_argument("--steps", type=int, default=480, help="steps of every trained arm")
     p.add_argument("--synth-batch", type=int, default=512)
     p.add_argument("--size-ratio", type=int, default=14, help="p = context tokens // this")
     p.add_argument(
         "--time-limit",
         type=float,
         default=0,
-        help="seconds after which no new stage starts (0: none); re-run to continue",
+        help="seconds after which no new arm starts training (0: none); the evaluation still runs on what is "
+        "trained; re-run the same command to continue",
     )
     p.add_argument("--device", default="auto")
     p.add_argument("--smoke", action="store_true", help="tiny random Llama on the CPU, tiny counts: seconds")
@@ -168,66 +160,35 @@ def main(argv: list[str] | None = None) -> dict:
     size = ctx_tokens // args.size_ratio
     common = [f"model={model_name}", f"device={device.type}", "progress=false"]
 
-    def synth(name: str, n: int, seeds: list[str], chunks: tuple[int, int]) -> Path:
-        target = out / name
+    def synthesize() -> Path:
+        target = out / "synth_recipe"
         if not (target / "summary.json").is_file() or not (target / "dataset").is_dir():
+            chunks = s["chunks"]
             cfg, _ = load_config("synthesize", [
-                *common, f"corpus.path={doc}", f"output={target}", f"num_conversations={n}",
+                *common, f"corpus.path={doc}", f"output={target}", f"num_conversations={s['conversations']}",
                 f"corpus.min_tokens={chunks[0]}", f"corpus.max_tokens={chunks[1]}",
-                f"seed_prompt_types=[{','.join(seeds)}]", f"max_user_tokens={s['user_tokens']}",
+                f"seed_prompt_types=[{','.join(RECIPE_SEEDS)}]", f"max_user_tokens={s['user_tokens']}",
                 f"max_answer_tokens={s['answer_tokens']}", f"batch_size={s['synth_batch']}",
                 f"top_logprobs={s['top_logprobs']}", "conversations_per_chunk=4",
             ])  # fmt: skip
-            timed(f"synthesize/{name}", lambda: self_study.synthesize(cfg, model, tokenizer))
+            timed("synthesize/synth_recipe", lambda: self_study.synthesize(cfg, model, tokenizer))
         return target
-
-    def few(recipe: Path) -> Path:
-        """The first conversations of the recipe data as their own synthesis output (same corpus, same meta)."""
-        import datasets
-
-        target = out / "data_few"
-        if not (target / "dataset").is_dir():
-            ds = datasets.load_from_disk(str(recipe / "dataset"))
-            staging = out / ".data_few"
-            shutil.rmtree(staging, ignore_errors=True)
-            ds.select(range(max(2, len(ds) // 8))).save_to_disk(str(staging / "dataset"))
-            shutil.copy(recipe / "meta.json", staging / "meta.json")
-            shutil.rmtree(target, ignore_errors=True)
-            os.replace(staging, target)
-        return target
-
-    data: dict[str, Path] = {}
-
-    def data_for(kind: str) -> Path | None:
-        if kind not in data:
-            if kind == "recipe":
-                data[kind] = synth("synth_recipe", s["conversations"], RECIPE_SEEDS, s["chunks"])
-            elif kind == "paper":
-                data[kind] = synth("synth_paper", s["paper_conversations"], PAPER_SEEDS, s["paper_chunks"])
-            elif kind == "few":
-                data[kind] = few(data_for("recipe"))
-            else:
-                return None
-        return data[kind]
 
     cartridges = {}
     stopped = []
-    for arm in args.arms:
-        kind, overrides = ARMS[arm]
+    for arm in [a for a in ARMS if a in args.arms]:  # in ARMS' order, baselines first
         target = out / f"c_{arm}"
         if not (target / "summary.json").is_file():
             if out_of_time():
                 stopped.append(arm)
                 continue
-            source = data_for(kind)
-            # NTP trains on the document; its held-out KL is measured on the recipe conversations
-            source = source or data_for("recipe")
+            # every arm reads the conversations: NTP trains on the document and is measured on them
             cfg, _ = load_config("distill", [
-                *common, f"corpus.path={doc}", f"data={source}", f"output={target}", f"num_tokens={size}",
+                *common, f"corpus.path={doc}", f"data={synthesize()}", f"output={target}", f"num_tokens={size}",
                 f"steps={s['steps']}", f"pack_len={s['pack_len']}", f"batch_size={s['batch_size']}",
                 f"corpus.min_tokens={s['chunks'][0]}", f"corpus.max_tokens={s['chunks'][1]}",
                 f"log_every={max(1, s['steps'] // 8)}", f"checkpoint_every={max(1, s['steps'] // 4)}",
-                f"resume={(target / distill.CHECKPOINT).is_file()}", *overrides,
+                f"resume={(target / distill.CHECKPOINT).is_file()}", *TRAINING, *ARMS[arm],
             ])  # fmt: skip
             timed(f"distill/{arm}", lambda cfg=cfg: distill.distill(cfg, model, tokenizer))
         cartridges[arm] = target / "cartridge.safetensors"
@@ -251,8 +212,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(ceval.format_table(json.loads((out / "eval" / "results.json").read_text())))
     print(format_levers(rows))
     final = {"document": args.document if not args.smoke else "smoke", "model": model_name, "p": size,
-             "context_tokens": ctx_tokens, "targets": targets(rows), "rows": rows, "timings_s": timings,
-             "wall_s": round(time.time() - t_start, 1), "incomplete": stopped}  # fmt: skip
+             "context_tokens": ctx_tokens, "steps": s["steps"], "training": TRAINING, "targets": targets(rows),
+             "rows": rows, "timings_s": timings, "wall_s": round(time.time() - t_start, 1),
+             "incomplete": stopped}  # fmt: skip
     if args.export:
         export(out, Path(args.export), final)
     print(json.dumps(final))
@@ -268,9 +230,8 @@ def export(out: Path, target: Path, final: dict) -> None:
         if src.is_file():
             shutil.copy(src, target / name)
     record = {**final, "synthesis": {}, "distill": {}}
-    for name in ("synth_recipe", "synth_paper"):
-        if (out / name / "summary.json").is_file():
-            record["synthesis"][name] = json.loads((out / name / "summary.json").read_text())
+    if (out / "synth_recipe" / "summary.json").is_file():
+        record["synthesis"]["synth_recipe"] = json.loads((out / "synth_recipe" / "summary.json").read_text())
     for run_dir in sorted(out.glob("c_*")):
         if (run_dir / "summary.json").is_file():
             record["distill"][run_dir.name[2:]] = {

@@ -5,8 +5,9 @@ import torch
 
 from cartridges.cache import Cartridge
 from cartridges.clients import TransformersClient
+from cartridges.config import DistillConfig
 from cartridges.corpus import context_ids, turn_ids
-from cartridges.distill import collate, conversation_examples, distill_loss, pack
+from cartridges.distill import collate, conversation_examples, distill_loss, learning_rate, pack
 from zoo.pretrained import ByteTokenizer, tiny_llama
 
 CHUNK = "The lighthouse of Vellmar was lit in 1843 by Ines Okafor, who kept it for forty-one years."
@@ -165,3 +166,18 @@ def test_information_diagnostic(chunk):
         assert max(kl) == pytest.approx(0.0, abs=1e-5)
     else:
         assert min(kl) > 1e-2
+
+
+@pytest.mark.parametrize(
+    "schedule, expected",
+    [("constant", [0.1, 0.1, 0.1, 0.1]), ("cosine", [0.1, 0.1 * (2 + 2**0.5) / 4, 0.05, 0.1 * (2 - 2**0.5) / 4])],
+)
+def test_learning_rate_schedule(schedule, expected):
+    """The lr of each of 4 steps: constant, or a half cosine from lr at step 0 towards 0 after the last step."""
+    cfg = DistillConfig(data="x", output="y", lr=0.1, steps=4, lr_schedule=schedule)
+    assert [learning_rate(cfg, step) for step in range(4)] == pytest.approx(expected)
+
+
+def test_unknown_lr_schedule_is_refused():
+    with pytest.raises(ValueError, match="lr_schedule"):
+        DistillConfig(data="x", output="y", lr_schedule="linear")

@@ -100,14 +100,16 @@ def test_distill_runs_and_resumes_exactly(synthesized):
         distill.main([*base, f"output={root / 'straight'}", "steps=5"])
 
 
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
 @pytest.mark.parametrize("kill", ["before_rename", "mid_write"])
-def test_distill_killed_while_checkpointing_resumes_to_the_same_cartridge(synthesized, monkeypatch, kill):
+def test_distill_killed_while_checkpointing_resumes_to_the_same_cartridge(synthesized, monkeypatch, kill, schedule):
     """A kill during the second checkpoint (after its file was written, before the rename; or half-way through
     the write) leaves the first checkpoint whole; resuming from it gives the uninterrupted run's cartridge and
-    one metrics row per step."""
+    one metrics row per step, under either lr schedule."""
     root, _ = synthesized
     base = [*COMMON, f"corpus.path={root / 'doc.md'}", f"data={root / 'ss'}", "num_tokens=16", "pack_len=64",
-            "batch_size=2", "log_every=1", "checkpoint_every=2", "steps=5"]  # fmt: skip
+            "batch_size=2", "log_every=1", "checkpoint_every=2", "steps=5", f"lr_schedule={schedule}"]  # fmt: skip
+    kill = f"{kill}_{schedule}"
     distill.main([*base, f"output={root / f'kill_ref_{kill}'}"])
     calls = []
     real_replace, real_save = os.replace, torch.save  # the checkpoint's save goes through both
@@ -126,7 +128,7 @@ def test_distill_killed_while_checkpointing_resumes_to_the_same_cartridge(synthe
             raise KeyboardInterrupt
         return real_save(obj, f)
 
-    if kill == "before_rename":
+    if kill.startswith("before_rename"):
         monkeypatch.setattr(os, "replace", killing_replace)
     else:
         monkeypatch.setattr(torch, "save", killing_save)
@@ -143,6 +145,21 @@ def test_distill_killed_while_checkpointing_resumes_to_the_same_cartridge(synthe
     assert a.keys().equal(b.keys()) and a.values().equal(b.values())
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("change", ["steps=6", "lr_schedule=constant"])
+def test_distill_cosine_resume_keeps_its_schedule(synthesized, change):
+    """A cosine lr is a function of the total steps: resuming with another total, or another schedule, is refused
+    with a one-line error instead of continuing on a schedule the checkpoint was not trained on."""
+    root, _ = synthesized
+    base = [*COMMON, f"corpus.path={root / 'doc.md'}", f"data={root / 'ss'}", "num_tokens=16", "pack_len=64",
+            "checkpoint_every=2", "steps=4", "lr_schedule=cosine"]  # fmt: skip
+    out = root / f"cosine_{change.split('=')[0]}"
+    distill.main([*base, f"output={out}"])
+    with pytest.raises(SystemExit) as exit_info:
+        distill.main([*base, f"output={out}", "resume=true", change])
+    assert exit_info.value.code == 2
+    distill.main([*base, f"output={out}", "resume=true"])  # the same schedule continues (here: nothing left)
 
 
 def test_distill_resumes_with_metrics_cut_to_the_checkpoint(synthesized):

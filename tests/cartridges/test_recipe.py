@@ -12,7 +12,7 @@ from cartridges.eval import is_correct, load_qa
 from zoo.pretrained import ByteTokenizer
 
 RECIPE = Path(__file__).resolve().parents[2] / "experiments" / "cartridges_recipe"
-ARMS = ["ss", "ss_few", "hard_labels", "ntp"]
+ARMS = ["ntp", "hard_labels", "ss"]  # the baselines first
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def smoke(tmp_path_factory):
     from experiments.cartridges_recipe import run
 
     out = tmp_path_factory.mktemp("recipe")
-    return out, run.main(["--smoke", "--out", str(out), "--arms", *ARMS])
+    return out, run.main(["--smoke", "--out", str(out), "--export", str(out / "export")])
 
 
 def test_smoke_run_writes_every_arm(smoke):
@@ -31,12 +31,28 @@ def test_smoke_run_writes_every_arm(smoke):
     rows = {r["arm"]: r for r in json.loads((out / "results.json").read_text())}
     for arm in ARMS:
         r = rows[arm]
-        assert r["kv_tokens"] == final["p"] and r["n"] == 8 and r["memory_bytes"] > 0
+        assert r["kv_tokens"] == final["p"] and r["n"] == 8 and r["memory_bytes"] > 0 and r["steps"] == 4
         assert r["initial_heldout_kl"] > 0 and r["final_heldout_kl"] >= 0
     assert rows["ss"]["data_info_kl"] > 0 and rows["ntp"]["data_info_kl"] is None
+    assert [rows[a]["method"] for a in ARMS] == ["ntp", "hard_labels", "self_study"]
     assert rows["icl"]["n_in_prefix"] == rows["icl"]["n"]
     assert (out / "recipe.png").stat().st_size > 0
     assert set(final["targets"]) >= {"ss_over_truncated", "ss_2x_truncated", "ss_70pct_icl", "ss_gt_hard_gt_ntp"}
+
+
+@pytest.mark.parametrize("arm", ARMS)
+def test_smoke_arms_share_the_training_settings(smoke, arm):
+    """Every trained arm runs the same optimiser, schedule, init and frozen count; only the targets differ."""
+    out, _ = smoke
+    from cartridges.format import read_header
+
+    record = json.loads((out / "export" / "run.json").read_text())["distill"][arm]
+    metrics = record["metrics"]
+    assert record["summary"]["steps"] == 4 and [m["step"] for m in metrics] == [1, 2, 3, 4]
+    # the cosine schedule: full lr at the first step, decaying towards 0 at the last
+    assert metrics[0]["lr"] == pytest.approx(2e-2) and metrics[-1]["lr"] < 0.2 * 2e-2
+    training = read_header(out / f"c_{arm}" / "cartridge.safetensors")["training_config"]["distill"]
+    assert (training["lr_schedule"], training["init"], training["num_frozen"]) == ("cosine", "first_tokens", 0)
 
 
 def test_smoke_rerun_resumes_without_retraining(smoke):
@@ -44,9 +60,24 @@ def test_smoke_rerun_resumes_without_retraining(smoke):
 
     out, first = smoke
     stamp = {arm: (out / f"c_{arm}" / "cartridge.safetensors").stat().st_mtime_ns for arm in ARMS}
-    again = run.main(["--smoke", "--out", str(out), "--arms", *ARMS])
+    again = run.main(["--smoke", "--out", str(out)])
     assert {arm: (out / f"c_{arm}" / "cartridge.safetensors").stat().st_mtime_ns for arm in ARMS} == stamp
     assert again["rows"] == first["rows"]
+
+
+def test_readme_table_is_built_from_an_export(smoke, tmp_path):
+    """plot.py --readme fills a run's README block from its exported results.json, and keeps the rest."""
+    from experiments.cartridges_recipe import plot
+
+    out, final = smoke
+    readme = tmp_path / "README.md"
+    readme.write_text("before\n<!-- results:export:start -->\nold\n<!-- results:export:end -->\nafter\n")
+    plot.fill_readme(out / "export", readme)
+    text = readme.read_text()
+    assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text
+    assert f"| `ss` | {final['p']} | {final['targets']['best_self_study_accuracy']:.3f} |" in text
+    met = "met" if final["targets"]["ss_gt_hard_gt_ntp"] else "unmet"
+    assert f"ss > hard_labels > ntp: {met}" in text and text.count("\n| `") == 6
 
 
 def test_benchmark_questions_are_answerable_and_spread():
