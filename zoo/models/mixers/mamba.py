@@ -18,10 +18,11 @@ What is unusual here:
   sequence and block of channels, the [BD, N] state in registers; the forward stores every h_t for the
   backward). CUDA tensors, or CPU under TRITON_INTERPRET=1; fp32 inside (the scan runs outside autocast).
   On the H200 it is 13-20× the loop, forward+backward (kernels/selective_scan/README.md).
-- Initialisation (Gu & Dao's): Δ = softplus(dt_bias) log-uniform over [dt_min, dt_max], the Δ projection's weight
-  U(±dt_rank^-0.5), A_log = log(1..N) in every channel (S4D-real), D = 1, the conv's bias zero. The Δ projection
-  is held as two plain parameters (`dt_weight`, `dt_bias`), not an nn.Linear, so that the LanguageModel's init of
-  every nn.Linear (normal 0.02, zero bias) does not replace them; in_proj, x_proj and out_proj do take that init.
+- Initialisation: Gu & Dao's for the SSM: Δ = softplus(dt_bias) log-uniform over [dt_min, dt_max], the Δ
+  projection's weight U(±dt_rank^-0.5), A_log = log(1..N) in every channel (S4D-real), D = 1. The Δ projection is
+  two plain parameters (`dt_weight`, `dt_bias`), not an nn.Linear, so that the LanguageModel's init of every
+  nn.Linear (normal 0.02, zero bias) leaves it alone; in_proj, x_proj and out_proj do take that init, and the
+  conv starts at randn/√k with a zero bias (the reference keeps PyTorch's U(±1/√fan_in) for these).
 - The state is the real tensors decoding needs: {"conv": [B, k-1, d_inner], "ssm": [B, d_inner, N]} with the
   SSM part in fp32. state_size = d_inner·N + d_inner·(k-1), i.e. 2·d·N (REFERENCE's "Mamba: 2·d·d_state",
   expand 2) plus the conv inputs. Zoology reported None here.
