@@ -18,6 +18,11 @@ What is unusual here:
   sequence and block of channels, the [BD, N] state in registers; the forward stores every h_t for the
   backward). CUDA tensors, or CPU under TRITON_INTERPRET=1; fp32 inside (the scan runs outside autocast).
   On the H200 it is 13-20× the loop, forward+backward (kernels/selective_scan/README.md).
+- Initialisation: Gu & Dao's for the SSM: Δ = softplus(dt_bias) log-uniform over [dt_min, dt_max], the Δ
+  projection's weight U(±dt_rank^-0.5), A_log = log(1..N) in every channel (S4D-real), D = 1. The Δ projection is
+  two plain parameters (`dt_weight`, `dt_bias`), not an nn.Linear, so that the LanguageModel's init of every
+  nn.Linear (normal 0.02, zero bias) leaves it alone; in_proj, x_proj and out_proj do take that init, and the
+  conv starts at randn/√k with a zero bias (the reference keeps PyTorch's U(±1/√fan_in) for these).
 - The state is the real tensors decoding needs: {"conv": [B, k-1, d_inner], "ssm": [B, d_inner, N]} with the
   SSM part in fp32. state_size = d_inner·N + d_inner·(k-1), i.e. 2·d·N (REFERENCE's "Mamba: 2·d·d_state",
   expand 2) plus the conv inputs. Zoology reported None here.
@@ -92,11 +97,13 @@ class Mamba(nn.Module):
         self.conv_weight = nn.Parameter(torch.randn(di, c.conv_size) / math.sqrt(c.conv_size))
         self.conv_bias = nn.Parameter(torch.zeros(di))
         self.x_proj = nn.Linear(di, self.dt_rank + 2 * N, bias=False)
-        self.dt_proj = nn.Linear(self.dt_rank, di)
-        # Bias so that softplus(bias) spans [dt_min, dt_max] log-uniformly at init.
+        # Δ's projection dt_rank -> d_inner: plain parameters, which the LanguageModel's init of nn.Linear (zero
+        # bias) leaves alone. A zero bias makes every Δ softplus(0) = 0.69: the state then shrinks at least 2x a
+        # token (A <= -1) and loses the keys MQAR asks for within a few tokens.
+        bound = self.dt_rank**-0.5
+        self.dt_weight = nn.Parameter(torch.empty(di, self.dt_rank).uniform_(-bound, bound))
         dt = torch.exp(torch.rand(di) * (math.log(c.dt_max) - math.log(c.dt_min)) + math.log(c.dt_min))
-        with torch.no_grad():
-            self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
         self.A_log = nn.Parameter(torch.log(torch.arange(1, N + 1, dtype=torch.float32)).repeat(di, 1))  # [di, N]
         self.D = nn.Parameter(torch.ones(di))
         self.out_proj = nn.Linear(di, d_model, bias=False)
@@ -109,7 +116,7 @@ class Mamba(nn.Module):
         new_history = torch.cat([history.to(u.dtype), u], dim=1)[:, u.shape[1] :]  # [B, k-1, di]
         N = self.config.d_state
         dt_low, Bm, Cm = self.x_proj(u_conv).split([self.dt_rank, N, N], dim=-1)
-        dt = F.softplus(self.dt_proj(dt_low))  # [B, T, di]
+        dt = F.softplus(F.linear(dt_low, self.dt_weight, self.dt_bias))  # [B, T, di]
         return u_conv, z, dt, Bm, Cm, new_history
 
     def _scan(self, u, dt, Bm, Cm, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
