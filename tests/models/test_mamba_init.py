@@ -69,3 +69,38 @@ def test_state_remembers_a_token_for_dozens_of_steps_at_init():
     mixer = mamba_layers(lm_from_preset("zoology_fig2/mamba"))[0]
     dt_min = F.softplus(mixer.dt_bias.detach()).min()
     assert torch.exp(-dt_min * 60) > 0.5
+
+
+MAMBA2_PRESETS = ["based_fig2/mamba2"]
+
+
+def mamba_family_layers(lm: LanguageModel) -> list:
+    from zoo.models.mixers.mamba2 import Mamba2
+
+    layers = [block.mixer for block in lm.blocks if isinstance(block.mixer, (Mamba, Mamba2))]
+    assert layers, "the preset has no Mamba or Mamba-2 layer"
+    return layers
+
+
+def assert_uniform(w: torch.Tensor, bound: float, what: str) -> None:
+    """U(±bound): inside the bound, with U's spread (normal(0, 0.02) fails this for every shape here)."""
+    w = w.detach().double()
+    assert w.abs().max() <= bound * (1 + 1e-6), what
+    assert abs(w.std().item() - bound / math.sqrt(3)) < 0.1 * bound / math.sqrt(3), what
+
+
+@pytest.mark.parametrize("name", PRESETS + MAMBA2_PRESETS)
+def test_projections_and_conv_take_zoologys_mamba_block_init(name):
+    """Zoology's Mamba blocks keep PyTorch's init for the linears (U(±1/√fan_in)) and the depthwise conv (U(±1/√k),
+    bias too), out_proj further divided by √n_layers."""
+    lm = lm_from_preset(name)
+    n_layers = len(lm.blocks)
+    for mixer in mamba_family_layers(lm):
+        projections = [mixer.in_proj] + ([mixer.x_proj] if isinstance(mixer, Mamba) else [])
+        for linear in projections:
+            assert_uniform(linear.weight, linear.in_features**-0.5, "in/x projection")
+        out = mixer.out_proj
+        assert_uniform(out.weight, out.in_features**-0.5 / math.sqrt(n_layers), "out_proj")
+        k = mixer.config.conv_size
+        assert_uniform(mixer.conv_weight, k**-0.5, "conv weight")
+        assert mixer.conv_bias.detach().abs().max() <= k**-0.5 and mixer.conv_bias.detach().std() > 0.1 * k**-0.5

@@ -40,6 +40,9 @@ class LanguageModel(nn.Module):
         self.norm = make_norm(config.norm, d)
         self.head = nn.Linear(d, config.vocab_size, bias=False)
         self.apply(_init_weights)
+        for block in self.blocks:  # a mixer with its own scheme (Mamba's) re-initialises its weights after that
+            if hasattr(block.mixer, "init_weights"):
+                block.mixer.init_weights(n_layers=len(self.blocks))
         if config.tie_embeddings:
             self.head.weight = self.embedding.weight
 
@@ -120,7 +123,8 @@ class LanguageModel(nn.Module):
 
 
 def _init_weights(module: nn.Module) -> None:
-    """Normal(0, 0.02) for linear and embedding weights, zero biases; norms and convs keep their defaults."""
+    """Normal(0, 0.02) for linear and embedding weights, zero biases; norms and convs keep their defaults (Zoology's
+    init for its TransformerBlock models). Mixers that define `init_weights(n_layers)` redo theirs afterwards."""
     if isinstance(module, (nn.Linear, nn.Embedding)):
         nn.init.normal_(module.weight, std=0.02)
     if isinstance(module, (nn.Linear, nn.Conv1d)) and module.bias is not None:

@@ -21,8 +21,9 @@ What is unusual here:
 - Initialisation: Gu & Dao's for the SSM: Δ = softplus(dt_bias) log-uniform over [dt_min, dt_max], the Δ
   projection's weight U(±dt_rank^-0.5), A_log = log(1..N) in every channel (S4D-real), D = 1. The Δ projection is
   two plain parameters (`dt_weight`, `dt_bias`), not an nn.Linear, so that the LanguageModel's init of every
-  nn.Linear (normal 0.02, zero bias) leaves it alone; in_proj, x_proj and out_proj do take that init, and the
-  conv starts at randn/√k with a zero bias (the reference keeps PyTorch's U(±1/√fan_in) for these).
+  nn.Linear (normal 0.02, zero bias) leaves it alone. `init_weights`, which the LanguageModel calls after that,
+  gives the rest Zoology's init for its Mamba blocks: PyTorch's own U(±1/√fan_in) for the projections and the
+  conv, out_proj divided by √n_layers.
 - The state is the real tensors decoding needs: {"conv": [B, k-1, d_inner], "ssm": [B, d_inner, N]} with the
   SSM part in fp32. state_size = d_inner·N + d_inner·(k-1), i.e. 2·d·N (REFERENCE's "Mamba: 2·d·d_state",
   expand 2) plus the conv inputs. Zoology reported None here.
@@ -108,6 +109,18 @@ class Mamba(nn.Module):
         self.D = nn.Parameter(torch.ones(di))
         self.out_proj = nn.Linear(di, d_model, bias=False)
         log_impl(self.name, c.impl)
+
+    def init_weights(self, n_layers: int) -> None:
+        """Zoology's init for its Mamba blocks, run by the LanguageModel after its generic one: the projections
+        keep nn.Linear's own U(±1/√fan_in), out_proj's further divided by √n_layers (GPT-2's residual scaling),
+        the depthwise conv nn.Conv1d's U(±1/√k) for weight and bias; Δ, A and D keep the SSM init above."""
+        for linear in (self.in_proj, self.x_proj, self.out_proj):
+            linear.reset_parameters()
+        with torch.no_grad():
+            self.out_proj.weight /= math.sqrt(n_layers)
+            bound = 1 / math.sqrt(self.config.conv_size)
+            self.conv_weight.uniform_(-bound, bound)
+            self.conv_bias.uniform_(-bound, bound)
 
     def _prepare(self, x: torch.Tensor, history: torch.Tensor):
         """x: [B, T, d] -> (u, z: [B, T, di]; dt: [B, T, di]; Bm, Cm: [B, T, N]; new conv history)."""

@@ -83,6 +83,18 @@ class Mamba2(nn.Module):
         self.norm = nn.RMSNorm(self.d_inner, eps=1e-5)
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=False)
 
+    def init_weights(self, n_layers: int) -> None:
+        """Zoology's init for its Mamba blocks, run by the LanguageModel after its generic one: the projections
+        keep nn.Linear's own U(±1/√fan_in), out_proj's further divided by √n_layers (GPT-2's residual scaling),
+        the depthwise conv nn.Conv1d's U(±1/√k) for weight and bias; Δ, A and D keep the SSM init above."""
+        for linear in (self.in_proj, self.out_proj):
+            linear.reset_parameters()
+        with torch.no_grad():
+            self.out_proj.weight /= math.sqrt(n_layers)
+            bound = 1 / math.sqrt(self.config.conv_size)
+            self.conv_weight.uniform_(-bound, bound)
+            self.conv_bias.uniform_(-bound, bound)
+
     def _prepare(self, x: torch.Tensor, history: torch.Tensor):
         """x: [B, T, d] -> z [B, T, di], xh [B, T, H, P], Bm, Cm [B, T, N], dt [B, T, H], new conv history."""
         z, xBC, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
