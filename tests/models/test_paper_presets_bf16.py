@@ -22,9 +22,8 @@ PRESETS = sorted(
 def test_preset_bf16_forward_matches_fp32(name):
     L, d, batch = 256, 128, 32 if DEVICE == "cuda" else 2
     seg = f"{{seq_len: {L}, num_kv_pairs: 16, num_examples: 8, batch_size: 8}}"
-    cfg, _ = load_config(
-        [f"model={name}", "data=mqar_zoology", f"model.d_model={d}", *(f"data.{s}=[{seg}]" for s in ("train", "valid", "test"))]
-    )
+    splits = [f"data.{s}=[{seg}]" for s in ("train", "valid", "test")]
+    cfg, _ = load_config([f"model={name}", "data=mqar_zoology", f"model.d_model={d}", *splits])
     torch.manual_seed(0)
     lm = LanguageModel(cfg.model).to(DEVICE).eval()
     ids = torch.randint(0, cfg.model.vocab_size, (batch, L), device=DEVICE)
