@@ -1,7 +1,7 @@
 """Causal convolutions shared by the convolution mixers (Hyena, H3, short_conv, long_conv).
 
 `causal_conv` is the one entry for long filters: a direct Toeplitz matmul up to DIRECT_MAX_T positions, an FFT
-beyond. Short FIRs (a few taps) unfold their windows (`depthwise_causal_conv`).
+beyond. Short FIRs (a few taps) are a sum of shifted products (`depthwise_causal_conv`).
 """
 
 from __future__ import annotations
@@ -198,21 +198,28 @@ def _toeplitz_conv_vmap(info, in_dims, u, h):
 def depthwise_causal_conv(u: torch.Tensor, weight: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
     """Short depthwise FIR: y[:, t] = Σ_j weight[:, j] · u_full[:, t + j] with u_full = [history; u].
 
-    u: [B, T, C]; weight: [C, k]; history: [B, k-1, C], the inputs before u (zeros at the start) -> [B, T, C].
+    u: [B, T, C]; weight: [C, k]; history: [B, k-1, C], the inputs before u (zeros at the start) -> [B, T, C] in
+    u's dtype. A sum of k shifted products, elementwise, because a contraction over the k taps would run as a batch
+    of C matrix-vector products of inner size k, far from any matmul unit, on a [B, T, C, k] copy of the windows.
     """
-    k = weight.shape[1]
-    u_full = torch.cat([history.to(u.dtype), u], dim=1)  # [B, T + k - 1, C]
-    windows = u_full.unfold(1, k, 1)  # [B, T, C, k]
-    return torch.einsum("btck,ck->btc", windows, weight)
+    k, T = weight.shape[1], u.shape[1]
+    w = weight.to(u.dtype)
+    y = u * w[:, k - 1]  # [B, T, C]: the current input's tap
+    if k > 1:
+        u_full = torch.cat([history.to(u.dtype), u], dim=1)  # [B, T + k - 1, C]
+        for j in range(k - 1):
+            y = y + u_full[:, j : j + T] * w[:, j]
+    return y
 
 
-# Above this many taps an explicit filter runs through causal_conv: the unfolded windows of depthwise_causal_conv
-# hold B·T·C·k elements (k = 256 at d = 512, B = 256, T = 256: 8.6·10⁹).
-UNFOLD_MAX_TAPS = 32
+# Above this many taps an explicit filter runs through causal_conv: depthwise_causal_conv makes one pass over
+# [B, T, C] per tap (k = 256 at d = 512, B = 256, T = 256: 256 passes over 3.4·10⁷ elements), where the Toeplitz
+# matmul does T multiply-adds per element whatever k is.
+SHIFTED_SUM_MAX_TAPS = 32
 
 
 def explicit_causal_conv(u: torch.Tensor, weight: torch.Tensor, history: torch.Tensor | None) -> torch.Tensor:
-    """depthwise_causal_conv's result for any kernel length: unfolded windows up to UNFOLD_MAX_TAPS taps, else
+    """depthwise_causal_conv's result for any kernel length: its shifted sum up to SHIFTED_SUM_MAX_TAPS taps, else
     causal_conv.
 
     u: [B, T, C]; weight: [C, k] (weight[:, k-1] multiplies the current input); history: [B, k-1, C], or None for
@@ -220,7 +227,7 @@ def explicit_causal_conv(u: torch.Tensor, weight: torch.Tensor, history: torch.T
     with one it convolves all T + k - 1 and keeps the last T.
     """
     k = weight.shape[1]
-    if k <= UNFOLD_MAX_TAPS:
+    if k <= SHIFTED_SUM_MAX_TAPS:
         if history is None:
             history = u.new_zeros(u.shape[0], k - 1, u.shape[2])
         return depthwise_causal_conv(u, weight, history)
