@@ -4,7 +4,7 @@ one run, with the outputs and every gradient compared.
     python experiments/bench/h3_hyena.py           # GPU: d in {256, 512}, (L, B) in {(64, 512), (128, 512), (256, 256)}
     python experiments/bench/h3_hyena.py --tiny    # CPU smoke run, a few seconds
 
-Baselines, kept here only:
+Baselines, kept here only (their long convolutions in IEEE fp32, as causal_conv ran them under autocast too):
 - H3: SSM inputs laid out [B, T, H·p·p] (one causal_conv channel per (head, i, j), the head's kernel repeated
   p·p times), D·u added elementwise, and the read-out q_hᵀ · Y_h as an einsum, which torch runs as a batched
   matmul of B·T·H products of [1, p] x [p, p] (B·T·H = 16.8M at d = 512, L = 256, B = 256).
@@ -12,15 +12,16 @@ Baselines, kept here only:
   inner size k.
 The library: H3 lays its inputs out [p, p, B, T, H] (one Toeplitz matmul per head, the p·p inputs and the batch
 its columns), folds D into the kernel's lag 0 and reads out with p elementwise products; the short conv is a sum
-of k shifted products.
+of k shifted products; under autocast the direct convolutions take bf16 operands. `lib fp32c` is the library with
+its convolutions held at IEEE fp32 (autocast off around causal_conv, patched here), to split the two gains.
 
-Both forms share the parameters (the baseline H3 is the library's module with the old forward). Under bf16
-autocast on CUDA (fp32 on the CPU). Columns: ms (median of --repeats after a warm-up; CUDA events), the peak MiB
-each allocates, the Toeplitz matmuls' TFLOP/s in the library's time (H3: the shift filter's d channels and the
-SSM's p·d, 3 products of 2·B·T² per channel forward+backward; Hyena: the long filter's d), the largest difference
-of y, dx and the parameter gradients between the forms, relative to the largest value of each, and each form's
-error on y and on the parameter gradients against the library run in fp32 without autocast (err: baseline,
-library).
+The forms share the parameters (the baseline H3 is the library's module with the old forward). Under bf16
+autocast, the sweeps' training setting (on the CPU too, where --tiny checks the numbers). Columns: ms (median of
+--repeats after a warm-up; CUDA events) and the speed-up over the baseline, the peak MiB each allocates, the
+Toeplitz matmuls' TFLOP/s in the library's time (H3: the shift filter's d channels and the SSM's p·d; Hyena: the
+long filter's d; 3 products of 2·B·L² per channel forward+backward), the largest difference of y, dx and the
+parameter gradients between baseline and library relative to the largest value of each, and each form's error
+on y and on the parameter gradients against the library run in fp32 without autocast.
 
 Prints a table, then one JSON line.
 """
@@ -40,7 +41,7 @@ try:  # run as a script (python experiments/bench/NAME.py) or as a module
 except ImportError:
     from experiments.bench.timing import median_ms
 
-from zoo.models.mixers import hyena
+from zoo.models.mixers import _long_conv, h3, hyena
 from zoo.models.mixers._common import check_input, compute_dtype
 from zoo.models.mixers._long_conv import causal_conv
 from zoo.models.mixers.h3 import H3
@@ -64,11 +65,20 @@ class BaselineH3(H3):
             powers = torch.exp(lags[:, None, None] * log_a[None])  # [T, H, N]
             kernel = torch.einsum("lhn,hn->lh", powers, self.C.to(dtype) * self.B.to(dtype))  # [T, H]
             u32 = u.to(dtype)
-            y = causal_conv(u32, kernel.repeat_interleave(p * p, dim=1))  # [B, T, H·p·p]
+            y = fp32_causal_conv(u32, kernel.repeat_interleave(p * p, dim=1))  # [B, T, H·p·p]
             y = y + self._per_channel(self.D, dtype) * u32
         q_h = rearrange(q, "... (h i) -> ... h i", i=p)
         y_h = rearrange(y.to(q.dtype), "... (h i j) -> ... h i j", i=p, j=p)
         return self.out(rearrange(torch.einsum("...hi,...hij->...hj", q_h, y_h), "... h j -> ... (h j)"))
+
+
+def fp32_causal_conv(u: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """causal_conv with autocast off around it: the direct path's matmuls at IEEE fp32, the result in u's dtype."""
+    with torch.autocast(device_type=u.device.type, enabled=False):
+        return causal_conv(u, h)
+
+
+CONV_PATCHES = (_long_conv, h3, hyena)  # modules whose causal_conv the mixers call (_long_conv: explicit_causal_conv)
 
 
 def baseline_depthwise_causal_conv(u: torch.Tensor, weight: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
@@ -118,7 +128,7 @@ def row(mixer: str, d: int, L: int, B: int, device: torch.device, repeats: int) 
     x = torch.randn(B, L, d, device=device, generator=torch.Generator(device=device).manual_seed(1))
     grad_y = torch.randn(B, L, d, device=device, generator=torch.Generator(device=device).manual_seed(2))
 
-    def step(m, autocast: bool = device.type == "cuda"):
+    def step(m, autocast: bool = True):
         xi = x.clone().requires_grad_()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             y = m(xi)
@@ -127,8 +137,11 @@ def row(mixer: str, d: int, L: int, B: int, device: torch.device, repeats: int) 
 
     r = {"mixer": mixer, "d": d, "L": L, "B": B}
     results = {}
-    for form, m in (("baseline", old), ("library", new)):
+    for form, m in (("baseline", old), ("library_fp32conv", new), ("library", new)):
         with ExitStack() as stack:
+            if form != "library":
+                for module in CONV_PATCHES:
+                    stack.enter_context(mock.patch.object(module, "causal_conv", fp32_causal_conv))
             if form == "baseline" and mixer == "hyena":
                 stack.enter_context(mock.patch.object(hyena, "depthwise_causal_conv", baseline_depthwise_causal_conv))
             r[f"{form}_ms"] = median_ms(lambda m=m: step(m), device, repeats)
@@ -136,14 +149,16 @@ def row(mixer: str, d: int, L: int, B: int, device: torch.device, repeats: int) 
             results[form] = step(m)
     results["fp32"] = step(new, autocast=False)
     r["speedup"] = r["baseline_ms"] / r["library_ms"]
+    r["speedup_fp32conv"] = r["baseline_ms"] / r["library_fp32conv_ms"]
     r["toeplitz_tflops"] = toeplitz_flops(mixer, d, L, B) / (r["library_ms"] * 1e9)
     (y0, g0), (y1, g1) = results["baseline"], results["library"]
     r["rel_diff_y"] = rel_diff(y1, y0)
     r["rel_diff_dx"] = rel_diff(g1[0], g0[0])
     r["rel_diff_dparams"] = max(rel_diff(a, b) for a, b in zip(g1[1:], g0[1:]))
-    # Each form against the library in fp32 without autocast: the library's error should not exceed the baseline's.
+    # Each form against the library run in fp32 without autocast.
     y_ref, g_ref = results["fp32"]
-    for form, (y, g) in (("baseline", results["baseline"]), ("library", results["library"])):
+    for form in ("baseline", "library_fp32conv", "library"):
+        y, g = results[form]
         r[f"{form}_err_y"] = rel_diff(y, y_ref)
         r[f"{form}_err_dparams"] = max(rel_diff(a, b) for a, b in zip(g[1:], g_ref[1:]))
     return r
@@ -168,20 +183,21 @@ def main() -> None:
     device = torch.device(args.device)
     rows = [row(mixer, d, L, B, device, args.repeats) for d, L, B in grid for mixer in ("h3", "hyena")]
 
-    autocast = " under bf16 autocast" if device.type == "cuda" else " in fp32"
-    print(f"H3 and Hyena (Zoology Fig. 2 presets) forward+backward{autocast}, {device}: baseline vs library")
+    print(f"H3 and Hyena (Zoology Fig. 2 presets) forward+backward under bf16 autocast, {device}: baseline vs library")
     print(
-        f"{'mixer':>6} {'d':>4} {'L':>4} {'B':>4} | {'base ms':>8} {'lib ms':>8} {'x':>5} | {'base MiB':>8} "
-        f"{'lib MiB':>8} | {'TFLOP/s':>7} | {'diff y':>8} {'diff dx':>8} {'dparams':>8} | {'err y':>17} "
-        f"{'err dparams':>17}"
+        f"{'mixer':>6} {'d':>4} {'L':>4} {'B':>4} | {'base ms':>8} {'lib fp32c':>9} {'x':>5} {'lib ms':>8} {'x':>5} "
+        f"| {'base MiB':>8} {'lib MiB':>8} | {'TFLOP/s':>7} | {'diff y':>8} {'diff dx':>8} {'dparams':>8} | "
+        f"{'err y: base':>11} {'fp32c':>8} {'lib':>8} | {'err dparams':>11} {'fp32c':>8} {'lib':>8}"
     )
     for r in rows:
         print(
-            f"{r['mixer']:>6} {r['d']:>4} {r['L']:>4} {r['B']:>4} | {r['baseline_ms']:>8.2f} {r['library_ms']:>8.2f} "
+            f"{r['mixer']:>6} {r['d']:>4} {r['L']:>4} {r['B']:>4} | {r['baseline_ms']:>8.2f} "
+            f"{r['library_fp32conv_ms']:>9.2f} {r['speedup_fp32conv']:>5.2f} {r['library_ms']:>8.2f} "
             f"{r['speedup']:>5.2f} | {fmt(r['baseline_mib'], '8.0f')} {fmt(r['library_mib'], '8.0f')} | "
             f"{r['toeplitz_tflops']:>7.1f} | {r['rel_diff_y']:>8.1e} {r['rel_diff_dx']:>8.1e} "
-            f"{r['rel_diff_dparams']:>8.1e} | {r['baseline_err_y']:>8.1e} {r['library_err_y']:>8.1e} "
-            f"{r['baseline_err_dparams']:>8.1e} {r['library_err_dparams']:>8.1e}"
+            f"{r['rel_diff_dparams']:>8.1e} | {r['baseline_err_y']:>11.1e} {r['library_fp32conv_err_y']:>8.1e} "
+            f"{r['library_err_y']:>8.1e} | {r['baseline_err_dparams']:>11.1e} "
+            f"{r['library_fp32conv_err_dparams']:>8.1e} {r['library_err_dparams']:>8.1e}"
         )
     print(
         json.dumps(

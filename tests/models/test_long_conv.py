@@ -145,6 +145,26 @@ def test_backward_called_under_autocast_stays_fp32():
         torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("path", ["direct", "fft", "dispatch"])
+def test_conv_under_autocast(path):
+    """Under bf16 autocast the direct path runs its matmuls on bf16 operands (bit for bit the op on rounded u and h,
+    cast back to u's fp32) and its gradients come back fp32 within bf16 rounding of fp64; the FFT stays fp32, bit
+    for bit its result outside autocast. The dispatcher at T = 64 takes the direct path."""
+    u, h, grad_y = random(2, 64, 3, seed=27).float(), random(64, 3, seed=28).float() / 8, random(2, 64, 3, seed=29)
+    want = outputs_and_grads(naive_conv, u.double(), h.double(), grad_y.double())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = outputs_and_grads(PATHS[path], u, h, grad_y.float())
+    assert all(t.dtype == torch.float32 for t in got)
+    if path == "fft":
+        torch.testing.assert_close(got[0], fft_causal_conv(u, h), rtol=0, atol=0)
+        return
+    rounded = torch.ops.zoo_conv.toeplitz_conv(u.bfloat16(), h.bfloat16()).float()
+    torch.testing.assert_close(got[0], rounded, rtol=0, atol=0)
+    for name, g, w in zip(("y", "grad_u", "grad_h"), got, want):
+        error = ((g.double() - w).abs().max() / w.abs().max()).item()
+        assert 0 < error <= 2**-6, f"{name}: relative error {error:.2e}"
+
+
 def test_toeplitz_op_passes_opcheck():
     """Schema, fake tensor, autograd registration and torch.compile tracing of the custom op."""
     u, h = random(2, 6, 3, seed=11).requires_grad_(), random(6, 3, seed=12).requires_grad_()

@@ -39,7 +39,8 @@ def causal_conv(u: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """y[:, t, c] = Σ_{s≤t} h[t-s, c] · u[:, s, c]: direct_causal_conv for T ≤ DIRECT_MAX_T, fft_causal_conv above.
 
     u: [B, T, C]; h: [T', C] (lags at or past T' are zero; lags past T - 1 never reach inside the sequence) ->
-    [B, T, C]. Computed in at least fp32 (fp64 stays fp64) and cast back to u's dtype.
+    [B, T, C] in u's dtype. Computed in at least fp32 (fp64 stays fp64), but for the direct path under autocast,
+    whose matmuls take the autocast dtype (see direct_causal_conv).
     """
     if u.shape[1] <= DIRECT_MAX_T:
         return direct_causal_conv(u, h)
@@ -63,13 +64,21 @@ def direct_causal_conv(u: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """causal_conv as one matmul per channel with its lower-triangular Toeplitz matrix W[t, s] = h[t-s]:
     u: [B, T, C]; h: [T', C] -> [B, T, C].
 
-    The matmuls run at IEEE fp32 (or fp64) whatever the process's TF32 setting: TF32 keeps 10 mantissa bits
-    (≈ 5e-4 relative per product), and the mixers must give the FFT path's fp32 result on either side of
-    DIRECT_MAX_T. Channels go in blocks of TOEPLITZ_BLOCK_ELEMENTS, and the backward rebuilds each block's matrices.
+    Outside autocast the matmuls run at IEEE fp32 (or fp64) whatever the process's TF32 setting: TF32 keeps 10
+    mantissa bits (≈ 5e-4 relative per product), and an fp32 model must give the FFT path's fp32 result on either
+    side of DIRECT_MAX_T. Under autocast the matmuls run as autocast runs a convolution: u and h in the autocast
+    dtype, fp32 accumulation, the result rounded to that dtype (bf16: ≈ 2^-9 relative per operand and on the
+    result, the rounding every other matmul of the autocast model has), on tensor cores where IEEE fp32 has none.
+    fp64 inputs stay fp64. Channels go in blocks of TOEPLITZ_BLOCK_ELEMENTS, and the backward rebuilds each block's
+    matrices.
     """
     _check(u, h)
     T = u.shape[1]
-    dtype = torch.promote_types(u.dtype, torch.float32)
+    device = u.device.type
+    if torch.is_autocast_enabled(device) and u.dtype != torch.float64:
+        dtype = torch.get_autocast_dtype(device)
+    else:
+        dtype = torch.promote_types(u.dtype, torch.float32)
     with torch.autocast(device_type=u.device.type, enabled=False):
         lags = h[:T] if h.shape[0] >= T else F.pad(h, (0, 0, 0, T - h.shape[0]))  # [T, C]
         y = torch.ops.zoo_conv.toeplitz_conv(u.to(dtype), lags.to(dtype))  # [B, T, C]

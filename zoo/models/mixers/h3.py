@@ -14,9 +14,12 @@ output is q_hᵀ · SSM(k'_h v_hᵀ). With p = 1 (the default) q ⊙ and k' ⊙ 
 
 What is unusual here:
 - The parallel form builds the SSM's kernel once per head, K[l, h] = Σ_n c_n b_n a_n^l (a head's p·p inputs
-  share a, b, c), repeats it over the head's inputs and convolves through `causal_conv` (a Toeplitz matmul up to
-  its DIRECT_MAX_T positions, an FFT beyond); a carried state enters as Σ_n c_n a_n^{t+1} s_0, and the final
-  state is a^T s_0 + Σ_s a^{T-1-s} b u_s, both per head too.
+  share a, b, c), with D added at lag 0, and convolves through `causal_conv` (a Toeplitz matmul up to its
+  DIRECT_MAX_T positions, an FFT beyond) with the inputs laid out [p, p, B, T, H]: one Toeplitz matrix per head,
+  the head's p·p inputs and the batch its columns. The read-out q_hᵀ · Y_h is p elementwise products and a sum
+  (an einsum would run it as B·T·H matmuls of [1, p] x [p, p]). Under autocast the convolution takes the
+  autocast dtype (causal_conv's rule); the kernel, the outer products and the read-out stay fp32. A carried
+  state enters as Σ_n c_n a_n^{t+1} s_0, and the final state is a^T s_0 + Σ_s a^{T-1-s} b u_s, both per head.
 - State: {"shift": [B, shift_size-1, d], "ssm": [B, d·p, d_state]} (the H·p·p SSM inputs), the SSM part in
   fp32 (fp64 for fp64 models). state_size = p·d·d_state (REFERENCE's "H3: d·d_state" at p = 1) +
   d·(shift_size-1) for the shift register.
@@ -114,15 +117,14 @@ class H3(nn.Module):
     def forward(self, x: torch.Tensor, state: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """x: [B, T, d_model] -> [B, T, d_model]. With a state: continues the shift and the SSM from it.
 
-        The SSM inputs are laid out [p(i), p(j), B, T, H], so that the head's p·p inputs and the batch form the
-        columns of one Toeplitz matmul per head (causal_conv sees p·p·B sequences of H channels), and the
-        read-out q_hᵀ · Y_h is p products and a sum over i, elementwise over (b, t, h)."""
+        causal_conv sees the SSM inputs [p(i), p(j), B, T, H] as p·p·B sequences of H channels."""
         check_input(x, self.d_model, self.name)
         B, T, _ = x.shape
         p, H = self.p, self.d_model // self.p
         q, k_shift, v, new_history = self._qkv(x, None if state is None else state["shift"])
         dtype = compute_dtype(x.dtype) if state is None else torch.promote_types(x.dtype, state["ssm"].dtype)
-        with torch.autocast(device_type=x.device.type, enabled=False):
+        device = x.device.type
+        with torch.autocast(device_type=device, enabled=False):
             log_a = self._log_a(dtype)  # [H, N]
             lags = torch.arange(T, device=x.device, dtype=dtype)  # [T]
             powers = torch.exp(lags[:, None, None] * log_a[None])  # [T, H, N]: a^l
@@ -134,7 +136,9 @@ class H3(nn.Module):
             k_i = rearrange(k_shift.to(dtype), "b t (h i) -> i 1 b t h", i=p).contiguous()  # [p, 1, B, T, H]
             v_j = rearrange(v.to(dtype), "b t (h j) -> 1 j b t h", j=p).contiguous()  # [1, p, B, T, H]
             u = k_i * v_j  # [p, p, B, T, H]
-            y = causal_conv(u.reshape(p * p * B, T, H), kernel).reshape(p, p, B, T, H)  # [p, p, B, T, H]
+        # Outside the fp32 block: under autocast the direct convolution runs in the autocast dtype.
+        y = causal_conv(u.reshape(p * p * B, T, H), kernel).reshape(p, p, B, T, H)  # [p, p, B, T, H]
+        with torch.autocast(device_type=device, enabled=False):
             if state is not None:
                 u_q = u.reshape(p * p, B, T, H)  # [p·p, B, T, H]
                 s0 = rearrange(state["ssm"].to(dtype), "b (h q) n -> b h q n", q=p * p)  # [B, H, p·p, N]
