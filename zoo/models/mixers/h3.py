@@ -132,15 +132,16 @@ class H3(nn.Module):
             kernel = torch.einsum("lhn,hn->lh", powers, C * Bm)  # [T, H]
             # D·u_t is the kernel's lag 0: out_t = Σ_{s≤t} K[t-s] u_s + D u_t.
             kernel = torch.cat([kernel[:1] + self.D.to(dtype), kernel[1:]])  # [T, H]
-            # u[i, j, b, t, h] = k'[b, t, h, i] · v[b, t, h, j], exact in fp32 from bf16 factors.
-            k_i = rearrange(k_shift.to(dtype), "b t (h i) -> i 1 b t h", i=p).contiguous()  # [p, 1, B, T, H]
-            v_j = rearrange(v.to(dtype), "b t (h j) -> 1 j b t h", j=p).contiguous()  # [1, p, B, T, H]
+            # u[i, j, b, t, h] = k'[b, t, h, i] · v[b, t, h, j], in the factors' dtype: bf16 under autocast, the
+            # dtype the convolution takes there (the product rounded once, as the convolution would round it).
+            k_i = rearrange(k_shift, "b t (h i) -> i 1 b t h", i=p).contiguous()  # [p, 1, B, T, H]
+            v_j = rearrange(v.to(k_shift.dtype), "b t (h j) -> 1 j b t h", j=p).contiguous()  # [1, p, B, T, H]
             u = k_i * v_j  # [p, p, B, T, H]
         # Outside the fp32 block: under autocast the direct convolution runs in the autocast dtype.
         y = causal_conv(u.reshape(p * p * B, T, H), kernel).reshape(p, p, B, T, H)  # [p, p, B, T, H]
         with torch.autocast(device_type=device, enabled=False):
             if state is not None:
-                u_q = u.reshape(p * p, B, T, H)  # [p·p, B, T, H]
+                u_q = u.reshape(p * p, B, T, H).to(dtype)  # [p·p, B, T, H]
                 s0 = rearrange(state["ssm"].to(dtype), "b (h q) n -> b h q n", q=p * p)  # [B, H, p·p, N]
                 carried = powers * torch.exp(log_a)[None]  # [T, H, N]: a^{t+1}
                 y = y + torch.einsum("thn,bhqn,hn->qbth", carried, s0, C).reshape(p, p, B, T, H)
@@ -149,7 +150,7 @@ class H3(nn.Module):
                 state["ssm"].copy_(rearrange(s_T, "b h q n -> b (h q) n"))
                 state["shift"].copy_(new_history)
             q_i = rearrange(q.to(dtype), "b t (h i) -> i 1 b t h", i=p)  # [p, 1, B, T, H]
-            out = (q_i * y).sum(0)  # [p(j), B, T, H]: Σ_i q_i Y_ij
+            out = (q_i * y).sum(0)  # [p(j), B, T, H]: Σ_i q_i Y_ij, in fp32 (q_i is)
         return self.out(rearrange(out, "j b t h -> b t (h j)").to(q.dtype))  # [B, T, d_model]
 
     def step(self, x_t: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
