@@ -18,8 +18,9 @@ What is unusual here:
   DIRECT_MAX_T positions, an FFT beyond) with the inputs laid out [p, p, B, T, H]: one Toeplitz matrix per head,
   the head's p·p inputs and the batch its columns. The read-out q_hᵀ · Y_h is p elementwise products and a sum
   (an einsum would run it as B·T·H matmuls of [1, p] x [p, p]). Under autocast the convolution takes the
-  autocast dtype (causal_conv's rule); the kernel, the outer products and the read-out stay fp32. A carried
-  state enters as Σ_n c_n a_n^{t+1} s_0, and the final state is a^T s_0 + Σ_s a^{T-1-s} b u_s, both per head.
+  autocast dtype (causal_conv's rule) and the outer products are built in it; the kernel and the read-out stay
+  fp32. A carried state enters as Σ_n c_n a_n^{t+1} s_0, and the final state is a^T s_0 + Σ_s a^{T-1-s} b u_s,
+  both per head.
 - State: {"shift": [B, shift_size-1, d], "ssm": [B, d·p, d_state]} (the H·p·p SSM inputs), the SSM part in
   fp32 (fp64 for fp64 models). state_size = p·d·d_state (REFERENCE's "H3: d·d_state" at p = 1) +
   d·(shift_size-1) for the shift register.
