@@ -9,7 +9,8 @@ Zoology Fig. 2 shapes, and the H3 and Hyena mixers with the FFT forced and throu
    TFLOP/s (2·B·T²·C per product: one forward, three forward+backward), the FFT path's GB/s under a model of
    ≈ 90 bytes moved per (b, t, c) forward and ≈ 250 forward+backward, the peak memory each path allocates, and the
    direct output's largest difference from the FFT's relative to the largest value. A row says which path
-   causal_conv takes (DIRECT_MAX_T).
+   causal_conv takes (DIRECT_MAX_T). `bf16`: the direct path forward+backward under bf16 autocast (its matmuls on
+   bf16 operands), its speed-up over the fp32 FFT and its output's difference from the FFT's.
 2. One H3 (Fig. 2 preset: d_state = shift_size = L, head_dim 2) and one Hyena (Fig. 2 preset) mixer at d = 512,
    forward+backward under bf16 autocast at L in {64, 128, 256} (batch 512, 512, 256): `fft`, the mixer's
    convolutions sent to fft_causal_conv by patching the mixer modules' `causal_conv` here in the bench; and
@@ -81,6 +82,15 @@ def conv_row(T: int, B: int, C: int, device: torch.device, repeats: int) -> dict
         row[f"direct_{mode}_tflops"] = PRODUCTS[mode] * 2 * elements * T / (row[f"direct_{mode}_ms"] * 1e9)
         row[f"fft_{mode}_gbps"] = FFT_BYTES[mode] * elements / (row[f"fft_{mode}_ms"] * 1e6)
         row[f"{mode}_speedup"] = row[f"fft_{mode}_ms"] / row[f"direct_{mode}_ms"]
+
+    def run_autocast():
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            return torch.autograd.grad(direct_causal_conv(u, h), (u, h), grad_y)
+
+    row["direct_autocast_fwd+bwd_ms"] = median_ms(run_autocast, device, repeats)
+    row["direct_autocast_fwd+bwd_speedup"] = row["fft_fwd+bwd_ms"] / row["direct_autocast_fwd+bwd_ms"]
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+        row["direct_autocast_rel_diff"] = ((direct_causal_conv(u, h) - ref).abs().max() / ref.abs().max()).item()
     return row
 
 
@@ -214,15 +224,18 @@ def main() -> None:
     )
     print(
         f"{'T':>4} {'B':>4} {'C':>5} | {'fwd fft':>8} {'direct':>8} {'x':>5} | {'f+b fft':>8} {'direct':>8} "
-        f"{'x':>5} | {'TFLOP/s':>7} {'GB/s':>6} | {'MiB fft':>8} {'direct':>8} | {'rel diff':>8} {'takes':>6}"
+        f"{'x':>5} | {'bf16':>7} {'x':>5} | {'TFLOP/s':>7} {'GB/s':>6} | {'MiB fft':>8} {'direct':>8} | "
+        f"{'rel diff':>8} {'bf16':>8} {'takes':>6}"
     )
     for r in conv:
         print(
             f"{r['T']:>4} {r['B']:>4} {r['C']:>5} | {r['fft_fwd_ms']:>8.3f} {r['direct_fwd_ms']:>8.3f} "
             f"{r['fwd_speedup']:>5.2f} | {r['fft_fwd+bwd_ms']:>8.3f} {r['direct_fwd+bwd_ms']:>8.3f} "
-            f"{r['fwd+bwd_speedup']:>5.2f} | {r['direct_fwd+bwd_tflops']:>7.1f} {r['fft_fwd+bwd_gbps']:>6.0f} | "
-            f"{fmt(r['fft_fwd+bwd_mib'], '8.0f')} {fmt(r['direct_fwd+bwd_mib'], '8.0f')} | "
-            f"{r['rel_diff']:>8.1e} {r['dispatch']:>6}"
+            f"{r['fwd+bwd_speedup']:>5.2f} | {r['direct_autocast_fwd+bwd_ms']:>7.3f} "
+            f"{r['direct_autocast_fwd+bwd_speedup']:>5.2f} | {r['direct_fwd+bwd_tflops']:>7.1f} "
+            f"{r['fft_fwd+bwd_gbps']:>6.0f} | {fmt(r['fft_fwd+bwd_mib'], '8.0f')} "
+            f"{fmt(r['direct_fwd+bwd_mib'], '8.0f')} | "
+            f"{r['rel_diff']:>8.1e} {r['direct_autocast_rel_diff']:>8.1e} {r['dispatch']:>6}"
         )
     by_T = {}
     for r in conv:

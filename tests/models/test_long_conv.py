@@ -1,8 +1,8 @@
 """causal_conv and its two paths (zoo/models/mixers/_long_conv.py): the direct Toeplitz matmul and the FFT each
 equal a double loop over (t, s) on outputs and on the gradients of u and h; both stay fp32-accurate with lowered
 matmul precision requested; the dispatch rule picks each path on its side of DIRECT_MAX_T; the direct op keeps
-IEEE fp32 under autocast and vmap and passes torch.library's checks; explicit_causal_conv equals its unfolded
-windows with and without a history."""
+IEEE fp32 under autocast and vmap and passes torch.library's checks; explicit_causal_conv equals its shifted
+sum with and without a history; the shifted sum equals the double loop and keeps its input's dtype."""
 
 import pytest
 import torch
@@ -10,8 +10,8 @@ import torch
 from zoo.models.mixers import _long_conv
 from zoo.models.mixers._long_conv import (
     DIRECT_MAX_T,
+    SHIFTED_SUM_MAX_TAPS,
     TOEPLITZ_BLOCK_ELEMENTS,
-    UNFOLD_MAX_TAPS,
     causal_conv,
     depthwise_causal_conv,
     direct_causal_conv,
@@ -145,6 +145,26 @@ def test_backward_called_under_autocast_stays_fp32():
         torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("path", ["direct", "fft", "dispatch"])
+def test_conv_under_autocast(path):
+    """Under bf16 autocast the direct path runs its matmuls on bf16 operands (bit for bit the op on rounded u and h,
+    cast back to u's fp32) and its gradients come back fp32 within bf16 rounding of fp64; the FFT stays fp32, bit
+    for bit its result outside autocast. The dispatcher at T = 64 takes the direct path."""
+    u, h, grad_y = random(2, 64, 3, seed=27).float(), random(64, 3, seed=28).float() / 8, random(2, 64, 3, seed=29)
+    want = outputs_and_grads(naive_conv, u.double(), h.double(), grad_y.double())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = outputs_and_grads(PATHS[path], u, h, grad_y.float())
+    assert all(t.dtype == torch.float32 for t in got)
+    if path == "fft":
+        torch.testing.assert_close(got[0], fft_causal_conv(u, h), rtol=0, atol=0)
+        return
+    rounded = torch.ops.zoo_conv.toeplitz_conv(u.bfloat16(), h.bfloat16()).float()
+    torch.testing.assert_close(got[0], rounded, rtol=0, atol=0)
+    for name, g, w in zip(("y", "grad_u", "grad_h"), got, want):
+        error = ((g.double() - w).abs().max() / w.abs().max()).item()
+        assert 0 < error <= 2**-6, f"{name}: relative error {error:.2e}"
+
+
 def test_toeplitz_op_passes_opcheck():
     """Schema, fake tensor, autograd registration and torch.compile tracing of the custom op."""
     u, h = random(2, 6, 3, seed=11).requires_grad_(), random(6, 3, seed=12).requires_grad_()
@@ -176,12 +196,12 @@ def test_direct_conv_under_vmap_equals_a_loop_over_members(batched):
 
 
 @pytest.mark.parametrize("history", ["none", "given"])
-@pytest.mark.parametrize("k", [3, UNFOLD_MAX_TAPS + 8], ids=["k3-unfold", "long-k"])
-def test_explicit_conv_equals_the_unfolded_windows(k, history):
-    """explicit_causal_conv against depthwise_causal_conv (unfolded windows, any k) on outputs and gradients; no
+@pytest.mark.parametrize("k", [3, SHIFTED_SUM_MAX_TAPS + 8], ids=["k3-short", "long-k"])
+def test_explicit_conv_equals_the_shifted_sum(k, history):
+    """explicit_causal_conv against depthwise_causal_conv (shifted sum, any k) on outputs and gradients; no
     history means zeros, which the long branch skips by convolving the T positions alone. T > k: every tap
     reaches inside the sequence."""
-    B, T, C = 2, UNFOLD_MAX_TAPS + 13, 3
+    B, T, C = 2, SHIFTED_SUM_MAX_TAPS + 13, 3
     u, w = random(B, T, C, seed=16), random(C, k, seed=17)
     past = random(B, k - 1, C, seed=18) if history == "given" else torch.zeros(B, k - 1, C, dtype=torch.float64)
     grad_y = random(B, T, C, seed=19)
@@ -190,3 +210,37 @@ def test_explicit_conv_equals_the_unfolded_windows(k, history):
     want = outputs_and_grads(lambda u, w: depthwise_causal_conv(u, w, past), u, w, grad_y)
     for name, g, e in zip(("y", "grad_u", "grad_w"), got, want):
         torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("history", ["zeros", "given"])
+@pytest.mark.parametrize("k", [1, 2, 3, 5], ids=lambda k: f"k{k}")
+def test_depthwise_conv_equals_the_double_loop(k, history):
+    """depthwise_causal_conv against the double loop over [history; u] with h[lag] = weight[:, k-1-lag], keeping
+    its last T positions: output and the gradients of u, weight and history (fp64). T = 6 > k - 1 and T = 6 < 5 + 2
+    reach both a window inside the history and one inside u."""
+    B, T, C = 2, 6, 3
+    u, w = random(B, T, C, seed=20), random(C, k, seed=21)
+    past = random(B, k - 1, C, seed=22) if history == "given" else torch.zeros(B, k - 1, C, dtype=torch.float64)
+    grad_y = random(B, T, C, seed=23)
+    leaves = [t.clone().requires_grad_() for t in (u, w, past)]
+    got = depthwise_causal_conv(*leaves)
+    got_grads = torch.autograd.grad(got, leaves, grad_y, allow_unused=True)  # k = 1: no history
+    ref_leaves = [t.clone().requires_grad_() for t in (u, w, past)]
+    u_r, w_r, past_r = ref_leaves
+    want = naive_conv(torch.cat([past_r, u_r], dim=1), w_r.flip(1).T)[:, k - 1 :]
+    want_grads = torch.autograd.grad(want, ref_leaves, grad_y, allow_unused=True)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for name, g, e, leaf in zip(("grad_u", "grad_w", "grad_history"), got_grads, want_grads, leaves):
+        g, e = (torch.zeros_like(leaf) if t is None else t for t in (g, e))
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_depthwise_conv_keeps_the_input_dtype(dtype):
+    """A bf16 input with fp32 weights gives bf16 out (the weights are cast, not the input promoted), as the
+    mixers under autocast expect from a conv; within a bf16 rounding of the fp64 result."""
+    u, w, past = random(2, 5, 4, seed=24), random(4, 3, seed=25), random(2, 2, 4, seed=26)
+    y = depthwise_causal_conv(u.to(dtype), w.float(), past.to(dtype))
+    assert y.dtype == dtype
+    want = depthwise_causal_conv(u.to(dtype).double(), w.to(dtype).double(), past.to(dtype).double())
+    torch.testing.assert_close(y.double(), want, rtol=2**-6, atol=2**-6 * want.abs().max().item())

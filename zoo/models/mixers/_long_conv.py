@@ -1,7 +1,7 @@
 """Causal convolutions shared by the convolution mixers (Hyena, H3, short_conv, long_conv).
 
 `causal_conv` is the one entry for long filters: a direct Toeplitz matmul up to DIRECT_MAX_T positions, an FFT
-beyond. Short FIRs (a few taps) unfold their windows (`depthwise_causal_conv`).
+beyond. Short FIRs (a few taps) are a sum of shifted products (`depthwise_causal_conv`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def causal_conv(u: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """y[:, t, c] = Σ_{s≤t} h[t-s, c] · u[:, s, c]: direct_causal_conv for T ≤ DIRECT_MAX_T, fft_causal_conv above.
 
     u: [B, T, C]; h: [T', C] (lags at or past T' are zero; lags past T - 1 never reach inside the sequence) ->
-    [B, T, C]. Computed in at least fp32 (fp64 stays fp64) and cast back to u's dtype.
+    [B, T, C] in u's dtype. Computed in at least fp32 (fp64 stays fp64), but for the direct path under autocast,
+    whose matmuls take the autocast dtype (see direct_causal_conv).
     """
     if u.shape[1] <= DIRECT_MAX_T:
         return direct_causal_conv(u, h)
@@ -63,13 +64,21 @@ def direct_causal_conv(u: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """causal_conv as one matmul per channel with its lower-triangular Toeplitz matrix W[t, s] = h[t-s]:
     u: [B, T, C]; h: [T', C] -> [B, T, C].
 
-    The matmuls run at IEEE fp32 (or fp64) whatever the process's TF32 setting: TF32 keeps 10 mantissa bits
-    (≈ 5e-4 relative per product), and the mixers must give the FFT path's fp32 result on either side of
-    DIRECT_MAX_T. Channels go in blocks of TOEPLITZ_BLOCK_ELEMENTS, and the backward rebuilds each block's matrices.
+    Outside autocast the matmuls run at IEEE fp32 (or fp64) whatever the process's TF32 setting: TF32 keeps 10
+    mantissa bits (≈ 5e-4 relative per product), and an fp32 model must give the FFT path's fp32 result on either
+    side of DIRECT_MAX_T. Under autocast the matmuls run as autocast runs a convolution: u and h in the autocast
+    dtype, fp32 accumulation, the result rounded to that dtype (bf16: ≈ 2^-9 relative per operand and on the
+    result, the rounding every other matmul of the autocast model has), on tensor cores where IEEE fp32 has none.
+    fp64 inputs stay fp64. Channels go in blocks of TOEPLITZ_BLOCK_ELEMENTS, and the backward rebuilds each block's
+    matrices.
     """
     _check(u, h)
     T = u.shape[1]
-    dtype = torch.promote_types(u.dtype, torch.float32)
+    device = u.device.type
+    if torch.is_autocast_enabled(device) and u.dtype != torch.float64:
+        dtype = torch.get_autocast_dtype(device)
+    else:
+        dtype = torch.promote_types(u.dtype, torch.float32)
     with torch.autocast(device_type=u.device.type, enabled=False):
         lags = h[:T] if h.shape[0] >= T else F.pad(h, (0, 0, 0, T - h.shape[0]))  # [T, C]
         y = torch.ops.zoo_conv.toeplitz_conv(u.to(dtype), lags.to(dtype))  # [B, T, C]
@@ -198,21 +207,28 @@ def _toeplitz_conv_vmap(info, in_dims, u, h):
 def depthwise_causal_conv(u: torch.Tensor, weight: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
     """Short depthwise FIR: y[:, t] = Σ_j weight[:, j] · u_full[:, t + j] with u_full = [history; u].
 
-    u: [B, T, C]; weight: [C, k]; history: [B, k-1, C], the inputs before u (zeros at the start) -> [B, T, C].
+    u: [B, T, C]; weight: [C, k]; history: [B, k-1, C], the inputs before u (zeros at the start) -> [B, T, C] in
+    u's dtype. A sum of k shifted products, elementwise, because a contraction over the k taps would run as a batch
+    of C matrix-vector products of inner size k, far from any matmul unit, on a [B, T, C, k] copy of the windows.
     """
-    k = weight.shape[1]
-    u_full = torch.cat([history.to(u.dtype), u], dim=1)  # [B, T + k - 1, C]
-    windows = u_full.unfold(1, k, 1)  # [B, T, C, k]
-    return torch.einsum("btck,ck->btc", windows, weight)
+    k, T = weight.shape[1], u.shape[1]
+    w = weight.to(u.dtype)
+    y = u * w[:, k - 1]  # [B, T, C]: the current input's tap
+    if k > 1:
+        u_full = torch.cat([history.to(u.dtype), u], dim=1)  # [B, T + k - 1, C]
+        for j in range(k - 1):
+            y = y + u_full[:, j : j + T] * w[:, j]
+    return y
 
 
-# Above this many taps an explicit filter runs through causal_conv: the unfolded windows of depthwise_causal_conv
-# hold B·T·C·k elements (k = 256 at d = 512, B = 256, T = 256: 8.6·10⁹).
-UNFOLD_MAX_TAPS = 32
+# Above this many taps an explicit filter runs through causal_conv: depthwise_causal_conv makes one pass over
+# [B, T, C] per tap (k = 256 at d = 512, B = 256, T = 256: 256 passes over 3.4·10⁷ elements), where the Toeplitz
+# matmul does T multiply-adds per element whatever k is.
+SHIFTED_SUM_MAX_TAPS = 32
 
 
 def explicit_causal_conv(u: torch.Tensor, weight: torch.Tensor, history: torch.Tensor | None) -> torch.Tensor:
-    """depthwise_causal_conv's result for any kernel length: unfolded windows up to UNFOLD_MAX_TAPS taps, else
+    """depthwise_causal_conv's result for any kernel length: its shifted sum up to SHIFTED_SUM_MAX_TAPS taps, else
     causal_conv.
 
     u: [B, T, C]; weight: [C, k] (weight[:, k-1] multiplies the current input); history: [B, k-1, C], or None for
@@ -220,7 +236,7 @@ def explicit_causal_conv(u: torch.Tensor, weight: torch.Tensor, history: torch.T
     with one it convolves all T + k - 1 and keeps the last T.
     """
     k = weight.shape[1]
-    if k <= UNFOLD_MAX_TAPS:
+    if k <= SHIFTED_SUM_MAX_TAPS:
         if history is None:
             history = u.new_zeros(u.shape[0], k - 1, u.shape[2])
         return depthwise_causal_conv(u, weight, history)

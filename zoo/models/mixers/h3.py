@@ -14,9 +14,13 @@ output is q_hᵀ · SSM(k'_h v_hᵀ). With p = 1 (the default) q ⊙ and k' ⊙ 
 
 What is unusual here:
 - The parallel form builds the SSM's kernel once per head, K[l, h] = Σ_n c_n b_n a_n^l (a head's p·p inputs
-  share a, b, c), repeats it over the head's inputs and convolves through `causal_conv` (a Toeplitz matmul up to
-  its DIRECT_MAX_T positions, an FFT beyond); a carried state enters as Σ_n c_n a_n^{t+1} s_0, and the final
-  state is a^T s_0 + Σ_s a^{T-1-s} b u_s, both per head too.
+  share a, b, c), with D added at lag 0, and convolves through `causal_conv` (a Toeplitz matmul up to its
+  DIRECT_MAX_T positions, an FFT beyond) with the inputs laid out [p, p, B, T, H]: one Toeplitz matrix per head,
+  the head's p·p inputs and the batch its columns. The read-out q_hᵀ · Y_h is p elementwise products and a sum
+  (an einsum would run it as B·T·H matmuls of [1, p] x [p, p]). Under autocast the convolution takes the
+  autocast dtype (causal_conv's rule) and the outer products are built in it; the kernel and the read-out stay
+  fp32. A carried state enters as Σ_n c_n a_n^{t+1} s_0, and the final state is a^T s_0 + Σ_s a^{T-1-s} b u_s,
+  both per head.
 - State: {"shift": [B, shift_size-1, d], "ssm": [B, d·p, d_state]} (the H·p·p SSM inputs), the SSM part in
   fp32 (fp64 for fp64 models). state_size = p·d·d_state (REFERENCE's "H3: d·d_state" at p = 1) +
   d·(shift_size-1) for the shift register.
@@ -97,72 +101,80 @@ class H3(nn.Module):
         """A per-head parameter [H, ...] -> [H·p·p, ...] (every SSM input of the head), in `dtype`."""
         return t.to(dtype).repeat_interleave(self.p * self.p, dim=0)
 
-    def _read_out(self, q: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """q: [..., d], y: [..., H·p·p] SSM outputs -> [..., d]: per head, q_hᵀ · Y_h (Y_h of shape p×p)."""
-        q = rearrange(q, "... (h i) -> ... h i", i=self.p)
-        y = rearrange(y.to(q.dtype), "... (h i j) -> ... h i j", i=self.p, j=self.p)
-        return rearrange(torch.einsum("...hi,...hij->...hj", q, y), "... h j -> ... (h j)")
-
     def _log_a(self, dtype: torch.dtype) -> torch.Tensor:
         """log a = -Δ·A per head: [H, N], in `dtype`."""
         return -(torch.exp(self.log_dt.to(dtype))[:, None] * torch.exp(self.log_A.to(dtype)))  # [H, N]
 
-    def _inputs(
+    def _qkv(
         self, x: torch.Tensor, history: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """x: [B, T, d], history: [B, k-1, d] past k or None (zeros, and no new history wanted) -> q [B, T, d],
-        u = shift(k)_h v_hᵀ per head [B, T, H·p·p] and the new shift history [B, k-1, d] (None without one)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x: [B, T, d], history: [B, k-1, d] past k or None (zeros, and no new history wanted) -> q, shift(k), v
+        [B, T, d] each and the new shift history [B, k-1, d] (None without one)."""
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # [B, T, d] each
         k_shift = explicit_causal_conv(k, self.shift_weight, history)  # [B, T, d]
         new_history = None if history is None else torch.cat([history.to(k.dtype), k], dim=1)[:, k.shape[1] :]
-        k_h = rearrange(k_shift, "b t (h i) -> b t h i 1", i=self.p)
-        v_h = rearrange(v, "b t (h j) -> b t h 1 j", j=self.p)
-        return q, rearrange(k_h * v_h, "b t h i j -> b t (h i j)"), new_history  # [B, T, H·p·p]
+        return q, k_shift, v, new_history
 
     def forward(self, x: torch.Tensor, state: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """x: [B, T, d_model] -> [B, T, d_model]. With a state: continues the shift and the SSM from it."""
+        """x: [B, T, d_model] -> [B, T, d_model]. With a state: continues the shift and the SSM from it.
+
+        causal_conv sees the SSM inputs [p(i), p(j), B, T, H] as p·p·B sequences of H channels."""
         check_input(x, self.d_model, self.name)
-        T = x.shape[1]
-        q, u, new_history = self._inputs(x, None if state is None else state["shift"])
+        B, T, _ = x.shape
+        p, H = self.p, self.d_model // self.p
+        q, k_shift, v, new_history = self._qkv(x, None if state is None else state["shift"])
         dtype = compute_dtype(x.dtype) if state is None else torch.promote_types(x.dtype, state["ssm"].dtype)
-        with torch.autocast(device_type=x.device.type, enabled=False):
+        device = x.device.type
+        with torch.autocast(device_type=device, enabled=False):
             log_a = self._log_a(dtype)  # [H, N]
             lags = torch.arange(T, device=x.device, dtype=dtype)  # [T]
             powers = torch.exp(lags[:, None, None] * log_a[None])  # [T, H, N]: a^l
             C, Bm = self.C.to(dtype), self.B.to(dtype)  # [H, N]
             kernel = torch.einsum("lhn,hn->lh", powers, C * Bm)  # [T, H]
-            u32 = u.to(dtype)
-            # The head's p·p inputs share its kernel; repeat it after the exp and the sum over modes.
-            y = causal_conv(u32, kernel.repeat_interleave(self.p * self.p, dim=1))  # [B, T, H·p·p]
-            y = y + self._per_channel(self.D, dtype) * u32
+            # D·u_t is the kernel's lag 0: out_t = Σ_{s≤t} K[t-s] u_s + D u_t.
+            kernel = torch.cat([kernel[:1] + self.D.to(dtype), kernel[1:]])  # [T, H]
+            # u[i, j, b, t, h] = k'[b, t, h, i] · v[b, t, h, j], in the factors' dtype: bf16 under autocast, the
+            # dtype the convolution takes there (the product rounded once, as the convolution would round it).
+            k_i = rearrange(k_shift, "b t (h i) -> i 1 b t h", i=p).contiguous()  # [p, 1, B, T, H]
+            v_j = rearrange(v.to(k_shift.dtype), "b t (h j) -> 1 j b t h", j=p).contiguous()  # [1, p, B, T, H]
+            u = k_i * v_j  # [p, p, B, T, H]
+        # Outside the fp32 block: under autocast the direct convolution runs in the autocast dtype.
+        y = causal_conv(u.reshape(p * p * B, T, H), kernel).reshape(p, p, B, T, H)  # [p, p, B, T, H]
+        with torch.autocast(device_type=device, enabled=False):
             if state is not None:
-                pp = self.p * self.p
-                s0 = rearrange(state["ssm"].to(dtype), "b (h q) n -> b h q n", q=pp)  # [B, H, p·p, N]
-                u_h = rearrange(u32, "b t (h q) -> b t h q", q=pp)  # [B, T, H, p·p]
+                u_q = u.reshape(p * p, B, T, H).to(dtype)  # [p·p, B, T, H]
+                s0 = rearrange(state["ssm"].to(dtype), "b (h q) n -> b h q n", q=p * p)  # [B, H, p·p, N]
                 carried = powers * torch.exp(log_a)[None]  # [T, H, N]: a^{t+1}
-                y = y + rearrange(torch.einsum("thn,bhqn,hn->bthq", carried, s0, C), "b t h q -> b t (h q)")
+                y = y + torch.einsum("thn,bhqn,hn->qbth", carried, s0, C).reshape(p, p, B, T, H)
                 # s_T = a^T s_0 + Σ_s a^{T-1-s} b u_s; powers.flip(0)[s] = a^{T-1-s}.
-                s_T = carried[-1][None, :, None] * s0 + torch.einsum("thn,bthq,hn->bhqn", powers.flip(0), u_h, Bm)
+                s_T = carried[-1][None, :, None] * s0 + torch.einsum("thn,qbth,hn->bhqn", powers.flip(0), u_q, Bm)
                 state["ssm"].copy_(rearrange(s_T, "b h q n -> b (h q) n"))
                 state["shift"].copy_(new_history)
-        return self.out(self._read_out(q, y))  # [B, T, d_model]
+            q_i = rearrange(q.to(dtype), "b t (h i) -> i 1 b t h", i=p)  # [p, 1, B, T, H]
+            out = (q_i * y).sum(0)  # [p(j), B, T, H]: Σ_i q_i Y_ij, in fp32 (q_i is)
+        return self.out(rearrange(out, "j b t h -> b t (h j)").to(q.dtype))  # [B, T, d_model]
 
     def step(self, x_t: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
         """x_t: [B, d_model] -> [B, d_model]: s = a ⊙ s + b·u, out = c·s + D·u, in place."""
         check_step_input(x_t, self.d_model, self.name)
-        q, u, new_history = self._inputs(x_t[:, None], state["shift"])
+        p = self.p
+        q, k_shift, v, new_history = self._qkv(x_t[:, None], state["shift"])
         state["shift"].copy_(new_history)
         s = state["ssm"]
         dtype = torch.promote_types(x_t.dtype, s.dtype)
         with torch.autocast(device_type=x_t.device.type, enabled=False):
-            u32 = u[:, 0].to(dtype)  # [B, H·p·p]
+            k_i = rearrange(k_shift[:, 0].to(dtype), "b (h i) -> b h i 1", i=p)
+            v_j = rearrange(v[:, 0].to(dtype), "b (h j) -> b h 1 j", j=p)
+            u = rearrange(k_i * v_j, "b h i j -> b (h i j)")  # [B, H·p·p]
             Bm = self._per_channel(self.B, dtype)
             a = torch.exp(self._per_channel(self._log_a(dtype), dtype))  # [H·p·p, N]
-            s_new = a[None] * s.to(dtype) + Bm * u32[..., None]
+            s_new = a[None] * s.to(dtype) + Bm * u[..., None]
             s.copy_(s_new)
             C, D = self._per_channel(self.C, dtype), self._per_channel(self.D, dtype)
-            y = torch.einsum("bdn,dn->bd", s_new, C) + D * u32  # [B, H·p·p]
-        return self.out(self._read_out(q[:, 0], y))  # [B, d_model]
+            y = torch.einsum("bdn,dn->bd", s_new, C) + D * u  # [B, H·p·p]
+            q_i = rearrange(q[:, 0].to(dtype), "b (h i) -> b h i 1", i=p)
+            out = (q_i * rearrange(y, "b (h i j) -> b h i j", i=p, j=p)).sum(2)  # [B, H, p(j)]
+        return self.out(rearrange(out, "b h j -> b (h j)").to(q.dtype))  # [B, d_model]
 
     def init_state(
         self, batch_size: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None

@@ -8,7 +8,8 @@ The long filter is implicit: h[t, c] = MLP(pos(t))[c] · exp(-α_c · t / max_se
 t / max_seq_len and `num_freqs` sin/cos pairs, the MLP has sine activations (`filter_depth` hidden-to-hidden
 layers; with `learn_freq` one learned frequency per hidden unit, shared by every activation, as in Zoology's
 Hyena), and the decay rates α_c are spread over [decay_min, decay_max] across channels. The convolution runs
-through `causal_conv` (a Toeplitz matmul up to DIRECT_MAX_T positions, an FFT of length 2T beyond).
+through `causal_conv` (a Toeplitz matmul up to DIRECT_MAX_T positions, an FFT of length 2T beyond), with the
+bias term folded into the filter's lag 0.
 `short_bias` gives the short conv a bias (Zoology's has one).
 
 What is unusual here (decoding a long convolution):
@@ -148,12 +149,15 @@ class Hyena(nn.Module):
         if pos + T > self.config.max_seq_len:
             raise ValueError(f"hyena: {pos} + {T} tokens exceed max_seq_len={self.config.max_seq_len}")
         z_full = z if state is None else torch.cat([state["z"][:, :pos].to(z.dtype), z], dim=1)  # [B, pos+T, d]
-        conv = causal_conv(z_full, self.filter(pos + T))[:, pos:]  # [B, T, d]
+        h = self.filter(pos + T)  # [pos+T, d]
+        # bias ⊙ z is the filter's lag 0: h ∗ z + bias ⊙ z = (h + bias·δ_0) ∗ z, no pass over [B, T, d] for it.
+        h = torch.cat([h[:1] + self.bias.to(h.dtype), h[1:]])
+        conv = causal_conv(z_full, h)[:, pos:]  # [B, T, d]
         if state is not None:
             state["short"].copy_(new_history)
             state["z"][:, pos : pos + T] = z.to(state["z"].dtype)
             state["pos"].add_(T)
-        return self.out(x2 * (conv + self.bias * z))  # [B, T, d_model]
+        return self.out(x2 * conv)  # [B, T, d_model]
 
     def step(self, x_t: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
         """x_t: [B, d_model] -> [B, d_model]; appends z_t to the history, then sums h[pos-s]·z_s over it."""
