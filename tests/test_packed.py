@@ -5,13 +5,14 @@ registered mixer (impl=naive) runs under vmap; a pack that cannot run fails befo
 import pytest
 import torch
 
+from zoo.cli import run_train as main
 from zoo.eval import query_loss
 from zoo.models import LanguageModel
 from zoo.models.mixers import MIXERS
 from zoo.runs import RunDir
 from zoo.steps import PackedParams as _Pack
 from zoo.steps import PackError, check_pack, pack_members
-from zoo.train import ConfigError, load_config, main, run_name, train, train_runs
+from zoo.train import ConfigError, load_config, run_name, train, train_runs
 
 TINY = [
     "model.d_model=16",
