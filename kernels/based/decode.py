@@ -1,9 +1,8 @@
-"""The decoding step of Based linear attention: one Triton launch updating the fp32 state in place.
+"""The decoding step of Based linear attention, one launch updating the fp32 state in place:
 
     kv += φ(k_t) v_tᵀ,  k_sum += φ(k_t),  o_t = φ(q'_t)·kv / φ(q'_t)·k_sum     (q' = q·scale·√K)
 
-One program per (batch, head) builds φ(q'_t) and φ(k_t) in registers and streams kv through them once, in blocks of
-BV columns: bound by the state's bytes. It allocates nothing and never waits on the host, so it can be graphed."""
+One program per (batch, head) streams kv through registers once: no allocation, no host wait, so it can be graphed."""
 
 import triton
 import triton.language as tl

@@ -1,11 +1,6 @@
-"""The fused chunked Based kernels: forward and backward carrying the state through the sequence in registers.
-
-For what the other forms do not take: fp32 inputs, K > 16, V ≤ 32, and small problems, where its four launches cost
-the host less than the split form's seven. One program owns one (batch, head, block of BV value columns) and walks
-the sequence in chunks of BC tokens (the forward first to last, or one segment of it when there are too few programs
-to fill the GPU; the dk/dv backward last to first), with the quadratic form inside a chunk and the three Taylor
-orders of the state across chunks (kernels/based/README.md; `naive.naive_chunk_based` is its twin). Order 2 is in the
-pair layout (EXPAND = 5, K ≤ 16) or K² rows (EXPAND = 0, K ≤ 32). States cross the boundary Taylor-order, fp32."""
+"""The fused chunked Based kernels: one program per (sequence, value block) carries the state through the sequence
+in registers (kernels/based/README.md, "The forms kept"). Order 2 is in the pair layout (EXPAND = 5, K ≤ 16) or K²
+rows (EXPAND = 0, K ≤ 32); states cross the boundary Taylor-order, fp32."""
 
 import torch
 import triton
@@ -30,12 +25,6 @@ def _outer(x, BC: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
     if DOT == 2:
         x = x.to(tl.bfloat16)
     return tl.reshape(x[:, :, None] * x[:, None, :], (BC, BK * BK))
-
-
-@triton.jit
-def _contract(m, x, BC: tl.constexpr, BK: tl.constexpr):
-    """Σ_b m[:, a·BK + b]·x[:, b] for m: [BC, BK²], x: [BC, BK] -> [BC, BK]."""
-    return tl.sum(tl.reshape(m, (BC, BK, BK)) * x[:, None, :], 2)
 
 
 @triton.jit
@@ -141,26 +130,7 @@ def _order2_contract(y, x, Sd, S2, S2b, BC: tl.constexpr, BK: tl.constexpr, BV: 
         g += _pair_contract(_mm(y, tl.trans(S2b), DOT), x, BK, DOT, 1, 2)
         return g
     else:
-        return _contract(_mm(y, tl.trans(S2), DOT), x, BC, BK)
-
-
-@triton.jit
-def _fwd_load(q, k, v, start, seg_end, offs_c, offs_k, offs_v, m_k, m_v, H: tl.constexpr, K: tl.constexpr,
-              V: tl.constexpr, EXPAND: tl.constexpr, STATE_ONLY: tl.constexpr):
-    """The forward's loads of the chunk at `start` (zero past seg_end): k, v, kᵀ and q (k again under STATE_ONLY)."""
-    t = start + offs_c
-    m_t = t < seg_end
-    bk = tl.load(k + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-    bv = tl.load(v + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-    if EXPAND == 5:
-        bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
-    else:
-        bkt = tl.trans(bk)
-    if STATE_ONLY:
-        bq = bk
-    else:
-        bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-    return bk, bv, bkt, bq
+        return tl.sum(tl.reshape(_mm(y, tl.trans(S2), DOT), (BC, BK, BK)) * x[:, None, :], 2)  # Σ_b m[:, a·BK + b] x_b
 
 
 @triton.jit
@@ -210,8 +180,14 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
     for start in range(i_s * SEG, seg_end, BC):
         t = start + offs_c
         m_t = t < seg_end
-        bk, bv, bkt, bq = _fwd_load(q, k, v, start, seg_end, offs_c, offs_k, offs_v, m_k, m_v, H, K, V, EXPAND,
-                                    STATE_ONLY)
+        bk = tl.load(k + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        bv = tl.load(v + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        if EXPAND == 5:
+            bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+        else:
+            bkt = tl.trans(bk)
+        if not STATE_ONLY:
+            bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         kf = bk.to(tl.float32)
         kft = bkt.to(tl.float32)
         if not STATE_ONLY:

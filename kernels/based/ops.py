@@ -1,11 +1,6 @@
-"""Based linear attention's public ops, `chunk_based` and `fused_recurrent_based`, and `choose_path`, the rule that
-picks the kernels behind `chunk_based` (kernels/based/README.md has it as a table).
-
-The path is chosen on the host from the inputs' metadata, once per call signature (`_plan`), and passed to the
-kernels explicitly. Eager calls run an autograd.Function (no autograd at all when no gradient follows), so their
-host cost is the launches; under torch.compile `chunk_based` calls the custom ops `zoo_based::chunk_fwd` and
-`zoo_based::chunk_bwd`, which run the same kernels.
-"""
+"""Based linear attention's public ops, `chunk_based` and `fused_recurrent_based`, and `choose_path`, the dispatch
+rule behind `chunk_based` (kernels/based/README.md). The path is chosen on the host from the inputs' metadata, once
+per call signature (`_plan`); under torch.compile the custom ops `zoo_based::chunk_fwd` / `chunk_bwd` run it."""
 
 import math
 import os
