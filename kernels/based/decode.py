@@ -38,12 +38,10 @@ def _decode_kernel(q, k, v, kv, k_sum, o, q_scale,
     m_e = e < E
     phi_q = _features(q + i_bh * K, q_scale, e, K, E)  # [BE]
     phi_k = _features(k + i_bh * K, 1.0, e, K, E)  # [BE]
-
     k_sum += i_bh.to(tl.int64) * E
     z = tl.load(k_sum + e, mask=m_e, other=0.0) + phi_k
     tl.store(k_sum + e, z, mask=m_e)
     den = tl.sum(phi_q * z, 0)
-
     kv += i_bh.to(tl.int64) * E * V
     for v0 in tl.static_range(0, V, BV):
         offs_v = v0 + tl.arange(0, BV)

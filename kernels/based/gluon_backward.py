@@ -522,9 +522,10 @@ DK_REGS = 168
 
 
 def factor_matrices(device=None) -> torch.Tensor:
-    """[3, 3, 16, 64] bf16: A (index 0), B (1) and B ⊙ h (2, `query_weights`) of each feature block: feature f of
-    block b is (x·A_b)_f · (x·B_b)_f (the forward's `_factor_mats`, key side); block 0's x_a are (x·A_0)_f alone and its
-    constant (column 32) is added (`_block0`)."""
+    """[3, 3, 16, 64] bf16: A (index 0), B (1) and B ⊙ h (2) of each feature block, feature f of block b being
+    (x·A_b)_f · (x·B_b)_f (the forward's `_factor_mats`, key side; block 0's x_a are (x·A_0)_f alone, its constant is
+    added by `_block0`); h, the query side's weights, is ½ on x_a² and on the pairs d = 8 (held twice), so that
+    Σ_f h_f ψ_f(q) φ_f(k) = 1 + s + s²/2."""
     m = torch.zeros(3, 3, 16, 64)
     for c in range(32):  # block 0: x_a (a < 16), x_a²
         m[0, 0, c % 16, c] = 1
@@ -534,17 +535,10 @@ def factor_matrices(device=None) -> torch.Tensor:
         a, d = j % 16, 1 + j // 16
         m[0, 1 + j // 64, a, j % 64] = 1
         m[1, 1 + j // 64, (a + d) % 16, j % 64] = 1
-    m[2] = m[1] * query_weights().view(3, 1, 64)
+    h = torch.ones(3, 1, 64)
+    h[0, :, 16:32] = h[2, :, 48:] = 0.5
+    m[2] = m[1] * h
     return m.to(device=device, dtype=torch.bfloat16)
-
-
-def query_weights(device=None) -> torch.Tensor:
-    """[192] fp32: the query side's feature weights h (½ on x_a² and on the pairs d = 8, held twice), so that
-    Σ_f h_f ψ_f(q) φ_f(k) = 1 + s + s²/2."""
-    h = torch.ones(192)
-    h[16:32] = 0.5
-    h[64 + 112: 64 + 128] = 0.5
-    return h.to(device=device)
 
 
 # dq's programs per SM (each loops over steps of two chunks, the next step's state in flight; 2 fit by shared memory)

@@ -225,14 +225,12 @@ def _output_kernel(q, k, v, o, den, hs, zs, scale, T, NC,
         m_t = t < T
         h = hs + (i_bh.to(tl.int64) * NC + i_c) * R * V
         z = zs + (i_bh.to(tl.int64) * NC + i_c) * ZR
-
         bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
         bv = tl.load(v + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
         qs = bq.to(tl.float32) * scale  # [BC, BK]
         s = _mm(bq, bkt, DOT) * scale  # [BC, BC]
         w = tl.where(causal, 1.0 + s + 0.5 * s * s, 0.0)
-
         S0 = tl.load(h + offs_v, mask=m_v, other=0.0).to(tl.float32)
         # the state tiles go to the dots as stored (`_mm` casts to the operand dtype), so that a pipelined loop
         # (STAGES > 1) can load them ahead
@@ -312,14 +310,12 @@ def _dq_kernel(q, k, v, do, den, dden, dq, hs, zs, scale, T, NC,
         m_t = t < T
         h = hs + (i_bh.to(tl.int64) * NC + i_c) * R * V
         z = zs + (i_bh.to(tl.int64) * NC + i_c) * ZR
-
         bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         bk = tl.load(k + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
         bvt = tl.load(v + t[None, :] * H * V + offs_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0)
         dnum, dd = _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H, V, BC, NORMALIZE)
         qs = bq.to(tl.float32) * scale
-
         s = _mm(bq, bkt, DOT) * scale  # [BC, BC]
         # fp16 (DOT 4): dO/den and dd times u, the chunk's `_dout_scale`, and hs over max(n, 1), both undone in fp32
         # (elsewhere u = r = 1, and the products by them fold away)
@@ -374,7 +370,6 @@ def _dkv_kernel(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC,
         m_t = t < T
         h = ds + (i_bh.to(tl.int64) * NC + i_c) * R * V
         z = dzs + (i_bh.to(tl.int64) * NC + i_c) * ZR
-
         bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         bqt = tl.load(q + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
         bk = tl.load(k + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
@@ -387,7 +382,6 @@ def _dkv_kernel(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC,
         u = 1.0
         if DOT == 4 and NORMALIZE:
             u = _dout_scale(den, i_c, T, BC, H)
-
         st = _mm(bk, bqt, DOT) * scale  # [BC keys, BC queries]
         if DV:
             wt = tl.where(causal_t, 1.0 + st + 0.5 * st * st, 0.0)
