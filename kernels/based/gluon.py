@@ -577,9 +577,5 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, hv0
     launch(_gluon_fwd_kernel, (B * H,), q, k, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, T, scale, H,
            USE_H0=hv0 is not None, STORE_HT=output_final_state, STORE_STATES=2 if store_states else 0, NSLOT=2,
            PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
-    hvT = hzT = None
-    if output_final_state:
-        hvT, hzT = from_kernel_rows(hT, zT, B, H)
-    if store_states:
-        return o, den, hvT, hzT, hs, zs
-    return o, None, hvT, hzT, None, None
+    hvT, hzT = from_kernel_rows(hT, zT, B, H) if output_final_state else (None, None)
+    return (o, den, hvT, hzT, hs, zs) if store_states else (o, None, hvT, hzT, None, None)

@@ -595,7 +595,4 @@ def backward(q, k, v, o, do, den, hs, zs, scale, dhvT=None, dhzT=None, need_dh0=
     launch(_dq_kernel, (grid,), q, k, v, do, o, den, hs, zs, mats, dq, g, e, T, scale, B * H, H, num_warps=4)
     launch(_dkv_kernel, (B * H,), q, k, v, g, e, mats, dk, dv, dhT, dzT, dh0, dz0, T, scale, H, USE_DHT=use_dht,
            STORE_DH0=need_dh0, NSLOT=2, PRODUCER_REGS=PRODUCER_REGS, DK_REGS=DK_REGS, num_warps=4)
-    dhv0 = dhz0 = None
-    if need_dh0:
-        dhv0, dhz0 = rows_grad_to_state(dh0, dz0, B, H)
-    return dq, dk, dv, dhv0, dhz0
+    return dq, dk, dv, *(rows_grad_to_state(dh0, dz0, B, H) if need_dh0 else (None, None))
