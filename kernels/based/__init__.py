@@ -1,8 +1,5 @@
-"""Based linear attention (Arora et al., 2024): the Taylor feature map, PyTorch references and GPU kernels.
-
-`chunk_based` (prefill and training) and `fused_recurrent_based` (one decoding step) are the ops; `naive.py` is
-their specification. Importing this package imports Triton (the kernels are defined at import) but launches nothing.
-kernels/based/README.md has the math, the kernels kept and the rule that picks them.
+"""Based linear attention (Arora et al., 2024): `chunk_based` (prefill, training) and `fused_recurrent_based`
+(one decoding step), with `naive.py` their specification. Importing defines the Triton kernels, launching nothing.
 """
 
 from kernels.based.naive import (

@@ -1,9 +1,8 @@
-"""The decoding step of Based linear attention: one Triton launch updating the fp32 state in place.
+"""The decoding step of Based linear attention, one launch updating the fp32 state in place:
 
     kv += φ(k_t) v_tᵀ,  k_sum += φ(k_t),  o_t = φ(q'_t)·kv / φ(q'_t)·k_sum     (q' = q·scale·√K)
 
-One program per (batch, head) builds φ(q'_t) and φ(k_t) in registers and streams kv through them once, in blocks of
-BV columns: bound by the state's bytes. It allocates nothing and never waits on the host, so it can be graphed."""
+One program per (batch, head) streams kv through registers once: no allocation, no host wait, so it can be graphed."""
 
 import triton
 import triton.language as tl
@@ -39,12 +38,10 @@ def _decode_kernel(q, k, v, kv, k_sum, o, q_scale,
     m_e = e < E
     phi_q = _features(q + i_bh * K, q_scale, e, K, E)  # [BE]
     phi_k = _features(k + i_bh * K, 1.0, e, K, E)  # [BE]
-
     k_sum += i_bh.to(tl.int64) * E
     z = tl.load(k_sum + e, mask=m_e, other=0.0) + phi_k
     tl.store(k_sum + e, z, mask=m_e)
     den = tl.sum(phi_q * z, 0)
-
     kv += i_bh.to(tl.int64) * E * V
     for v0 in tl.static_range(0, V, BV):
         offs_v = v0 + tl.arange(0, BV)

@@ -1,11 +1,6 @@
-"""The fused chunked Based kernels: forward and backward carrying the state through the sequence in registers.
-
-For what the other forms do not take: fp32 inputs, K > 16, V ≤ 32, and small problems, where its four launches cost
-the host less than the split form's seven. One program owns one (batch, head, block of BV value columns) and walks
-the sequence in chunks of BC tokens (the forward first to last, or one segment of it when there are too few programs
-to fill the GPU; the dk/dv backward last to first), with the quadratic form inside a chunk and the three Taylor
-orders of the state across chunks (kernels/based/README.md; `naive.naive_chunk_based` is its twin). Order 2 is in the
-pair layout (EXPAND = 5, K ≤ 16) or K² rows (EXPAND = 0, K ≤ 32). States cross the boundary Taylor-order, fp32."""
+"""The fused chunked Based kernels: one program per (sequence, value block) carries the state through the sequence
+in registers (kernels/based/README.md, "The forms kept"). Order 2 is in the pair layout (EXPAND = 5, K ≤ 16) or K²
+rows (EXPAND = 0, K ≤ 32); states cross the boundary Taylor-order, fp32."""
 
 import torch
 import triton
@@ -30,12 +25,6 @@ def _outer(x, BC: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
     if DOT == 2:
         x = x.to(tl.bfloat16)
     return tl.reshape(x[:, :, None] * x[:, None, :], (BC, BK * BK))
-
-
-@triton.jit
-def _contract(m, x, BC: tl.constexpr, BK: tl.constexpr):
-    """Σ_b m[:, a·BK + b]·x[:, b] for m: [BC, BK²], x: [BC, BK] -> [BC, BK]."""
-    return tl.sum(tl.reshape(m, (BC, BK, BK)) * x[:, None, :], 2)
 
 
 @triton.jit
@@ -141,26 +130,7 @@ def _order2_contract(y, x, Sd, S2, S2b, BC: tl.constexpr, BK: tl.constexpr, BV: 
         g += _pair_contract(_mm(y, tl.trans(S2b), DOT), x, BK, DOT, 1, 2)
         return g
     else:
-        return _contract(_mm(y, tl.trans(S2), DOT), x, BC, BK)
-
-
-@triton.jit
-def _fwd_load(q, k, v, start, seg_end, offs_c, offs_k, offs_v, m_k, m_v, H: tl.constexpr, K: tl.constexpr,
-              V: tl.constexpr, EXPAND: tl.constexpr, STATE_ONLY: tl.constexpr):
-    """The forward's loads of the chunk at `start` (zero past seg_end): k, v, kᵀ and q (k again under STATE_ONLY)."""
-    t = start + offs_c
-    m_t = t < seg_end
-    bk = tl.load(k + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-    bv = tl.load(v + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-    if EXPAND == 5:
-        bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
-    else:
-        bkt = tl.trans(bk)
-    if STATE_ONLY:
-        bq = bk
-    else:
-        bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-    return bk, bv, bkt, bq
+        return tl.sum(tl.reshape(_mm(y, tl.trans(S2), DOT), (BC, BK, BK)) * x[:, None, :], 2)  # Σ_b m[:, a·BK + b] x_b
 
 
 @triton.jit
@@ -181,14 +151,12 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
     offs_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = offs_k < K, offs_v < V
     causal = offs_c[:, None] >= offs_c[None, :]
-
     q += i_b.to(tl.int64) * T * H * K + i_h * K
     k += i_b.to(tl.int64) * T * H * K + i_h * K
     v += i_b.to(tl.int64) * T * H * V + i_h * V
     o += i_b.to(tl.int64) * T * H * V + i_h * V
     if NORMALIZE:
         den += i_b.to(tl.int64) * T * H + i_h
-
     S0 = tl.zeros([BV], dtype=tl.float32)
     S1 = tl.zeros([BK, BV], dtype=tl.float32)
     n = 0.0
@@ -203,15 +171,19 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
         z1 += tl.load(hz0 + 1 + offs_k, mask=m_k, other=0.0)
         Z2 += tl.load(hz0 + 1 + K + offs_k[:, None] * K + offs_k[None, :], mask=m_k[:, None] & m_k[None, :],
                       other=0.0)
-
     Sd, S2, S2b = _order2_init(hv0, USE_H0, offs_k, offs_v, K, V, BK, BV, EXPAND)
-
     seg_end = tl.minimum(T, (i_s + 1) * SEG)
     for start in range(i_s * SEG, seg_end, BC):
         t = start + offs_c
         m_t = t < seg_end
-        bk, bv, bkt, bq = _fwd_load(q, k, v, start, seg_end, offs_c, offs_k, offs_v, m_k, m_v, H, K, V, EXPAND,
-                                    STATE_ONLY)
+        bk = tl.load(k + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        bv = tl.load(v + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        if EXPAND == 5:
+            bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+        else:
+            bkt = tl.trans(bk)
+        if not STATE_ONLY:
+            bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         kf = bk.to(tl.float32)
         kft = bkt.to(tl.float32)
         if not STATE_ONLY:
@@ -236,14 +208,12 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
                     tl.store(den + t * H, d, mask=m_t)
             tl.store(o + t[:, None] * H * V + offs_v[None, :], num.to(o.dtype.element_ty),
                      mask=m_t[:, None] & m_v[None, :])
-
         S0 += tl.sum(bv.to(tl.float32), 0)
         S1 += _mm(kft, bv, DOT)
         Sd, S2, S2b = _order2_update(kf, kft, bv, Sd, S2, S2b, BC, BK, BV, DOT, EXPAND)
         n += tl.sum(m_t.to(tl.float32), 0)
         z1 += tl.sum(kf, 0)
         Z2 += _mm(kft, kf, 0)
-
     if STORE_HT:
         hvT += (i_bh * NS + i_s).to(tl.int64) * F * V
         hzT += (i_bh * NS + i_s).to(tl.int64) * F
@@ -284,7 +254,6 @@ def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
     m_k, m_v = offs_k < K, offs_v < V
     causal = offs_c[:, None] >= offs_c[None, :]
     first = i_v == 0
-
     q += i_b.to(tl.int64) * T * H * K + i_h * K
     k += i_b.to(tl.int64) * T * H * K + i_h * K
     dq += (i_v * (tl.num_programs(1) // H) + i_b).to(tl.int64) * T * H * K + i_h * K
@@ -293,7 +262,6 @@ def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
     if NORMALIZE:
         den += i_b.to(tl.int64) * T * H + i_h
         dden += i_b.to(tl.int64) * T * H + i_h
-
     S1 = tl.zeros([BK, BV], dtype=tl.float32)
     z1 = tl.zeros([BK], dtype=tl.float32)
     Z2 = tl.zeros([BK, BK], dtype=tl.float32)
@@ -304,9 +272,7 @@ def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
         z1 += tl.load(hz0 + 1 + offs_k, mask=m_k, other=0.0)
         Z2 += tl.load(hz0 + 1 + K + offs_k[:, None] * K + offs_k[None, :], mask=m_k[:, None] & m_k[None, :],
                       other=0.0)
-
     Sd, S2, S2b = _order2_init(hv0, USE_H0, offs_k, offs_v, K, V, BK, BV, EXPAND)
-
     for start in range(0, T, BC):
         t = start + offs_c
         m_t = t < T
@@ -321,7 +287,6 @@ def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
         else:
             bkt = tl.trans(bk)
         kft = bkt.to(tl.float32)
-
         s = _mm(bq, bkt, DOT) * scale  # [BC, BC]
         dp = _mm(dnum, tl.trans(bv), DOT) + dd[:, None]
         ds = tl.where(causal, dp * (1.0 + s), 0.0)
@@ -330,7 +295,6 @@ def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
         if NORMALIZE:
             dqs += dd[:, None] * (z1[None, :] + _mm(qs, Z2, 0))
         tl.store(dq + t[:, None] * H * K + offs_k[None, :], dqs * scale, mask=m_t[:, None] & m_k[None, :])
-
         S1 += _mm(kft, bv, DOT)
         Sd, S2, S2b = _order2_update(kf, kft, bv, Sd, S2, S2b, BC, BK, BV, DOT, EXPAND)
         z1 += tl.sum(kf, 0)
@@ -356,7 +320,6 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
     m_k, m_v = offs_k < K, offs_v < V
     causal_t = offs_c[:, None] <= offs_c[None, :]  # [key j, query i]: j ≤ i
     first = i_v == 0
-
     q += i_b.to(tl.int64) * T * H * K + i_h * K
     k += i_b.to(tl.int64) * T * H * K + i_h * K
     dk += (i_v * (tl.num_programs(1) // H) + i_b).to(tl.int64) * T * H * K + i_h * K
@@ -366,7 +329,6 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
     if NORMALIZE:
         den += i_b.to(tl.int64) * T * H + i_h
         dden += i_b.to(tl.int64) * T * H + i_h
-
     D0 = tl.zeros([BV], dtype=tl.float32)
     D1 = tl.zeros([BK, BV], dtype=tl.float32)
     d0 = 0.0
@@ -385,9 +347,7 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
             d1 += tl.load(dhzT + 1 + offs_k, mask=m_k, other=0.0)
             d2 += tl.load(dhzT + 1 + K + offs_k[:, None] * K + offs_k[None, :], mask=m_k[:, None] & m_k[None, :],
                           other=0.0)
-
     Dd, D2, D2b = _order2_init(dhvT, USE_DHT, offs_k, offs_v, K, V, BK, BV, EXPAND)
-
     n_chunks = tl.cdiv(T, BC)
     for i in range(0, n_chunks):
         t = (n_chunks - 1 - i) * BC + offs_c
@@ -403,14 +363,12 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
         else:
             bqt = tl.trans(bq)
         qst = bqt.to(tl.float32) * scale
-
         st = _mm(bk, bqt, DOT) * scale  # [BC keys, BC queries]
         wt = tl.where(causal_t, 1.0 + st + 0.5 * st * st, 0.0)
         o2 = _order2_read(kf, Dd, D2, D2b, BC, BK, DOT, EXPAND)
         bdv = _mm(wt, dnum, DOT) + D0[None, :] + _mm(kf, D1, DOT) + 0.5 * o2
         tl.store(dv + t[:, None] * H * V + offs_v[None, :], bdv.to(dv.dtype.element_ty),
                  mask=m_t[:, None] & m_v[None, :])
-
         dpt = _mm(bv, tl.trans(dnum), DOT) + dd[None, :]
         dst = tl.where(causal_t, dpt * (1.0 + st), 0.0)
         bdk = _mm(dst, qs, DOT) + _mm(bv, tl.trans(D1), DOT)
@@ -418,14 +376,12 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
         # d1, d2 hold dO's share through the denominator and the final k_sum's gradient, normalised or not
         bdk += d1[None, :] + _mm(kf, d2, 0)
         tl.store(dk + t[:, None] * H * K + offs_k[None, :], bdk, mask=m_t[:, None] & m_k[None, :])
-
         D0 += tl.sum(dnum, 0)
         D1 += _mm(qst, dnum, DOT)
         Dd, D2, D2b = _order2_update(qs, qst, dnum, Dd, D2, D2b, BC, BK, BV, DOT, EXPAND)
         d0 += tl.sum(dd, 0)
         d1 += tl.sum(qs * dd[:, None], 0)
         d2 += _mm(qst, qs * dd[:, None], 0)
-
     if STORE_DH0:
         dhv0 += i_bh.to(tl.int64) * F * V
         dhz0 += i_bh.to(tl.int64) * F

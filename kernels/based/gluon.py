@@ -1,19 +1,11 @@
-"""Based forward as a Gluon kernel for Hopper (sm_90): bf16, K = 16, V = 64, normalised. Inference stores no states;
-training stores every second chunk's entering state for `gluon_backward.py`.
+"""Based forward as a Gluon kernel for Hopper (sm_90): bf16, K = 16, V = 64, normalised (kernels/based/README.md).
 
-One program per (batch, head) walks the sequence in chunks of C = 64 tokens in three partitions of 4 warps, with two
-shared-memory slots (`ready` / `free` mbarriers) so that the producers build chunk c+1 while the consumer runs c:
-producer 0 builds the query features ψ(q) and the causal weights w = 1 + s + s²/2 (training: also den); producer 1
-builds the key features φ(k) and keeps the denominator's state; the consumer holds the state transposed in fp32 MMA
-accumulators (the register operand of its reads: it never goes through shared memory), reads and updates it, and
-stores o = num / den. v comes by TMA: `fence_async_shared` (MEMBAR.ALL.CTA on sm_90a) waits for every load a thread
-has in flight, but not for TMA.
-
-Each feature is a product of two factors, each a K = 16 MMA of the chunk's x [C, 16] with a 0/1 matrix
-(`_factor_mats`); the query side carries the ½ weights, so Σ_f ψ_f(q) φ_f(k) = 1 + s + s²/2. Two layouts
-(`feature_rows`): wide, 192 = 3 × 64 (block 0: x_a, x_a², 1; blocks 1, 2: the pairs (a, a + d mod 16), d = 1..8),
-which training stores and the backward reads; narrow, 160 (the 153 distinct features), for inference, whose
-denominator the consumer makes from the key moments Σ [k, 1]ᵀ k."""
+One program per sequence, chunks of C = 64 tokens, three partitions of 4 warps sharing two slots (`ready` / `free`
+mbarriers): producer 0 builds ψ(q) and w = 1 + s + s²/2 (training: also den), producer 1 φ(k) and the denominator's
+state; the consumer holds the state transposed in fp32 MMA accumulators. v comes by TMA: `fence_async_shared` waits
+for every load a thread has in flight, but not for TMA. Each feature is a product of two K = 16 MMAs with 0/1
+matrices (`_factor_mats`), in one of two layouts (`feature_rows`): wide, 192 rows, which training stores for the
+backward; narrow, 160 rows, for inference, whose denominator comes from the key moments Σ [k, 1]ᵀ k."""
 
 import functools
 
@@ -41,6 +33,33 @@ K_ = gl.constexpr(16)  # feature dim
 V_ = gl.constexpr(64)  # value dim
 NB = gl.constexpr(3)  # feature blocks of 64
 ZR_ = gl.constexpr(273)  # rows of the Taylor-order denominator state: 1 + 16 + 16²
+
+
+def _acc_layout(n: int):
+    """The wgmma accumulator layout of 4 warps for [*, n] tiles."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+def _shared(rows: int, cols: int):
+    """The NVMMA shared layout of a bf16 [rows, cols] tile."""
+    return gl.constexpr(gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16))
+
+
+A64, A16, A8 = gl.constexpr(_acc_layout(64)), gl.constexpr(_acc_layout(16)), gl.constexpr(_acc_layout(8))
+OP64 = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_acc_layout(64), k_width=2))  # register A operands
+OP16 = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_acc_layout(16), k_width=2))
+SL16, SLR, SL64, SL8 = _shared(64, 16), _shared(16, 64), _shared(64, 64), _shared(8, 64)
+PLAIN = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
+LV = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))  # [C, 64] tiles
+L16 = gl.constexpr(gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0]))  # [C, 16] tiles
+LR = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # [16, 64] factor matrices
+L1 = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))  # [C] vectors
+
+
+@gluon.jit
+def _grid(R: gl.constexpr, C: gl.constexpr, L: gl.constexpr):
+    """Row and column indices [R, 1], [1, C] of an [R, C] tile in layout L."""
+    return gl.arange(0, R, layout=gl.SliceLayout(1, L))[:, None], gl.arange(0, C, layout=gl.SliceLayout(0, L))[None, :]
 
 
 @gluon.jit
@@ -71,8 +90,7 @@ def _factor_mats(ra, rb, BLK: gl.constexpr, QUERY: gl.constexpr, L: gl.constexpr
     Factor a is x_(c mod 16) in column c of every block. Wide: block 0 = x_a, x_a², 1 at 32; blocks 1, 2: the pairs
     (a, a + d mod 16), d = 1..8 (d = 8 twice, ½ each). Narrow: blocks 0, 1: the pairs d = 0..3 and 4..7 (d = 0 the
     diagonal); block 2: x_a, the pairs (a, a + 8) for a < 8, 1 at 24."""
-    r = gl.arange(0, K_, layout=gl.SliceLayout(1, L))[:, None]
-    c = gl.arange(0, W, layout=gl.SliceLayout(0, L))[None, :]
+    r, c = _grid(K_, W, L)
     if NARROW:
         if BLK == 2:
             b = gl.where((c >= 16) & (c < 24), c - 8, -1)
@@ -123,28 +141,17 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
     denominator's state in fp32 MMA accumulators: wide, z = Σ φ(k), handed to ROLE 0 as bf16 head and tail
     (`zready`); narrow, the moments M = Σ [k, 1]ᵀ k [64, 16], put in the slot for the consumer's den. q and k come
     through registers, loaded a chunk ahead."""
-    LV: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-    L16: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
-    LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     AW2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, W2, 16])
-    A8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
-    A16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
     NR: gl.constexpr = 128 + W2  # the state's rows
     for blk in gl.static_range(2):
         _factor_mats(ra_s.index(blk), rb_s.index(blk), blk, ROLE == 0, LR, NARROW, 64)
     _factor_mats(ra2_s, rb2_s, 2, ROLE == 0, LR, NARROW, W2)
-    r16 = gl.arange(0, C_, layout=gl.SliceLayout(1, L16))[:, None]
-    c16 = gl.arange(0, K_, layout=gl.SliceLayout(0, L16))[None, :]
+    r16, c16 = _grid(C_, K_, L16)
     cv = gl.arange(0, V_, layout=gl.SliceLayout(0, LV))[None, :]
-    ra = gl.arange(0, C_, layout=gl.SliceLayout(1, A64))[:, None]
-    ca = gl.arange(0, 64, layout=gl.SliceLayout(0, A64))[None, :]
-    r2 = gl.arange(0, C_, layout=gl.SliceLayout(1, AW2))[:, None]
-    c2 = gl.arange(0, W2, layout=gl.SliceLayout(0, AW2))[None, :]
-    r8 = gl.arange(0, 64, layout=gl.SliceLayout(1, A8))[:, None]
-    c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, A8))[None, :]
-    rz = gl.arange(0, 64, layout=gl.SliceLayout(1, A16))[:, None]
-    cz = gl.arange(0, K_, layout=gl.SliceLayout(0, A16))[None, :]
+    ra, ca = _grid(C_, 64, A64)
+    r2, c2 = _grid(C_, W2, AW2)
+    r8, c8 = _grid(64, 8, A8)
+    rz, cz = _grid(64, K_, A16)
     zrow = gl.where(rz < K_, 1 + K_ + rz * K_ + cz, 1 + cz)  # M's rows 0-16 in the Taylor-order z (narrow)
     n0 = 0.0  # the initial state's token count (narrow: producer 1 writes the final one)
     if NARROW and USE_H0 and ROLE == 1:
@@ -296,7 +303,6 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
 def _den_mmas(w_s, one0_s, q16_s, zt2_s, slot):
     """Issue the narrow layout's denominator MMAs: w·1 (column 0) and p = q_s ½Z₂ + z₁ [C, 16] (M as bf16 head and
     tail), so that den = Σ_j q_s p + w·1 + n."""
-    A16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
     zero = gl.zeros([C_, K_], gl.float32, A16)
     e0 = one0_s.permute((1, 0))  # [C, 16], column 0 ones: B's column 0 (w's row sums); as A, M's row 16 everywhere
     dd = warpgroup_mma(w_s.index(slot), e0, zero, use_acc=False, is_async=True)
@@ -324,23 +330,16 @@ def _consumer(o, den_out, h0, hT, hs, hs_desc, v_desc, i_bh, T, H: gl.constexpr,
     """The default partition: Sᵀ_blk [V, 64] ([V, W2] for block 2) accumulates vᵀ φ(k) and is the register (A)
     operand of numᵀ = Σ Sᵀ ψ(q)ᵀ + vᵀ wᵀ. Wide, den comes with the slot; narrow, it is made here (`_den_mmas`)."""
     LO: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])  # [V, C] tiles stored to o[t, v]
-    A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     AW2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, W2, 16])
-    AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=A64, k_width=2)
     NR: gl.constexpr = 128 + W2  # the state's rows
     NARROW: gl.constexpr = W2 == 32  # the inference forward (`_gluon_fwd_kernel`)
-    A16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
     n0 = 0.0  # the initial state's token count (narrow)
     if NARROW and USE_H0:
         n0 = gl.load(z0 + i_bh.to(gl.int64) * ZR_)
-    L1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     r1 = gl.arange(0, C_, layout=L1)
-    ra = gl.arange(0, 64, layout=gl.SliceLayout(1, A64))[:, None]  # rows of Sᵀ: value columns
-    ca = gl.arange(0, 64, layout=gl.SliceLayout(0, A64))[None, :]  # its columns: features
-    r2 = gl.arange(0, 64, layout=gl.SliceLayout(1, AW2))[:, None]
-    c2 = gl.arange(0, W2, layout=gl.SliceLayout(0, AW2))[None, :]
-    vo = gl.arange(0, V_, layout=gl.SliceLayout(1, LO))[:, None]
-    to = gl.arange(0, C_, layout=gl.SliceLayout(0, LO))[None, :]
+    ra, ca = _grid(64, 64, A64)  # Sᵀ [value columns, features]
+    r2, c2 = _grid(64, W2, AW2)
+    vo, to = _grid(V_, C_, LO)
     if USE_H0:
         h0 += i_bh.to(gl.int64) * (NR * V_)
         S0 = gl.load(h0 + ca * V_ + ra)
@@ -364,16 +363,16 @@ def _consumer(o, den_out, h0, hT, hs, hs_desc, v_desc, i_bh, T, H: gl.constexpr,
         mbarrier.wait(vbar.index(slot), (c // NSLOT) & 1)
         b = slot * 2
         # vᵀ once from shared memory into registers, the A operand of its four MMAs
-        vt = v_s.index(slot).permute((1, 0)).load(AOP)
+        vt = v_s.index(slot).permute((1, 0)).load(OP64)
         if NARROW:  # den's MMAs first, done when num is
             dd, p = _den_mmas(w_s, one0_s, q16_s, zt2_s, slot)
         num = warpgroup_mma(vt, w_s.index(slot).permute((1, 0)), gl.zeros([V_, C_], gl.float32, A64),
                             use_acc=False, is_async=True)
-        num = warpgroup_mma(gl.convert_layout(S0.to(gl.bfloat16), AOP), psi01_s.index(b).permute((1, 0)), num,
+        num = warpgroup_mma(gl.convert_layout(S0.to(gl.bfloat16), OP64), psi01_s.index(b).permute((1, 0)), num,
                             is_async=True)
-        num = warpgroup_mma(gl.convert_layout(S1.to(gl.bfloat16), AOP), psi01_s.index(b + 1).permute((1, 0)), num,
+        num = warpgroup_mma(gl.convert_layout(S1.to(gl.bfloat16), OP64), psi01_s.index(b + 1).permute((1, 0)), num,
                             is_async=True)
-        num = warpgroup_mma(gl.convert_layout(S2.to(gl.bfloat16), AOP), psi2_s.index(slot).permute((1, 0)), num,
+        num = warpgroup_mma(gl.convert_layout(S2.to(gl.bfloat16), OP64), psi2_s.index(slot).permute((1, 0)), num,
                             is_async=True)
         if STORE_STATES == 2:  # in this kernel's rows, every second chunk's: what `gluon_backward` reads
             if c % 2 == 0:  # Sᵀ as the MMAs hold it, through shared memory and a TMA store (hs: [B·H·NQ·V, 192])
@@ -444,49 +443,44 @@ def _gluon_fwd_kernel(q, k, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, T, 
         den += od
     NARROW: gl.constexpr = STORE_STATES == 0
     W2: gl.constexpr = 32 if NARROW else 64
-    sl16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_, K_], gl.bfloat16)
-    slr: gl.constexpr = gl.NVMMASharedLayout.get_default_for([K_, 64], gl.bfloat16)
     slr2: gl.constexpr = gl.NVMMASharedLayout.get_default_for([K_, W2], gl.bfloat16)
-    sl64: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     slw2: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, W2], gl.bfloat16)
-    sl8: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, 64], gl.bfloat16)
     # the slots: ψ(q) and φ(k) (blocks 0 and 1, block 2), w and v of a chunk
-    psi01_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT * 2, C_, 64], sl64)
-    phi01_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT * 2, C_, 64], sl64)
+    psi01_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT * 2, C_, 64], SL64)
+    phi01_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT * 2, C_, 64], SL64)
     psi2_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, W2], slw2)
     phi2_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, W2], slw2)
-    w_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, C_], sl64)
-    v_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, V_], sl64)
+    w_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, C_], SL64)
+    v_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, V_], SL64)
     # each producer's inputs and 0/1 factor matrices
-    kx_s = gl.allocate_shared_memory(gl.bfloat16, [C_, K_], sl16)
-    q16_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT if NARROW else 1, C_, K_], sl16)  # narrow: per slot
-    k16_s = gl.allocate_shared_memory(gl.bfloat16, [C_, K_], sl16)
-    raq_s = gl.allocate_shared_memory(gl.bfloat16, [2, K_, 64], slr)
-    rbq_s = gl.allocate_shared_memory(gl.bfloat16, [2, K_, 64], slr)
-    rak_s = gl.allocate_shared_memory(gl.bfloat16, [2, K_, 64], slr)
-    rbk_s = gl.allocate_shared_memory(gl.bfloat16, [2, K_, 64], slr)
+    kx_s = gl.allocate_shared_memory(gl.bfloat16, [C_, K_], SL16)
+    q16_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT if NARROW else 1, C_, K_], SL16)  # narrow: per slot
+    k16_s = gl.allocate_shared_memory(gl.bfloat16, [C_, K_], SL16)
+    raq_s = gl.allocate_shared_memory(gl.bfloat16, [2, K_, 64], SLR)
+    rbq_s = gl.allocate_shared_memory(gl.bfloat16, [2, K_, 64], SLR)
+    rak_s = gl.allocate_shared_memory(gl.bfloat16, [2, K_, 64], SLR)
+    rbk_s = gl.allocate_shared_memory(gl.bfloat16, [2, K_, 64], SLR)
     ra2q_s = gl.allocate_shared_memory(gl.bfloat16, [K_, W2], slr2)
     rb2q_s = gl.allocate_shared_memory(gl.bfloat16, [K_, W2], slr2)
     ra2k_s = gl.allocate_shared_memory(gl.bfloat16, [K_, W2], slr2)
     rb2k_s = gl.allocate_shared_memory(gl.bfloat16, [K_, W2], slr2)
     # z entering each slot's chunk, the slot's denominators, the ones of the MMAs that sum z and w's rows
-    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     if NARROW:  # z as the matrix M [64, 16] (`_producer`), B of the denominators' MMAs: head and tail per slot
-        zt01_s = gl.allocate_shared_memory(gl.bfloat16, [1, 8, 64], sl8)  # (unused)
+        zt01_s = gl.allocate_shared_memory(gl.bfloat16, [1, 8, 64], SL8)  # (unused)
         zt2_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT * 2, 64, K_],
                                           gl.NVMMASharedLayout.get_default_for([64, K_], gl.bfloat16))
     else:
-        zt01_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT * 2, 8, 64], sl8)
-        zt2_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, 8, 64], sl8)
-    dn_s = gl.allocate_shared_memory(gl.float32, [NSLOT, C_], plain)
-    ones_s = gl.allocate_shared_memory(gl.bfloat16, [8, C_], sl8)
+        zt01_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT * 2, 8, 64], SL8)
+        zt2_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, 8, 64], SL8)
+    dn_s = gl.allocate_shared_memory(gl.float32, [NSLOT, C_], PLAIN)
+    ones_s = gl.allocate_shared_memory(gl.bfloat16, [8, C_], SL8)
     one0_s = gl.allocate_shared_memory(gl.bfloat16, [16 if NARROW else 8, C_],
                                        gl.NVMMASharedLayout.get_default_for([16 if NARROW else 8, C_], gl.bfloat16))
     # [k, 1, 0…] [C, 64] (narrow only), in four [C, 16] tiles one after another (32-byte swizzle): the first is x_s
     kt_s = gl.allocate_shared_memory(gl.bfloat16, [C_ if NARROW else 8, 64],
                                      gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2))
-    hst_s = gl.allocate_shared_memory(gl.bfloat16, [NB if STORE_STATES == 2 else 1, V_, 64], sl64)  # states out
-    o_s = gl.allocate_shared_memory(gl.bfloat16, [C_ if NARROW else 8, V_], sl64)  # the output tile [t, v] (narrow)
+    hst_s = gl.allocate_shared_memory(gl.bfloat16, [NB if STORE_STATES == 2 else 1, V_, 64], SL64)  # states out
+    o_s = gl.allocate_shared_memory(gl.bfloat16, [C_ if NARROW else 8, V_], SL64)  # the output tile [t, v] (narrow)
     ready = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
     zready = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
@@ -565,8 +559,6 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, hv0
     entering state in the wide rows, hs [B·H, NQ, V, 192] bf16 and zs [B·H, NQ, 192] fp32 (else None)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    if K != 16 or V != 64 or q.dtype != torch.bfloat16:
-        raise ValueError(f"the Gluon forward takes bf16 inputs with K=16 and V=64, got K={K}, V={V}, {q.dtype}")
     o = torch.empty_like(v)
     narrow = not store_states  # the kernel's narrow layout: 160 state rows (`_factor_mats`)
     h0 = z0 = hT = zT = hs = zs = den = o  # placeholders where unused
@@ -585,9 +577,5 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, hv0
     launch(_gluon_fwd_kernel, (B * H,), q, k, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, T, scale, H,
            USE_H0=hv0 is not None, STORE_HT=output_final_state, STORE_STATES=2 if store_states else 0, NSLOT=2,
            PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
-    hvT = hzT = None
-    if output_final_state:
-        hvT, hzT = from_kernel_rows(hT, zT, B, H)
-    if store_states:
-        return o, den, hvT, hzT, hs, zs
-    return o, None, hvT, hzT, None, None
+    hvT, hzT = from_kernel_rows(hT, zT, B, H) if output_final_state else (None, None)
+    return (o, den, hvT, hzT, hs, zs) if store_states else (o, None, hvT, hzT, None, None)

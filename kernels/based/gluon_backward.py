@@ -1,20 +1,9 @@
 """Based backward as Gluon kernels for Hopper (sm_90), the twin of `gluon.py`'s forward.
 
-The forward (`store_states=True`) leaves o, den and the state entering every second chunk in the wide rows
-(`gluon.feature_rows`): hs [B·H, NQ, V, 192] bf16 (transposed) and zs [B·H, NQ, 192] fp32, NQ = ⌈T/128⌉. With
-g = dO/den and e = −(dO·o)/den the gradient is that of Σ_i g_i·num_i + e_i·den_i, in two kernels:
-
-- `_dq_kernel`, fully parallel over steps of two chunks (inputs copied into shared memory a chunk ahead):
-  dψ(q) = g Sᵀ + e zᵀ through the feature map, plus the step's own part ds·k, ds = (g vᵀ + e) ⊙ (1 + s), causal.
-  It also stores g and e for the walk.
-- `_dkv_kernel`, one program per sequence walking the chunks backwards with the reverse state dS = Σ_{later} ψ gᵀ
-  [192, V] and dz = Σ ψ e, in three partitions of 4 warps: the producer builds ψ(q), φ(k) and dz into one of two
-  slots; the consumer holds dS (fp32 accumulators), publishes it in bf16 (double-buffered) and computes
-  dv = φ(k) dS + wᵀ g; the dk partition computes dk from dφ(k) = v dSᵀ + dz and dsᵀ q_s. ptxas holds every partition
-  to 168 registers (65536 / 384 threads); dS alone takes 96.
-
-Each feature is f = h ⊙ (x·A) ⊙ (x·B) (`factor_matrices`; h: the query's ½ weights; block 0's order-1 features are
-x·A alone and its column 32 the constant, `_block0`), so the Jacobian is two more MMAs a block:
+From the forward's o, den and every second chunk's entering state (wide rows), with g = dO/den and e = −(dO·o)/den:
+`_dq_kernel` runs over steps of two chunks, fully parallel; `_dkv_kernel` walks each sequence backwards with the
+reverse state dS = Σ_{later} ψ gᵀ and dz = Σ ψ e in three partitions (producer, consumer: dS and dv, dk). Each
+feature is f = h ⊙ (x·A) ⊙ (x·B) (`factor_matrices`, h the query's ½ weights), so its Jacobian is two MMAs a block:
 
     dx = (G_f ⊙ h ⊙ (x·B + u))·Aᵀ + (G_f ⊙ h ⊙ (x·A))·Bᵀ,   u = 1 in block 0's columns 0-15, else 0"""
 
@@ -31,7 +20,26 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from kernels.based.gluon import _barrier, _block0, _offsets, feature_rows
+from kernels.based.gluon import (
+    A8,
+    A16,
+    A64,
+    L1,
+    L16,
+    LR,
+    LV,
+    OP16,
+    OP64,
+    PLAIN,
+    SL16,
+    SL64,
+    SLR,
+    _barrier,
+    _block0,
+    _grid,
+    _offsets,
+    feature_rows,
+)
 from kernels.based.primitives import invert_rows, scatter_rows
 from kernels.launch import launch
 
@@ -50,9 +58,7 @@ DQ_ = gl.constexpr(DQ_CHUNK)
 @gluon.jit
 def _load_mats(mats, dst, M: gl.constexpr):
     """Factor matrix M (0 A, 1 B, 2 B ⊙ h) of every block from `mats` [3, NB, K_, 64] into dst [NB, K_, 64]."""
-    LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    r = gl.arange(0, K_, layout=gl.SliceLayout(1, LR))[:, None]
-    c = gl.arange(0, 64, layout=gl.SliceLayout(0, LR))[None, :]
+    r, c = _grid(K_, 64, LR)
     for b in gl.static_range(NB):
         dst.index(b).store(gl.load(mats + ((M * NB + b) * K_ + r) * 64 + c))
 
@@ -60,9 +66,7 @@ def _load_mats(mats, dst, M: gl.constexpr):
 @gluon.jit
 def _load_x(q, k, start, T, scale, H: gl.constexpr):
     """A chunk's q_s (rounded to bf16, as the forward's features take it) and k [C, 16]; zero past T."""
-    LX: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
-    rx = gl.arange(0, C_, layout=gl.SliceLayout(1, LX))[:, None]
-    cx = gl.arange(0, K_, layout=gl.SliceLayout(0, LX))[None, :]
+    rx, cx = _grid(C_, K_, L16)
     tx = start + rx
     xq = gl.load(q + tx * (H * K_) + cx, mask=(tx < T) & (cx >= 0), other=0.0).to(gl.float32) * scale
     xk = gl.load(k + tx * (H * K_) + cx, mask=(tx < T) & (cx >= 0), other=0.0)
@@ -73,12 +77,8 @@ def _load_x(q, k, start, T, scale, H: gl.constexpr):
 def _stage_chunk(q, k, v, do, o, den, qst, dost, ost, dnst, xk_dst, v_dst, start, T, H: gl.constexpr, pred):
     """Start copying a chunk's q, k, v, dO, o and den into shared memory (cp.async, one commit group); zero past T
     and where pred is false."""
-    LX: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
-    LV: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-    rx = gl.arange(0, C_, layout=gl.SliceLayout(1, LX))[:, None]
-    cx = gl.arange(0, K_, layout=gl.SliceLayout(0, LX))[None, :]
-    rv = gl.arange(0, C_, layout=gl.SliceLayout(1, LV))[:, None]
-    cv = gl.arange(0, V_, layout=gl.SliceLayout(0, LV))[None, :]
+    rx, cx = _grid(C_, K_, L16)
+    rv, cv = _grid(C_, V_, LV)
     tx = start + rx
     tv = start + rv
     mx = pred & (tx < T) & (cx >= 0)
@@ -88,8 +88,7 @@ def _stage_chunk(q, k, v, do, o, den, qst, dost, ost, dnst, xk_dst, v_dst, start
     _cp_async(v_dst, v + tv * (H * V_) + cv, mask=mv)
     _cp_async(dost, do + tv * (H * V_) + cv, mask=mv)
     _cp_async(ost, o + tv * (H * V_) + cv, mask=mv)
-    LD: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    td = start + gl.arange(0, C_, layout=LD)
+    td = start + gl.arange(0, C_, layout=L1)
     _cp_async(dnst, den + td * H, mask=pred & (td < T))
     async_copy.commit_group()
 
@@ -98,13 +97,10 @@ def _stage_chunk(q, k, v, do, o, den, qst, dost, ost, dnst, xk_dst, v_dst, start
 def _ge_from_stage(qst, dost, ost, dnst, start, T, scale, H: gl.constexpr, g_out, e_out):
     """From a staged chunk: q_s [C, 16] bf16, g = dO/den (bf16) and e = −(dO·o)/den [C] fp32, zero past T; g and e
     also go to g_out and e_out for the dk/dv walk."""
-    LX: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
-    LV: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-    rv = gl.arange(0, C_, layout=gl.SliceLayout(1, LV))[:, None]
-    cv = gl.arange(0, V_, layout=gl.SliceLayout(0, LV))[None, :]
+    rv, cv = _grid(C_, V_, LV)
     tv = start + rv
     tr = start + gl.arange(0, C_, layout=gl.SliceLayout(1, LV))
-    xq = (qst.load(LX).to(gl.float32) * scale).to(gl.bfloat16)
+    xq = (qst.load(L16).to(gl.float32) * scale).to(gl.bfloat16)
     dd = dost.load(LV).to(gl.float32)
     oo = ost.load(LV).to(gl.float32)
     rn = gl.where(tr < T, 1.0 / dnst.load(gl.SliceLayout(1, LV)), 0.0)  # one division per row, then products
@@ -119,8 +115,7 @@ def _ge_from_stage(qst, dost, ost, dnst, start, T, scale, H: gl.constexpr, g_out
 def _copy_state(h_s, z_s, hs, zs, idx, rf, cv, pred):
     """Start copying the state entering step idx (hs bf16 transposed, zs fp32) into h_s ([V, 64] a block) and z_s
     (cp.async, one commit group; nothing where pred is false)."""
-    LD: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    rz = gl.arange(0, 64, layout=LD)
+    rz = gl.arange(0, 64, layout=L1)
     src = hs + idx.to(gl.int64) * (F_ * V_)
     for b in gl.static_range(NB):
         _cp_async(h_s.index(b), src + rf * F_ + b * 64 + cv, mask=pred & (rf >= 0))
@@ -133,34 +128,24 @@ def _dq_kernel(q, k, v, do, o, den, hs, zs, mats, dq, g_out, e_out, T, scale, BH
     """dq, a step of two chunks at a time: each program takes steps pid, pid + grid, … of all sequences (NQ each) and
     for each chunk adds its own part, the second chunk's read of the first one's keys and the read of the step's
     entering state (hs, zs) through the query feature map. Also stores g = dO/den and e = −(dO·o)/den for the walk."""
-    LV: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-    A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-    A16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
-    OP16: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=A16, k_width=2)
-    OP64: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=A64, k_width=2)
-    sl16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_, K_], gl.bfloat16)
-    slr: gl.constexpr = gl.NVMMASharedLayout.get_default_for([K_, 64], gl.bfloat16)
-    sl64: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
-    xq_s = gl.allocate_shared_memory(gl.bfloat16, [C_, K_], sl16)
-    xk_s = gl.allocate_shared_memory(gl.bfloat16, [2, C_, K_], sl16)  # the step's two chunks' keys and values
-    v_s = gl.allocate_shared_memory(gl.bfloat16, [2, C_, V_], sl64)
-    g_s = gl.allocate_shared_memory(gl.bfloat16, [C_, V_], sl64)
-    h_s = gl.allocate_shared_memory(gl.bfloat16, [NB, V_, 64], sl64)  # the step's entering state, Sᵀ
-    qst = gl.allocate_shared_memory(gl.bfloat16, [C_, K_], sl16)  # the next chunk's q, dO and o, in flight
-    dost = gl.allocate_shared_memory(gl.bfloat16, [C_, V_], sl64)
-    ost = gl.allocate_shared_memory(gl.bfloat16, [C_, V_], sl64)
-    dnst = gl.allocate_shared_memory(gl.float32, [C_], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    z_s = gl.allocate_shared_memory(gl.float32, [256], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))  # its z
-    ra_s = gl.allocate_shared_memory(gl.bfloat16, [NB, K_, 64], slr)
-    rb_s = gl.allocate_shared_memory(gl.bfloat16, [NB, K_, 64], slr)  # B ⊙ h: the query side's
+    xq_s = gl.allocate_shared_memory(gl.bfloat16, [C_, K_], SL16)
+    xk_s = gl.allocate_shared_memory(gl.bfloat16, [2, C_, K_], SL16)  # the step's two chunks' keys and values
+    v_s = gl.allocate_shared_memory(gl.bfloat16, [2, C_, V_], SL64)
+    g_s = gl.allocate_shared_memory(gl.bfloat16, [C_, V_], SL64)
+    h_s = gl.allocate_shared_memory(gl.bfloat16, [NB, V_, 64], SL64)  # the step's entering state, Sᵀ
+    qst = gl.allocate_shared_memory(gl.bfloat16, [C_, K_], SL16)  # the next chunk's q, dO and o, in flight
+    dost = gl.allocate_shared_memory(gl.bfloat16, [C_, V_], SL64)
+    ost = gl.allocate_shared_memory(gl.bfloat16, [C_, V_], SL64)
+    dnst = gl.allocate_shared_memory(gl.float32, [C_], PLAIN)
+    z_s = gl.allocate_shared_memory(gl.float32, [256], PLAIN)  # its z
+    ra_s = gl.allocate_shared_memory(gl.bfloat16, [NB, K_, 64], SLR)
+    rb_s = gl.allocate_shared_memory(gl.bfloat16, [NB, K_, 64], SLR)  # B ⊙ h: the query side's
     _load_mats(mats, ra_s, 0)
     _load_mats(mats, rb_s, 2)
-    rf = gl.arange(0, 64, layout=gl.SliceLayout(1, LV))[:, None]
-    cv = gl.arange(0, V_, layout=gl.SliceLayout(0, LV))[None, :]
+    rf, cv = _grid(64, V_, LV)
     ri = gl.arange(0, C_, layout=gl.SliceLayout(1, A64))[:, None]
     cj = gl.arange(0, 64, layout=gl.SliceLayout(0, A64))
-    r16 = gl.arange(0, C_, layout=gl.SliceLayout(1, A16))[:, None]
-    c16 = gl.arange(0, K_, layout=gl.SliceLayout(0, A16))[None, :]
+    r16, c16 = _grid(C_, K_, A16)
     u0 = gl.where(cj[None, :] < 16, 1.0, 0.0)  # block 0's order-1 columns, whose second factor is 1
     z64 = gl.zeros([C_, 64], gl.float32, A64)
     NQ = gl.cdiv(T, DQ_)
@@ -271,9 +256,6 @@ def _producer(q, k, v, g_in, e_in, dzT, dz0, i_bh, T, scale, H: gl.constexpr, US
     chunk's inputs, e (bf16 head and tail), ψ(q), φ(k) and the entering dz into the slot the others read next. It keeps
     dz = Σ_{later} ψᵀ e (fp32 accumulators [64, 8] a block: columns 0 and 1 sum e's head and tail), and copies the
     next chunk's v and g into the other slot once it is free."""
-    LE: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
-    A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-    A8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
     c8z = gl.arange(0, 8, layout=gl.SliceLayout(0, A8))[None, :]
     r8z = gl.arange(0, 64, layout=gl.SliceLayout(1, A8))[:, None]
     if USE_DHT:
@@ -287,7 +269,7 @@ def _producer(q, k, v, g_in, e_in, dzT, dz0, i_bh, T, scale, H: gl.constexpr, US
         Z2 = gl.zeros([64, 8], gl.float32, A8)
     cj = gl.arange(0, 64, layout=gl.SliceLayout(0, A64))
     rj = gl.arange(0, C_, layout=gl.SliceLayout(1, A64))[:, None]
-    c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, LE))[None, :]
+    c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, L16))[None, :]
     z64 = gl.zeros([C_, 64], gl.float32, A64)
     _load_mats(mats, ra_s, 0)
     _load_mats(mats, rb_s, 1)
@@ -296,10 +278,8 @@ def _producer(q, k, v, g_in, e_in, dzT, dz0, i_bh, T, scale, H: gl.constexpr, US
     _barrier()
     mbarrier.arrive(mats_ready)
     NC = gl.cdiv(T, C_)
-    LV: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-    rv = gl.arange(0, C_, layout=gl.SliceLayout(1, LV))[:, None]
-    cv = gl.arange(0, V_, layout=gl.SliceLayout(0, LV))[None, :]
-    tr = gl.arange(0, C_, layout=gl.SliceLayout(1, LE))
+    rv, cv = _grid(C_, V_, LV)
+    tr = gl.arange(0, C_, layout=gl.SliceLayout(1, L16))
     # v and g go straight into their slot (cp.async, one chunk ahead); q, k and e through registers
     _copy_vg(v_s, g_s, 0, v, g_in, (NC - 1) * C_, T, H, rv, cv)
     nxq, nxk = _load_x(q, k, (NC - 1) * C_, T, scale, H)
@@ -351,16 +331,9 @@ def _dk_partition(dk, T, H: gl.constexpr, xq_s, xk_s, v_s, g_s, e_s, ra_s, rb_s,
                   ds_ready, ds_free, NSLOT: gl.constexpr):
     """Worker partition 1, stateless: dk = dsᵀ q_s + Σ_b [(G_b ⊙ x·B_b)·A_bᵀ + (G_b ⊙ x·A_b)·B_bᵀ] with
     G_b = v dS_bᵀ + dz_b, from the reverse state the consumer published for this chunk."""
-    LE: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
-    A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-    A16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
-    OP16: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=A16, k_width=2)
-    OP64: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=A64, k_width=2)
-    rj = gl.arange(0, C_, layout=gl.SliceLayout(1, A64))[:, None]
-    ci = gl.arange(0, C_, layout=gl.SliceLayout(0, A64))[None, :]
-    ce = gl.arange(0, 8, layout=gl.SliceLayout(0, LE))[None, :]
-    r16 = gl.arange(0, C_, layout=gl.SliceLayout(1, A16))[:, None]
-    c16 = gl.arange(0, K_, layout=gl.SliceLayout(0, A16))[None, :]
+    rj, ci = _grid(C_, C_, A64)
+    ce = gl.arange(0, 8, layout=gl.SliceLayout(0, L16))[None, :]
+    r16, c16 = _grid(C_, K_, A16)
     u0 = gl.where(ci < 16, 1.0, 0.0)  # block 0's order-1 columns, whose second factor is 1
     z64 = gl.zeros([C_, 64], gl.float32, A64)
     mbarrier.wait(mats_ready, 0)
@@ -376,7 +349,7 @@ def _dk_partition(dk, T, H: gl.constexpr, xq_s, xk_s, v_s, g_s, e_s, ra_s, rb_s,
         # the chunk's own part: dsᵀ [j, i] = ((g_i·v_j) + e_i)(1 + s_ij), i ≥ j
         at = warpgroup_mma(xk, xq_s.index(slot).permute((1, 0)), z64, use_acc=False, is_async=True)  # sᵀ
         dpt = warpgroup_mma(va, g_s.index(slot).permute((1, 0)), z64, use_acc=False, is_async=True)
-        eh = e_s.index(slot).load(LE).to(gl.float32)
+        eh = e_s.index(slot).load(L16).to(gl.float32)
         e = gl.convert_layout(gl.sum(gl.where(ce < 2, eh, 0.0), 1), gl.SliceLayout(0, A64))[None, :]
         at, dpt = warpgroup_mma_wait(0, deps=[at, dpt])
         t = dpt + e
@@ -434,12 +407,8 @@ def _consumer(dv, dhT, dh0, i_bh, T, H: gl.constexpr, USE_DHT: gl.constexpr, STO
               g_s, psi_s, phi_s, dS_s, mats_ready, ready, free, ds_ready, ds_free, NSLOT: gl.constexpr):
     """The default partition: holds dS (fp32, [64, V] a block); per chunk publishes dS_b += ψ_bᵀ g (bf16,
     double-buffered) and computes dv = wᵀ g + Σ_b φ_b dS_b from the state before the chunk."""
-    LO: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-    A64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-    rs = gl.arange(0, 64, layout=gl.SliceLayout(1, A64))[:, None]  # rows of dS: features; of wᵀ: keys j
-    cs = gl.arange(0, V_, layout=gl.SliceLayout(0, A64))[None, :]  # its columns: values; of wᵀ: queries i
-    ro = gl.arange(0, C_, layout=gl.SliceLayout(1, LO))[:, None]
-    co = gl.arange(0, V_, layout=gl.SliceLayout(0, LO))[None, :]
+    rs, cs = _grid(64, V_, A64)  # dS [features, values]; wᵀ [keys j, queries i]
+    ro, co = _grid(C_, V_, LV)
     z64 = gl.zeros([C_, 64], gl.float32, A64)
     if USE_DHT:
         dhT += i_bh.to(gl.int64) * (F_ * V_)
@@ -487,7 +456,7 @@ def _consumer(dv, dhT, dh0, i_bh, T, H: gl.constexpr, USE_DHT: gl.constexpr, STO
         _barrier()
         mbarrier.arrive(free.index(slot))
         t = c * C_ + ro
-        gl.store(dv + t * (H * V_) + co, gl.convert_layout(acc.to(gl.bfloat16), LO), mask=t < T)
+        gl.store(dv + t * (H * V_) + co, gl.convert_layout(acc.to(gl.bfloat16), LV), mask=t < T)
     if STORE_DH0:
         dh0 += i_bh.to(gl.int64) * (F_ * V_)
         gl.store(dh0 + rs * V_ + cs, S0)
@@ -510,25 +479,21 @@ def _dkv_kernel(q, k, v, g, e, mats, dk, dv, dhT, dzT, dh0, dz0, T, scale, H: gl
     g += ov
     dv += ov
     e += od
-    sl16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_, K_], gl.bfloat16)
-    slr: gl.constexpr = gl.NVMMASharedLayout.get_default_for([K_, 64], gl.bfloat16)
-    sl64: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     sl8: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C_, 8], gl.bfloat16)
-    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     # the slots: a chunk's inputs, e, ψ(q) and φ(k)
-    xq_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, K_], sl16)
-    xk_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, K_], sl16)
-    v_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, V_], sl64)
-    g_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, V_], sl64)
+    xq_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, K_], SL16)
+    xk_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, K_], SL16)
+    v_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, V_], SL64)
+    g_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, V_], SL64)
     e_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT, C_, 8], sl8)
-    psi_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT * NB, C_, 64], sl64)
-    phi_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT * NB, C_, 64], sl64)
-    ra_s = gl.allocate_shared_memory(gl.bfloat16, [NB, K_, 64], slr)
-    rb_s = gl.allocate_shared_memory(gl.bfloat16, [NB, K_, 64], slr)
-    rbq_s = gl.allocate_shared_memory(gl.bfloat16, [NB, K_, 64], slr)  # B ⊙ h, for ψ(q)
-    dz_s = gl.allocate_shared_memory(gl.float32, [NSLOT * NB, 64], plain)  # dz entering each slot's chunk
+    psi_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT * NB, C_, 64], SL64)
+    phi_s = gl.allocate_shared_memory(gl.bfloat16, [NSLOT * NB, C_, 64], SL64)
+    ra_s = gl.allocate_shared_memory(gl.bfloat16, [NB, K_, 64], SLR)
+    rb_s = gl.allocate_shared_memory(gl.bfloat16, [NB, K_, 64], SLR)
+    rbq_s = gl.allocate_shared_memory(gl.bfloat16, [NB, K_, 64], SLR)  # B ⊙ h, for ψ(q)
+    dz_s = gl.allocate_shared_memory(gl.float32, [NSLOT * NB, 64], PLAIN)  # dz entering each slot's chunk
     # the reverse state dS, two buffers in bf16
-    dS_s = gl.allocate_shared_memory(gl.bfloat16, [2 * NB, 64, V_], sl64)
+    dS_s = gl.allocate_shared_memory(gl.bfloat16, [2 * NB, 64, V_], SL64)
     mats_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
@@ -557,9 +522,10 @@ DK_REGS = 168
 
 
 def factor_matrices(device=None) -> torch.Tensor:
-    """[3, 3, 16, 64] bf16: A (index 0), B (1) and B ⊙ h (2, `query_weights`) of each feature block: feature f of
-    block b is (x·A_b)_f · (x·B_b)_f (the forward's `_factor_mats`, key side); block 0's x_a are (x·A_0)_f alone and its
-    constant (column 32) is added (`_block0`)."""
+    """[3, 3, 16, 64] bf16: A (index 0), B (1) and B ⊙ h (2) of each feature block, feature f of block b being
+    (x·A_b)_f · (x·B_b)_f (the forward's `_factor_mats`, key side; block 0's x_a are (x·A_0)_f alone, its constant is
+    added by `_block0`); h, the query side's weights, is ½ on x_a² and on the pairs d = 8 (held twice), so that
+    Σ_f h_f ψ_f(q) φ_f(k) = 1 + s + s²/2."""
     m = torch.zeros(3, 3, 16, 64)
     for c in range(32):  # block 0: x_a (a < 16), x_a²
         m[0, 0, c % 16, c] = 1
@@ -569,17 +535,10 @@ def factor_matrices(device=None) -> torch.Tensor:
         a, d = j % 16, 1 + j // 16
         m[0, 1 + j // 64, a, j % 64] = 1
         m[1, 1 + j // 64, (a + d) % 16, j % 64] = 1
-    m[2] = m[1] * query_weights().view(3, 1, 64)
+    h = torch.ones(3, 1, 64)
+    h[0, :, 16:32] = h[2, :, 48:] = 0.5
+    m[2] = m[1] * h
     return m.to(device=device, dtype=torch.bfloat16)
-
-
-def query_weights(device=None) -> torch.Tensor:
-    """[192] fp32: the query side's feature weights h (½ on x_a² and on the pairs d = 8, held twice), so that
-    Σ_f h_f ψ_f(q) φ_f(k) = 1 + s + s²/2."""
-    h = torch.ones(192)
-    h[16:32] = 0.5
-    h[64 + 112: 64 + 128] = 0.5
-    return h.to(device=device)
 
 
 # dq's programs per SM (each loops over steps of two chunks, the next step's state in flight; 2 fit by shared memory)
@@ -636,7 +595,4 @@ def backward(q, k, v, o, do, den, hs, zs, scale, dhvT=None, dhzT=None, need_dh0=
     launch(_dq_kernel, (grid,), q, k, v, do, o, den, hs, zs, mats, dq, g, e, T, scale, B * H, H, num_warps=4)
     launch(_dkv_kernel, (B * H,), q, k, v, g, e, mats, dk, dv, dhT, dzT, dh0, dz0, T, scale, H, USE_DHT=use_dht,
            STORE_DH0=need_dh0, NSLOT=2, PRODUCER_REGS=PRODUCER_REGS, DK_REGS=DK_REGS, num_warps=4)
-    dhv0 = dhz0 = None
-    if need_dh0:
-        dhv0, dhz0 = rows_grad_to_state(dh0, dz0, B, H)
-    return dq, dk, dv, dhv0, dhz0
+    return dq, dk, dv, *(rows_grad_to_state(dh0, dz0, B, H) if need_dh0 else (None, None))

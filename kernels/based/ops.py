@@ -1,11 +1,6 @@
-"""Based linear attention's public ops, `chunk_based` and `fused_recurrent_based`, and `choose_path`, the rule that
-picks the kernels behind `chunk_based` (kernels/based/README.md has it as a table).
-
-The path is chosen on the host from the inputs' metadata, once per call signature (`_plan`), and passed to the
-kernels explicitly. Eager calls run an autograd.Function (no autograd at all when no gradient follows), so their
-host cost is the launches; under torch.compile `chunk_based` calls the custom ops `zoo_based::chunk_fwd` and
-`zoo_based::chunk_bwd`, which run the same kernels.
-"""
+"""Based linear attention's public ops, `chunk_based` and `fused_recurrent_based`, and `choose_path`, the dispatch
+rule behind `chunk_based` (kernels/based/README.md). The path is chosen on the host from the inputs' metadata, once
+per call signature (`_plan`); under torch.compile the custom ops `zoo_based::chunk_fwd` / `chunk_bwd` run it."""
 
 import math
 import os
@@ -72,14 +67,10 @@ def split_takes(dtype: torch.dtype, K: int, V: int) -> bool:
 
 def choose_path(*, sm90: bool, dtype: torch.dtype, B: int, T: int, H: int, K: int, V: int, normalize: bool,
                 grad: bool, capturing: bool, forced: str = "auto") -> str:
-    """The dispatch rule, one path for a call's forward and backward; `forced` overrides it, checked.
-
-    - "gluon": Hopper (sm_90), bf16, K = 16, V = 64, normalised, and B·H ≥ MIN_SEQUENCES or T ≤ MAX_SHORT_T (one
-      program per sequence: few long sequences leave the GPU idle, where the fused form's segments do better).
-    - "split": a gradient follows, bf16 or fp16, K ≤ 16, 32 < V ≤ 128, and B·H·T ≥ SPLIT_MIN_WORK or a CUDA graph is
-      being captured (below that the fused form's four launches cost the host less than the split form's seven).
-    - "fused": everything else (inference off sm_90, fp32, K > 16, other V, small problems).
-    """
+    """The dispatch rule (kernels/based/README.md has it as a table), one path for a call's forward and backward;
+    `forced` overrides it, checked. Gluon takes one program per sequence: few long sequences would leave the GPU idle,
+    where the fused form's segments do better; below SPLIT_MIN_WORK the fused form's four launches cost the host less
+    than the split form's seven."""
     if forced == "gluon" and not gluon_takes(sm90, dtype, B, 0, H, K, V, normalize):
         raise ValueError("the Gluon path needs an sm_90 GPU, bf16, K=16, V=64 and normalize=True")
     if forced == "split" and K > 16:
@@ -246,18 +237,12 @@ def chunk_based(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float 
                 normalize: bool = True, *, config: BasedConfig | None = None):
     """Based linear attention, chunked: o_i = Σ_{j≤i} w_ij v_j / Σ_{j≤i} w_ij, w = 1 + s + s²/2, s = scale·q_i·k_j.
 
-    Args:
-        q, k: [B, T, H, K], K ≤ 32 (16 in the released models). v: [B, T, H, V], V ≤ 128. fp32, fp16 or bf16, on
-            CUDA (or the CPU under TRITON_INTERPRET=1).
-        scale: defaults to 1/√K.
-        initial_state: (kv [B, H, E, V], k_sum [B, H, E]) in fp32, E = 1 + K + K(K+1)/2, FLA TaylorFeatureMap
-            order (kv = Σ φ(k) vᵀ, k_sum = Σ φ(k)). Gradients reach it.
-        output_final_state: also return the state after the last token, same layout, fp32 and contiguous: it feeds
-            `fused_recurrent_based` as it is.
-        normalize: divide by the denominator; False returns the numerator alone.
-        config: force a path (`BasedConfig`); default: the dispatch rule, or ZOO_BASED_PATH.
-    Returns:
-        o [B, T, H, V] in v's dtype, and (kv, k_sum) or None.
+    q, k: [B, T, H, K], K ≤ 32; v: [B, T, H, V], V ≤ 128; fp32, fp16 or bf16 on CUDA (or the CPU under
+    TRITON_INTERPRET=1). scale defaults to 1/√K. initial_state: (kv [B, H, E, V], k_sum [B, H, E]) fp32, E = 1 + K +
+    K(K+1)/2, FLA TaylorFeatureMap order; gradients reach it. output_final_state: also return the state after the last
+    token, same layout, fp32 and contiguous (it feeds `fused_recurrent_based`). normalize=False: the numerator alone.
+    config: force a path (`BasedConfig`; default the dispatch rule, or ZOO_BASED_PATH). Returns o [B, T, H, V] in v's
+    dtype and (kv, k_sum) or None.
     """
     check_devices("chunk_based", q, k, v, *(initial_state or ()))
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
@@ -294,12 +279,9 @@ def chunk_based(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float 
 def fused_recurrent_based(q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor,
                           state: tuple[torch.Tensor, torch.Tensor], scale: float | None = None,
                           normalize: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
-    """One token (`decode.py`'s kernel): updates state = (kv [B, H, E, V], k_sum [B, H, E]) (fp32, contiguous) in
-    place, as `chunk_based(..., output_final_state=True)` returns it.
-
-    q_t, k_t: [B, H, K]; v_t: [B, H, V]. Returns o_t [B, H, V] in v_t's dtype (written into `out` if given).
-    The same function as `chunk_based` over one token: the state afterwards equals the chunked final state.
-    """
+    """`chunk_based` over one token (`decode.py`'s kernel): q_t, k_t [B, H, K], v_t [B, H, V] -> o_t [B, H, V] in
+    v_t's dtype (into `out` if given), updating state = (kv [B, H, E, V], k_sum [B, H, E]) (fp32, contiguous, as
+    `chunk_based(..., output_final_state=True)` returns it) in place."""
     kv, k_sum = state
     B, H, K = q_t.shape
     V = v_t.shape[-1]

@@ -1,10 +1,6 @@
-"""What the Based forms share: the dots' operand precision (DOT_*, `_mm`; accumulation is fp32 throughout), the pair
-layout of the order-2 state, and the row maps between state layouts (`gather_rows`).
-
-The order-2 state Σ (k⊗k) vᵀ is symmetric, so the Triton forms keep a diagonal block [BK, BV] plus one row per
-unordered pair: row j = (d-1)·BK + a holds (a, (a+d) mod BK), d = 1..BK/2, weight w_j = 2 (1 at d = BK/2, where
-both orders have a row), in two halves so that one half's features are live at a time. Each pair feature x_a·x_b
-is a product of two dots with 0/1 matrices, which keeps every tensor in the matrix units' layouts."""
+"""What the Based Triton forms share: the dots' operand precision (DOT_*, `_mm`; fp32 accumulation), the pair
+layout of the symmetric order-2 state (kernels/based/README.md, "Three Taylor orders"; each pair feature x_a·x_b is
+a product of two dots with 0/1 matrices) and the row maps between state layouts (`gather_rows`)."""
 
 import functools
 

@@ -1,16 +1,7 @@
-"""The split chunked Based kernels, the portable training path: no output waits on a serial chain.
-
-For bf16 and fp16 with K ≤ 16 and 32 < V ≤ 128 where a gradient follows (`ops.choose_path`):
-
-1. State pass: `_features_kernel` (grid chunks × B·H) stores every token's key features feature-major and every
-   chunk's own denominator sums, fully parallel; `_chain_kernel` (grid row parts × V blocks × B·H) then walks the
-   chunks with one load and one dot per step and stores the state entering every chunk.
-2. `_output_kernel` (grid chunk groups × V blocks × B·H): every chunk at once from its entering state.
-
-The backward reuses the forward's states, runs a reverse state pass of the same two kernels over (q, dO/den), which
-also computes dden, then every chunk's dq, dv and dk at once. The states use the pair layout (`primitives.pair_rows`,
-R = 161 rows) in the operand dtype (fp16 as S/n, n the tokens summed); the denominator's state stays fp32 in the
-padded Taylor-order layout (`primitives.padded_rows`, ZR = 273 rows).
+"""The split chunked Based kernels, the portable training path (kernels/based/README.md, "The forms kept"): a
+features kernel and a chain kernel store the state entering every chunk, then every chunk runs at once. The states
+use the pair layout (`primitives.pair_rows`, R = 161 rows) in the operand dtype (fp16 as S/n, n the tokens summed);
+the denominator's state stays fp32 in the padded Taylor-order layout (`primitives.padded_rows`, ZR = 273 rows).
 """
 
 import functools
@@ -218,11 +209,9 @@ def _output_kernel(q, k, v, o, den, hs, zs, scale, T, NC,
     scale = tl.cast(scale, tl.float32)  # a no-op for the fp32 Triton passes; torch.compile passes fp64
     i_g, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    JP: tl.constexpr = BK * (BK // 2) // OP
     offs_c = tl.arange(0, BC)
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
-    offs_j = tl.arange(0, JP)
     m_k, m_v = offs_k < K, offs_v < V
     causal = offs_c[:, None] >= offs_c[None, :]
     q += i_b.to(tl.int64) * T * H * K + i_h * K
@@ -236,24 +225,17 @@ def _output_kernel(q, k, v, o, den, hs, zs, scale, T, NC,
         m_t = t < T
         h = hs + (i_bh.to(tl.int64) * NC + i_c) * R * V
         z = zs + (i_bh.to(tl.int64) * NC + i_c) * ZR
-
         bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
         bv = tl.load(v + t[:, None] * H * V + offs_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
         qs = bq.to(tl.float32) * scale  # [BC, BK]
         s = _mm(bq, bkt, DOT) * scale  # [BC, BC]
         w = tl.where(causal, 1.0 + s + 0.5 * s * s, 0.0)
-
         S0 = tl.load(h + offs_v, mask=m_v, other=0.0).to(tl.float32)
         # the state tiles go to the dots as stored (`_mm` casts to the operand dtype), so that a pipelined loop
         # (STAGES > 1) can load them ahead
         S1 = tl.load(h + (1 + offs_k)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
-        Sd = tl.load(h + (1 + BK + offs_k)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
-        o2 = _mm(qs * qs, Sd, DOT)
-        for p in tl.static_range(OP):
-            S2 = tl.load(h + (1 + 2 * BK + p * JP + offs_j)[:, None] * V + offs_v[None, :], mask=m_v[None, :],
-                         other=0.0)
-            o2 += _mm(_pairs(qs, BK, DOT, p, OP, False), S2, DOT)
+        o2 = _order2_of(qs, h, offs_v, m_v, V, BK, OP, DOT)
         if DOT == 4:  # fp16 operands: hs holds the state over max(n, 1) (`_chain_kernel`)
             num = _mm(w, bv, DOT) + (S0[None, :] + _mm(qs, S1, DOT) + 0.5 * o2) * tl.maximum(tl.load(z), 1.0)
         else:
@@ -328,32 +310,27 @@ def _dq_kernel(q, k, v, do, den, dden, dq, hs, zs, scale, T, NC,
         m_t = t < T
         h = hs + (i_bh.to(tl.int64) * NC + i_c) * R * V
         z = zs + (i_bh.to(tl.int64) * NC + i_c) * ZR
-
         bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         bk = tl.load(k + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         bkt = tl.load(k + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
         bvt = tl.load(v + t[None, :] * H * V + offs_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0)
         dnum, dd = _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H, V, BC, NORMALIZE)
         qs = bq.to(tl.float32) * scale
-
         s = _mm(bq, bkt, DOT) * scale  # [BC, BC]
+        # fp16 (DOT 4): dO/den and dd times u, the chunk's `_dout_scale`, and hs over max(n, 1), both undone in fp32
+        # (elsewhere u = r = 1, and the products by them fold away)
+        u = 1.0
+        if DOT == 4 and NORMALIZE:
+            u = _dout_scale(den, i_c, T, BC, H)
+        dnum = dnum * u
+        dp = _mm(dnum, bvt, DOT) + (dd * u)[:, None]
+        ds = tl.where(causal, dp * (1.0 + s), 0.0)
+        S1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
+        r = 1.0
         if DOT == 4:
-            # fp16: dO/den and dd times u, the chunk's `_dout_scale`, and hs over max(n, 1), both undone in fp32
-            u = 1.0
-            if NORMALIZE:
-                u = _dout_scale(den, i_c, T, BC, H)
-            dnum = dnum * u
-            dp = _mm(dnum, bvt, DOT) + (dd * u)[:, None]
-            ds = tl.where(causal, dp * (1.0 + s), 0.0)
-            S1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
             r = tl.maximum(tl.load(z), 1.0) / u
-            dqs = _mm(ds, bk, DOT) * (1.0 / u) + _mm(dnum, S1t, DOT) * r
-            dqs += _pair_grad(dnum, qs, h, offs_v, m_v, V, BK, OP, DOT) * r
-        else:
-            dp = _mm(dnum, bvt, DOT) + dd[:, None]
-            ds = tl.where(causal, dp * (1.0 + s), 0.0)
-            S1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
-            dqs = _mm(ds, bk, DOT) + _mm(dnum, S1t, DOT) + _pair_grad(dnum, qs, h, offs_v, m_v, V, BK, OP, DOT)
+        dqs = _mm(ds, bk, DOT) * (1.0 / u) + _mm(dnum, S1t, DOT) * r
+        dqs += _pair_grad(dnum, qs, h, offs_v, m_v, V, BK, OP, DOT) * r
         if NORMALIZE:  # dd is zero past the first V block; no branch, so that a pipelined loop loads Z2 ahead
             Z2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
             dqs += dd[:, None] * (tl.load(z + 1 + offs_k)[None, :] + _mm(qs, Z2, 0))
@@ -393,7 +370,6 @@ def _dkv_kernel(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC,
         m_t = t < T
         h = ds + (i_bh.to(tl.int64) * NC + i_c) * R * V
         z = dzs + (i_bh.to(tl.int64) * NC + i_c) * ZR
-
         bq = tl.load(q + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         bqt = tl.load(q + t[None, :] * H * K + offs_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
         bk = tl.load(k + t[:, None] * H * K + offs_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
@@ -401,20 +377,17 @@ def _dkv_kernel(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC,
         dnum, dd = _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H, V, BC, NORMALIZE)
         qs = bq.to(tl.float32) * scale
         kf = bk.to(tl.float32)
-        # fp16 (DOT 4): dO/den and dd times u, the chunk's `_dout_scale`, divided out of the fp32 results
+        # fp16 (DOT 4): dO/den and dd times u, the chunk's `_dout_scale`, divided out of the fp32 results (elsewhere
+        # u = 1, and the products by it fold away)
         u = 1.0
         if DOT == 4 and NORMALIZE:
             u = _dout_scale(den, i_c, T, BC, H)
-
         st = _mm(bk, bqt, DOT) * scale  # [BC keys, BC queries]
         if DV:
             wt = tl.where(causal_t, 1.0 + st + 0.5 * st * st, 0.0)
             D0 = tl.load(h + offs_v, mask=m_v, other=0.0).to(tl.float32)
             D1 = tl.load(h + (1 + offs_k)[:, None] * V + offs_v[None, :], mask=m_v[None, :], other=0.0)
-            if DOT == 4:
-                bdv = _mm(wt, dnum * u, DOT) * (1.0 / u) + D0[None, :] + _mm(kf, D1, DOT)
-            else:
-                bdv = _mm(wt, dnum, DOT) + D0[None, :] + _mm(kf, D1, DOT)
+            bdv = _mm(wt, dnum * u, DOT) * (1.0 / u) + D0[None, :] + _mm(kf, D1, DOT)
             bdv += 0.5 * _order2_of(kf, h, offs_v, m_v, V, BK, OP, DOT)
             tl.store(dv + t[:, None] * H * V + offs_v[None, :], bdv.to(dv.dtype.element_ty),
                      mask=m_t[:, None] & m_v[None, :])
@@ -425,16 +398,10 @@ def _dkv_kernel(q, k, v, do, den, dden, dk, dv, ds, dzs, scale, T, NC,
             if NORMALIZE:
                 dnumt = dnumt / tl.load(den + t * H, mask=m_t, other=1.0)[None, :]
             # (the order of these lines matters: with the D1t load first Triton 3.6 reads shared memory out of bounds)
-            if DOT == 4:
-                dpt = _mm(bv, dnumt * u, DOT) + (dd * u)[None, :]
-                dst = tl.where(causal_t, dpt * (1.0 + st), 0.0)
-                D1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
-                bdk = _mm(dst, qs, DOT) * (1.0 / u) + _mm(bv, D1t, DOT)
-            else:
-                dpt = _mm(bv, dnumt, DOT) + dd[None, :]
-                dst = tl.where(causal_t, dpt * (1.0 + st), 0.0)
-                D1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
-                bdk = _mm(dst, qs, DOT) + _mm(bv, D1t, DOT)
+            dpt = _mm(bv, dnumt * u, DOT) + (dd * u)[None, :]
+            dst = tl.where(causal_t, dpt * (1.0 + st), 0.0)
+            D1t = tl.load(h + (1 + offs_k)[None, :] * V + offs_v[:, None], mask=m_v[:, None], other=0.0)
+            bdk = _mm(dst, qs, DOT) * (1.0 / u) + _mm(bv, D1t, DOT)
             bdk += _pair_grad(bv, kf, h, offs_v, m_v, V, BK, OP, DOT)
             # the denominator's reverse state, counted once (first V block), weighted by 0 or 1 rather than in a branch
             d2 = tl.load(z + 1 + BK + offs_k[:, None] * BK + offs_k[None, :])
