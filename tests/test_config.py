@@ -52,7 +52,7 @@ def test_bad_config_fails_with_one_line(overrides, match):
 
 def test_cli_prints_one_line_error_and_exits_2(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "zoo.train", "optim.lrr=3e-3", f"runs_root={tmp_path}"],
+        [sys.executable, "-m", "zoo.cli", "zoo-train", "optim.lrr=3e-3", f"runs_root={tmp_path}"],
         capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 2

@@ -100,7 +100,7 @@ def test_resume_after_kill_matches_uninterrupted_run(tmp_path):
     cfg, _ = quick(root, f"train.epochs={epochs}")
     ckpt = root / "default" / run_name(cfg) / "ckpt" / "last.pt"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "zoo.train", *QUICK, f"runs_root={root}", f"train.epochs={epochs}"],
+        [sys.executable, "-m", "zoo.cli", "zoo-train", *QUICK, f"runs_root={root}", f"train.epochs={epochs}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     deadline = time.time() + 300
