@@ -7,6 +7,9 @@ Next H200 run (≤ 8 min; Llama's batches are few because each new shape recompi
 tokens of its KV cache are 0.48 GB per sequence, so its best batch is ≤ 256):
     python experiments/bench/generation.py --based-batches 1,64,256,1024,4096 --llama-batches 1,64,128,256 \
         --budget-s 200
+Based's kv stored in bf16, with its cost against the fp32 state (below):
+    python experiments/bench/generation.py --based-batches 1024,4096 --llama-batches 128 --repeats 1 --warmups 1 \
+        --based-state-dtype bf16 --profile-batch 0
 
 Both models have random weights. Based: `zoo/configs/model/based_1b.yaml` (1.35B parameters, Based impl=triton on
 CUDA) as ZooForCausalLM, whose decode steps replay a CUDA graph over the fixed recurrent state. Llama:
@@ -27,6 +30,21 @@ The last line is JSON: every row, each model's best decode throughput (`based_to
 `decode_ratio_best` (target ≥ 24×, the Based paper's claim against FlashAttention-2), `decode_frac_copy_bw`
 (Based's best decode row's GB/s over the copy bandwidth; target ≥ 0.7), prefill at batch 1 and at the largest
 batch both models ran, and the decode profile.
+
+`--based-state-dtype bf16` stores Based's kv in bf16 (the mixer option `state_dtype`; k_sum stays fp32), about
+halving a decode step's state traffic, and measures what that costs against the fp32 state. At each Based batch, a
+copy of the model with the fp32 state (same weights) generates from the same prompts, untimed, and the row gets:
+- `token_agreement`: the fraction of the `--gen` generated tokens equal, position by position, to the fp32 run's,
+  per sequence, averaged over the batch; `first_divergence_median`: the median over sequences of the first
+  generated position that differs (`--gen` where none does);
+- `logit_rel_diff_max`: teacher-forced on the fp32 run's tokens, both models decode the first `LOGIT_STEPS` (64)
+  generated tokens for the batch's first `LOGIT_ROWS` (256) sequences; the largest over steps and sequences of
+  max |logit_bf16 − logit_fp32| / max |logit_fp32| over the vocabulary (`logit_rel_diff_median`: the median).
+The best Based row's values are also top-level (`bf16_state_token_agreement`, `bf16_state_first_divergence_median`,
+`bf16_state_logit_rel_diff_max`). With random weights greedy agreement is a weak test: a random model's logits have
+small gaps between its top tokens, so a small perturbation flips the argmax (and every later token then differs)
+more often than in a trained model, and what it generates means nothing; the teacher-forced logit difference, which
+does not compound after a flip, is the steadier measure of what the rounding does.
 """
 
 from __future__ import annotations
@@ -51,16 +69,22 @@ except ImportError:
     from experiments.bench.decode_profile import gemm_rate, print_profile, profile_decode, weight_bytes
 
 REPO = Path(__file__).resolve().parents[2]
+LOGIT_STEPS = 64  # decode steps whose logits the bf16-state check compares
+LOGIT_ROWS = 256  # sequences it compares them for (two caches of a large batch would not fit beside each other)
 
 
-def based_model(preset: str, vocab: int, device: torch.device, dtype: torch.dtype, impl: str) -> ZooForCausalLM:
+def based_model(preset: str, vocab: int, device: torch.device, dtype: torch.dtype, impl: str,
+                state_dtype: str = "fp32", prefill_chunk_tokens: int = 0) -> ZooForCausalLM:
     preset_file = REPO / "zoo/configs/model" / f"{preset}.yaml"
     node = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(preset_file))
     node.vocab_size = vocab
     node.mixers.based.impl = impl
+    node.mixers.based.state_dtype = state_dtype
     mc = OmegaConf.to_object(node)
     with torch.device(device):
         model = ZooForCausalLM(ZooConfig.from_model_config(mc))
+    if prefill_chunk_tokens:
+        model.config.prefill_chunk_tokens = prefill_chunk_tokens
     return model.to(dtype).eval()
 
 
@@ -118,12 +142,13 @@ def copy_bandwidth(device: torch.device, timer: Timer) -> float:
 
 
 def decode_state_bytes(kind: str, model, batch: int, length: int) -> int:
-    """Bytes of recurrent state (Based: fp32 states, ring buffers, conv) or KV cache read per decode step."""
+    """Bytes of recurrent state (Based: its kv and k_sum as stored, ring buffers, conv) or KV cache read per decode
+    step."""
     if kind == "based":
         lm = model.model
-        fp32 = sum(b.state_size(length) for b in lm.blocks if b.mixer.name == "based")
+        based = sum(b.mixer.state_nbytes(length, model.dtype) for b in lm.blocks if b.mixer.name == "based")
         rest = sum(b.state_size(length) for b in lm.blocks if b.mixer.name != "based")
-        return batch * (4 * fp32 + model.dtype.itemsize * rest)
+        return batch * (based + model.dtype.itemsize * rest)
     c = model.config
     return (
         batch
@@ -153,7 +178,34 @@ def prefill(kind: str, model, ids: torch.Tensor) -> None:
         model(ids, cache=cache, use_cache=True, logits_to_keep=1)
 
 
-def measure(kind: str, model, batch: int, args, timer: Timer, device) -> dict:
+def state_dtype_cost(model, reference, ids: torch.Tensor, seq: torch.Tensor, args) -> dict:
+    """What the bf16 state costs: `model`'s greedy tokens seq [B, P + gen] against `reference`'s (the fp32 state,
+    same weights) from the same prompts ids [B, P], and teacher-forced logits (the module docstring defines them)."""
+    P = ids.shape[1]
+    ref = reference.generate(ids, **generate_kwargs("based", args.gen, P))
+    same = seq[:, P:] == ref[:, P:]  # [B, gen]
+    first = torch.where(same.all(1), args.gen, (~same).int().argmax(1))  # [B]: the first position that differs
+    rows, steps = min(LOGIT_ROWS, ids.shape[0]), min(LOGIT_STEPS, args.gen - 1)
+    caches = [getattr(m(ids[:rows], use_cache=True, logits_to_keep=1, return_dict=True), CACHE_KEY)
+              for m in (model, reference)]
+    rel = [torch.zeros(rows, device=ids.device)]
+    for t in range(steps):  # both fed the fp32 run's generated tokens
+        token = ref[:rows, P + t : P + t + 1]
+        a, b = (m(token, cache=c, use_cache=True, return_dict=True).logits[:, -1]
+                for m, c in zip((model, reference), caches))
+        rel.append((a - b).abs().amax(-1) / b.abs().amax(-1))  # [rows]
+    rel = torch.stack(rel[1:] or rel)  # [steps, rows]
+    return {
+        "token_agreement": same.float().mean(1).mean().item(),
+        "first_divergence_median": first.float().quantile(0.5).item(),
+        "logit_rel_diff_max": rel.max().item(),
+        "logit_rel_diff_median": rel.median().item(),
+    }
+
+
+def measure(kind: str, model, batch: int, args, timer: Timer, device, reference=None) -> dict:
+    """One batch's prefill and decode timings; with `reference` (Based with the fp32 state, when `model`'s is bf16)
+    also `state_dtype_cost`, untimed."""
     g = torch.Generator(device="cpu").manual_seed(batch)
     ids = torch.randint(1, model.config.vocab_size, (batch, args.prompt), generator=g).to(device)
     kwargs = generate_kwargs(kind, args.gen, args.prompt)
@@ -168,7 +220,7 @@ def measure(kind: str, model, batch: int, args, timer: Timer, device) -> dict:
     decode_s = max(total_s - prefill_s, 1e-9)
     step_s = decode_s / args.gen
     step_bytes = weight_bytes(model) + decode_state_bytes(kind, model, batch, args.prompt + args.gen // 2)
-    return {
+    row = {
         "model": kind,
         "batch": batch,
         "prefill_ms": 1e3 * prefill_s,
@@ -177,13 +229,17 @@ def measure(kind: str, model, batch: int, args, timer: Timer, device) -> dict:
         "decode_GB_per_s": step_bytes / step_s / 1e9,
         "peak_mem_GB": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
     }
+    if reference is not None:
+        with torch.no_grad():
+            row.update(state_dtype_cost(model, reference, ids, out.pop("seq"), args))
+    return row
 
 
 def is_oom(err: BaseException) -> bool:
     return isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err).lower()
 
 
-def sweep(kind: str, model, args, timer: Timer, device) -> list[dict]:
+def sweep(kind: str, model, args, timer: Timer, device, reference=None) -> list[dict]:
     rows = []
     start = time.perf_counter()
     for batch in args.model_batches.get(kind) or args.batches:
@@ -194,16 +250,20 @@ def sweep(kind: str, model, args, timer: Timer, device) -> list[dict]:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         try:
-            row = measure(kind, model, batch, args, timer, device)
+            row = measure(kind, model, batch, args, timer, device, reference)
         except (torch.cuda.OutOfMemoryError, RuntimeError) as err:
             if not is_oom(err):
                 raise
             print(f"{kind}: batch {batch} does not fit ({type(err).__name__}); the sweep stops here", flush=True)
             break
         rows.append(row)
+        cost = ""
+        if "token_agreement" in row:
+            cost = (f" {row['token_agreement']:>7.3f} {row['first_divergence_median']:>9.0f} "
+                    f"{row['logit_rel_diff_max']:>11.2e}")
         print(
             f"{kind:>6} {batch:>6} {row['prefill_ms']:>11.1f} {row['decode_tokens_per_s']:>14,.0f} "
-            f"{row['ms_per_step']:>9.2f} {row['decode_GB_per_s']:>8.0f}",
+            f"{row['ms_per_step']:>9.2f} {row['decode_GB_per_s']:>8.0f}{cost}",
             flush=True,
         )
     return rows
@@ -255,6 +315,8 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=0.0, help="per model: start no batch after this (0: none)")
     parser.add_argument("--profile-batch", type=int, default=None,
                         help="profile one Based decode step at this batch (1024; tiny: 2; 0: no profile)")
+    parser.add_argument("--based-state-dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="Based's decode-state kv storage; bf16 also measures its cost against fp32 (see above)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -279,10 +341,13 @@ def main() -> None:
     }
     torch.manual_seed(0)
     timer = Timer(device)
-    based = based_model(preset, vocab, device, dtype, impl)
-    if device.type == "cuda":
-        # A whole batch of long prompts in one forward would need far more activation memory than decoding.
-        based.config.prefill_chunk_tokens = args.prefill_chunk_tokens
+    # On the GPU a whole batch of long prompts in one forward would need far more activation memory than decoding.
+    chunk = args.prefill_chunk_tokens if device.type == "cuda" else 0
+    based = based_model(preset, vocab, device, dtype, impl, args.based_state_dtype, chunk)
+    reference = None  # the same weights with the fp32 state, which the bf16 state is measured against
+    if args.based_state_dtype != "fp32":
+        reference = based_model(preset, vocab, device, dtype, impl, "fp32", chunk)
+        reference.load_state_dict(based.state_dict())
     d = based.config.d_model
     llama = llama_model(based.num_parameters(), d, max(1, d // 64), vocab, device, dtype)
     bandwidth = copy_bandwidth(device, timer)
@@ -291,11 +356,14 @@ def main() -> None:
         f"prompt {args.prompt}, generated {args.gen}; copy bandwidth {bandwidth / 1e9:.0f} GB/s"
     )
     print(
-        f"based: {based.num_parameters() / 1e6:.1f}M parameters ({preset}, impl={impl}); llama: "
+        f"based: {based.num_parameters() / 1e6:.1f}M parameters ({preset}, impl={impl}, state "
+        f"{args.based_state_dtype}); llama: "
         f"{llama.num_parameters() / 1e6:.1f}M ({llama.config.num_hidden_layers} layers, d={d})"
     )
-    print(f"{'model':>6} {'batch':>6} {'prefill ms':>11} {'decode tok/s':>14} {'ms/step':>9} {'GB/s':>8}")
-    rows = sweep("based", based, args, timer, device)
+    cost_head = f" {'agree':>7} {'diverge@':>9} {'logit Δ max':>11}" if reference is not None else ""
+    print(f"{'model':>6} {'batch':>6} {'prefill ms':>11} {'decode tok/s':>14} {'ms/step':>9} {'GB/s':>8}{cost_head}")
+    rows = sweep("based", based, args, timer, device, reference)
+    del reference
     # The profile needs Based only: it runs before the baseline, so a call cut short still has it.
     profile = decode_profile(based, args, timer, device, dtype, bandwidth) if args.profile_batch else None
     rows += sweep("llama", llama, args, timer, device)
@@ -327,7 +395,12 @@ def main() -> None:
         "prefill_ms_common": at_common,
         "prefill_ratio_common": at_common["llama"] / at_common["based"] if at_common else None,
         "target_ratio": 24.0,
+        "based_state_dtype": args.based_state_dtype,
     }
+    if args.based_state_dtype != "fp32":
+        row = best_row["based"] or {}
+        for key in ("token_agreement", "first_divergence_median", "logit_rel_diff_max"):
+            result[f"bf16_state_{key}"] = row.get(key)
     if args.profile_batch:
         result["decode_profile"] = profile
     print(

@@ -1,8 +1,10 @@
-"""The decoding step of Based linear attention, one launch updating the fp32 state in place:
+"""The decoding step of Based linear attention, one launch updating the state in place:
 
     kv += φ(k_t) v_tᵀ,  k_sum += φ(k_t),  o_t = φ(q'_t)·kv / φ(q'_t)·k_sum     (q' = q·scale·√K)
 
-One program per (batch, head) streams kv through registers once: no allocation, no host wait, so it can be graphed."""
+One program per (batch, head) streams kv through registers once: no allocation, no host wait, so it can be graphed.
+kv is read and written in its storage dtype (fp32, or bf16 to halve the step's largest traffic) and updated in fp32;
+o_t is read out of kv as stored, so it equals a readout of the state the step leaves. k_sum is always fp32."""
 
 import triton
 import triton.language as tl
@@ -49,9 +51,10 @@ def _decode_kernel(q, k, v, kv, k_sum, o, q_scale,
         bv = tl.load(v + i_bh * V + offs_v, mask=m_v, other=0.0).to(tl.float32)
         ptrs = kv + e[:, None] * V + offs_v[None, :]
         m = m_e[:, None] & m_v[None, :]
-        s = tl.load(ptrs, mask=m, other=0.0) + phi_k[:, None] * bv[None, :]  # [BE, BV]
+        s = tl.load(ptrs, mask=m, other=0.0).to(tl.float32) + phi_k[:, None] * bv[None, :]  # [BE, BV]
+        s = s.to(kv.dtype.element_ty)  # rounded to the storage dtype (a no-op for fp32)
         tl.store(ptrs, s, mask=m)
-        num = tl.sum(phi_q[:, None] * s, 0)
+        num = tl.sum(phi_q[:, None] * s.to(tl.float32), 0)
         if NORMALIZE:
             num = num / den
         tl.store(o + i_bh * V + offs_v, num.to(o.dtype.element_ty), mask=m_v)

@@ -280,8 +280,9 @@ def fused_recurrent_based(q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tenso
                           state: tuple[torch.Tensor, torch.Tensor], scale: float | None = None,
                           normalize: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
     """`chunk_based` over one token (`decode.py`'s kernel): q_t, k_t [B, H, K], v_t [B, H, V] -> o_t [B, H, V] in
-    v_t's dtype (into `out` if given), updating state = (kv [B, H, E, V], k_sum [B, H, E]) (fp32, contiguous, as
-    `chunk_based(..., output_final_state=True)` returns it) in place."""
+    v_t's dtype (into `out` if given), updating state = (kv [B, H, E, V], k_sum [B, H, E]) in place, both contiguous:
+    k_sum fp32, kv fp32 (as `chunk_based(..., output_final_state=True)` returns it) or bf16, the storage that halves
+    a step's state traffic (updated in fp32 and rounded to nearest once per step; o_t is read from the rounded kv)."""
     kv, k_sum = state
     B, H, K = q_t.shape
     V = v_t.shape[-1]
@@ -289,8 +290,10 @@ def fused_recurrent_based(q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tenso
     if k_t.shape != q_t.shape or v_t.shape[:2] != (B, H):
         raise ValueError(f"q_t, k_t must be [B, H, K] and v_t [B, H, V]; got {q_t.shape}, {k_t.shape}, {v_t.shape}")
     check_state(state, B, H, E, V)
-    if kv.dtype != torch.float32 or k_sum.dtype != torch.float32 or not (kv.is_contiguous() and k_sum.is_contiguous()):
-        raise ValueError("the state must be contiguous fp32 tensors (it is updated in place)")
+    if kv.dtype not in (torch.float32, torch.bfloat16) or k_sum.dtype != torch.float32 or not (
+            kv.is_contiguous() and k_sum.is_contiguous()):
+        raise ValueError(f"the state must be contiguous tensors, kv fp32 or bf16 and k_sum fp32 (it is updated in "
+                         f"place), got kv {kv.dtype}, k_sum {k_sum.dtype}")
     check_devices("fused_recurrent_based", q_t, k_t, v_t, kv, k_sum, out)
     scale = K**-0.5 if scale is None else float(scale)
     if out is None:

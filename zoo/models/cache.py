@@ -1,9 +1,10 @@
 """ZooCache: a LanguageModel's recurrent decode state as a transformers `Cache`, and the prefill that fills it.
 
 The cache holds exactly what `LanguageModel.init_state` preallocates, one entry per layer: Based's kv
-[B, H, E, d_v] and k_sum [B, H, E] in fp32, the sliding window's ring buffer of `window` tokens, BaseConv's
-last kernel_size-1 inputs. Nothing grows with the generated length, and every update is in place, so the
-tensors keep their addresses from the first token to the last (what a CUDA graph of the decode step needs).
+[B, H, E, d_v] and k_sum [B, H, E] in fp32 (kv in bf16 with the Based option state_dtype=bf16), the sliding
+window's ring buffer of `window` tokens, BaseConv's last kernel_size-1 inputs. Nothing grows with the
+generated length, and every update is in place, so the tensors keep their addresses from the first token to
+the last (what a CUDA graph of the decode step needs).
 
 Left padding. A padded prompt must not enter the recurrent states, and a Based or BaseConv state has no way
 to mask a token once it is summed in. So `prefill` runs each group of rows with the same number of pad

@@ -11,6 +11,12 @@ denominator never vanishes. No positional encoding inside.
 What is unusual here:
 - The state {"kv": [B, H, E, d_v], "k_sum": [B, H, E]} is kept in fp32 (fp64 when asked for fp64) whatever
   the activations' dtype, because both sums grow with T; the accumulation runs with autocast disabled.
+  `state_dtype="bf16"` stores kv in bf16 instead, an inference option: it halves the bytes a decode step reads
+  and writes, and costs accuracy, since kv is rounded to bf16 (8 significant bits) after every update, so an
+  update much smaller than the running sum is lost in part. Updates are still computed in fp32 and k_sum stays
+  fp32: its first feature counts the tokens, which in bf16 would stop growing at 256. A prefill into the state
+  computes in fp32 and rounds once when it writes kv back. experiments/bench/generation.py measures the cost
+  (`--based-state-dtype bf16`: greedy tokens and logits against the fp32 state).
 - `impl` picks the compute path and never falls back:
   - `naive` (default): PyTorch. Chunks of `chunk_size` use the quadratic form κ directly (C×C per chunk);
     the past enters through φ(q)·kv and φ(q)·k_sum, and the state advances by φ(k)ᵀv per chunk.
@@ -45,6 +51,7 @@ from zoo.models.mixers._common import (
 )
 
 IMPLS = ("naive", "fla", "triton")
+STATE_DTYPES = ("fp32", "bf16")
 
 
 @dataclass
@@ -57,6 +64,7 @@ class BasedConfig:
     impl: str = "naive"  # naive | fla | triton
     eps: float = 1e-6  # added to the denominator
     chunk_size: int = 64  # chunk length of the naive path
+    state_dtype: str = "fp32"  # fp32 | bf16: the decode state's kv storage (k_sum stays fp32); see the module doc
 
     def validate(self, d_model: int) -> None:
         check_int("based: feature_dim", self.feature_dim, minimum=1)
@@ -70,6 +78,7 @@ class BasedConfig:
         if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not self.eps >= 0:
             raise ValueError(f"based: eps must be a float >= 0, got {self.eps!r}")
         check_int("based: chunk_size", self.chunk_size, minimum=1)
+        check_choice("based: state_dtype", self.state_dtype, STATE_DTYPES)
         if self.impl == "fla" and self.feature_dim > 128:
             raise ValueError(f"based: impl='fla' supports feature_dim <= 128, got {self.feature_dim}")
 
@@ -100,7 +109,7 @@ def _fla_ops():
 class Based(nn.Module):
     """Based linear attention: [B, T, d_model] -> [B, T, d_model].
 
-    State: {"kv": [B, H, E, d_v], "k_sum": [B, H, E]}, fp32 (fp64 for fp64 models).
+    State: {"kv": [B, H, E, d_v], "k_sum": [B, H, E]}, fp32 (fp64 for fp64 models); kv bf16 with state_dtype="bf16".
     """
 
     Config = BasedConfig
@@ -150,7 +159,7 @@ class Based(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: dict[str, torch.Tensor] | None
     ) -> torch.Tensor:
         """Chunked quadratic form. q, k: [B, T, H, f], v: [B, T, H, d_v] -> y: [B, T, H, d_v] (compute dtype)."""
-        dtype = compute_dtype(q.dtype) if state is None else torch.promote_types(q.dtype, state["kv"].dtype)
+        dtype = compute_dtype(q.dtype) if state is None else torch.promote_types(q.dtype, state["k_sum"].dtype)
         T, C, scale, eps = q.shape[1], self.config.chunk_size, self.feature_dim**-0.5, self.config.eps
         kv = k_sum = None
         with torch.autocast(device_type=q.device.type, enabled=False):
@@ -190,7 +199,7 @@ class Based(nn.Module):
             # FLA's scale multiplies q·k before 1 + s + s²/2: 1/√f makes s the same as in φ.
             return parallel_based(q=q, k=k, v=v, scale=self.feature_dim**-0.5, use_norm=True)
         feature_map = TaylorFeatureMap(self.feature_dim)
-        dtype = state["kv"].dtype
+        dtype = state["k_sum"].dtype  # fp32 (fp64) whatever kv's storage
         with torch.autocast(device_type=q.device.type, enabled=False):
             phi_q = feature_map(q.to(dtype))  # [B, T, H, E]
             phi_k = feature_map(k.to(dtype))  # [B, T, H, E]
@@ -199,7 +208,7 @@ class Based(nn.Module):
                 k=phi_k,
                 v=v.to(dtype),
                 scale=1.0,
-                initial_state=(state["kv"], rearrange(state["k_sum"], "b h e -> b 1 h e")),
+                initial_state=(state["kv"].to(dtype), rearrange(state["k_sum"], "b h e -> b 1 h e")),
                 output_final_state=True,
                 normalize=True,
             )
@@ -246,13 +255,14 @@ class Based(nn.Module):
     def _naive_step(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: dict[str, torch.Tensor]
     ) -> torch.Tensor:
-        """q, k: [B, H, f], v: [B, H, d_v] -> y: [B, H, d_v]; the recurrent form, updating state in place."""
+        """q, k: [B, H, f], v: [B, H, d_v] -> y: [B, H, d_v]; the recurrent form, updating state in place. The
+        update is computed in fp32 (fp64) and rounded once to kv's storage dtype; y is read from kv as stored."""
         kv, k_sum = state["kv"], state["k_sum"]
-        dtype = torch.promote_types(q.dtype, kv.dtype)
+        dtype = torch.promote_types(q.dtype, k_sum.dtype)
         with torch.autocast(device_type=q.device.type, enabled=False):
             phi_q = taylor_feature_map(q.to(dtype))  # [B, H, E]
             phi_k = taylor_feature_map(k.to(dtype))  # [B, H, E]
-            kv.add_(torch.einsum("bhe,bhd->bhed", phi_k, v.to(dtype)).to(kv.dtype))
+            kv.copy_(kv.to(dtype) + torch.einsum("bhe,bhd->bhed", phi_k, v.to(dtype)))
             k_sum.add_(phi_k.to(k_sum.dtype))
             num = torch.einsum("bhe,bhed->bhd", phi_q, kv.to(dtype))  # [B, H, d_v]
             den = torch.einsum("bhe,bhe->bh", phi_q, k_sum.to(dtype))  # [B, H]
@@ -261,15 +271,28 @@ class Based(nn.Module):
     def init_state(
         self, batch_size: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
     ) -> dict[str, torch.Tensor]:
-        """Zeroed kv [B, H, E, d_v] and k_sum [B, H, E], in fp32 (fp64 if dtype is fp64), on the module's device."""
+        """Zeroed kv [B, H, E, d_v] and k_sum [B, H, E] on the module's device: fp32 (fp64 if dtype is fp64), kv in
+        bf16 with state_dtype="bf16"."""
         device, dtype = module_device_dtype(self, device, dtype)
         dtype = compute_dtype(dtype)
         H, E, dv = self.num_heads, self.expanded_dim, self.head_dim_v
         return {
-            "kv": torch.zeros(batch_size, H, E, dv, device=device, dtype=dtype),
+            "kv": torch.zeros(batch_size, H, E, dv, device=device, dtype=self._kv_dtype(dtype)),
             "k_sum": torch.zeros(batch_size, H, E, device=device, dtype=dtype),
         }
 
+    def _kv_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """kv's storage dtype for a state whose sums are in `dtype` (fp32 or fp64)."""
+        return torch.bfloat16 if self.config.state_dtype == "bf16" else dtype
+
     def state_size(self, seq_len: int) -> int:
-        """H·(E·d_v + E) per sequence, constant in seq_len."""
+        """H·(E·d_v + E) elements per sequence, constant in seq_len (as every mixer counts: elements, not bytes;
+        `state_nbytes` has the bytes)."""
         return self.num_heads * (self.expanded_dim * self.head_dim_v + self.expanded_dim)
+
+    def state_nbytes(self, seq_len: int, dtype: torch.dtype = torch.float32) -> int:
+        """Bytes of one sequence's state as `init_state` allocates it for a `dtype` model: 4·H·(E·d_v + E) in fp32;
+        with state_dtype="bf16", kv's H·E·d_v elements take 2 bytes each, about half of that."""
+        dtype = compute_dtype(dtype)
+        H, E, dv = self.num_heads, self.expanded_dim, self.head_dim_v
+        return H * E * dv * self._kv_dtype(dtype).itemsize + H * E * dtype.itemsize
