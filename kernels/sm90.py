@@ -3,8 +3,8 @@ of it: dot instructions (wgmma vs mma.sync), layout conversions and shared-memor
 TTGIR), and registers and spills (ptxas). The GPU-free half of kernel work: a change that spills or lowers its dots
 to mma.sync where it meant wgmma shows here before it is timed, and an unchanged PTX proves a refactor harmless.
 
-    python -m kernels.sm90 [--kernel fwd|dq|dkv|split_output|split_features|split_chain|split_dq|split_dv|split_dk]
-        [--mode 5] [--bv 32] [--bc 64] [--warps 4] [--states] [--op 2] [--maxnreg 168]
+    python -m kernels.sm90 [--kernel fwd|dq|dkv] [--mode 5] [--bv 32] [--bc 64] [--warps 4] [--states]
+        [--maxnreg 168]
 
 Uses the ptxas that ships with Triton (ptxas-blackwell where the bundled ptxas is older than the PTX Triton emits).
 The counts are per kernel at the benchmark's constexprs H=16, K=16, V=64, bf16 operands, normalised output.
@@ -21,46 +21,32 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import kernels.based.fused as fused
-import kernels.based.split as split
 
 KERNELS = {
-    # name: (the kernel, its bf16 pointers; every other pointer is fp32, the scalars are scale, T, SEG and NC)
+    # name: (the kernel, its bf16 pointers; every other pointer is fp32, the scalars are scale, T and SEG)
     "fwd": (fused._fwd_kernel, ("q", "k", "v", "o")),
     "dq": (fused._bwd_dq_kernel, ("q", "k", "v", "do")),
     "dkv": (fused._bwd_dkv_kernel, ("q", "k", "v", "do", "dv")),
-    # the split forward: its output pass, the features kernel (with --states: the reverse pass's, dden weights and
-    # dO/den stored) and the walk over the stored features
-    "split_output": (split._output_kernel, ("q", "k", "v", "o", "hs")),
-    "split_features": (split._features_kernel, ("k", "F", "w", "wout")),
-    "split_chain": (split._chain_kernel, ("F", "v", "hs")),
-    # the split backward's per-chunk dq and dk, dv kernels (dv and dk: its two launches)
-    "split_dq": (split._dq_kernel, ("q", "k", "v", "do", "hs")),
-    "split_dv": (split._dkv_kernel, ("q", "k", "v", "do", "dv", "ds")),
-    "split_dk": (split._dkv_kernel, ("q", "k", "v", "do", "dv", "ds")),
 }
 
 
 def compile_kernel(kind: str, mode: int, BV: int, BC: int, warps: int, stages: int = 2, states: bool = False,
-                   OP: int = 2, maxnreg: int | None = None, G: int = 1, chunk_stages: int = 1,
-                   scale_dtype: str = "fp32", dot: int = 2):
+                   maxnreg: int | None = None, scale_dtype: str = "fp32", dot: int = 2):
     """Compile one of KERNELS for sm_90a at H=16, K=16, V=64, normalised; `states` turns on the state inputs and
-    outputs (their loads and stores compiled too); mode: the fused kernels' order-2 layout (EXPAND, 5 or 0); OP: the
-    split per-chunk kernels' parts of the pair rows; maxnreg: a register cap per thread; G, chunk_stages: the split
-    per-chunk kernels' chunks per program and pipeline stages; scale_dtype: the scalar type of `scale` ("fp64" is
-    what torch.compile's inductor passes for a Python float); dot: the kernels' DOT (primitives.DOT_*: 2 for bf16
-    inputs, 4 for fp16 inputs; any other compiles for fp32 inputs, every tensor fp32)."""
+    outputs (their loads and stores compiled too); mode: the fused kernels' order-2 layout (EXPAND, 5 or 0); maxnreg:
+    a register cap per thread; scale_dtype: the scalar type of `scale` ("fp64" is what torch.compile's inductor
+    passes for a Python float); dot: the kernels' DOT (primitives.DOT_*: 2 for bf16 inputs, 4 for fp16 inputs; any
+    other compiles for fp32 inputs, every tensor fp32)."""
     fn, bf16 = KERNELS[kind]
     const = dict(H=16, K=16, V=64, BK=16, BV=BV, BC=BC, NORMALIZE=True, DOT=dot, EXPAND=mode, STATE_ONLY=False,
-                 USE_H0=states, STORE_HT=states, USE_DHT=states, STORE_DH0=states, OP=OP,
-                 DV=kind != "split_dk", DK=kind != "split_dv", G=G, STAGES=chunk_stages, REVERSE=False,
-                 BW=BV, R=161, RP=64, NPF=2, USE_G=states, STORE_W=states, ZR=273, BZ=512, SCALED_W=dot == 4)
+                 USE_H0=states, STORE_HT=states, USE_DHT=states, STORE_DH0=states)
     sig = {}
     for name in fn.arg_names:
         if name in const:
             sig[name] = "constexpr"
         elif name == "scale":
             sig[name] = scale_dtype
-        elif name in ("T", "SEG", "NC"):
+        elif name in ("T", "SEG"):
             sig[name] = "i32"
         else:
             sig[name] = {2: "*bf16", 4: "*fp16"}.get(dot, "*fp32") if name in bf16 else "*fp32"
@@ -149,13 +135,10 @@ def main() -> None:
     p.add_argument("--bc", type=int, default=64)
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--states", action="store_true", help="with the state inputs and outputs")
-    p.add_argument("--op", type=int, default=2, help="split per-chunk kernels: parts of the order-2 pair read")
     p.add_argument("--maxnreg", type=int, default=None, help="register cap per thread")
-    p.add_argument("--chunks", type=int, default=1, help="split per-chunk kernels: chunks per program")
-    p.add_argument("--chunk-stages", type=int, default=1, help="split kernels: pipeline stages")
     args = p.parse_args()
-    k = compile_kernel(args.kernel, args.mode, args.bv, args.bc, args.warps, states=args.states, OP=args.op,
-                       maxnreg=args.maxnreg, G=args.chunks, chunk_stages=args.chunk_stages)
+    k = compile_kernel(args.kernel, args.mode, args.bv, args.bc, args.warps, states=args.states,
+                       maxnreg=args.maxnreg)
     ttgir = k.asm["ttgir"]
     print(f"{args.kernel} mode {args.mode} BV={args.bv} BC={args.bc} warps={args.warps}: "
           f"wgmma {ttgir.count('ttng.warp_group_dot ')}, "

@@ -111,7 +111,7 @@ def time_graphed(fn, T, dt):
 def time_compiled(T, dt):
     """torch.compile(fullgraph=True) of chunk_based: the forward, the forward+backward, and the forms whose kernels
     the compiled training step ran (counted by wrapping their entry points for one step)."""
-    from kernels.based import fused, gluon, gluon_backward, split
+    from kernels.based import fused, gluon, gluon_backward
 
     compiled = torch.compile(lambda q, k, v: chunk_based(q, k, v)[0], fullgraph=True)
     q, k, v, do = inputs(T, dt)
@@ -119,7 +119,7 @@ def time_compiled(T, dt):
         compiled(q, k, v)
     compiled(q, k, v).backward(do)  # compile both graphs first
     ran, saved = [], []
-    for name, module in (("gluon", gluon), ("gluon", gluon_backward), ("split", split), ("fused", fused)):
+    for name, module in (("gluon", gluon), ("gluon", gluon_backward), ("fused", fused)):
         for fn_name in ("forward", "backward"):
             if hasattr(module, fn_name):
                 real = getattr(module, fn_name)
@@ -171,8 +171,8 @@ def main():
     print(f"{'impl':22s} {'T':>6s} {'path':>6s} {'fwd ms':>8s} {'f+b ms':>8s} {'fwd bw':>7s} {'fwd mm':>7s} "
           f"{'f+b bw':>7s} {'f+b mm':>7s}")
     for T in args.T:
-        path = {g: choose_path(sm90=cap == (9, 0), dtype=dt, B=B, T=T, H=H, K=K, V=V, normalize=True, grad=g,
-                               capturing=False) for g in (False, True)}
+        chosen = choose_path(sm90=cap == (9, 0), dtype=dt, B=B, T=T, H=H, K=K, V=V, normalize=True)
+        path = {False: chosen, True: chosen}  # inference and training take the same path
         names = list(impls().items())
         names.insert(1, ("ours_graphed", names[0][1]))
         if T in args.compile_T:

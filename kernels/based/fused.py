@@ -97,6 +97,49 @@ def _order2_store(h, Sd, S2, S2b, c, offs_k, offs_v, K: tl.constexpr, V: tl.cons
 
 
 @triton.jit
+def _load_state(hv, hz, idx, LOAD: tl.constexpr, load_z, offs_k, offs_v, K: tl.constexpr, V: tl.constexpr,
+                BK: tl.constexpr, BV: tl.constexpr, EXPAND: tl.constexpr):
+    """The state a kernel carries, (S0 [BV], S1 [BK, BV], the order-2 state of `_order2_init`, n, z1 [BK],
+    Z2 [BK, BK]): zero, or with LOAD the Taylor-order state idx of hv [*, F, V], hz [*, F] (z where load_z holds)."""
+    F: tl.constexpr = 1 + K + K * K
+    m_k, m_v = offs_k < K, offs_v < V
+    S0 = tl.zeros([BV], dtype=tl.float32)
+    S1 = tl.zeros([BK, BV], dtype=tl.float32)
+    n = 0.0
+    z1 = tl.zeros([BK], dtype=tl.float32)
+    Z2 = tl.zeros([BK, BK], dtype=tl.float32)
+    if LOAD:
+        hv += idx.to(tl.int64) * F * V
+        hz += idx.to(tl.int64) * F
+        S0 += tl.load(hv + offs_v, mask=m_v, other=0.0)
+        S1 += tl.load(hv + (1 + offs_k[:, None]) * V + offs_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        if load_z:
+            n += tl.load(hz)
+            z1 += tl.load(hz + 1 + offs_k, mask=m_k, other=0.0)
+            Z2 += tl.load(hz + 1 + K + offs_k[:, None] * K + offs_k[None, :], mask=m_k[:, None] & m_k[None, :],
+                          other=0.0)
+    Sd, S2, S2b = _order2_init(hv, LOAD, offs_k, offs_v, K, V, BK, BV, EXPAND)
+    return S0, S1, Sd, S2, S2b, n, z1, Z2
+
+
+@triton.jit
+def _store_state(hv, hz, idx, S0, S1, Sd, S2, S2b, n, z1, Z2, c, store_z, offs_k, offs_v, K: tl.constexpr,
+                 V: tl.constexpr, BK: tl.constexpr, EXPAND: tl.constexpr):
+    """`_load_state`'s state, order 2 times c, into the Taylor-order state idx of hv, hz (z where store_z holds)."""
+    F: tl.constexpr = 1 + K + K * K
+    m_k, m_v = offs_k < K, offs_v < V
+    hv += idx.to(tl.int64) * F * V
+    hz += idx.to(tl.int64) * F
+    tl.store(hv + offs_v, S0, mask=m_v)
+    tl.store(hv + (1 + offs_k[:, None]) * V + offs_v[None, :], S1, mask=m_k[:, None] & m_v[None, :])
+    _order2_store(hv, Sd, S2, S2b, c, offs_k, offs_v, K, V, BK, EXPAND)
+    if store_z:
+        tl.store(hz, n)
+        tl.store(hz + 1 + offs_k, z1, mask=m_k)
+        tl.store(hz + 1 + K + offs_k[:, None] * K + offs_k[None, :], c * Z2, mask=m_k[:, None] & m_k[None, :])
+
+
+@triton.jit
 def _order2_read(x, Sd, S2, S2b, BC: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, EXPAND: tl.constexpr):
     """(x⊗x)·S for the order-2 state in `_order2_init`'s layout: x [BC, BK] -> [BC, BV]."""
     if EXPAND == 5:
@@ -145,7 +188,6 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
     i_v, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NS = tl.num_programs(1)
     i_b, i_h = i_bh // H, i_bh % H
-    F: tl.constexpr = 1 + K + K * K
     offs_c = tl.arange(0, BC)
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
@@ -157,21 +199,8 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
     o += i_b.to(tl.int64) * T * H * V + i_h * V
     if NORMALIZE:
         den += i_b.to(tl.int64) * T * H + i_h
-    S0 = tl.zeros([BV], dtype=tl.float32)
-    S1 = tl.zeros([BK, BV], dtype=tl.float32)
-    n = 0.0
-    z1 = tl.zeros([BK], dtype=tl.float32)
-    Z2 = tl.zeros([BK, BK], dtype=tl.float32)
-    if USE_H0:
-        hv0 += (i_bh * NS + i_s).to(tl.int64) * F * V
-        hz0 += (i_bh * NS + i_s).to(tl.int64) * F
-        S0 += tl.load(hv0 + offs_v, mask=m_v, other=0.0)
-        S1 += tl.load(hv0 + (1 + offs_k[:, None]) * V + offs_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-        n += tl.load(hz0)
-        z1 += tl.load(hz0 + 1 + offs_k, mask=m_k, other=0.0)
-        Z2 += tl.load(hz0 + 1 + K + offs_k[:, None] * K + offs_k[None, :], mask=m_k[:, None] & m_k[None, :],
-                      other=0.0)
-    Sd, S2, S2b = _order2_init(hv0, USE_H0, offs_k, offs_v, K, V, BK, BV, EXPAND)
+    S0, S1, Sd, S2, S2b, n, z1, Z2 = _load_state(hv0, hz0, i_bh * NS + i_s, USE_H0, True, offs_k, offs_v, K, V, BK,
+                                                 BV, EXPAND)
     seg_end = tl.minimum(T, (i_s + 1) * SEG)
     for start in range(i_s * SEG, seg_end, BC):
         t = start + offs_c
@@ -215,15 +244,8 @@ def _fwd_kernel(q, k, v, o, den, hv0, hz0, hvT, hzT, scale, T, SEG,
         z1 += tl.sum(kf, 0)
         Z2 += _mm(kft, kf, 0)
     if STORE_HT:
-        hvT += (i_bh * NS + i_s).to(tl.int64) * F * V
-        hzT += (i_bh * NS + i_s).to(tl.int64) * F
-        tl.store(hvT + offs_v, S0, mask=m_v)
-        tl.store(hvT + (1 + offs_k[:, None]) * V + offs_v[None, :], S1, mask=m_k[:, None] & m_v[None, :])
-        _order2_store(hvT, Sd, S2, S2b, 1.0, offs_k, offs_v, K, V, BK, EXPAND)
-        if i_v == 0:
-            tl.store(hzT, n)
-            tl.store(hzT + 1 + offs_k, z1, mask=m_k)
-            tl.store(hzT + 1 + K + offs_k[:, None] * K + offs_k[None, :], Z2, mask=m_k[:, None] & m_k[None, :])
+        _store_state(hvT, hzT, i_bh * NS + i_s, S0, S1, Sd, S2, S2b, n, z1, Z2, 1.0, i_v == 0, offs_k, offs_v, K, V,
+                     BK, EXPAND)
 
 
 @triton.jit
@@ -247,7 +269,6 @@ def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
     scale = tl.cast(scale, tl.float32)  # a no-op for the fp32 Triton passes; torch.compile passes fp64
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    F: tl.constexpr = 1 + K + K * K
     offs_c = tl.arange(0, BC)
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
@@ -262,17 +283,7 @@ def _bwd_dq_kernel(q, k, v, do, den, dden, dq, hv0, hz0, scale, T,
     if NORMALIZE:
         den += i_b.to(tl.int64) * T * H + i_h
         dden += i_b.to(tl.int64) * T * H + i_h
-    S1 = tl.zeros([BK, BV], dtype=tl.float32)
-    z1 = tl.zeros([BK], dtype=tl.float32)
-    Z2 = tl.zeros([BK, BK], dtype=tl.float32)
-    if USE_H0:
-        hv0 += i_bh.to(tl.int64) * F * V
-        hz0 += i_bh.to(tl.int64) * F
-        S1 += tl.load(hv0 + (1 + offs_k[:, None]) * V + offs_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-        z1 += tl.load(hz0 + 1 + offs_k, mask=m_k, other=0.0)
-        Z2 += tl.load(hz0 + 1 + K + offs_k[:, None] * K + offs_k[None, :], mask=m_k[:, None] & m_k[None, :],
-                      other=0.0)
-    Sd, S2, S2b = _order2_init(hv0, USE_H0, offs_k, offs_v, K, V, BK, BV, EXPAND)
+    _, S1, Sd, S2, S2b, _, z1, Z2 = _load_state(hv0, hz0, i_bh, USE_H0, True, offs_k, offs_v, K, V, BK, BV, EXPAND)
     for start in range(0, T, BC):
         t = start + offs_c
         m_t = t < T
@@ -313,7 +324,6 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
     scale = tl.cast(scale, tl.float32)  # a no-op for the fp32 Triton passes; torch.compile passes fp64
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    F: tl.constexpr = 1 + K + K * K
     offs_c = tl.arange(0, BC)
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
@@ -329,25 +339,10 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
     if NORMALIZE:
         den += i_b.to(tl.int64) * T * H + i_h
         dden += i_b.to(tl.int64) * T * H + i_h
-    D0 = tl.zeros([BV], dtype=tl.float32)
-    D1 = tl.zeros([BK, BV], dtype=tl.float32)
-    d0 = 0.0
-    d1 = tl.zeros([BK], dtype=tl.float32)
-    d2 = tl.zeros([BK, BK], dtype=tl.float32)
-    if USE_DHT:
-        # dhvT/dhzT hold the final state's gradient with order 2 already symmetrised (G + Gᵀ)
-        dhvT += i_bh.to(tl.int64) * F * V
-        dhzT += i_bh.to(tl.int64) * F
-        D0 += tl.load(dhvT + offs_v, mask=m_v, other=0.0)
-        D1 += tl.load(dhvT + (1 + offs_k[:, None]) * V + offs_v[None, :], mask=m_k[:, None] & m_v[None, :],
-                      other=0.0)
-        if i_v == 0:
-            # the denominator's state enters dk once, through the first V block
-            d0 += tl.load(dhzT)
-            d1 += tl.load(dhzT + 1 + offs_k, mask=m_k, other=0.0)
-            d2 += tl.load(dhzT + 1 + K + offs_k[:, None] * K + offs_k[None, :], mask=m_k[:, None] & m_k[None, :],
-                          other=0.0)
-    Dd, D2, D2b = _order2_init(dhvT, USE_DHT, offs_k, offs_v, K, V, BK, BV, EXPAND)
+    # dhvT/dhzT: the final state's gradient, order 2 symmetrised (G + Gᵀ); the denominator's part enters dk once,
+    # through the first V block
+    D0, D1, Dd, D2, D2b, d0, d1, d2 = _load_state(dhvT, dhzT, i_bh, USE_DHT, i_v == 0, offs_k, offs_v, K, V, BK, BV,
+                                                  EXPAND)
     n_chunks = tl.cdiv(T, BC)
     for i in range(0, n_chunks):
         t = (n_chunks - 1 - i) * BC + offs_c
@@ -383,16 +378,8 @@ def _bwd_dkv_kernel(q, k, v, do, den, dden, dk, dv, dhvT, dhzT, dhv0, dhz0, scal
         d1 += tl.sum(qs * dd[:, None], 0)
         d2 += _mm(qst, qs * dd[:, None], 0)
     if STORE_DH0:
-        dhv0 += i_bh.to(tl.int64) * F * V
-        dhz0 += i_bh.to(tl.int64) * F
-        tl.store(dhv0 + offs_v, D0, mask=m_v)
-        tl.store(dhv0 + (1 + offs_k[:, None]) * V + offs_v[None, :], D1, mask=m_k[:, None] & m_v[None, :])
-        _order2_store(dhv0, Dd, D2, D2b, 0.5, offs_k, offs_v, K, V, BK, EXPAND)
-        if i_v == 0:
-            tl.store(dhz0, d0)
-            tl.store(dhz0 + 1 + offs_k, d1, mask=m_k)
-            tl.store(dhz0 + 1 + K + offs_k[:, None] * K + offs_k[None, :], 0.5 * d2,
-                     mask=m_k[:, None] & m_k[None, :])
+        _store_state(dhv0, dhz0, i_bh, D0, D1, Dd, D2, D2b, d0, d1, d2, 0.5, i_v == 0, offs_k, offs_v, K, V, BK,
+                     EXPAND)
 
 
 def _config(K: int, V: int, dtype: torch.dtype, kind: str):

@@ -8,26 +8,24 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.based import fused, split
+from kernels.based import fused
 from kernels.based.decode import _decode_kernel
 from kernels.based.naive import check_state, feature_dim, orders_to_state, state_to_orders
-from kernels.based.primitives import forward_dot
-from kernels.launch import check_devices, is_capturing, launch, next_power_of_2
+from kernels.launch import check_devices, launch, next_power_of_2
 
 try:  # Gluon came with Triton 3.5; without it the Triton forms serve every call
     from kernels.based import gluon, gluon_backward
 except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = gluon_backward = None
 
-PATHS = ("auto", "gluon", "split", "fused")
+PATHS = ("auto", "gluon", "fused")
 MIN_SEQUENCES = 32
 MAX_SHORT_T = 4096
-SPLIT_MIN_WORK = 1 << 18
 
 
 @dataclass(frozen=True)
 class BasedConfig:
-    """How `chunk_based` picks its kernels: path "auto" (the dispatch rule) or one of "gluon", "split", "fused"."""
+    """How `chunk_based` picks its kernels: path "auto" (the dispatch rule) or one of "gluon", "fused"."""
 
     path: str = "auto"
 
@@ -60,36 +58,22 @@ def gluon_takes(sm90: bool, dtype: torch.dtype, B: int, T: int, H: int, K: int, 
             and (B * H >= MIN_SEQUENCES or T <= MAX_SHORT_T))
 
 
-def split_takes(dtype: torch.dtype, K: int, V: int) -> bool:
-    """Whether the auto rule may send a training call to the split kernels (measured faster there on an H200)."""
-    return K <= 16 and 32 < V <= 128 and dtype in (torch.bfloat16, torch.float16)
-
-
 def choose_path(*, sm90: bool, dtype: torch.dtype, B: int, T: int, H: int, K: int, V: int, normalize: bool,
-                grad: bool, capturing: bool, forced: str = "auto") -> str:
+                forced: str = "auto") -> str:
     """The dispatch rule (kernels/based/README.md has it as a table), one path for a call's forward and backward;
     `forced` overrides it, checked. Gluon takes one program per sequence: few long sequences would leave the GPU idle,
-    where the fused form's segments do better; below SPLIT_MIN_WORK the fused form's four launches cost the host less
-    than the split form's seven."""
+    where the fused form's segments do better."""
     if forced == "gluon" and not gluon_takes(sm90, dtype, B, 0, H, K, V, normalize):
         raise ValueError("the Gluon path needs an sm_90 GPU, bf16, K=16, V=64 and normalize=True")
-    if forced == "split" and K > 16:
-        raise ValueError(f"the split path supports K ≤ 16, got K={K}")
     if forced != "auto":
         return forced
-    if gluon_takes(sm90, dtype, B, T, H, K, V, normalize):
-        return "gluon"
-    if grad and split_takes(dtype, K, V) and (B * H * T >= SPLIT_MIN_WORK or capturing):
-        return "split"
-    return "fused"
+    return "gluon" if gluon_takes(sm90, dtype, B, T, H, K, V, normalize) else "fused"
 
 
 def _forward(q, k, v, hv0, hz0, scale: float, path: str, normalize: bool, output_final_state: bool, save: bool):
     """(o, den, hvT, hzT, hs, zs) from the path's kernels; den, hs, zs (what the backward reads) only with save."""
     if path == "gluon":
         o, den, hvT, hzT, hs, zs = gluon.forward(q, k, v, scale, hv0, hz0, output_final_state, store_states=save)
-    elif path == "split":
-        o, den, hvT, hzT, hs, zs = split.forward(q, k, v, hv0, hz0, scale, output_final_state, normalize)
     else:
         o, den, hvT, hzT = fused.forward(q, k, v, hv0, hz0, scale, output_final_state, normalize)
         hs = zs = None
@@ -109,8 +93,6 @@ def _backward(q, k, v, o, den, hs, zs, hv0, hz0, do, dhvT, dhzT, scale: float, p
         dhzT = q.new_zeros(B, H, F, dtype=torch.float32) if dhzT is None else dhzT
     if path == "gluon":
         return gluon_backward.backward(q, k, v, o, do, den, hs, zs, scale, dhvT, dhzT, need_dh0=hv0 is not None)
-    if path == "split":
-        return split.backward(q, k, v, o, den, hv0, hz0, hs, zs, do, dhvT, dhzT, scale, normalize)
     return fused.backward(q, k, v, o, den, hv0, hz0, do, dhvT, dhzT, scale, normalize)
 
 
@@ -164,10 +146,6 @@ def _chunk_fwd_fake(q, k, v, hv0, hz0, scale, path, normalize, output_final_stat
     if save and path == "gluon":  # every second chunk's entering state (`gluon.forward`)
         hs = torch.empty(B * H, -(-T // 128), V, 192, device=q.device, dtype=torch.bfloat16)
         zs = torch.empty(B * H, -(-T // 128), 192, **f32)
-    elif save and path == "split":  # every chunk's (`split.forward`)
-        NC = -(-T // split.CONFIG.BC)
-        hs = torch.empty(B * H, NC, split.R_, V, device=q.device, dtype=split._state_dtype(forward_dot(q.dtype, K)))
-        zs = torch.empty(B * H, NC, split.ZR_, **f32)
     return torch.empty_like(v), den, hvT, hzT, hs, zs
 
 
@@ -209,7 +187,7 @@ def _chunk_grad(ctx, do, dden, dhvT, dhzT, dhs, dzs):
 _chunk_fwd_op.register_autograd(_chunk_grad, setup_context=_chunk_setup)
 
 
-def _plan(q, k, v, scale, initial_state, normalize: bool, grad: bool, capturing: bool, config: BasedConfig):
+def _plan(q, k, v, scale, initial_state, normalize: bool, config: BasedConfig):
     """Check a call's arguments and choose its path: (path, scale as a float). Reads metadata only, so `chunk_based`
     runs it once per (shapes, dtypes, devices, scale, flags)."""
     B, T, H, K = q.shape
@@ -228,7 +206,7 @@ def _plan(q, k, v, scale, initial_state, normalize: bool, grad: bool, capturing:
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     path = choose_path(sm90=_is_sm90(q.device), dtype=q.dtype, B=B, T=T, H=H, K=K, V=V, normalize=normalize,
-                       grad=grad, capturing=capturing, forced=config.path)
+                       forced=config.path)
     return path, scale
 
 
@@ -251,15 +229,14 @@ def chunk_based(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float 
         scale = float(scale)
     config = config or DEFAULT_CONFIG
     compiling = torch.compiler.is_compiling()
-    if compiling:  # planned while tracing (the graph keeps the result); the run is not a capture at that point
-        path, scale = _plan(q, k, v, scale, initial_state, normalize, grad, False, config)
+    if compiling:  # planned while tracing (the graph keeps the result)
+        path, scale = _plan(q, k, v, scale, initial_state, normalize, config)
     else:
-        capturing = is_capturing(q)
-        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, scale, normalize, grad, capturing,
-               config, None if initial_state is None else (initial_state[0].shape, initial_state[1].shape))
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, scale, normalize, config,
+               None if initial_state is None else (initial_state[0].shape, initial_state[1].shape))
         plan = _PLANS.get(key)
         if plan is None:
-            plan = _PLANS[key] = _plan(q, k, v, scale, initial_state, normalize, grad, capturing, config)
+            plan = _PLANS[key] = _plan(q, k, v, scale, initial_state, normalize, config)
         path, scale = plan
     hv0 = hz0 = None
     if initial_state is not None:

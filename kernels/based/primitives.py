@@ -9,7 +9,6 @@ import triton
 import triton.language as tl
 
 DOT_IEEE, DOT_TF32, DOT_BF16, DOT_TF32X3, DOT_FP16 = 0, 1, 2, 3, 4
-BK_PAIRS = 16  # the feature block of the pair layout (K ≤ 16)
 
 
 def backward_dot(dtype: torch.dtype, K: int = 16) -> int:
@@ -25,8 +24,8 @@ def backward_dot(dtype: torch.dtype, K: int = 16) -> int:
 
 
 def forward_dot(dtype: torch.dtype, K: int = 16) -> int:
-    """The fused forward's and the split kernels' DOT: `backward_dot`'s, except fp16 operands for fp16 (those kernels
-    keep what they carry in fp16's range)."""
+    """The fused forward's DOT: `backward_dot`'s, except fp16 operands for fp16 (the forward keeps what it carries in
+    fp16's range)."""
     return DOT_FP16 if dtype == torch.float16 else backward_dot(dtype, K)
 
 
@@ -121,29 +120,6 @@ def _load_dout(do, den, dden, t, m_t, offs_v, m_v, first, H: tl.constexpr, V: tl
 
 
 @functools.cache
-def pair_rows(K: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
-    """The split form's state rows as rows of the Taylor-order form (-1: a zero row) and their weights: order 0,
-    order 1 [16], the order-2 diagonal [16], then the pair rows (`_pair_cols`, BK = 16) with weight w_j."""
-    rows = [0] + [1 + a if a < K else -1 for a in range(BK_PAIRS)]
-    rows += [1 + K + a * (K + 1) if a < K else -1 for a in range(BK_PAIRS)]
-    weights = [1.0] * len(rows)
-    for j in range(BK_PAIRS * BK_PAIRS // 2):
-        d, a = 1 + j // BK_PAIRS, j % BK_PAIRS
-        b = (a + d) % BK_PAIRS
-        rows.append(1 + K + a * K + b if a < K and b < K else -1)
-        weights.append(2.0 if d < BK_PAIRS // 2 else 1.0)
-    return tuple(rows), tuple(weights)
-
-
-@functools.cache
-def padded_rows(K: int) -> tuple[int, ...]:
-    """The split form's denominator rows [1 + 16 + 16²] as rows of the Taylor-order form (-1: zero past K)."""
-    rows = [0] + [1 + a if a < K else -1 for a in range(BK_PAIRS)]
-    rows += [1 + K + a * K + b if a < K and b < K else -1 for a in range(BK_PAIRS) for b in range(BK_PAIRS)]
-    return tuple(rows)
-
-
-@functools.cache
 def invert_rows(rows: tuple[int, ...], K: int) -> tuple[int, ...]:
     """For each row of the Taylor-order form [1 + K + K²], the first of `rows` that holds it, or else its mirror
     (b, a): order 2 is symmetric."""
@@ -163,12 +139,9 @@ def _tensor(values: tuple, device: torch.device) -> torch.Tensor:
     return torch.tensor(values, device=device)
 
 
-def gather_rows(x: torch.Tensor, rows: tuple[int, ...], weights: tuple[float, ...] | None = None) -> torch.Tensor:
-    """x [N, F, *] -> [N, len(rows), *], contiguous: row r = weights[r]·x[:, rows[r]], zero where rows[r] = -1."""
-    x = torch.cat([x, x.new_zeros(x.shape[0], 1, *x.shape[2:])], 1)[:, _tensor(rows, x.device)]
-    if weights is not None:
-        x = x * _tensor(weights, x.device).to(x.dtype).view(1, -1, *([1] * (x.dim() - 2)))
-    return x.contiguous()
+def gather_rows(x: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
+    """x [N, F, *] -> [N, len(rows), *], contiguous: row r = x[:, rows[r]], zero where rows[r] = -1."""
+    return torch.cat([x, x.new_zeros(x.shape[0], 1, *x.shape[2:])], 1)[:, _tensor(rows, x.device)].contiguous()
 
 
 @functools.cache

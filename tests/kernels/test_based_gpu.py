@@ -42,20 +42,6 @@ def test_chunk_matches_naive_gpu(case, dtype):
         check_against_naive(chunk_based, case, dtype, "cuda", reference=_reference(case))
 
 
-SPLIT_CASES = [Case(B=1, T=T, H=2, K=16, V=64) for T in GPU_T] + [
-    Case(B=2, T=1000, H=2, K=16, V=112, scale=0.3),
-    Case(B=1, T=4096, H=2, K=8, V=64, normalize=False),
-]
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
-@pytest.mark.parametrize("case", SPLIT_CASES, ids=[c.id for c in SPLIT_CASES])
-def test_split_matches_naive_gpu(case, dtype):
-    """The split kernels (kernels/based/split.py) compiled for this GPU: outputs, final state and every gradient."""
-    with nan_empty():
-        check_against_naive(forced("split"), case, dtype, "cuda", reference=_reference(case))
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 def test_two_chained_calls_equal_one_gpu(dtype):
     case = Case(B=1, T=3000, H=2, K=16, V=64)
@@ -70,14 +56,13 @@ def test_two_chained_calls_equal_one_gpu(dtype):
         check_against_naive(chained, case, dtype, "cuda")
 
 
-@pytest.mark.parametrize("path", ["split", "fused"])
-def test_direct_launch_equals_the_jit_path_gpu(path, monkeypatch):
+def test_direct_launch_equals_the_jit_path_gpu(monkeypatch):
     """kernels/launch.py: from a key's second call on, kernels launch straight through their compiled launcher.
     Outputs, final state and every gradient are bit-identical to Triton's JIT path; misaligned inputs (another
     specialization) get their own compiled kernel and the same result."""
     from kernels import launch as L
 
-    fn = forced(path)
+    fn = forced("fused")
     case = Case(B=2, T=1000, H=2, K=16, V=64)
     inputs = make_inputs(case, "cuda")
     direct, stream = [], L._stream
@@ -160,33 +145,6 @@ def test_65536_tokens_fp16_forward_large_state():
     assert rel_error(o, ref) <= 1e-2, rel_error(o, ref)
 
 
-@pytest.mark.parametrize("inputs", ["large", "small-grad"])
-def test_65536_tokens_fp16_split_kernels_in_range(inputs):
-    """fp16 through the split kernels' fp16 operands, 65536 tokens: large, biased inputs (k·4, v + 8: the order-2
-    state ≈ 8e6, past fp16's 65504, so the stored states must be over n), or dO·1e-3 (dO/den ≈ 1e-8, zero in fp16
-    unless carried times the chunk's den). Everything finite; the small gradients within 1e-2 of float64; at the
-    large inputs, whose dq cancels (o ≈ 8 + a small part), within twice the error of the fused kernels (whose
-    backward takes tf32 operands: fp32's range, the same 10-bit mantissa) run on the same inputs."""
-    case = Case(B=1, T=65536, H=1, K=16, V=64)
-    leaves = make_inputs(case, "cuda")
-    with torch.no_grad():
-        if inputs == "large":
-            leaves[1].mul_(4)
-            leaves[2].add_(8)
-    _, _, cot = run(chunked_reference(4096), leaves, case, torch.float64)
-    if inputs == "small-grad":
-        cot = [c * 1e-3 for c in cot]
-    ref_out, ref_grad, _ = run(chunked_reference(4096), leaves, case, torch.float64, cot)
-    out, grad, _ = run(forced("split"), leaves, case, torch.float16, cot)
-    base_out, base_grad, _ = run(forced("fused"), leaves, case, torch.float16, cot)
-    names = ("o", "kv", "k_sum", "dq", "dk", "dv", "dkv0", "dk_sum0")
-    for name, a, r, b in zip(names, out + list(grad), ref_out + list(ref_grad), base_out + list(base_grad)):
-        assert torch.isfinite(a).all(), f"{name} has inf or NaN"
-        err = rel_error(a, r)
-        bound = 1e-2 if inputs == "small-grad" else 2 * rel_error(b, r) + 1e-3
-        assert err <= bound, f"{name}: relative error {err:.3g} > {bound:.3g} (fused: {rel_error(b, r):.3g})"
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 def test_decode_in_cuda_graph(dtype):
     """Capture one step in a CUDA graph and replay it over T tokens: equals the recurrent form."""
@@ -226,21 +184,19 @@ def _count(monkeypatch, module, name, calls, tag=1):
     monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(tag) or real(*a, **kw))
 
 
-@pytest.mark.parametrize("path", ["split", "gluon"])
+@pytest.mark.parametrize("path", ["fused", "gluon"])
 def test_forward_backward_in_cuda_graph(path, monkeypatch):
     """A forward+backward captured in a CUDA graph and replayed, output and gradients by the rule against float64.
-    split: off Hopper (or at V=64 in fp16 on it) the auto rule takes the split kernels under capture even below
-    SPLIT_MIN_WORK (eagerly it stays fused there). gluon (Hopper): the Gluon forward and backward, eagerly and under
-    capture."""
-    from kernels.based import gluon_backward, ops, split
+    fused: off Hopper (or in fp16 on it) the auto rule takes the fused kernels. gluon (Hopper): the Gluon forward and
+    backward. Both eagerly and under capture."""
+    from kernels.based import fused, gluon_backward
 
     if path == "gluon" and not HOPPER:
         pytest.skip("the Gluon kernels need a Hopper GPU (sm_90)")
     dt = torch.bfloat16 if path == "gluon" or not HOPPER else torch.float16
     taken = []
-    _count(monkeypatch, gluon_backward if path == "gluon" else split, "backward", taken)
+    _count(monkeypatch, gluon_backward if path == "gluon" else fused, "backward", taken)
     case = Case(B=1, T=300, H=2, K=16, V=64)
-    assert case.B * case.H * case.T < ops.SPLIT_MIN_WORK
     q, k, v = (x.detach() for x in make_inputs(case, "cuda")[:3])
     do = torch.randn(q.shape[:3] + (case.V,), device="cuda", dtype=torch.float64)
     outs = {}
@@ -254,10 +210,8 @@ def test_forward_backward_in_cuda_graph(path, monkeypatch):
     dos = do.to(dt)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile both paths outside the capture
+    with torch.cuda.stream(side):  # compile outside the capture
         chunk_based(qs, ks, vs)[0].backward(dos)
-        assert bool(taken) == (path == "gluon")  # eagerly, below SPLIT_MIN_WORK: fused, or the Gluon kernels
-        forced(path)(qs, ks, vs)[0].backward(dos)
         assert taken
     torch.cuda.current_stream().wait_stream(side)
     taken.clear()

@@ -1,5 +1,5 @@
 """The Based Triton kernels on the CPU through Triton's interpreter, in fp32 (and fp16), at small odd shapes: every
-path `chunk_based` can take off a Hopper GPU (fused, split), decoding, torch.compile through the custom ops.
+path `chunk_based` can take off a Hopper GPU (fused), decoding, torch.compile through the custom ops.
 
 Each case is its own item. TRITON_INTERPRET=1 must be set before the kernels are defined; tests/kernels/conftest.py
 runs this module's items in a child process with it set when this process was started without it.
@@ -43,17 +43,6 @@ def test_fused_matches_naive(case):
         check_against_naive(chunk_based, case, torch.float32, "cpu")
 
 
-SPLIT = [c for c in CASES if c.K <= 16] + [Case(B=1, T=200, H=1, K=16, V=64)]  # T=200: four chunks of 64
-
-
-@pytest.mark.parametrize("case", SPLIT, ids=[c.id for c in SPLIT])
-def test_split_matches_naive(case):
-    """The split kernels (the states entering every chunk first, then every chunk at once; the backward likewise):
-    outputs, final state and every gradient, the initial state's included."""
-    with nan_empty():
-        check_against_naive(forced("split"), case, torch.float32, "cpu")
-
-
 # B·H = 1, 16 chunks of 32: the fused forward walks two segments of 256 tokens in parallel (`fused.segment_tokens`)
 SEGMENTED = [Case(B=1, T=512, H=1, K=5, V=16), Case(B=1, T=500, H=1, K=16, V=16, normalize=False)]
 
@@ -84,14 +73,12 @@ def test_fused_forward_in_chunks_of_64(monkeypatch):
 FP16_CASES = [Case(B=1, T=100, H=2, K=16, V=64), Case(B=1, T=37, H=1, K=5, V=16, normalize=False)]
 
 
-@pytest.mark.parametrize("path", ["fused", "split"])
 @pytest.mark.parametrize("case", FP16_CASES, ids=[c.id for c in FP16_CASES])
-def test_fp16_inputs_match_naive(case, path):
-    """fp16 inputs: the fused forward with fp16 operands (the state read as S/n) and its backward with tf32 ones, or
-    the split kernels with fp16 operands (states over n, dO/den times the chunk's smallest den): everything against
-    the naive form in fp16 (kernels/testing.py's rule)."""
+def test_fp16_inputs_match_naive(case):
+    """fp16 inputs: the fused forward with fp16 operands (the state read as S/n) and its backward with tf32 ones:
+    everything against the naive form in fp16 (kernels/testing.py's rule)."""
     with nan_empty():
-        check_against_naive(forced(path), case, torch.float16, "cpu")
+        check_against_naive(chunk_based, case, torch.float16, "cpu")
 
 
 def test_fp16_fused_forward_reads_a_large_state_in_range():
@@ -109,47 +96,12 @@ def test_fp16_fused_forward_reads_a_large_state_in_range():
         assert rel_error(a, r) <= 1e-2, (name, rel_error(a, r))
 
 
-def _fp16_split_errors(k_mul=1.0, v_add=0.0, cot_mul=1.0):
-    """Relative errors against float64 of the split kernels' outputs and gradients for fp16 inputs (T=200)."""
-    case = Case(B=1, T=200, H=1, K=16, V=64)
-    inputs = make_inputs(case, "cpu")
-    with torch.no_grad():
-        inputs[1].mul_(k_mul)
-        inputs[2].add_(v_add)
-    _, _, cot = run(naive_parallel_based, inputs, case, torch.float64)
-    cot = [c * cot_mul for c in cot]
-    ref, ref_grad, _ = run(naive_parallel_based, inputs, case, torch.float64, cot)
-    out, grad, _ = run(forced("split"), inputs, case, torch.float16, cot)
-    names = ("o", "kv", "k_sum", "dq", "dk", "dv", "dkv0", "dk_sum0")
-    # o, dq, dk and dv come out of the kernels in fp16: where fp16 cannot hold them they are inf by rights (dk at the
-    # large inputs), and only the rest is compared
-    return {n: rel_error(a, r) for n, a, r in zip(names, list(out) + list(grad), list(ref) + list(ref_grad))
-            if n not in ("o", "dq", "dk", "dv") or r.abs().max() < torch.finfo(torch.float16).max}
-
-
-def test_fp16_split_backward_keeps_small_gradients():
-    """dO ≈ 1e-3: dO/den falls to ≈ 1e-6, fp16's subnormals, where it would lose most of its bits; the split kernels
-    carry it times the chunk's smallest den, so every gradient keeps fp16's own precision."""
-    errors = _fp16_split_errors(cot_mul=1e-3)
-    assert all(e <= 2e-3 for e in errors.values()), errors
-
-
-def test_fp16_split_kernels_keep_a_large_state_in_range():
-    """Large, biased inputs (k·10, v + 100, dO·10): the state passes fp16's range within 200 tokens, and so does the
-    order-2 contraction in dq; the split kernels store the states over n and contract with tf32 operands, so
-    everything fp16 can hold (all but dk) is finite and within 1e-2 of float64."""
-    errors = _fp16_split_errors(k_mul=10.0, v_add=100.0, cot_mul=10.0)
-    assert set(errors) == {"o", "kv", "k_sum", "dq", "dv", "dkv0", "dk_sum0"}
-    assert all(e <= 1e-2 for e in errors.values()), errors
-
-
-@pytest.mark.parametrize("path", ["fused", "split"])
-def test_two_chained_calls_equal_one(path):
+def test_two_chained_calls_equal_one():
     """Prefill in two pieces with the state carried equals one call: outputs, final state and gradients (which flow
     back through the carried state). The split point is not a multiple of the chunk."""
     case = Case(B=1, T=100, H=2, K=16, V=64)
     split = 37
-    fn = forced(path)
+    fn = chunk_based
 
     def chained(q, k, v, scale, initial_state, output_final_state, normalize):
         o1, mid = fn(q[:, :split], k[:, :split], v[:, :split], scale, initial_state, True, normalize)
@@ -180,13 +132,12 @@ def test_decode_steps_match_recurrent(normalize):
     assert_close("decode k_sum", state[1], ref_ks, base_ks, torch.float32)
 
 
-@pytest.mark.parametrize("path", ["fused", "split"])
-def test_decode_continues_chunked_prefill(path):
+def test_decode_continues_chunked_prefill():
     """Prefill with chunk_based, then decode one token from its final state as returned (contiguous fp32, no copy):
     equals one call over all tokens."""
     case = Case(B=1, T=20, H=2, K=16, V=64, initial_state=False)
     q, k, v, _, _ = (x.detach().float() if x is not None else None for x in make_inputs(case, "cpu"))
-    fn = forced(path)
+    fn = chunk_based
     o_all, (kv_all, ks_all) = fn(q, k, v, output_final_state=True)
     _, state = fn(q[:, :-1], k[:, :-1], v[:, :-1], output_final_state=True)
     assert state[0].is_contiguous() and state[1].is_contiguous() and state[0].dtype == torch.float32
@@ -203,21 +154,19 @@ def test_mixer_triton_matches_naive():
     check_mixer_triton_vs_naive("cpu")
 
 
-@pytest.mark.parametrize("path", ["fused", "split"])
-def test_torch_compile_fullgraph_runs_the_custom_ops(path, monkeypatch):
+def test_torch_compile_fullgraph_runs_the_custom_ops(monkeypatch):
     """torch.compile(fullgraph=True) of a training step through chunk_based traces the custom ops (their fake
     implementations give the shapes) and runs the same kernels: outputs, final state and gradients equal eager ones."""
-    from kernels.based import fused, split
+    from kernels.based import fused
 
     calls = []
-    module = fused if path == "fused" else split
     for name in ("forward", "backward"):
-        real = getattr(module, name)
-        monkeypatch.setattr(module, name, functools.partial(lambda real, name, *a, **kw: calls.append(name)
+        real = getattr(fused, name)
+        monkeypatch.setattr(fused, name, functools.partial(lambda real, name, *a, **kw: calls.append(name)
                                                             or real(*a, **kw), real, name))
     case = Case(B=1, T=40, H=2, K=16, V=64)
     inputs = make_inputs(case, "cpu")
-    fn = forced(path)
+    fn = forced("fused")
     eager_out, eager_grad, cot = run(fn, inputs, case, torch.float32)
     calls.clear()
     torch._dynamo.reset()
@@ -239,9 +188,8 @@ def test_custom_op_passes_opcheck():
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
-@pytest.mark.parametrize("path", ["fused", "split"])
 @pytest.mark.parametrize("part", ["kv", "k_sum"])
-def test_one_part_of_the_final_state_in_the_loss(path, part):
+def test_one_part_of_the_final_state_in_the_loss(part):
     """A loss of one part of the final state alone (the other's gradient reaches the backward as None): every
     gradient, the initial state's included, against float64 by the tolerance rule."""
     case = Case(B=1, T=70, H=2, K=16, V=64)
@@ -258,7 +206,7 @@ def test_one_part_of_the_final_state_in_the_loss(path, part):
 
     ref, base = grads(naive_parallel_based, torch.float64), grads(naive_parallel_based, torch.float32)
     with nan_empty():
-        out = grads(forced(path), torch.float32)
+        out = grads(chunk_based, torch.float32)
     for name, a, r, b in zip(("dq", "dk", "dv", "dkv0", "dk_sum0"), out, ref, base):
         if r is None:  # the loss does not depend on it
             assert a is None or (a == 0).all(), name

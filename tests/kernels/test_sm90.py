@@ -10,7 +10,6 @@ import torch
 import triton
 
 from kernels.based import fused, primitives
-from kernels.based.split import CONFIG
 from kernels.sm90 import compile_kernel, ptxas_report
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -42,33 +41,11 @@ def test_fused_kernels_compile_for_sm90(kind, dtype):
     assert 0 < _registers(kernel) <= 255
 
 
-# kernel: (value block, chunks per program, pipeline stages, register cap) at the split kernels' settings
-SPLIT = {"split_output": (CONFIG.output_BV, CONFIG.output_chunks, CONFIG.output_stages, CONFIG.maxnreg),
-         "split_features": (CONFIG.BV, 1, 1, None), "split_chain": (CONFIG.BV, 1, CONFIG.features_stages, None),
-         "split_dq": (CONFIG.output_BV, CONFIG.dq_chunks, CONFIG.dq_stages, CONFIG.maxnreg),
-         "split_dv": (CONFIG.BV, CONFIG.dv_chunks, CONFIG.dv_stages, CONFIG.maxnreg),
-         "split_dk": (CONFIG.BV, CONFIG.dk_chunks, CONFIG.dk_stages, CONFIG.maxnreg)}
-
-
-@pytest.mark.parametrize("dot", [primitives.DOT_BF16, primitives.DOT_FP16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("kind", sorted(SPLIT))
-def test_split_kernels_compile_for_sm90_within_their_register_caps(kind, dot):
-    """The split kernels at their settings (kernels/based/split.py CONFIG), states on, compile for sm_90a within the
-    register cap they are launched with."""
-    BV, G, stages, cap = SPLIT[kind]
-    kernel = compile_kernel(kind, 5, BV, CONFIG.BC, CONFIG.warps, states=True, OP=CONFIG.OP, maxnreg=cap, G=G,
-                            chunk_stages=stages, dot=dot)
-    assert 0 < _registers(kernel) <= (cap or 255)
-
-
-@pytest.mark.parametrize("kind", ["fwd", "dq", "dkv", "split_output", "split_features", "split_dq", "split_dv"])
+@pytest.mark.parametrize("kind", ["fwd", "dq", "dkv"])
 def test_kernels_compile_with_an_fp64_scale(kind):
     """torch.compile's inductor may launch a kernel with the Python float `scale` typed fp64, not fp32 as Triton's
     own launcher does; each kernel casts it to fp32 first (else the fused dk/dv kernel's loop-carried fp32
     accumulator turns fp64 and fails to compile)."""
-    if kind in ("fwd", "dq", "dkv"):
-        kernel = _fused(kind, torch.bfloat16, scale_dtype="fp64")
-    else:
-        kernel = compile_kernel(kind, 5, CONFIG.BV, CONFIG.BC, 4, states=True, OP=CONFIG.OP, scale_dtype="fp64")
+    kernel = _fused(kind, torch.bfloat16, scale_dtype="fp64")
     assert "cvt.rn.f32.f64" in kernel.asm["ptx"]  # the one conversion, at the top
     assert ".f64" not in kernel.asm["ptx"].replace("cvt.rn.f32.f64", "").replace(".param .f64", "")
