@@ -14,7 +14,11 @@
    kernel time per step (torch.profiler), eager and (with --compiled) compiled.
 3. The grid estimate: sum over the grid's runs of steps per epoch x epochs x the step's device time, which
    is what the GPU must execute when enough runs share it under MPS to hide their hosts' launch time. Runs
-   are charged the full `train.epochs` (no early stop), so the figure is an upper bound.
+   are charged the full `train.epochs` (no early stop), so the figure is an upper bound. With `--epochs-from
+   DIR` (finished runs' summary.json files, e.g. experiments/zoology_fig2/summaries), a second estimate charges
+   each finished run the epochs it took and the others the mean of their config's finished runs (the full
+   `train.epochs` where none finished): `grid_estimate_measured_s`.
+   `--from-json FILE --epochs-from DIR` recomputes both from a committed result, without a device.
 
 Prints tables, then one JSON line (committed as experiments/bench/results/sweep_speed.json).
 """
@@ -126,6 +130,40 @@ def time_step(run: list[str], steps: int, compiled: bool, device: torch.device) 
             "d_model": full.model.d_model, "seq_len": max(s.seq_len for s in full.data.train)}
 
 
+def run_key(summary: dict) -> tuple[str, int, int]:
+    """(mixer, L, d_model) of a finished run's summary, as `time_step` names a config."""
+    return "+".join(dict.fromkeys(summary["layers"])), summary["state_bytes_seq_len"], summary["d_model"]
+
+
+def measured_estimate(rows: list[dict], summary_dirs: list[str]) -> dict:
+    """The grid estimate with early stop as measured: each config's runs are charged the epochs its finished runs
+    took (their mean for the unfinished ones), or the full train.epochs where none finished."""
+    epochs: dict[tuple, list[int]] = {}
+    for directory in summary_dirs:
+        for path in sorted(Path(directory).glob("*.json")):
+            summary = json.loads(path.read_text())
+            epochs.setdefault(run_key(summary), []).append(summary["epochs"])
+    total, finished, by_mixer = 0.0, 0, {}
+    for r in rows:
+        if "error" in r:
+            continue
+        done = epochs.get((r["mixer"], r["seq_len"], r["d_model"]), [])[: r["runs"]]
+        rest = sum(done) / len(done) if done else r["epochs"]
+        seconds = r["epoch_s"] * (sum(done) + (r["runs"] - len(done)) * rest)
+        total += seconds
+        finished += len(done)
+        by_mixer[r["mixer"]] = by_mixer.get(r["mixer"], 0.0) + seconds
+    return {"grid_estimate_measured_s": total, "grid_estimate_measured_runs": finished,
+            "grid_estimate_measured_by_mixer_s": by_mixer}
+
+
+def print_measured(est: dict, upper: float | None) -> None:
+    print(f"\ngrid estimate with the measured epochs of {est['grid_estimate_measured_runs']} finished runs: "
+          f"{est['grid_estimate_measured_s']:.0f} s" + (f" (upper bound {upper:.0f} s)" if upper else ""))
+    for mixer, seconds in sorted(est["grid_estimate_measured_by_mixer_s"].items(), key=lambda kv: -kv[1]):
+        print(f"  {mixer:28s} {seconds:10.0f} s")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", nargs="*", default=DEFAULT_VARIANTS,
@@ -137,7 +175,17 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="the tiny grid (ZOO_FIG2=tiny), for a CPU smoke run")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--max-configs", type=int, default=0, help="time only the first N configs (0: all)")
+    p.add_argument("--epochs-from", nargs="*", default=[], metavar="DIR",
+                   help="finished runs' summaries: also estimate the grid with their measured epochs")
+    p.add_argument("--from-json", metavar="FILE", help="recompute the estimates from this bench's JSON (no device)")
     args = p.parse_args()
+    if args.from_json:
+        out = json.loads(Path(args.from_json).read_text())
+        if args.epochs_from:
+            out |= measured_estimate(out["configs"], args.epochs_from)
+            print_measured(out, out.get("grid_estimate_s"))
+        print(json.dumps(out))
+        return
     device = torch.device(args.device)
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     if args.tiny:
@@ -205,6 +253,9 @@ def main() -> None:
             out["grid_runs_planned"] = len(runs)
             print(f"\ngrid estimate: {total:.0f} s for {len(runs)} runs on one device "
                   f"(target {TARGET_GRID_S} s; epochs: {out['grid_estimate_epochs']})")
+            if args.epochs_from:
+                out |= measured_estimate(ok, args.epochs_from)
+                print_measured(out, total)
         else:
             print(f"\nno grid estimate: {len(groups) - len(ok)} of {len(groups)} configs were not timed")
     out["baseline_probe16_s_landed"] = BASELINE_PROBE_S

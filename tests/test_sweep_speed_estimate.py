@@ -1,0 +1,46 @@
+"""experiments/bench/sweep_speed.py's grid estimate from measured early-stop epochs: finished runs are charged
+the epochs they took, the rest of their config the mean of those, configs with no finished run the full epochs."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "experiments" / "bench" / "sweep_speed.py"
+
+
+def bench():
+    spec = importlib.util.spec_from_file_location("sweep_speed_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ROWS = [
+    {"mixer": "attention", "seq_len": 64, "d_model": 64, "epoch_s": 2.0, "epochs": 64, "runs": 4},
+    {"mixer": "short_conv+based", "seq_len": 64, "d_model": 64, "epoch_s": 1.0, "epochs": 64, "runs": 4},
+]
+
+
+def write_summaries(directory: Path, finished: list[tuple[list[str], int]]) -> None:
+    for i, (layers, epochs) in enumerate(finished):
+        summary = {"layers": layers, "state_bytes_seq_len": 64, "d_model": 64, "epochs": epochs}
+        (directory / f"run{i}.json").write_text(json.dumps(summary))
+
+
+@pytest.mark.parametrize(
+    ("finished", "expected"),
+    [
+        ([], 2.0 * 64 * 4 + 1.0 * 64 * 4),  # nothing finished: the upper bound
+        ([(["attention", "attention"], 8)], 2.0 * 8 * 4 + 1.0 * 64 * 4),  # one run: its config charged 8 a run
+        ([(["attention", "attention"], 8), (["attention", "attention"], 16), (["short_conv", "based"], 2)],
+         2.0 * (8 + 16 + 2 * 12) + 1.0 * 2 * 4),  # the unfinished runs of a config: the mean of its finished
+    ],
+    ids=["none-finished", "one-finished", "mean-of-finished"],
+)
+def test_measured_estimate(tmp_path, finished, expected):
+    write_summaries(tmp_path, finished)
+    est = bench().measured_estimate(ROWS, [str(tmp_path)])
+    assert est["grid_estimate_measured_s"] == pytest.approx(expected)
+    assert est["grid_estimate_measured_runs"] == len(finished)
