@@ -38,9 +38,9 @@ import torch
 from einops import rearrange
 
 try:  # run as a script (python experiments/bench/NAME.py) or as a module
-    from timing import median_ms
+    from timing import fmt, median_ms
 except ImportError:
-    from experiments.bench.timing import median_ms
+    from experiments.bench.timing import fmt, median_ms
 
 from zoo.models.mixers import _long_conv, h3, hyena
 from zoo.models.mixers._common import check_input, compute_dtype
@@ -177,11 +177,6 @@ def row(mixer: str, d: int, L: int, B: int, device: torch.device, repeats: int) 
         r[f"{form}_err_y"] = rel_diff(y, y_ref)
         r[f"{form}_err_dparams"] = max(rel_diff(a, b) for a, b in zip(g[1:], g_ref[1:]))
     return r
-
-
-def fmt(v, spec: str) -> str:
-    """format(v, spec), or "-" at the same width for a missing value (memory off CUDA)."""
-    return format(v, spec) if v is not None else "-".rjust(int(spec.split(".")[0] or 0))
 
 
 def main() -> None:

@@ -33,9 +33,9 @@ from unittest import mock
 import torch
 
 try:  # run as a script (python experiments/bench/NAME.py) or as a module
-    from timing import median_ms
+    from timing import fmt, median_ms
 except ImportError:
-    from experiments.bench.timing import median_ms
+    from experiments.bench.timing import fmt, median_ms
 
 from zoo.models.mixers import _long_conv, h3, hyena, long_conv
 from zoo.models.mixers._long_conv import DIRECT_MAX_T, direct_causal_conv, fft_causal_conv
@@ -195,11 +195,6 @@ def mixer_rows(d: int, panels, device: torch.device, repeats: int) -> list[dict]
         rows += [mixer_row("h3", m_h3, x, repeats), mixer_row("hyena", m_hyena, x, repeats)]
         rows += kernel_rows(m_h3, L, device, repeats)
     return rows
-
-
-def fmt(v, spec: str) -> str:
-    """format(v, spec), or "-" at the same width for a missing value (memory off CUDA)."""
-    return format(v, spec) if v is not None else "-".rjust(int(spec.split(".")[0] or 0))
 
 
 def main() -> None:

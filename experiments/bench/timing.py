@@ -1,4 +1,4 @@
-"""Timing shared by the benchmarks in this folder."""
+"""Timing and table formatting shared by the benchmarks in this folder."""
 
 from __future__ import annotations
 
@@ -26,3 +26,8 @@ def median_ms(fn, device: torch.device, repeats: int) -> float:
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def fmt(v, spec: str) -> str:
+    """format(v, spec), or "-" at the same width for a missing value (memory off CUDA)."""
+    return format(v, spec) if v is not None else "-".rjust(int(spec.split(".")[0] or 0))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Any
 
 import torch
@@ -113,3 +114,18 @@ def module_device_dtype(
     """Defaults for init_state: the device and dtype of the module's first parameter."""
     param = next(module.parameters())
     return (torch.device(device) if device is not None else param.device), (dtype or param.dtype)
+
+
+def zoology_mamba_block_init(
+    projections: tuple[torch.nn.Linear, ...], conv_weight: torch.Tensor, conv_bias: torch.Tensor, n_layers: int
+) -> None:
+    """Zoology's init for its Mamba blocks, which the LanguageModel's generic one would otherwise replace: each
+    projection keeps nn.Linear's own U(±1/√fan_in), the last one (out_proj) further divided by √n_layers (GPT-2's
+    residual scaling), and the depthwise conv [channels, k] takes nn.Conv1d's U(±1/√k) for weight and bias."""
+    for linear in projections:
+        linear.reset_parameters()
+    with torch.no_grad():
+        projections[-1].weight /= math.sqrt(n_layers)
+        bound = 1 / math.sqrt(conv_weight.shape[-1])
+        conv_weight.uniform_(-bound, bound)
+        conv_bias.uniform_(-bound, bound)

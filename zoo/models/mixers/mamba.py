@@ -48,6 +48,7 @@ from zoo.models.mixers._common import (
     make_config,
     module_device_dtype,
     require_triton_device,
+    zoology_mamba_block_init,
 )
 from zoo.models.mixers._long_conv import depthwise_causal_conv
 
@@ -111,16 +112,9 @@ class Mamba(nn.Module):
         log_impl(self.name, c.impl)
 
     def init_weights(self, n_layers: int) -> None:
-        """Zoology's init for its Mamba blocks, run by the LanguageModel after its generic one: the projections
-        keep nn.Linear's own U(±1/√fan_in), out_proj's further divided by √n_layers (GPT-2's residual scaling),
-        the depthwise conv nn.Conv1d's U(±1/√k) for weight and bias; Δ, A and D keep the SSM init above."""
-        for linear in (self.in_proj, self.x_proj, self.out_proj):
-            linear.reset_parameters()
-        with torch.no_grad():
-            self.out_proj.weight /= math.sqrt(n_layers)
-            bound = 1 / math.sqrt(self.config.conv_size)
-            self.conv_weight.uniform_(-bound, bound)
-            self.conv_bias.uniform_(-bound, bound)
+        """Zoology's init for its Mamba blocks (`zoology_mamba_block_init`), run by the LanguageModel after its
+        generic one; Δ, A and D keep the SSM init above."""
+        zoology_mamba_block_init((self.in_proj, self.x_proj, self.out_proj), self.conv_weight, self.conv_bias, n_layers)
 
     def _prepare(self, x: torch.Tensor, history: torch.Tensor):
         """x: [B, T, d] -> (u, z: [B, T, di]; dt: [B, T, di]; Bm, Cm: [B, T, N]; new conv history)."""

@@ -30,6 +30,7 @@ from zoo.models.mixers._common import (
     compute_dtype,
     make_config,
     module_device_dtype,
+    zoology_mamba_block_init,
 )
 from zoo.models.mixers._long_conv import depthwise_causal_conv
 
@@ -84,16 +85,9 @@ class Mamba2(nn.Module):
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=False)
 
     def init_weights(self, n_layers: int) -> None:
-        """Zoology's init for its Mamba blocks, run by the LanguageModel after its generic one: the projections
-        keep nn.Linear's own U(±1/√fan_in), out_proj's further divided by √n_layers (GPT-2's residual scaling),
-        the depthwise conv nn.Conv1d's U(±1/√k) for weight and bias; Δ, A and D keep the SSM init above."""
-        for linear in (self.in_proj, self.out_proj):
-            linear.reset_parameters()
-        with torch.no_grad():
-            self.out_proj.weight /= math.sqrt(n_layers)
-            bound = 1 / math.sqrt(self.config.conv_size)
-            self.conv_weight.uniform_(-bound, bound)
-            self.conv_bias.uniform_(-bound, bound)
+        """Zoology's init for its Mamba blocks (`zoology_mamba_block_init`), run by the LanguageModel after its
+        generic one; Δ, A and D keep the SSM init above."""
+        zoology_mamba_block_init((self.in_proj, self.out_proj), self.conv_weight, self.conv_bias, n_layers)
 
     def _prepare(self, x: torch.Tensor, history: torch.Tensor):
         """x: [B, T, d] -> z [B, T, di], xh [B, T, H, P], Bm, Cm [B, T, N], dt [B, T, H], new conv history."""
