@@ -165,10 +165,38 @@ def test_conv_under_autocast(path):
         assert 0 < error <= 2**-6, f"{name}: relative error {error:.2e}"
 
 
-def test_toeplitz_op_passes_opcheck():
-    """Schema, fake tensor, autograd registration and torch.compile tracing of the custom op."""
-    u, h = random(2, 6, 3, seed=11).requires_grad_(), random(6, 3, seed=12).requires_grad_()
-    torch.library.opcheck(torch.ops.zoo_conv.toeplitz_conv, (u, h))
+def _op_inputs(layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """u [2, 6, 3] and h [6, 3], contiguous or as transposed views (explicit_causal_conv passes h = weight.flip(1).T)."""
+    if layout == "contiguous":
+        return random(2, 6, 3, seed=11), random(6, 3, seed=12)
+    return random(2, 3, 6, seed=11).transpose(1, 2), random(3, 6, seed=12).T
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_toeplitz_op_passes_opcheck(layout):
+    """Schema, fake tensor (its strides included), autograd registration and torch.compile tracing of the op."""
+    u, h = _op_inputs(layout)
+    torch.library.opcheck(torch.ops.zoo_conv.toeplitz_conv, (u.requires_grad_(), h.requires_grad_()))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_toeplitz_backward_op_passes_opcheck(layout):
+    u, h = _op_inputs(layout)
+    grad_y = random(2, 6, 3, seed=13)
+    torch.library.opcheck(torch.ops.zoo_conv.toeplitz_conv_backward, (grad_y, u, h))
+
+
+def test_compiled_long_explicit_conv_backward_equals_eager():
+    """A filter longer than SHIFTED_SUM_MAX_TAPS reaches the op as a transposed view; the compiled backward must
+    agree with the fake op's strides (inductor asserts them) and with eager."""
+    k = SHIFTED_SUM_MAX_TAPS + 8
+    u, weight = random(2, k, 3, seed=14), random(3, k, seed=15)
+    grads = []
+    for fn in (explicit_causal_conv, torch.compile(explicit_causal_conv, fullgraph=True)):
+        w = weight.clone().requires_grad_()
+        fn(u, w, None).square().sum().backward()
+        grads.append(w.grad)
+    torch.testing.assert_close(grads[1], grads[0])
 
 
 @pytest.mark.parametrize("path", list(PATHS))

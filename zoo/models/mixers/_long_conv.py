@@ -165,7 +165,11 @@ def _toeplitz_conv_backward(
 
 @_toeplitz_conv_backward.register_fake
 def _toeplitz_conv_backward_fake(grad_y, u, h):
-    return torch.empty_like(u, memory_format=torch.contiguous_format), torch.empty_like(h)
+    # Both gradients come out contiguous, as the real op returns them, whatever the strides of u and h.
+    return (
+        torch.empty_like(u, memory_format=torch.contiguous_format),
+        torch.empty_like(h, memory_format=torch.contiguous_format),
+    )
 
 
 def _toeplitz_setup(ctx, inputs, output):
