@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from zoo.plot import best_lr_points, frontier, make_figures
-from zoo.sweep import load_sweep, main, run_sweep
+from zoo.sweep import error_line, load_sweep, main, run_sweep
 
 TINY = [
     "model.d_model=16",
@@ -240,3 +240,13 @@ def test_frontier_sweep_picks_gated_deltanet_impl_by_machine(monkeypatch):
     assert gdn_impls("tiny") == {"naive"}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gdn_impls("full") == {"fla"}
+
+
+@pytest.mark.parametrize(
+    ("message", "want"),
+    [("stride 64==1 at dim=0\nError in op: x\nSee https://docs", "AssertionError: stride 64==1 at dim=0"),
+     ("\n\n  first\nlast", "AssertionError: first"), ("", "AssertionError")],
+    ids=["footer-last", "leading-blank", "empty"],
+)
+def test_a_failed_run_is_recorded_by_its_exception_and_first_line(message, want):
+    assert error_line(AssertionError(message)) == want

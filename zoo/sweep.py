@@ -147,6 +147,13 @@ def _device_overrides() -> list[str]:
     return ["train.device=" + ("cuda" if device.startswith("cuda") else device)]
 
 
+def error_line(e: BaseException) -> str:
+    """One line for a failed run's record: the exception's type and the first non-empty line of its message (the
+    last line of a traceback is often a footer such as a documentation link; error.txt keeps the whole)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
 def run_one(overrides: list[str], extra: list[str]) -> dict[str, Any]:
     """Compose, then train one run unless it already finished; never raises (failures are returned)."""
     from zoo.runs import RunDir
@@ -167,10 +174,10 @@ def run_one(overrides: list[str], extra: list[str]) -> dict[str, Any]:
         cfg.train.resume = True
     try:
         summary = train(cfg, resolved)
-    except Exception:  # a failing run is recorded; the sweep goes on
+    except Exception as e:  # a failing run is recorded; the sweep goes on
         run.path.mkdir(parents=True, exist_ok=True)
         (run.path / "error.txt").write_text(traceback.format_exc())
-        return record | {"status": "failed", "error": traceback.format_exc().strip().splitlines()[-1]}
+        return record | {"status": "failed", "error": error_line(e)}
     (run.path / "error.txt").unlink(missing_ok=True)
     return record | {
         "status": "finished",
@@ -228,12 +235,12 @@ def run_pack(runs: list[list[str]], extra: list[str]) -> list[dict[str, Any]]:
         for record in todo:
             record |= run_one(record["overrides"], extra) | {"unpacked": str(e)}
         return records
-    except Exception:  # the whole pack failed: every member is recorded as failed; the sweep goes on
+    except Exception as e:  # the whole pack failed: every member is recorded as failed; the sweep goes on
         for record in todo:
             path = Path(record["run_dir"])
             path.mkdir(parents=True, exist_ok=True)
             (path / "error.txt").write_text(traceback.format_exc())
-            record |= {"status": "failed", "error": traceback.format_exc().strip().splitlines()[-1]}
+            record |= {"status": "failed", "error": error_line(e)}
         return records
     for record, summary in zip(todo, summaries):
         (Path(record["run_dir"]) / "error.txt").unlink(missing_ok=True)
