@@ -1,8 +1,9 @@
 """Mamba's selective scan in Triton: one program per (sequence, block of BD channels) walks the T tokens with
 its [BD, N] state in registers, in one launch (the PyTorch loop launches ~6 kernels per token forward and twice
-that backward). The forward stores every h_t (fp32, [B, T, D, N]) for the backward, which walks the tokens in
-reverse carrying dL/dh. dB and dC are reduced over channel blocks and dA over sequences from per-program
-partial sums (no atomics: deterministic). Specification: `naive.selective_scan_naive`.
+that backward). When a backward is to come, the forward stores every h_t (fp32, [B, T, D, N]) for it; the
+backward walks the tokens in reverse carrying dL/dh. dB and dC are reduced over channel blocks and dA over sequences from per-program
+partial sums (no atomics: deterministic). Both directions are `torch.library` custom ops with fake impls, so
+torch.compile and CUDA graphs call the same kernels as eager code. Specification: `naive.selective_scan_naive`.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def _token(u, dt, Bm, Cm, row, offs_d, offs_n, m_d, m_n, D: tl.constexpr, N: tl.
 
 @triton.jit
 def _fwd_kernel(u, dt, A, Bm, Cm, h0, y, hs, hT, T, D: tl.constexpr, N: tl.constexpr, BD: tl.constexpr,
-                BN: tl.constexpr, USE_H0: tl.constexpr):
+                BN: tl.constexpr, USE_H0: tl.constexpr, SAVE: tl.constexpr):
     i_b, i_d = tl.program_id(0), tl.program_id(1)
     offs_d, offs_n, m_d, m_n, m_dn, dn = _tile(i_d, D, N, BD, BN)
     a = tl.load(A + dn, mask=m_dn, other=0.0).to(tl.float32)
@@ -48,7 +49,8 @@ def _fwd_kernel(u, dt, A, Bm, Cm, h0, y, hs, hT, T, D: tl.constexpr, N: tl.const
         ut, dtt, bt, ct = _token(u, dt, Bm, Cm, row, offs_d, offs_n, m_d, m_n, D, N)
         h = tl.exp(dtt[:, None] * a) * h + (dtt * ut)[:, None] * bt[None, :]
         tl.store(y + row * D + offs_d, tl.sum(h * ct[None, :], 1), mask=m_d)
-        tl.store(hs + row * D * N + dn, h, mask=m_dn)
+        if SAVE:
+            tl.store(hs + row * D * N + dn, h, mask=m_dn)
     tl.store(hT + i_b.to(tl.int64) * D * N + dn, h, mask=m_dn)
 
 
@@ -102,37 +104,79 @@ def _blocks(D: int, N: int) -> tuple[int, int]:
     return BD, BN
 
 
-class SelectiveScanFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, u, dt, A, Bm, Cm, h0):
-        Bsz, T, D = u.shape
-        N = A.shape[1]
-        BD, BN = _blocks(D, N)
-        grid = (Bsz, cdiv(D, BD))
-        y = torch.empty(Bsz, T, D, device=u.device, dtype=torch.float32)
-        hs = torch.empty(Bsz, T, D, N, device=u.device, dtype=torch.float32)
-        hT = torch.empty(Bsz, D, N, device=u.device, dtype=torch.float32)
-        launch(_fwd_kernel, grid, u, dt, A, Bm, Cm, h0, y, hs, hT, T, D=D, N=N, BD=BD, BN=BN, USE_H0=h0 is not None)
-        ctx.save_for_backward(u, dt, A, Bm, Cm, h0, hs)
-        return y.to(u.dtype), hT
+@torch.library.custom_op("zoo_selective_scan::fwd", mutates_args=())
+def _fwd_op(u: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
+            h0: torch.Tensor | None, save: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> y [B, T, D] fp32, the states h_t [B, T, D, N] fp32 (empty unless `save`), h_T [B, D, N] fp32."""
+    Bsz, T, D = u.shape
+    N = A.shape[1]
+    BD, BN = _blocks(D, N)
+    f32 = dict(device=u.device, dtype=torch.float32)
+    y = torch.empty(Bsz, T, D, **f32)
+    # Every h_t, for the backward; a forward without one to come stores none.
+    hs = torch.empty(Bsz, T, D, N, **f32) if save else torch.empty(0, **f32)
+    hT = torch.empty(Bsz, D, N, **f32)
+    launch(_fwd_kernel, (Bsz, cdiv(D, BD)), u, dt, A, Bm, Cm, h0, y, hs, hT, T, D=D, N=N, BD=BD, BN=BN,
+           USE_H0=h0 is not None, SAVE=save)
+    return y, hs, hT
 
-    @staticmethod
-    def backward(ctx, dy, dhT):
-        u, dt, A, Bm, Cm, h0, hs = ctx.saved_tensors
-        Bsz, T, D = u.shape
-        N = A.shape[1]
-        BD, BN = _blocks(D, N)
-        NDB = cdiv(D, BD)
-        f32 = dict(device=u.device, dtype=torch.float32)
-        du, ddt = torch.empty(Bsz, T, D, **f32), torch.empty(Bsz, T, D, **f32)
-        dA = torch.empty(Bsz, D, N, **f32)
-        dB, dC = torch.empty(NDB, Bsz, T, N, **f32), torch.empty(NDB, Bsz, T, N, **f32)
-        dh0 = torch.empty(Bsz, D, N, **f32)
-        dy = torch.zeros(Bsz, T, D, **f32) if dy is None else dy.contiguous()
-        launch(_bwd_kernel, (Bsz, NDB), u, dt, A, Bm, Cm, h0, hs, dy, dhT, du, ddt, dA, dB, dC, dh0, T, Bsz,
-               D=D, N=N, BD=BD, BN=BN, USE_H0=h0 is not None, USE_DHT=dhT is not None)
-        return (du.to(u.dtype), ddt.to(dt.dtype), dA.sum(0).to(A.dtype), dB.sum(0).to(Bm.dtype),
-                dC.sum(0).to(Cm.dtype), dh0.to(h0.dtype) if h0 is not None else None)
+
+@_fwd_op.register_fake
+def _fwd_fake(u, dt, A, Bm, Cm, h0, save):
+    Bsz, T, D = u.shape
+    N = A.shape[1]
+    f32 = dict(device=u.device, dtype=torch.float32)
+    hs = torch.empty(Bsz, T, D, N, **f32) if save else torch.empty(0, **f32)
+    return torch.empty(Bsz, T, D, **f32), hs, torch.empty(Bsz, D, N, **f32)
+
+
+@torch.library.custom_op("zoo_selective_scan::bwd", mutates_args=())
+def _bwd_op(u: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
+            h0: torch.Tensor | None, hs: torch.Tensor, dy: torch.Tensor, dhT: torch.Tensor | None) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> du, ddt [B, T, D], dA [D, N], dB, dC [B, T, N] and dh0 [B, D, N], all fp32 (dh0 zero without h0)."""
+    Bsz, T, D = u.shape
+    N = A.shape[1]
+    BD, BN = _blocks(D, N)
+    NDB = cdiv(D, BD)
+    f32 = dict(device=u.device, dtype=torch.float32)
+    du, ddt = torch.empty(Bsz, T, D, **f32), torch.empty(Bsz, T, D, **f32)
+    dA = torch.empty(Bsz, D, N, **f32)
+    dB, dC = torch.empty(NDB, Bsz, T, N, **f32), torch.empty(NDB, Bsz, T, N, **f32)
+    dh0 = torch.empty(Bsz, D, N, **f32)
+    launch(_bwd_kernel, (Bsz, NDB), u, dt, A, Bm, Cm, h0, hs, dy, dhT, du, ddt, dA, dB, dC, dh0, T, Bsz,
+           D=D, N=N, BD=BD, BN=BN, USE_H0=h0 is not None, USE_DHT=dhT is not None)
+    return du, ddt, dA.sum(0), dB.sum(0), dC.sum(0), dh0
+
+
+@_bwd_op.register_fake
+def _bwd_fake(u, dt, A, Bm, Cm, h0, hs, dy, dhT):
+    Bsz, T, D = u.shape
+    N = A.shape[1]
+    f32 = dict(device=u.device, dtype=torch.float32)
+    return (torch.empty(Bsz, T, D, **f32), torch.empty(Bsz, T, D, **f32), torch.empty(D, N, **f32),
+            torch.empty(Bsz, T, N, **f32), torch.empty(Bsz, T, N, **f32), torch.empty(Bsz, D, N, **f32))
+
+
+def _setup(ctx, inputs, output):
+    u, dt, A, Bm, Cm, h0, save = inputs
+    ctx.save_for_backward(u, dt, A, Bm, Cm, h0, output[1])
+    ctx.kept_states = save
+
+
+def _grad(ctx, dy, _dhs, dhT):
+    if not ctx.kept_states:
+        raise RuntimeError("selective_scan: the forward ran without a gradient in view and kept no states")
+    u, dt, A, Bm, Cm, h0, hs = ctx.saved_tensors
+    dy = torch.zeros(u.shape, device=u.device, dtype=torch.float32) if dy is None else dy.float().contiguous()
+    dhT = None if dhT is None else dhT.float().contiguous()
+    du, ddt, dA, dB, dC, dh0 = torch.ops.zoo_selective_scan.bwd(u, dt, A, Bm, Cm, h0, hs, dy, dhT)
+    return (du.to(u.dtype), ddt.to(dt.dtype), dA.to(A.dtype), dB.to(Bm.dtype), dC.to(Cm.dtype),
+            dh0 if h0 is not None else None, None)
+
+
+# A custom op, so that torch.compile and CUDA graphs call these kernels as opaque ops, as eager code does.
+_fwd_op.register_autograd(_grad, setup_context=_setup)
 
 
 def selective_scan(u, dt, A, Bm, Cm, h0=None):
@@ -147,5 +191,6 @@ def selective_scan(u, dt, A, Bm, Cm, h0=None):
     if u.dtype == torch.float64:
         raise TypeError("selective_scan computes in fp32; use naive.selective_scan_naive for float64")
     h0 = None if h0 is None else h0.float().contiguous()
-    return SelectiveScanFunction.apply(u.contiguous(), dt.contiguous(), A.contiguous(), Bm.contiguous(),
-                                       Cm.contiguous(), h0)
+    save = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (u, dt, A, Bm, Cm, h0))
+    y, _, hT = _fwd_op(u.contiguous(), dt.contiguous(), A.contiguous(), Bm.contiguous(), Cm.contiguous(), h0, save)
+    return y.to(u.dtype), hT

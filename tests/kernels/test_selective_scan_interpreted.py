@@ -45,6 +45,36 @@ def test_selective_scan_matches_the_loop(case):
         assert_close(name, a, r, b, torch.float32)
 
 
+@pytest.mark.parametrize("h0", [False, True], ids=["no-h0", "h0"])
+def test_compiled_scan_equals_eager(h0):
+    """torch.compile calls the custom ops: outputs and every gradient equal the eager call's (a compiled Mamba LM
+    once trained on wrong gradients, where dynamo traced the kernels itself)."""
+    xs = inputs(2, 9, 8, 4, h0, seed=3)
+    g = torch.Generator().manual_seed(4)
+    gy, gh = torch.randn(2, 9, 8, generator=g), torch.randn(2, 8, 4, generator=g)
+    eager = run(selective_scan, xs, gy, gh)
+    compiled = run(torch.compile(selective_scan, fullgraph=True), xs, gy, gh)
+    for name, a, b in zip(["y", "h_T", "du", "ddt", "dA", "dB", "dC", "dh0"], compiled, eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_forward_without_grad_keeps_no_states():
+    xs = inputs(2, 5, 6, 3, True)
+    with torch.no_grad():
+        y, h = selective_scan(*xs)
+    y_ref, h_ref = selective_scan_naive(*xs)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h, h_ref, rtol=1e-5, atol=1e-5)
+    out = torch.ops.zoo_selective_scan.fwd(*[x.contiguous() for x in xs], False)
+    assert out[1].numel() == 0
+
+
+def test_scan_ops_pass_opcheck():
+    xs = [x.requires_grad_() for x in inputs(2, 5, 6, 3, True)]
+    torch.library.opcheck(torch.ops.zoo_selective_scan.fwd, (*xs, True), test_utils=(
+        "test_schema", "test_faketensor", "test_autograd_registration"))
+
+
 def test_selective_scan_rejects_bad_shapes():
     u, dt, A, Bm, Cm, _ = inputs(1, 4, 6, 3, False)
     with pytest.raises(ValueError, match=r"A must be \[D, N\]"):
