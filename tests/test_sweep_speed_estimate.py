@@ -44,3 +44,7 @@ def test_measured_estimate(tmp_path, finished, expected):
     est = bench().measured_estimate(ROWS, [str(tmp_path)])
     assert est["grid_estimate_measured_s"] == pytest.approx(expected)
     assert est["grid_estimate_measured_runs"] == len(finished)
+
+
+def test_upper_bound_charges_every_run_the_full_epochs():
+    assert bench().upper_estimate(ROWS) == 2.0 * 64 * 4 + 1.0 * 64 * 4

@@ -135,6 +135,11 @@ def run_key(summary: dict) -> tuple[str, int, int]:
     return "+".join(dict.fromkeys(summary["layers"])), summary["state_bytes_seq_len"], summary["d_model"]
 
 
+def upper_estimate(rows: list[dict]) -> float:
+    """Every run of a config charged its config's epoch time x the full train.epochs (no early stop)."""
+    return sum(r["epoch_s"] * r["epochs"] * r["runs"] for r in rows)
+
+
 def measured_estimate(rows: list[dict], summary_dirs: list[str]) -> dict:
     """The grid estimate with early stop as measured: each config's runs are charged the epochs its finished runs
     took (their mean for the unfinished ones), or the full train.epochs where none finished."""
@@ -180,7 +185,8 @@ def main() -> None:
     p.add_argument("--from-json", metavar="FILE", help="recompute the estimates from this bench's JSON (no device)")
     args = p.parse_args()
     if args.from_json:
-        out = json.loads(Path(args.from_json).read_text())
+        out = json.loads(Path(args.from_json).read_text().strip().splitlines()[-1])
+        out["grid_estimate_s"] = upper_estimate(out["configs"])
         if args.epochs_from:
             out |= measured_estimate(out["configs"], args.epochs_from)
             print_measured(out, out.get("grid_estimate_s"))
@@ -243,11 +249,7 @@ def main() -> None:
         out["configs"] = rows
         ok = [r for r in rows if "error" not in r]
         if ok and len(ok) == len(groups):
-            # every run of a config is charged its config's epoch time x its epochs (full train.epochs unless
-            # measured); the runs of the grid not timed (failed configs) make the estimate incomplete
-            total = 0.0
-            for r in ok:
-                total += r["epoch_s"] * r["epochs"] * r["runs"]
+            total = upper_estimate(ok)
             out["grid_estimate_s"] = total
             out["grid_estimate_epochs"] = "full train.epochs (upper bound)"
             out["grid_runs_planned"] = len(runs)
