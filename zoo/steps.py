@@ -18,8 +18,9 @@ Every strategy reads and writes the same checkpoint format (`zoo.train.checkpoin
 under any of them. A pack's limits are each a one-line PackError before any work (`check_pack`):
 - Members share train.seed: the batch order is drawn from it, so runs of other seeds see other batches and
   cannot share a forward pass.
-- In a pack of several, every mixer runs in PyTorch (impl=naive, or impl=chunk for DeltaNet and Gated
-  DeltaNet): the FLA and Triton kernels have no vmap rule.
+- In a pack of several, every mixer runs an impl that torch.func.vmap can batch (its class's `vmap_impls`): the
+  PyTorch forms (impl=naive, or impl=chunk for DeltaNet and Gated DeltaNet), and the Triton kernels of Mamba and
+  RWKV-4, whose custom ops have vmap rules (one launch for the whole pack). The FLA kernels have none.
 - No train.compile (train.cuda_graph captures the whole step instead) and no wandb mirror.
 - Before training, every row's loss and gradient on 8 examples must equal the plain model's
   (`PackedParams.check_agreement`), so a device whose vmap rules compute something else fails loudly and
@@ -134,10 +135,11 @@ def check_pack(members: list[Config], run_names: list[str] | None = None) -> Non
     for name in dict.fromkeys(first.model.layers()):
         options = dict(first.model.mixers.get(name, {}))
         impl = getattr(make_config(name, MIXERS[name].Config, first.model.d_model, options), "impl", "naive")
-        if impl not in PYTORCH_IMPLS:
+        packable = getattr(MIXERS[name], "vmap_impls", PYTORCH_IMPLS)
+        if impl not in packable:
             raise PackError(
-                f"mixer {name} has impl={impl}, which has no torch.func.vmap rule; packed runs need impl=naive "
-                "(or DeltaNet's impl=chunk)"
+                f"mixer {name} has impl={impl}, which has no torch.func.vmap rule; packed runs need impl in "
+                f"{{{', '.join(packable)}}}"
             )
 
 

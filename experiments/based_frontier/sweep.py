@@ -76,7 +76,7 @@ def impl_overrides(preset: str, gpu: bool) -> dict:
     if not gpu:
         return {}
     if preset == "mamba":
-        # the Triton selective scan; these runs then train one at a time instead of as a vmapped lr pack
+        # the Triton selective scan (its custom op has a vmap rule: these runs pack under --pack-lrs too)
         return {"+model.mixers.mamba.impl": "triton"}
     if preset == "gla":
         return {"+model.mixers.gla.impl": "fla"}

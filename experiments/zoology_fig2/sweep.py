@@ -70,8 +70,8 @@ TRITON_MIXERS = {"mamba": "mamba", "rwkv": "rwkv4"}
 
 def gpu_overrides(mixer: str) -> dict:
     """Mamba's scan (kernels/selective_scan) and RWKV-4's WKV (kernels/rwkv4) through their Triton kernels on the
-    GPU (these runs then train one at a time, unpacked: a Triton kernel has no vmap rule); every other preset runs
-    its PyTorch path, which packs."""
+    GPU (their custom ops have vmap rules, so these runs pack under --pack-lrs too); every other preset runs its
+    PyTorch path, which packs."""
     return {f"+model.mixers.{TRITON_MIXERS[mixer]}.impl": "triton"} if mixer in TRITON_MIXERS else {}
 
 

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from kernels.launch import cdiv, check_devices, launch, next_power_of_2
 from kernels.rwkv4.naive import NO_TOKEN, State
+from kernels.vmap import channels_as_members, members_as_channels, members_first
 
 _NO_TOKEN = tl.constexpr(NO_TOKEN)
 
@@ -195,6 +196,22 @@ def _grad(ctx, gy, _gs, gaT, gbT, gpT):
 
 
 _fwd_op.register_autograd(_grad, setup_context=_setup)
+
+
+
+@_fwd_op.register_vmap
+def _fwd_vmap(info, in_dims, k, v, w, u, a0, b0, p0, save):
+    """Members side by side as channels (every channel's recurrence is its own): one launch for the whole pack."""
+    n = info.batch_size
+    k, v, w, u, a0, b0, p0 = (members_as_channels(members_first(n, t, dim))
+                              for t, dim in zip((k, v, w, u, a0, b0, p0), in_dims))
+    # inside vmap the caller sees batched tensors, whose requires_grad reads False: decide on the plain ones
+    plain = (k, v, w, u, a0, b0, p0)
+    save = save or (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in plain))
+    y, s, aT, bT, pT = torch.ops.zoo_rwkv4.wkv_fwd(k, v, w, u, a0, b0, p0, save)
+    s = channels_as_members(s, n) if save else s  # [N, B, T, 3, d], or the empty placeholder
+    return (channels_as_members(y, n), s, *(channels_as_members(x, n) for x in (aT, bT, pT))), (
+        0, 0 if save else None, 0, 0, 0)
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -1,9 +1,10 @@
 """Mamba's selective scan in Triton: one program per (sequence, block of BD channels) walks the T tokens with
 its [BD, N] state in registers, in one launch (the PyTorch loop launches ~6 kernels per token forward and twice
 that backward). When a backward is to come, the forward stores every h_t (fp32, [B, T, D, N]) for it; the
-backward walks the tokens in reverse carrying dL/dh. dB and dC are reduced over channel blocks and dA over sequences from per-program
-partial sums (no atomics: deterministic). Both directions are `torch.library` custom ops with fake impls, so
-torch.compile and CUDA graphs call the same kernels as eager code. Specification: `naive.selective_scan_naive`.
+backward walks the tokens in reverse carrying dL/dh. dB and dC are reduced over channel blocks and dA over
+sequences from per-program partial sums (no atomics: deterministic). Both directions are `torch.library` custom
+ops with fake impls, so torch.compile and CUDA graphs call the same kernels as eager code, and the forward has a
+vmap rule, so packed runs (zoo/steps.py) call them once per pack. Specification: `naive.selective_scan_naive`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels.launch import cdiv, launch, next_power_of_2
+from kernels.vmap import members_first
 
 
 @triton.jit
@@ -35,11 +37,12 @@ def _token(u, dt, Bm, Cm, row, offs_d, offs_n, m_d, m_n, D: tl.constexpr, N: tl.
 
 
 @triton.jit
-def _fwd_kernel(u, dt, A, Bm, Cm, h0, y, hs, hT, T, D: tl.constexpr, N: tl.constexpr, BD: tl.constexpr,
+def _fwd_kernel(u, dt, A, Bm, Cm, h0, y, hs, hT, T, BPG, D: tl.constexpr, N: tl.constexpr, BD: tl.constexpr,
                 BN: tl.constexpr, USE_H0: tl.constexpr, SAVE: tl.constexpr):
+    """BPG: sequences per A (A is [B / BPG, D, N]: a vmapped pack's members each have their own)."""
     i_b, i_d = tl.program_id(0), tl.program_id(1)
     offs_d, offs_n, m_d, m_n, m_dn, dn = _tile(i_d, D, N, BD, BN)
-    a = tl.load(A + dn, mask=m_dn, other=0.0).to(tl.float32)
+    a = tl.load(A + (i_b // BPG).to(tl.int64) * D * N + dn, mask=m_dn, other=0.0).to(tl.float32)
     if USE_H0:
         h = tl.load(h0 + i_b.to(tl.int64) * D * N + dn, mask=m_dn, other=0.0).to(tl.float32)
     else:
@@ -55,7 +58,7 @@ def _fwd_kernel(u, dt, A, Bm, Cm, h0, y, hs, hT, T, D: tl.constexpr, N: tl.const
 
 
 @triton.jit
-def _bwd_kernel(u, dt, A, Bm, Cm, h0, hs, dy, dhT, du, ddt, dA, dB, dC, dh0, T, B,
+def _bwd_kernel(u, dt, A, Bm, Cm, h0, hs, dy, dhT, du, ddt, dA, dB, dC, dh0, T, B, BPG,
                 D: tl.constexpr, N: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
                 USE_H0: tl.constexpr, USE_DHT: tl.constexpr):
     """Reverse walk. dh holds dL/dh_t; per token: dC_t = Σ_d dy_t h_t, dB_t = Σ_d dh (Δu), du, dΔ, and
@@ -64,7 +67,7 @@ def _bwd_kernel(u, dt, A, Bm, Cm, h0, hs, dy, dhT, du, ddt, dA, dB, dC, dh0, T, 
     i_b, i_d = tl.program_id(0), tl.program_id(1)
     offs_d, offs_n, m_d, m_n, m_dn, dn = _tile(i_d, D, N, BD, BN)
     state = i_b.to(tl.int64) * D * N + dn
-    a = tl.load(A + dn, mask=m_dn, other=0.0).to(tl.float32)
+    a = tl.load(A + (i_b // BPG).to(tl.int64) * D * N + dn, mask=m_dn, other=0.0).to(tl.float32)
     if USE_H0:
         first = tl.load(h0 + state, mask=m_dn, other=0.0).to(tl.float32)
     else:
@@ -98,6 +101,12 @@ def _bwd_kernel(u, dt, A, Bm, Cm, h0, hs, dy, dhT, du, ddt, dA, dB, dC, dh0, T, 
     tl.store(dh0 + state, dh, mask=m_dn)
 
 
+def _groups(A: torch.Tensor) -> int:
+    """How many A's the ops get: A [D, N] serves every sequence; A [G, D, N] (a vmapped pack, `_fwd_vmap`) gives
+    each of G equal runs of sequences its own."""
+    return A.shape[0] if A.dim() == 3 else 1
+
+
 def _blocks(D: int, N: int) -> tuple[int, int]:
     BN = next_power_of_2(N)
     BD = max(1, min(next_power_of_2(D), 4096 // BN, 64))  # [BD, BN] fp32 tiles: ≤ 4K elements each
@@ -109,22 +118,22 @@ def _fwd_op(u: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor
             h0: torch.Tensor | None, save: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> y [B, T, D] fp32, the states h_t [B, T, D, N] fp32 (empty unless `save`), h_T [B, D, N] fp32."""
     Bsz, T, D = u.shape
-    N = A.shape[1]
+    N = A.shape[-1]
     BD, BN = _blocks(D, N)
     f32 = dict(device=u.device, dtype=torch.float32)
     y = torch.empty(Bsz, T, D, **f32)
     # Every h_t, for the backward; a forward without one to come stores none.
     hs = torch.empty(Bsz, T, D, N, **f32) if save else torch.empty(0, **f32)
     hT = torch.empty(Bsz, D, N, **f32)
-    launch(_fwd_kernel, (Bsz, cdiv(D, BD)), u, dt, A, Bm, Cm, h0, y, hs, hT, T, D=D, N=N, BD=BD, BN=BN,
-           USE_H0=h0 is not None, SAVE=save)
+    launch(_fwd_kernel, (Bsz, cdiv(D, BD)), u, dt, A, Bm, Cm, h0, y, hs, hT, T, Bsz // _groups(A), D=D, N=N,
+           BD=BD, BN=BN, USE_H0=h0 is not None, SAVE=save)
     return y, hs, hT
 
 
 @_fwd_op.register_fake
 def _fwd_fake(u, dt, A, Bm, Cm, h0, save):
     Bsz, T, D = u.shape
-    N = A.shape[1]
+    N = A.shape[-1]
     f32 = dict(device=u.device, dtype=torch.float32)
     hs = torch.empty(Bsz, T, D, N, **f32) if save else torch.empty(0, **f32)
     return torch.empty(Bsz, T, D, **f32), hs, torch.empty(Bsz, D, N, **f32)
@@ -136,7 +145,7 @@ def _bwd_op(u: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> du, ddt [B, T, D], dA [D, N], dB, dC [B, T, N] and dh0 [B, D, N], all fp32 (dh0 zero without h0)."""
     Bsz, T, D = u.shape
-    N = A.shape[1]
+    N = A.shape[-1]
     BD, BN = _blocks(D, N)
     NDB = cdiv(D, BD)
     f32 = dict(device=u.device, dtype=torch.float32)
@@ -144,17 +153,18 @@ def _bwd_op(u: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor
     dA = torch.empty(Bsz, D, N, **f32)
     dB, dC = torch.empty(NDB, Bsz, T, N, **f32), torch.empty(NDB, Bsz, T, N, **f32)
     dh0 = torch.empty(Bsz, D, N, **f32)
-    launch(_bwd_kernel, (Bsz, NDB), u, dt, A, Bm, Cm, h0, hs, dy, dhT, du, ddt, dA, dB, dC, dh0, T, Bsz,
+    G = _groups(A)
+    launch(_bwd_kernel, (Bsz, NDB), u, dt, A, Bm, Cm, h0, hs, dy, dhT, du, ddt, dA, dB, dC, dh0, T, Bsz, Bsz // G,
            D=D, N=N, BD=BD, BN=BN, USE_H0=h0 is not None, USE_DHT=dhT is not None)
-    return du, ddt, dA.sum(0), dB.sum(0), dC.sum(0), dh0
+    return du, ddt, dA.view(G, Bsz // G, D, N).sum(1).view(A.shape), dB.sum(0), dC.sum(0), dh0
 
 
 @_bwd_op.register_fake
 def _bwd_fake(u, dt, A, Bm, Cm, h0, hs, dy, dhT):
     Bsz, T, D = u.shape
-    N = A.shape[1]
+    N = A.shape[-1]
     f32 = dict(device=u.device, dtype=torch.float32)
-    return (torch.empty(Bsz, T, D, **f32), torch.empty(Bsz, T, D, **f32), torch.empty(D, N, **f32),
+    return (torch.empty(Bsz, T, D, **f32), torch.empty(Bsz, T, D, **f32), torch.empty(A.shape, **f32),
             torch.empty(Bsz, T, N, **f32), torch.empty(Bsz, T, N, **f32), torch.empty(Bsz, D, N, **f32))
 
 
@@ -177,6 +187,22 @@ def _grad(ctx, dy, _dhs, dhT):
 
 # A custom op, so that torch.compile and CUDA graphs call these kernels as opaque ops, as eager code does.
 _fwd_op.register_autograd(_grad, setup_context=_setup)
+
+
+@_fwd_op.register_vmap
+def _fwd_vmap(info, in_dims, u, dt, A, Bm, Cm, h0, save):
+    """The members' sequences one after another (member m's are m·B … (m+1)·B - 1), each member with its own A:
+    one launch for the whole pack."""
+    n = info.batch_size
+    u, dt, Bm, Cm, h0 = (None if t is None else members_first(n, t, dim).flatten(0, 1)
+                         for t, dim in zip((u, dt, Bm, Cm, h0), (in_dims[0], in_dims[1], *in_dims[3:6])))
+    A = A if in_dims[2] is None else A.movedim(in_dims[2], 0).contiguous()  # [N_members, D, N] or shared [D, N]
+    # inside vmap the caller sees batched tensors, whose requires_grad reads False: decide on the plain ones
+    plain = (u, dt, A, Bm, Cm, h0)
+    save = save or (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in plain))
+    y, hs, hT = torch.ops.zoo_selective_scan.fwd(u, dt, A, Bm, Cm, h0, save)
+    hs = hs.unflatten(0, (n, -1)) if save else hs
+    return (y.unflatten(0, (n, -1)), hs, hT.unflatten(0, (n, -1))), (0, 0 if save else None, 0)
 
 
 def selective_scan(u, dt, A, Bm, Cm, h0=None):

@@ -94,6 +94,34 @@ def test_wkv4_matches_the_chunked_form(case):
         assert_close(name, a, r, b, torch.float32)
 
 
+@pytest.mark.parametrize("with_state", [False, True], ids=["no-state", "state"])
+def test_vmapped_wkv4_equals_a_loop_over_members(with_state):
+    """torch.func.vmap over 3 members (own k, v, decay, bonus and state each) is one launch with the members as
+    channels; outputs and the gradients torch.autograd.grad takes outside the vmap equal each member's own call."""
+    n = 3
+    members = [inputs(2, 9, 5, with_state, 1, seed=10 + m) for m in range(n)]
+    xs = [torch.stack([mem[0][i] for mem in members]).requires_grad_() for i in range(4)]
+    st = [torch.stack([mem[1][i] for mem in members]).requires_grad_() for i in range(3)] if with_state else []
+
+    def one(k, v, time_decay, time_first, *state):
+        y, final = wkv4(k, v, -torch.exp(time_decay), time_first, tuple(state) if state else None)
+        return y, *final
+
+    outs = torch.func.vmap(one)(*xs, *st)
+    g = torch.Generator().manual_seed(20)
+    ws = [torch.randn(o.shape, generator=g) for o in outs]
+    grads = torch.autograd.grad(sum((o * w).sum() for o, w in zip(outs, ws)), xs + st)
+    for m in range(n):
+        mx = [x[m].detach().clone().requires_grad_() for x in xs]
+        ms = [x[m].detach().clone().requires_grad_() for x in st]
+        ref = one(*mx, *ms)
+        ref_grads = torch.autograd.grad(sum((o * w[m]).sum() for o, w in zip(ref, ws)), mx + ms)
+        for name, a, b in zip(NAMES, [o[m] for o in outs], ref):
+            torch.testing.assert_close(a, b, msg=f"member {m}: {name}")
+        for i, (a, b) in enumerate(zip(grads, ref_grads)):
+            torch.testing.assert_close(a[m], b, msg=f"member {m}: gradient of input {i}")
+
+
 def test_wkv4_custom_ops_pass_opcheck():
     """Schemas, fake implementations and the autograd registration are consistent (what torch.compile needs)."""
     (k, v, time_decay, time_first), state = inputs(2, 5, 20, True, 1)
@@ -172,3 +200,31 @@ def test_triton_mixer_gradients_equal_the_chunked_form():
         grads.append({"x": xi.grad, **{name: p.grad for name, p in m.named_parameters()}})
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("impl", ["naive", "triton"])
+def test_packed_lm_with_the_rwkv4_kernel_equals_the_plain_one(impl):
+    """A pack of 2 lrs of a 2-layer rwkv4 LM (impl=triton goes through the op's vmap rule): each member's loss
+    and gradient equal the plain model's, and check_pack accepts it."""
+    from zoo.config import ModelConfig
+    from zoo.eval import query_loss
+    from zoo.models import LanguageModel
+    from zoo.steps import PackedParams, check_pack, pack_members
+    from zoo.train import load_config
+
+    torch.manual_seed(0)
+    cfg, _ = load_config(["model=zoology_fig2/rwkv", f"+model.mixers.rwkv4.impl={impl}", "model.d_model=16"])
+    check_pack(pack_members(cfg, [1e-3, 2e-3]))
+    model = LanguageModel(ModelConfig(vocab_size=64, d_model=16, n_layers=2, pattern=["rwkv4"],
+                                      mixers={"rwkv4": {"impl": impl}}))
+    pack = PackedParams(model, [1e-3, 2e-3], cfg.optim, total_steps=1)
+    inputs, labels = torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 3))
+    query_pos = torch.randint(0, 16, (4, 3))
+    losses = pack.losses(inputs, query_pos, labels)
+    losses.sum().backward()
+    loss = query_loss(model, inputs, query_pos, labels)
+    loss.backward()
+    grad = torch.cat([p.grad.reshape(-1) for _, p in model.named_parameters()])
+    for member in range(2):
+        torch.testing.assert_close(losses[member], loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(pack.flat.grad[member], grad, rtol=1e-4, atol=1e-6)

@@ -58,6 +58,37 @@ def test_compiled_scan_equals_eager(h0):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("h0", [False, True], ids=["no-h0", "h0"])
+def test_vmapped_scan_equals_a_loop_over_members(h0):
+    """torch.func.vmap over 3 members (own u, Δ, A, B, C, h0 each) is one launch with each member's A; outputs
+    and the gradients torch.autograd.grad takes outside the vmap equal each member's own call."""
+    n = 3
+    members = [inputs(2, 9, 6, 3, h0, seed=20 + m) for m in range(n)]
+    xs = [torch.stack([mem[i] for mem in members]).requires_grad_() for i in range(6 if h0 else 5)]
+    ys, hs = torch.func.vmap(selective_scan)(*xs)
+    g = torch.Generator().manual_seed(30)
+    gy, gh = torch.randn(ys.shape, generator=g), torch.randn(hs.shape, generator=g)
+    grads = torch.autograd.grad((ys * gy).sum() + (hs * gh).sum(), xs)
+    for m in range(n):
+        mx = [x[m].detach().clone().requires_grad_() for x in xs]
+        y, h = selective_scan(*mx)
+        ref = torch.autograd.grad((y * gy[m]).sum() + (h * gh[m]).sum(), mx)
+        torch.testing.assert_close(ys[m], y, msg=f"member {m}: y")
+        torch.testing.assert_close(hs[m], h, msg=f"member {m}: h_T")
+        for name, a, b in zip(["du", "ddt", "dA", "dB", "dC", "dh0"], grads, ref):
+            torch.testing.assert_close(a[m], b, msg=f"member {m}: {name}")
+
+
+def test_vmapped_scan_with_a_shared_A_equals_a_loop():
+    """A not batched (every member shares it) takes the op's single-A path."""
+    members = [inputs(2, 7, 5, 3, False, seed=40 + m) for m in range(2)]
+    A = members[0][2]
+    xs = [torch.stack([mem[i] for mem in members]) for i in (0, 1, 3, 4)]
+    ys, _ = torch.func.vmap(selective_scan, in_dims=(0, 0, None, 0, 0))(xs[0], xs[1], A, xs[2], xs[3])
+    for m in range(2):
+        torch.testing.assert_close(ys[m], selective_scan(xs[0][m], xs[1][m], A, xs[2][m], xs[3][m])[0])
+
+
 def test_forward_without_grad_keeps_no_states():
     xs = inputs(2, 5, 6, 3, True)
     with torch.no_grad():
@@ -105,3 +136,31 @@ def test_mamba_mixer_triton_matches_naive():
     for a, b in zip(*outs):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(outs[1][2], outs[0][0], rtol=1e-4, atol=1e-5)  # prefill + decode == forward
+
+
+@pytest.mark.parametrize("impl", ["naive", "triton"])
+def test_packed_lm_with_the_mamba_kernel_equals_the_plain_one(impl):
+    """A pack of 2 lrs of a 2-layer mamba LM (impl=triton goes through the op's vmap rule): each member's loss
+    and gradient equal the plain model's, and check_pack accepts it."""
+    from zoo.config import ModelConfig
+    from zoo.eval import query_loss
+    from zoo.models import LanguageModel
+    from zoo.steps import PackedParams, check_pack, pack_members
+    from zoo.train import load_config
+
+    torch.manual_seed(0)
+    cfg, _ = load_config(["model=mamba", f"+model.mixers.mamba.impl={impl}", "model.d_model=16"])
+    check_pack(pack_members(cfg, [1e-3, 2e-3]))
+    model = LanguageModel(ModelConfig(vocab_size=64, d_model=16, n_layers=2, pattern=["mamba"],
+                                      mixers={"mamba": {"impl": impl}}))
+    pack = PackedParams(model, [1e-3, 2e-3], cfg.optim, total_steps=1)
+    inputs, labels = torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 3))
+    query_pos = torch.randint(0, 16, (4, 3))
+    losses = pack.losses(inputs, query_pos, labels)
+    losses.sum().backward()
+    loss = query_loss(model, inputs, query_pos, labels)
+    loss.backward()
+    grad = torch.cat([p.grad.reshape(-1) for _, p in model.named_parameters()])
+    for member in range(2):
+        torch.testing.assert_close(losses[member], loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(pack.flat.grad[member], grad, rtol=1e-4, atol=1e-6)

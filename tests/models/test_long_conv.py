@@ -166,7 +166,8 @@ def test_conv_under_autocast(path):
 
 
 def _op_inputs(layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """u [2, 6, 3] and h [6, 3], contiguous or as transposed views (explicit_causal_conv passes h = weight.flip(1).T)."""
+    """u [2, 6, 3] and h [6, 3], contiguous or as transposed views (explicit_causal_conv passes
+    h = weight.flip(1).T)."""
     if layout == "contiguous":
         return random(2, 6, 3, seed=11), random(6, 3, seed=12)
     return random(2, 3, 6, seed=11).transpose(1, 2), random(3, 6, seed=12).T

@@ -39,8 +39,9 @@ def check_int(what: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{what} must be >= {minimum}, got {value}")
 
 
-# The impls written in PyTorch, which torch.func.vmap can batch (zoo/steps.py packs only these): the token
-# loops and the chunked forms; `fla` and `triton` call kernels with no vmap rule.
+# The impls written in PyTorch, which torch.func.vmap can batch: the token loops and the chunked forms. zoo/steps.py
+# packs a mixer whose impl is in its class's `vmap_impls` (these by default): `fla` calls kernels with no vmap rule,
+# and a Triton impl packs where its custom op has one (Mamba's selective scan, RWKV-4's WKV).
 PYTORCH_IMPLS = ("naive", "chunk")
 
 

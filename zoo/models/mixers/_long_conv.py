@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.torch_version import TorchVersion
 
+from kernels.vmap import channels_as_members, members_as_channels, members_first
+
 # Longest sequence that causal_conv convolves directly. Per output element (one b, t, c) the direct forward +
 # backward is 6·T fp32 FLOPs (three T×T products per channel, half of them on the zero upper triangle); the FFT's
 # is ≈ 250 bytes moved (pad, rfft, the product, irfft's input copy and its 2T outputs, in 8-byte complex, forward
@@ -188,24 +190,11 @@ _toeplitz_conv.register_autograd(_toeplitz_grad, setup_context=_toeplitz_setup)
 # the backward op sees plain tensors): the members' channels go side by side, and one call convolves all of them;
 # an input that is not batched is shared by every member. torch.func.grad does not reach through the op (a custom
 # op's autograd formula serves torch.autograd only).
-def _members_as_channels(info, in_dims, *tensors: torch.Tensor) -> list[torch.Tensor]:
-    """[N, ..., C] (or an unbatched [..., C]) -> [..., N·C]."""
-    out = []
-    for t, dim in zip(tensors, in_dims):
-        t = t.expand(info.batch_size, *t.shape) if dim is None else t.movedim(dim, 0)
-        out.append(t.movedim(0, -2).flatten(-2))  # [..., N·C]
-    return out
-
-
-def _channels_as_members(t: torch.Tensor, n: int) -> torch.Tensor:
-    """[..., N·C] -> [N, ..., C]."""
-    return t.unflatten(-1, (n, -1)).movedim(-2, 0)
-
-
 @_toeplitz_conv.register_vmap
 def _toeplitz_conv_vmap(info, in_dims, u, h):
-    y = torch.ops.zoo_conv.toeplitz_conv(*_members_as_channels(info, in_dims, u, h))  # [B, T, N·C]
-    return _channels_as_members(y, info.batch_size), 0
+    n = info.batch_size
+    u, h = (members_as_channels(members_first(n, t, dim)) for t, dim in zip((u, h), in_dims))
+    return channels_as_members(torch.ops.zoo_conv.toeplitz_conv(u, h), n), 0  # [N, B, T, C]
 
 
 def depthwise_causal_conv(u: torch.Tensor, weight: torch.Tensor, history: torch.Tensor) -> torch.Tensor:

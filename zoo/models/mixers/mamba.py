@@ -16,7 +16,8 @@ What is unusual here:
   (`experiments/bench/mamba_scan.py --small`), and on the H200 0.8-1.3× the loop's speed.
 - `impl="triton"` runs the scan as one Triton kernel per direction (kernels/selective_scan: one program per
   sequence and block of channels, the [BD, N] state in registers; the forward stores every h_t for the
-  backward). CUDA tensors, or CPU under TRITON_INTERPRET=1; fp32 inside (the scan runs outside autocast).
+  backward). CUDA tensors, or CPU under TRITON_INTERPRET=1; fp32 inside (the scan runs outside autocast). Its
+  custom op has a vmap rule (the members' sequences one after another, each with its own A), so such runs pack.
   On the H200 it is 13-20× the loop, forward+backward (kernels/selective_scan/README.md).
 - Initialisation: Gu & Dao's for the SSM: Δ = softplus(dt_bias) log-uniform over [dt_min, dt_max], the Δ
   projection's weight U(±dt_rank^-0.5), A_log = log(1..N) in every channel (S4D-real), D = 1. The Δ projection is
@@ -86,6 +87,7 @@ class Mamba(nn.Module):
 
     Config = MambaConfig
     name = "mamba"
+    vmap_impls = ("naive", "triton")  # zoo/steps.py packs these
 
     def __init__(self, d_model: int, **options) -> None:
         super().__init__()

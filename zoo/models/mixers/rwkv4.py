@@ -21,8 +21,8 @@ What is unusual here:
   block of channels walks the tokens with (a, b, p) in fp32 registers; the forward keeps the state before every
   token for the backward). It serves training and a forward from a state alike (prefill; gradients reach that
   state too); `step` stays the PyTorch recurrence. CUDA tensors, or CPU under TRITON_INTERPRET=1; fp32 inside
-  from fp32/fp16/bf16 k, v (float64 modules raise: use impl="naive"). A Triton kernel has no vmap rule, so
-  such runs train unpacked (zoo/steps.py).
+  from fp32/fp16/bf16 k, v (float64 modules raise: use impl="naive"). Its custom op has a vmap rule (the
+  members side by side as channels), so such runs pack (zoo/steps.py).
 - Initialisation follows Zoology's configs, which leave RWKV-4's layer count at its default of 12: the
   per-channel decay speeds −5 + 8·(c/(d−1))^0.7, the bonus log 0.3 with a ±0.5 zigzag, and μ_k = μ_v = c/d,
   μ_r = (c/d)^0.5, the values RWKV-4 gives layer 0. Both layers get them here (the options are per mixer name,
@@ -74,6 +74,7 @@ class RWKV4(nn.Module):
 
     Config = RWKV4Config
     name = "rwkv4"
+    vmap_impls = ("naive", "triton")  # zoo/steps.py packs these
 
     def __init__(self, d_model: int, **options) -> None:
         super().__init__()
