@@ -48,3 +48,14 @@ def test_measured_estimate(tmp_path, finished, expected):
 
 def test_upper_bound_charges_every_run_the_full_epochs():
     assert bench().upper_estimate(ROWS) == 2.0 * 64 * 4 + 1.0 * 64 * 4
+
+
+@pytest.mark.parametrize(
+    ("extra", "want"),
+    [({}, 3.0), ({"compiled_device_ms": 2.0}, 2.0), ({"compiled_device_ms": 2.0, "packed_device_ms": 4.0,
+                                                       "pack_size": 4}, 1.0),
+     ({"packed_device_ms": 16.0, "pack_size": 4}, 3.0)],
+    ids=["plain", "compiled", "packed-cheapest", "packed-dearer"],
+)
+def test_a_run_is_charged_its_cheapest_step(extra, want):
+    assert bench().run_step_ms({"device_ms": 3.0} | extra) == want

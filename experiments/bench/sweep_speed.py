@@ -11,7 +11,9 @@
    run's training and evaluation). Each run's valid accuracy is compared across the settings.
 2. Every distinct (mixer, L, d_model) of the Zoology Fig. 2 grid (experiments/zoology_fig2/sweep.py): the
    model's training step in this process, with the device synchronised: wall ms per step and the device's own
-   kernel time per step (torch.profiler), eager and (with --compiled) compiled.
+   kernel time per step (torch.profiler), eager, (with --compiled) compiled, and (with --packed) as the
+   vmapped, CUDA-graphed pack of its 4 lrs that `zoo-sweep --pack-lrs` trains. A run is charged the cheapest:
+   a pack's step divided among its members.
 3. The grid estimate: sum over the grid's runs of steps per epoch x epochs x the step's device time, which
    is what the GPU must execute when enough runs share it under MPS to hide their hosts' launch time. Runs
    are charged the full `train.epochs` (no early stop), so the figure is an upper bound. With `--epochs-from
@@ -90,10 +92,14 @@ def shrink(run: list[str], examples: int) -> list[str]:
             for o in run]
 
 
-def time_step(run: list[str], steps: int, compiled: bool, device: torch.device) -> dict:
+def time_step(run: list[str], steps: int, device: torch.device, compiled: bool = False,
+              pack_lrs: list[float] | None = None) -> dict:
+    """One training step of `run`'s config, timed: plain, compiled (train.compile=true) or, with `pack_lrs`, as
+    the vmapped pack of those lrs that `zoo-sweep --pack-lrs` trains (CUDA-graphed on CUDA, as with
+    train.cuda_graph=true). The times are of the whole step, every member's included."""
     from zoo.device import autocast
     from zoo.models import LanguageModel
-    from zoo.steps import PlainStep
+    from zoo.steps import PackedStep, PlainStep, pack_members
     from zoo.train import load_config, load_split
 
     full, _ = load_config(run)
@@ -103,7 +109,11 @@ def time_step(run: list[str], steps: int, compiled: bool, device: torch.device) 
     torch.manual_seed(0)
     seg = load_split(cfg, "train", device)[0]
     model = LanguageModel(cfg.model).to(device)
-    strategy = PlainStep(model, cfg, 10_000, autocast(device, cfg.train.precision))
+    if pack_lrs:
+        strategy = PackedStep(model, pack_members(cfg, pack_lrs), 10_000, device, graph=device.type == "cuda")
+        strategy.check((seg.inputs[:8], seg.query_pos[:8], seg.query_labels[:8]))
+    else:
+        strategy = PlainStep(model, cfg, 10_000, autocast(device, cfg.train.precision))
     idx = torch.arange(min(batch, len(seg)), device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t = time.perf_counter()
@@ -128,6 +138,13 @@ def time_step(run: list[str], steps: int, compiled: bool, device: torch.device) 
     return {"wall_ms": wall_ms, "device_ms": device_ms, "warmup_s": warm_s, "steps_per_epoch": steps_per_epoch,
             "epochs": full.train.epochs, "mixer": "+".join(dict.fromkeys(full.model.layers())),
             "d_model": full.model.d_model, "seq_len": max(s.seq_len for s in full.data.train)}
+
+
+def run_step_ms(row: dict) -> float:
+    """The device time one run costs per step: the cheapest of its plain, compiled and packed steps (a pack's
+    step divided among its members)."""
+    packed = row["packed_device_ms"] / row["pack_size"] if "packed_device_ms" in row else math.inf
+    return min(row["device_ms"], row.get("compiled_device_ms", math.inf), packed)
 
 
 def run_key(summary: dict) -> tuple[str, int, int]:
@@ -176,6 +193,8 @@ def main() -> None:
     p.add_argument("--skip-probe", action="store_true")
     p.add_argument("--skip-configs", action="store_true")
     p.add_argument("--compiled", action="store_true", help="also time each grid config's compiled step")
+    p.add_argument("--packed", action="store_true",
+                   help="also time each grid config's 4 lrs as one vmapped, CUDA-graphed pack (zoo-sweep --pack-lrs)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--tiny", action="store_true", help="the tiny grid (ZOO_FIG2=tiny), for a CPU smoke run")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -225,26 +244,38 @@ def main() -> None:
         rows = []
         keys = list(groups)[: args.max_configs or None]
         print(f"\n{'mixer':28s} {'L':>5s} {'d':>5s} {'ms/step':>9s} {'device ms':>9s}"
-              + (f" {'compiled':>9s} {'c device':>9s}" if args.compiled else "") + f" {'epoch s':>8s}")
+              + (f" {'compiled':>9s} {'c device':>9s}" if args.compiled else "")
+              + (f" {'packed':>9s} {'p device':>9s}" if args.packed else "") + f" {'epoch s':>8s}")
         for key in keys:
             run = groups[key][0]
             try:
-                row = time_step(run, args.steps, False, device)
+                row = time_step(run, args.steps, device)
                 if args.compiled:
-                    c = time_step(run, args.steps, True, device)
+                    c = time_step(run, args.steps, device, compiled=True)
                     row |= {"compiled_wall_ms": c["wall_ms"], "compiled_device_ms": c["device_ms"],
                             "compile_s": c["warmup_s"]}
+                if args.packed:
+                    from zoo.steps import PackError
+
+                    lrs = [float(o.split("=", 1)[1]) for r in groups[key] for o in r if o.startswith("optim.lr=")]
+                    try:
+                        c = time_step(run, args.steps, device, pack_lrs=lrs)
+                        row |= {"packed_wall_ms": c["wall_ms"], "packed_device_ms": c["device_ms"],
+                                "pack_size": len(lrs)}
+                    except PackError as e:  # zoo-sweep trains such a group unpacked: so does the estimate
+                        row["packed_error"] = str(e)
             except Exception as e:  # a config that fails is reported and the others go on
                 print(f"{' '.join(run)[:60]}: failed: {type(e).__name__}: {str(e)[:120]}")
                 rows.append({"overrides": run, "error": f"{type(e).__name__}: {e}"})
                 continue
-            step_ms = min(row["device_ms"], row.get("compiled_device_ms", math.inf))
-            row["epoch_s"] = step_ms * row["steps_per_epoch"] / 1e3
+            row["epoch_s"] = run_step_ms(row) * row["steps_per_epoch"] / 1e3
             row["runs"] = len(groups[key])
             rows.append(row)
             print(f"{row['mixer']:28s} {row['seq_len']:5d} {row['d_model']:5d} {row['wall_ms']:9.3f} "
                   f"{row['device_ms']:9.3f}"
                   + (f" {row['compiled_wall_ms']:9.3f} {row['compiled_device_ms']:9.3f}" if args.compiled else "")
+                  + (f" {row.get('packed_wall_ms', math.nan):9.3f} {row.get('packed_device_ms', math.nan):9.3f}"
+                     if args.packed else "")
                   + f" {row['epoch_s']:8.2f}")
         out["configs"] = rows
         ok = [r for r in rows if "error" not in r]
