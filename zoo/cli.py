@@ -25,6 +25,9 @@ from pathlib import Path
 from zoo import __version__
 
 HELP_FLAGS = ("-h", "--help")
+# zoo-train's exit status for a run stopped at train.stop_at or by SIGTERM, checkpointed (EX_TEMPFAIL: a job
+# scheduler may requeue it, and train.resume=true continues it)
+INTERRUPTED_EXIT = 75
 
 
 def module_usage(module: str, name: str = "USAGE") -> str:
@@ -131,7 +134,7 @@ def run_train(args: list[str]) -> None:
 
     from zoo.config import ConfigError
     from zoo.device import set_threads
-    from zoo.train import load_config, train, train_runs
+    from zoo.train import Interrupted, load_config, train, train_runs
 
     show = "--cfg" in args
     args = [a for a in args if a != "--cfg"]
@@ -151,6 +154,9 @@ def run_train(args: list[str]) -> None:
     except ConfigError as e:
         print(f"zoo-train: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except Interrupted as e:
+        print(f"zoo-train: {e}; checkpointed: add train.resume=true to continue", file=sys.stderr)
+        raise SystemExit(INTERRUPTED_EXIT) from None
     keys = ["lr", "valid/accuracy", "test/accuracy", "state_bytes_fp32", "parameters", "wall_time_s"]
     for summary in summaries:
         print(" ".join(f"{k}={summary[k]:.4g}" if isinstance(summary[k], float) else f"{k}={summary[k]}" for k in keys))

@@ -209,6 +209,10 @@ class TrainConfig:
     # Non-empty: train one run per learning rate here (optim.lr is replaced), packed into one vmapped model
     # in this process (zoo/steps.py). Each run lands in the run dir its unpacked config would use.
     pack_lrs: list[float] = field(default_factory=list)
+    # Unix time (s) at which to stop: the run checkpoints where it is, mid-epoch included, and exits as
+    # interrupted, to resume exactly there (train.resume=true). 0: no limit. SIGTERM stops a run the same way.
+    # `zoo-sweep --time-limit` sets it for a time-limited allocation.
+    stop_at: float = 0.0
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.eval_every < 1 or self.log_every < 1:

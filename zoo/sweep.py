@@ -22,14 +22,19 @@ What happens per run:
   others continue. The sweep's record goes to `<runs_root>/_sweeps/<sweep name>.json`, rewritten (atomically)
   after every job, so a sweep that is stopped keeps the record of what finished (unstarted runs: "pending").
 
+Time-limited allocations (`--time-limit S`, or a SIGTERM from a scheduler or `timeout`): at S seconds every
+running run checkpoints where it is, mid-epoch included, and is recorded "pending" with `interrupted`; no new
+run starts. The same command later resumes each from that step, so a chain of limited jobs trains what one long
+job would (the runs' results are the same; only process start, data and compile are paid again per job).
+
 Sharding (`--shard I/N`): only the I-th of every N groups of runs differing only in optim.lr (the packs of
 `--pack-lrs`, whichever mode runs) — to split one grid over machines or job-array tasks, or to time a spread-out
 subset of a grid. Each shard writes its own record (`<sweep name>.shard-I-of-N.json`).
 
 Packing (`--pack-lrs`): runs whose overrides differ only in `optim.lr=` form one job, trained as one vmapped
 pack in one process (zoo/steps.py); each still gets the run dir, files and `run_name` of its unpacked
-config, so packed and unpacked sweeps skip each other's finished runs. A group that cannot pack (an FLA or
-Triton impl, members killed at different checkpoints) runs one run at a time, and its records say why.
+config, so packed and unpacked sweeps skip each other's finished runs. A group that cannot pack (an FLA impl,
+members killed at different checkpoints) runs one run at a time, and its records say why.
 
 Parallelism: a process pool (stdlib `concurrent.futures`, spawn) of `--workers` processes. Each worker owns
 one device for its lifetime: worker i gets GPU i mod (number of GPUs), so with workers = runs_per_gpu·GPUs
@@ -43,6 +48,7 @@ each job calls `run_one`. `zoo-sweep FILE --emit` prints one `zoo-train` command
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import itertools
 import json
@@ -50,9 +56,11 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -128,7 +136,10 @@ def load_sweep(path: str | Path) -> list[list[str]]:
 
 
 def _worker_init(devices, threads: int) -> None:
-    """Runs once per worker: take one device for the worker's lifetime; set the CPU threads."""
+    """Runs once per worker: take one device for the worker's lifetime; set the CPU threads. A SIGTERM that the
+    sweep passes on is ignored between runs (the sweep starts no new job after it) and, inside a run, stops it at
+    its next step with a checkpoint (zoo.train.stop_requests)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     device = devices.get()
     os.environ["ZOO_SWEEP_DEVICE"] = device
     if device.startswith("cuda:"):
@@ -157,7 +168,7 @@ def error_line(e: BaseException) -> str:
 def run_one(overrides: list[str], extra: list[str]) -> dict[str, Any]:
     """Compose, then train one run unless it already finished; never raises (failures are returned)."""
     from zoo.runs import RunDir
-    from zoo.train import ConfigError, load_config, run_name, train
+    from zoo.train import ConfigError, Interrupted, load_config, run_name, train
 
     record: dict[str, Any] = {"overrides": overrides, "run_dir": None}
     full = overrides + extra + ["train.progress=false"] + _device_overrides()
@@ -174,6 +185,8 @@ def run_one(overrides: list[str], extra: list[str]) -> dict[str, Any]:
         cfg.train.resume = True
     try:
         summary = train(cfg, resolved)
+    except Interrupted as e:  # checkpointed at the time limit or on SIGTERM: the next sweep resumes it
+        return record | {"status": "pending", "interrupted": str(e)}
     except Exception as e:  # a failing run is recorded; the sweep goes on
         run.path.mkdir(parents=True, exist_ok=True)
         (run.path / "error.txt").write_text(traceback.format_exc())
@@ -202,7 +215,7 @@ def run_pack(runs: list[list[str]], extra: list[str]) -> list[dict[str, Any]]:
     """
     from zoo.runs import RunDir
     from zoo.steps import PackError
-    from zoo.train import ConfigError, load_config, run_name, train_runs
+    from zoo.train import ConfigError, Interrupted, load_config, run_name, train_runs
 
     full = extra + ["train.progress=false"] + _device_overrides()
     records: list[dict[str, Any]] = []
@@ -234,6 +247,12 @@ def run_pack(runs: list[list[str]], extra: list[str]) -> list[dict[str, Any]]:
     except PackError as e:
         for record in todo:
             record |= run_one(record["overrides"], extra) | {"unpacked": str(e)}
+        return records
+    except Interrupted as e:  # the members that stopped early are finished; the others resume next time
+        for record in todo:
+            done = RunDir(record["run_dir"]).is_finished()
+            record |= {"status": "finished", "packed": len(members)} if done else {"status": "pending",
+                                                                                    "interrupted": str(e)}
         return records
     except Exception as e:  # the whole pack failed: every member is recorded as failed; the sweep goes on
         for record in todo:
@@ -410,6 +429,8 @@ def run_sweep(
                 results[i] = result
             bar.update(len(job))
             write_record()
+            if any("interrupted" in results[i] for i in job):  # the time limit or a SIGTERM: start nothing more
+                break
     else:
         ctx = multiprocessing.get_context("spawn")
         queue = ctx.Manager().Queue()
@@ -421,10 +442,12 @@ def run_sweep(
         print(f"zoo-sweep {name}: {why}", file=sys.stderr, flush=True)
         try:
             pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=(queue, threads))
-            with pool:
-                futures = {pool.submit(run_job, [runs[i] for i in job], extra): job for job in jobs}
+            with pool, _forward_sigterm(pool) as futures:
+                futures.update({pool.submit(run_job, [runs[i] for i in job], extra): job for job in jobs})
                 for future in as_completed(futures):
                     job = futures[future]
+                    if future.cancelled():  # not started before a SIGTERM: still pending
+                        continue
                     try:
                         for i, result in zip(job, future.result()):
                             results[i] = result
@@ -441,6 +464,30 @@ def run_sweep(
     record = write_record()
     record["path"] = str(out)
     return record
+
+
+@contextlib.contextmanager
+def _forward_sigterm(pool: ProcessPoolExecutor):
+    """While the block runs, a SIGTERM to the sweep cancels the jobs not started yet and passes the signal on to
+    the workers, whose runs then checkpoint where they are and return as interrupted (zoo.train.stop_requests).
+    Yields the {future: job} dict the block fills. Only the main thread may set a handler; elsewhere SIGTERM keeps
+    its default."""
+    futures: dict = {}
+
+    def on_sigterm(signum, frame):
+        for future in futures:
+            future.cancel()
+        for process in list(getattr(pool, "_processes", {}).values()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGTERM)
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if main else None
+    try:
+        yield futures
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def shard(runs: list[list[str]], spec: str) -> list[list[str]]:
@@ -481,7 +528,12 @@ def main(argv: list[str] | None = None) -> None:
                         "machine allows it)")
     parser.add_argument("--order", default="longest", choices=["longest", "file"],
                         help="start the costliest jobs first (longest) or keep the sweep file's order")
+    parser.add_argument("--time-limit", type=float, default=0, metavar="S",
+                        help="stop after S seconds: running runs checkpoint where they are (mid-epoch too) and the "
+                        "same command resumes them; for time-limited allocations (0: none)")
     args = parser.parse_intermixed_args(argv)
+    if args.time_limit < 0:
+        raise SystemExit(f"zoo-sweep: --time-limit must be >= 0 seconds, got {args.time_limit:g}")
     runs = load_sweep(args.sweep_file)
     path = Path(args.sweep_file)
     name = args.name or (path.parent.name if path.stem == "sweep" else path.stem)
@@ -508,13 +560,17 @@ def main(argv: list[str] | None = None) -> None:
 
         workers = args.runs_per_gpu * torch.cuda.device_count() if args.device != "cpu" else 1
         workers = max(1, workers)
-    record = run_sweep(
-        runs, name, workers, args.device, list(args.overrides), args.runs_root, args.pack_lrs, args.mps, args.order
-    )
+    stop = [f"train.stop_at={time.time() + args.time_limit:.3f}"] if args.time_limit else []
+    overrides = list(args.overrides) + stop
+    record = run_sweep(runs, name, workers, args.device, overrides, args.runs_root, args.pack_lrs, args.mps, args.order)
     print(
         f"zoo-sweep {name}: {record['finished']} finished, {record['skipped']} skipped, "
         f"{record['failed']} failed, {record['pending']} pending in {record['wall_s']:.1f} s -> {record['path']}"
     )
+    interrupted = sum("interrupted" in r for r in record["runs"])
+    if interrupted:
+        print(f"zoo-sweep {name}: {interrupted} runs stopped at the time limit or on SIGTERM, checkpointed; the same "
+              "command resumes them")
     for r in record["runs"]:
         if r["status"] == "failed":
             print(f"  failed: {' '.join(r['overrides'])}: {r['error']}", file=sys.stderr)

@@ -8,8 +8,12 @@ The config tree is composed by Hydra from zoo/configs/ (presets) over the schema
 impossible value fails here, before any work, with a one-line reason.
 """
 
+import contextlib
 import hashlib
+import itertools
 import logging
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,9 +34,30 @@ from zoo.synthetics import cached_generate, generate
 
 log = logging.getLogger("zoo.train")
 
+
+class Interrupted(Exception):
+    """The run stopped at train.stop_at or on SIGTERM after checkpointing every live member where it stood (mid-epoch
+    included); train.resume=true continues it from there as if it had not stopped."""
+
+
+@contextlib.contextmanager
+def stop_requests(stop_at: float):
+    """A callable that says whether the run must stop now: train.stop_at passed (0: never) or a SIGTERM arrived.
+    SIGTERM is caught only while the block runs, and only in the main thread (where Python delivers signals);
+    the previous handler comes back after it."""
+    received = threading.Event()
+    handler_set = threading.current_thread() is threading.main_thread()
+    if handler_set:
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.set())
+    try:
+        yield lambda: received.is_set() or (stop_at > 0 and time.time() >= stop_at)
+    finally:
+        if handler_set:
+            signal.signal(signal.SIGTERM, previous)
+
 # Fields that change how a run is executed, not what it computes: left out of the run's identity.
 EXECUTION_KEYS = {
-    "train": ("resume", "overwrite", "progress", "device", "compile", "cuda_graph", "pack_lrs", "threads"),
+    "train": ("resume", "overwrite", "progress", "device", "compile", "cuda_graph", "pack_lrs", "threads", "stop_at"),
     "logger": None,
 }
 
@@ -199,7 +224,13 @@ def train_runs(members: list[Config], resolved: list[str | None] | None = None) 
     finalised and leaves; the others go on.
 
     `resolved`: each member's resolved YAML for its config.yaml (default: the dataclass tree as YAML).
+    Interrupted: train.stop_at passed or a SIGTERM arrived; every live member was checkpointed where it stood.
     """
+    with stop_requests(members[0].train.stop_at) as must_stop:
+        return _train_runs(members, resolved, must_stop)
+
+
+def _train_runs(members: list[Config], resolved: list[str | None] | None, must_stop) -> list[dict[str, Any]]:
     cfg = members[0]
     resolved = list(resolved) if resolved is not None else [None] * len(members)
     names = [run_name(m) for m in members]
@@ -230,6 +261,8 @@ def train_runs(members: list[Config], resolved: list[str | None] | None = None) 
         todo.append(i)
     if not todo:
         return summaries
+    if must_stop():
+        raise Interrupted("stopped before the run started (train.stop_at passed, or SIGTERM)")
     ckpts = [runs[i].load_checkpoint() if cfg.train.resume else None for i in todo]
     at = {(c["epoch"], c["step"]) for c in ckpts if c is not None}
     if len(at) > 1 or (at and any(c is None for c in ckpts)):
@@ -320,10 +353,21 @@ def train_runs(members: list[Config], resolved: list[str | None] | None = None) 
     bar = tqdm(total=total_steps, initial=step, desc=desc, disable=not cfg.train.progress, dynamic_ncols=True)
     model.train()
     f = lr_lambda(total_steps, cfg.optim.warmup_frac, cfg.optim.min_lr_ratio)
+    def checkpoint(row: int, j: int) -> None:
+        """Member j's checkpoint at the loop's current epoch and step (mid-epoch when the run is stopped)."""
+        optimizer_state, scheduler_state = strategy.optimizer_state(row, step)
+        wall = wall_before + time.perf_counter() - t0
+        runs[todo[j]].save_checkpoint(
+            checkpoint_state(strategy.model_of(row), optimizer_state, scheduler_state, epoch, step, best[j], wall,
+                             tokens)
+        )
+
     while epoch < cfg.train.epochs and live:
         loss_sum = torch.zeros(len(live), device=device)
         loss_n = 0
-        for seg, idx in epoch_batches(data["train"], cfg.train.seed, epoch, device):
+        # a run resumed mid-epoch skips the batches of the epoch it trained on (each epoch's order is fixed)
+        batches = epoch_batches(data["train"], cfg.train.seed, epoch, device)
+        for seg, idx in itertools.islice(batches, step - epoch * steps_per_epoch, None):
             losses = strategy.step(seg, idx, step)  # [N]
             step += 1
             tokens += idx.numel() * seg.inputs.shape[1]
@@ -339,6 +383,12 @@ def train_runs(members: list[Config], resolved: list[str | None] | None = None) 
                     lr = members[todo[j]].optim.lr * f(step)
                     trackers[j].log({"step": step, "epoch": epoch, "train/loss": train_loss[row], "lr": lr})
                 bar.set_postfix(loss=f"{min(train_loss):.3f}", refresh=False)
+            if must_stop():
+                for row, j in enumerate(live):
+                    checkpoint(row, j)
+                bar.close()
+                log.info("stopped at epoch %d, step %d (checkpointed: train.resume=true continues)", epoch, step)
+                raise Interrupted(f"stopped at epoch {epoch}, step {step}")
         epoch += 1
         if epoch % cfg.train.eval_every == 0 or epoch == cfg.train.epochs:
             done = []
@@ -347,11 +397,7 @@ def train_runs(members: list[Config], resolved: list[str | None] | None = None) 
                 metrics = evaluate(member, data["valid"], "valid", amp)
                 best[j] = max(best[j], metrics["valid/accuracy"])
                 trackers[j].log({"step": step, "epoch": epoch, **metrics})
-                optimizer_state, scheduler_state = strategy.optimizer_state(row, step)
-                wall = wall_before + time.perf_counter() - t0
-                runs[todo[j]].save_checkpoint(
-                    checkpoint_state(member, optimizer_state, scheduler_state, epoch, step, best[j], wall, tokens)
-                )
+                checkpoint(row, j)
                 if is_stopped(metrics["valid/accuracy"]):
                     finish(row, j, True)
                     done.append(row)
@@ -381,5 +427,6 @@ Main options (every field and default: zoo/config.py):
   model=PRESET data=PRESET optim.lr=X train.epochs=N train.early_stop=X train.seed=N
   train.device=auto|cpu|cuda|cuda:N   train.threads=N (0: the cores available)   train.progress=false
   train.resume=true | train.overwrite=true   runs_root=DIR   experiment_name=NAME   logger=wandb
+  train.stop_at=UNIX_TIME   stop there (or on SIGTERM) with a checkpoint, mid-epoch too; exit status 75
 Presets: model/, data/, optim/, logger/, experiment/ under zoo/configs/ ($ZOO_CONFIG_DIR replaces it).
 Runs go to runs/<experiment_name>/<run>/."""
