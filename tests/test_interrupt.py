@@ -112,3 +112,31 @@ def test_sigterm_stops_zoo_train_with_a_checkpoint(tmp_path):
     assert 0 < step < 400 * 4
     steps = [json.loads(line)["step"] for line in (run.path / "metrics.jsonl").read_text().splitlines()]
     assert max(steps) <= step
+
+
+def test_sigterm_to_a_parallel_zoo_sweep_checkpoints_its_runs(tmp_path):
+    """`timeout` sends SIGTERM to the sweep process only: the sweep passes it to its workers, whose runs
+    checkpoint and come back pending, and the run not started stays pending (its job was already queued)."""
+    sweep_file = tmp_path / "sweep.py"
+    long_tiny = [o for o in TINY if not o.startswith("train.epochs")] + ["train.epochs=400"]
+    runs = [[*long_tiny, f"optim.lr={lr}"] for lr in (1e-3, 2e-3, 3e-3)]
+    sweep_file.write_text(f"def sweep():\n    return {runs!r}\n")
+    root = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "zoo.sweep", str(sweep_file), "--workers", "2", "--device", "cpu", "--runs-root",
+           str(root), "--mps", "off", "--order", "file"]
+    env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.time() + 180
+    while len(list(root.glob("*/*/metrics.jsonl"))) < 2 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=180)
+    record = json.loads(next((root / "_sweeps").glob("*.json")).read_text())
+    statuses = [r["status"] for r in record["runs"]]
+    assert statuses == ["pending"] * 3, (statuses, err[-2000:])
+    interrupted = [r for r in record["runs"] if "interrupted" in r]
+    assert len(interrupted) == 2 and record["runs"][2]["run_dir"] is None
+    for r in interrupted:
+        assert 0 < RunDir(r["run_dir"]).load_checkpoint()["step"] < 400 * 4
+    assert "the same command resumes them" in out

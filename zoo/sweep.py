@@ -272,8 +272,11 @@ def run_pack(runs: list[list[str]], extra: list[str]) -> list[dict[str, Any]]:
     return records
 
 
-def run_job(runs: list[list[str]], extra: list[str]) -> list[dict[str, Any]]:
-    """One job of the pool: a single run, or a group of runs differing only in optim.lr (a pack)."""
+def run_job(runs: list[list[str]], extra: list[str], stop=None) -> list[dict[str, Any]]:
+    """One job of the pool: a single run, or a group of runs differing only in optim.lr (a pack). `stop`: an
+    Event the sweep sets on SIGTERM; a job that starts after it leaves its runs pending."""
+    if stop is not None and stop.is_set():
+        return [{"overrides": run, "run_dir": None, "status": "pending"} for run in runs]
     return [run_one(runs[0], extra)] if len(runs) == 1 else run_pack(runs, extra)
 
 
@@ -433,7 +436,8 @@ def run_sweep(
                 break
     else:
         ctx = multiprocessing.get_context("spawn")
-        queue = ctx.Manager().Queue()
+        manager = ctx.Manager()
+        queue, stop = manager.Queue(), manager.Event()
         for dev in devices_for(device, workers):
             queue.put(dev)
         threads = max(1, (os.cpu_count() or 1) // workers)
@@ -442,8 +446,8 @@ def run_sweep(
         print(f"zoo-sweep {name}: {why}", file=sys.stderr, flush=True)
         try:
             pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=(queue, threads))
-            with pool, _forward_sigterm(pool) as futures:
-                futures.update({pool.submit(run_job, [runs[i] for i in job], extra): job for job in jobs})
+            with pool, _forward_sigterm(pool, stop) as futures:
+                futures.update({pool.submit(run_job, [runs[i] for i in job], extra, stop): job for job in jobs})
                 for future in as_completed(futures):
                     job = futures[future]
                     if future.cancelled():  # not started before a SIGTERM: still pending
@@ -467,14 +471,16 @@ def run_sweep(
 
 
 @contextlib.contextmanager
-def _forward_sigterm(pool: ProcessPoolExecutor):
-    """While the block runs, a SIGTERM to the sweep cancels the jobs not started yet and passes the signal on to
-    the workers, whose runs then checkpoint where they are and return as interrupted (zoo.train.stop_requests).
-    Yields the {future: job} dict the block fills. Only the main thread may set a handler; elsewhere SIGTERM keeps
-    its default."""
+def _forward_sigterm(pool: ProcessPoolExecutor, stop):
+    """While the block runs, a SIGTERM to the sweep sets `stop` (jobs that start later leave their runs pending:
+    the pool may already have handed them to a worker), cancels the jobs not handed out, and passes the signal on
+    to the workers, whose runs then checkpoint where they are and return as interrupted
+    (zoo.train.stop_requests). Yields the {future: job} dict the block fills. Only the main thread may set a
+    handler; elsewhere SIGTERM keeps its default."""
     futures: dict = {}
 
     def on_sigterm(signum, frame):
+        stop.set()
         for future in futures:
             future.cancel()
         for process in list(getattr(pool, "_processes", {}).values()):
