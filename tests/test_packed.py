@@ -235,12 +235,18 @@ def test_invalid_packs_fail_in_one_line(tmp_path, capsys):
     with pytest.raises(ConfigError, match="train.pack_lrs is set"):
         train(cfg)
 
-    with pytest.raises(SystemExit) as e:
-        main([*TINY, f"runs_root={tmp_path}", "train.pack_lrs=[1e-3,1e-2]", "train.compile=true"])
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "train.compile=true is not supported for packed runs" in err
-    assert not (tmp_path / "default").exists(), "an invalid pack started work"
+
+def test_a_compiled_pack_trains_as_the_eager_pack(tmp_path, monkeypatch):
+    """train.compile=true compiles the vmapped loss: the runs equal those of the eager pack (to rounding)."""
+    packed(tmp_path, LRS[:2], "train.epochs=1")
+    ref_root = set_aside(tmp_path)
+    compiled = []
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(fn) or real_compile(fn, **kw))
+    summaries = packed(tmp_path, LRS[:2], "train.epochs=1", "train.compile=true")
+    assert compiled, "train.compile=true did not compile the pack's loss"
+    for summary in summaries:
+        assert_same_run(ref_root / summary["run"], tmp_path / "default" / summary["run"], 1e-5, config=False)
 
 
 def test_zoo_train_pack_lrs_writes_one_run_per_lr(tmp_path, capsys):
@@ -318,7 +324,7 @@ def test_a_pack_whose_vmapped_backward_raises_trains_unpacked(tmp_path, monkeypa
     from zoo.sweep import run_pack
 
     original = _Pack.losses
-    monkeypatch.setattr(_Pack, "losses", lambda self, *args: _FailingBackward.apply(original(self, *args)))
+    monkeypatch.setattr(_Pack, "losses", lambda self, *a, **kw: _FailingBackward.apply(original(self, *a, **kw)))
     cfg, _ = cfg_of(tmp_path, "model=attention", "train.epochs=1")
     with pytest.raises(PackError) as e:
         train_runs(pack_members(cfg, LRS[:2]))
@@ -335,8 +341,8 @@ def test_the_agreement_check_covers_every_member(tmp_path, monkeypatch):
     just a fault in the first row."""
     original = _Pack.losses
 
-    def second_member_off(self, *args):
-        losses = original(self, *args)
+    def second_member_off(self, *args, **kwargs):
+        losses = original(self, *args, **kwargs)
         return losses * torch.tensor([1.0] + [1.5] * (len(losses) - 1), device=losses.device)
 
     monkeypatch.setattr(_Pack, "losses", second_member_off)

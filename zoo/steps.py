@@ -21,7 +21,8 @@ under any of them. A pack's limits are each a one-line PackError before any work
 - In a pack of several, every mixer runs an impl that torch.func.vmap can batch (its class's `vmap_impls`): the
   PyTorch forms (impl=naive, or impl=chunk for DeltaNet and Gated DeltaNet), and the Triton kernels of Mamba and
   RWKV-4, whose custom ops have vmap rules (one launch for the whole pack). The FLA kernels have none.
-- No train.compile (train.cuda_graph captures the whole step instead) and no wandb mirror.
+- No wandb mirror. train.compile=true compiles the members' vmapped loss (forward and backward); with
+  train.cuda_graph=true too, the compiled step is what the graph captures.
 - Before training, every row's loss and gradient on 8 examples must equal the plain model's
   (`PackedParams.check_agreement`), so a device whose vmap rules compute something else fails loudly and
   zoo-sweep trains those runs unpacked.
@@ -126,8 +127,6 @@ def check_pack(members: list[Config], run_names: list[str] | None = None) -> Non
             raise PackError(f"packed runs may differ only in optim.lr, but {_first_difference(first, m)}")
     if run_names is not None and len(set(run_names)) != len(members):
         raise PackError(f"the runs of a pack need distinct run dirs, but run={first.run!r} names them all")
-    if first.train.compile:
-        raise PackError("train.compile=true is not supported for packed runs; set train.compile=false")
     if first.logger.backend != "none":
         raise PackError(f"logger.backend={first.logger.backend} is not supported for packed runs; use logger=none")
     if len(members) == 1:
@@ -157,7 +156,9 @@ class _QueryLoss(nn.Module):
 class PackedParams:
     """N members' parameters and AdamW moments as [N, P] tensors, and their vmapped loss and update."""
 
-    def __init__(self, model: LanguageModel, lrs: list[float], optim: OptimConfig, total_steps: int) -> None:
+    def __init__(self, model: LanguageModel, lrs: list[float], optim: OptimConfig, total_steps: int,
+                 compile_mode: str | None = None) -> None:
+        """compile_mode: torch.compile the members' loss (vmapped, or the one member's) in this mode; None: eager."""
         self.model = model
         self.total_steps = total_steps
         self.loss_module = _QueryLoss(model)
@@ -181,7 +182,11 @@ class PackedParams:
         self.optim = optim
         self.buffers = {f"lm.{k}": v for k, v in model.named_buffers()}
         self.vmapped = n > 1
-        self._batched_loss = vmap(self._member_loss, in_dims=(0, None, None, None), randomness="different")
+        eager = vmap(self._member_loss, in_dims=(0, None, None, None), randomness="different"), self._member_loss
+        self._loss_fns = {False: eager, True: eager}  # compiled -> (batched loss, one member's loss)
+        if compile_mode is not None:
+            # static shapes: an epoch has at most two batch sizes per segment, each compiled once
+            self._loss_fns[True] = tuple(torch.compile(f, mode=compile_mode, dynamic=False) for f in eager)
 
     def __len__(self) -> int:
         return self.flat.shape[0]
@@ -198,17 +203,19 @@ class PackedParams:
         params = {f"lm.{k}": v for k, v in params.items()}
         return functional_call(self.loss_module, (params, self.buffers), (inputs, query_pos, query_labels))
 
-    def losses(self, inputs: torch.Tensor, query_pos: torch.Tensor, query_labels: torch.Tensor) -> torch.Tensor:
-        """The loss of every member on one batch: [N].
+    def losses(self, inputs: torch.Tensor, query_pos: torch.Tensor, query_labels: torch.Tensor,
+               compiled: bool = True) -> torch.Tensor:
+        """The loss of every member on one batch: [N]; `compiled=False` runs eagerly even in a compiled pack.
 
         A pack of several members runs scaled_dot_product_attention's math backend: under vmap the fused kernels
         trained to NaN on the H200 where the unpacked model trains (experiments/LOG.md). A pack of one is not
         vmapped and keeps every kernel, the Triton and FLA impls included."""
+        batched, single = self._loss_fns[compiled]
         if self.vmapped:
             with sdpa_kernel(SDPBackend.MATH):
-                return self._batched_loss(self.views(self.flat), inputs, query_pos, query_labels)
+                return batched(self.views(self.flat), inputs, query_pos, query_labels)
         params = {name: v[0] for name, v in self.views(self.flat).items()}
-        return self._member_loss(params, inputs, query_pos, query_labels)[None]
+        return single(params, inputs, query_pos, query_labels)[None]
 
     def check_agreement(self, model: LanguageModel, batch: tuple[torch.Tensor, ...], amp, rtol: float) -> None:
         """PackError unless every row's loss and gradient on `batch` equal those of the plain `model` holding that
@@ -216,13 +223,14 @@ class PackedParams:
         on this device, for any member, must not train the pack silently. A vmapped forward or backward that raises
         is a PackError too (on the H200, sliding-window attention's masked math SDPA under vmap and bf16 autocast
         raised "expected input and grad types to match" in its backward), so that zoo-sweep trains those runs
-        unpacked."""
+        unpacked. It runs the vmapped loss eagerly: in a compiled pack (train.compile=true) a check in eval mode
+        would compile a second graph, and what it checks, the vmap rules, is the same."""
         was_training = self.model.training
         self.model.eval()
         model.eval()
         try:
             with amp:
-                losses = self.losses(*batch)
+                losses = self.losses(*batch, compiled=False)
             # members do not interact, so the gradient of the sum holds each member's own gradient in its row
             (grad,) = torch.autograd.grad(losses.sum(), self.flat)
             losses = losses.detach()
@@ -376,7 +384,8 @@ class PackedStep:
         self.scratch = copy.deepcopy(model)  # a plain model for one member at a time: checks, eval, checkpoints
         self.precision = cfg.train.precision
         self.amp = autocast(device, self.precision)
-        self.pack = PackedParams(model, [m.optim.lr for m in members], cfg.optim, total_steps)
+        compile_mode = cfg.train.compile_mode if cfg.train.compile else None
+        self.pack = PackedParams(model, [m.optim.lr for m in members], cfg.optim, total_steps, compile_mode)
         self.f = lr_lambda(total_steps, cfg.optim.warmup_frac, cfg.optim.min_lr_ratio)
         self.lr_factor = torch.zeros((), device=device)
         self.t = torch.zeros((), device=device)

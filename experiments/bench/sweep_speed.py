@@ -12,8 +12,8 @@
 2. Every distinct (mixer, L, d_model) of the Zoology Fig. 2 grid (experiments/zoology_fig2/sweep.py): the
    model's training step in this process, with the device synchronised: wall ms per step and the device's own
    kernel time per step (torch.profiler), eager, (with --compiled) compiled, and (with --packed) as the
-   vmapped, CUDA-graphed pack of its 4 lrs that `zoo-sweep --pack-lrs` trains. A run is charged the cheapest:
-   a pack's step divided among its members.
+   vmapped, CUDA-graphed pack of its 4 lrs that `zoo-sweep --pack-lrs` trains (compiled too, with both flags).
+   A run is charged the cheapest: a pack's step divided among its members.
 3. The grid estimate: sum over the grid's runs of steps per epoch x epochs x the step's device time, which
    is what the GPU must execute when enough runs share it under MPS to hide their hosts' launch time. Runs
    are charged the full `train.epochs` (no early stop), so the figure is an upper bound. With `--epochs-from
@@ -143,8 +143,8 @@ def time_step(run: list[str], steps: int, device: torch.device, compiled: bool =
 def run_step_ms(row: dict) -> float:
     """The device time one run costs per step: the cheapest of its plain, compiled and packed steps (a pack's
     step divided among its members)."""
-    packed = row["packed_device_ms"] / row["pack_size"] if "packed_device_ms" in row else math.inf
-    return min(row["device_ms"], row.get("compiled_device_ms", math.inf), packed)
+    packs = [row[k] / row["pack_size"] for k in ("packed_device_ms", "packed_compiled_device_ms") if k in row]
+    return min(row["device_ms"], row.get("compiled_device_ms", math.inf), *packs)
 
 
 def run_key(summary: dict) -> tuple[str, int, int]:
@@ -262,6 +262,10 @@ def main() -> None:
                         c = time_step(run, args.steps, device, pack_lrs=lrs)
                         row |= {"packed_wall_ms": c["wall_ms"], "packed_device_ms": c["device_ms"],
                                 "pack_size": len(lrs)}
+                        if args.compiled:
+                            c = time_step(run, args.steps, device, compiled=True, pack_lrs=lrs)
+                            row |= {"packed_compiled_wall_ms": c["wall_ms"],
+                                    "packed_compiled_device_ms": c["device_ms"]}
                     except PackError as e:  # zoo-sweep trains such a group unpacked: so does the estimate
                         row["packed_error"] = str(e)
             except Exception as e:  # a config that fails is reported and the others go on
