@@ -42,7 +42,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = ROOT / "experiments" / "bench" / "probe16.py"
-GRID = ROOT / "experiments" / "zoology_fig2" / "sweep.py"
+# --grid: the sweep file and the environment variable that selects its full grid (or the tiny one)
+GRIDS = {"zoology_fig2": ("ZOO_FIG2", ROOT / "experiments" / "zoology_fig2" / "sweep.py"),
+         "based_frontier": ("ZOO_FRONTIER", ROOT / "experiments" / "based_frontier" / "sweep.py")}
 BASELINE_PROBE_S = 115.0  # the 16-run probe on the landed code, one H200, 4 runs per GPU (issue 35)
 TARGET_GRID_S = 30 * 60
 DEFAULT_VARIANTS = [
@@ -74,12 +76,13 @@ def run_probe(label: str, overrides: str, flags: str, env: dict[str, str]) -> di
     return out
 
 
-def grid_configs(tiny: bool) -> tuple[list[list[str]], dict[tuple, list[list[str]]]]:
+def grid_configs(tiny: bool, grid: str = "zoology_fig2") -> tuple[list[list[str]], dict[tuple, list[list[str]]]]:
     """The grid's runs and, per distinct config apart from the lr, its runs."""
     from zoo.sweep import load_sweep
 
-    os.environ.setdefault("ZOO_FIG2", "tiny" if tiny else "full")
-    runs = load_sweep(GRID)
+    selector, path = GRIDS[grid]
+    os.environ.setdefault(selector, "tiny" if tiny else "full")
+    runs = load_sweep(path)
     groups: dict[tuple, list[list[str]]] = {}
     for run in runs:
         groups.setdefault(tuple(o for o in run if not o.startswith("optim.lr=")), []).append(run)
@@ -107,34 +110,41 @@ def time_step(run: list[str], steps: int, device: torch.device, compiled: bool =
     batch = max(s.batch_size for s in full.data.train)
     cfg, _ = load_config(shrink(run, batch) + [f"train.compile={str(compiled).lower()}", "data.cache=false"])
     torch.manual_seed(0)
-    seg = load_split(cfg, "train", device)[0]
+    segments = load_split(cfg, "train", device)
     model = LanguageModel(cfg.model).to(device)
     if pack_lrs:
         strategy = PackedStep(model, pack_members(cfg, pack_lrs), 10_000, device, graph=device.type == "cuda")
+        seg = segments[0]
         strategy.check((seg.inputs[:8], seg.query_pos[:8], seg.query_labels[:8]))
     else:
         strategy = PlainStep(model, cfg, 10_000, autocast(device, cfg.train.precision))
-    idx = torch.arange(min(batch, len(seg)), device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    t = time.perf_counter()
-    for _ in range(3):
-        strategy.step(seg, idx, 0)
-    sync()
-    warm_s = time.perf_counter() - t
-    t = time.perf_counter()
-    for _ in range(steps):
-        strategy.step(seg, idx, 0)
-    sync()
-    wall_ms = (time.perf_counter() - t) / steps * 1e3
-    device_ms = wall_ms
-    if device.type == "cuda":
-        from torch.profiler import ProfilerActivity, profile
+    # every train segment's step (its own L and batch), weighted by the steps it takes an epoch
+    weights = [math.ceil(s.num_examples / s.batch_size) / steps_per_epoch for s in full.data.train]
+    wall_ms = device_ms = warm_s = 0.0
+    for seg, w in zip(segments, weights):
+        idx = torch.arange(min(seg.batch_size, len(seg)), device=device)
+        t = time.perf_counter()
+        for _ in range(3):
+            strategy.step(seg, idx, 0)
+        sync()
+        warm_s += time.perf_counter() - t
+        t = time.perf_counter()
+        for _ in range(steps):
+            strategy.step(seg, idx, 0)
+        sync()
+        seg_wall = (time.perf_counter() - t) / steps * 1e3
+        seg_device = seg_wall
+        if device.type == "cuda":
+            from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                strategy.step(seg, idx, 0)
-            sync()
-        device_ms = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / 3
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    strategy.step(seg, idx, 0)
+                sync()
+            seg_device = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / 3
+        wall_ms += w * seg_wall
+        device_ms += w * seg_device
     return {"wall_ms": wall_ms, "device_ms": device_ms, "warmup_s": warm_s, "steps_per_epoch": steps_per_epoch,
             "epochs": full.train.epochs, "mixer": "+".join(dict.fromkeys(full.model.layers())),
             "d_model": full.model.d_model, "seq_len": max(s.seq_len for s in full.data.train)}
@@ -196,7 +206,9 @@ def main() -> None:
     p.add_argument("--packed", action="store_true",
                    help="also time each grid config's 4 lrs as one vmapped, CUDA-graphed pack (zoo-sweep --pack-lrs)")
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--tiny", action="store_true", help="the tiny grid (ZOO_FIG2=tiny), for a CPU smoke run")
+    p.add_argument("--tiny", action="store_true", help="the grid's tiny form (ZOO_FIG2=tiny), for a CPU smoke run")
+    p.add_argument("--grid", choices=sorted(GRIDS), default="zoology_fig2",
+                   help="the sweep whose configs are timed (based_frontier: the Based Fig. 2 grid)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--max-configs", type=int, default=0, help="time only the first N configs (0: all)")
     p.add_argument("--epochs-from", nargs="*", default=[], metavar="DIR",
@@ -240,7 +252,7 @@ def main() -> None:
                 r["max_valid_accuracy_diff_vs_today"] = max(diffs, default=None)
 
     if not args.skip_configs:
-        runs, groups = grid_configs(args.tiny)
+        runs, groups = grid_configs(args.tiny, args.grid)
         rows = []
         keys = list(groups)[: args.max_configs or None]
         print(f"\n{'mixer':28s} {'L':>5s} {'d':>5s} {'ms/step':>9s} {'device ms':>9s}"
