@@ -136,31 +136,3 @@ def test_mamba_mixer_triton_matches_naive():
     for a, b in zip(*outs):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(outs[1][2], outs[0][0], rtol=1e-4, atol=1e-5)  # prefill + decode == forward
-
-
-@pytest.mark.parametrize("impl", ["naive", "triton"])
-def test_packed_lm_with_the_mamba_kernel_equals_the_plain_one(impl):
-    """A pack of 2 lrs of a 2-layer mamba LM (impl=triton goes through the op's vmap rule): each member's loss
-    and gradient equal the plain model's, and check_pack accepts it."""
-    from zoo.config import ModelConfig
-    from zoo.eval import query_loss
-    from zoo.models import LanguageModel
-    from zoo.steps import PackedParams, check_pack, pack_members
-    from zoo.train import load_config
-
-    torch.manual_seed(0)
-    cfg, _ = load_config(["model=mamba", f"+model.mixers.mamba.impl={impl}", "model.d_model=16"])
-    check_pack(pack_members(cfg, [1e-3, 2e-3]))
-    model = LanguageModel(ModelConfig(vocab_size=64, d_model=16, n_layers=2, pattern=["mamba"],
-                                      mixers={"mamba": {"impl": impl}}))
-    pack = PackedParams(model, [1e-3, 2e-3], cfg.optim, total_steps=1)
-    inputs, labels = torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 3))
-    query_pos = torch.randint(0, 16, (4, 3))
-    losses = pack.losses(inputs, query_pos, labels)
-    losses.sum().backward()
-    loss = query_loss(model, inputs, query_pos, labels)
-    loss.backward()
-    grad = torch.cat([p.grad.reshape(-1) for _, p in model.named_parameters()])
-    for member in range(2):
-        torch.testing.assert_close(losses[member], loss, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(pack.flat.grad[member], grad, rtol=1e-4, atol=1e-6)
