@@ -140,3 +140,22 @@ def test_sigterm_to_a_parallel_zoo_sweep_checkpoints_its_runs(tmp_path):
     for r in interrupted:
         assert 0 < RunDir(r["run_dir"]).load_checkpoint()["step"] < 400 * 4
     assert "the same command resumes them" in out
+
+
+def test_a_stopped_pack_resumes_to_the_uninterrupted_packs_result(tmp_path, monkeypatch):
+    from zoo.steps import pack_members
+    from zoo.train import train_runs
+
+    lrs = [1e-3, 1e-2]
+    cfg, _ = load_config([*TINY, f"runs_root={tmp_path / 'ref'}"])
+    ref = train_runs(pack_members(cfg, lrs))
+    monkeypatch.setattr(zoo.train, "stop_requests", stop_after(6))
+    cfg, _ = load_config([*TINY, f"runs_root={tmp_path / 'got'}"])
+    with pytest.raises(Interrupted):
+        train_runs(pack_members(cfg, lrs))
+    monkeypatch.undo()
+    cfg, _ = load_config([*TINY, f"runs_root={tmp_path / 'got'}", "train.resume=true"])
+    got = train_runs(pack_members(cfg, lrs))
+    for r, g in zip(ref, got):
+        for key in ("valid/accuracy", "test/accuracy", "best_valid_accuracy"):
+            assert g[key] == pytest.approx(r[key], rel=1e-5), key
