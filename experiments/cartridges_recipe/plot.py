@@ -45,11 +45,11 @@ def collect(out: str | Path) -> list[dict]:
     rows = []
     for arm, r in results.items():
         row = {"arm": arm, **r}
-        if arm in ARMS:
+        if (out / f"c_{arm}" / "summary.json").is_file():  # a trained arm (ss_p<p>: self-study at another size)
             summary = json.loads((out / f"c_{arm}" / "summary.json").read_text())
             row.update(
                 method=summary["method"],
-                lever=ARMS[arm],
+                lever=ARMS.get(arm, [*ARMS["ss"], f"num_tokens={r['kv_tokens']}"]),
                 initial_heldout_kl=summary.get("initial_heldout_kl"),
                 final_heldout_kl=summary.get("final_heldout_kl"),
                 final_kl=summary.get("final_kl"),
@@ -67,9 +67,11 @@ def collect(out: str | Path) -> list[dict]:
 def targets(rows: list[dict]) -> dict:
     """The issue's targets on this run: ss ≥ 2× truncated of equal memory and ≥ 0.7× ICL; ss > hard > ntp."""
     acc = {r["arm"]: r["accuracy"] for r in rows}
+    # the first truncated arm is at the run's p (run.py lists it first); ss_p<q> arms are other sizes
     truncated = next((r["accuracy"] for r in rows if r["arm"].startswith("truncated_")), None)
     ss, icl, hard, ntp = acc.get("ss"), acc.get("icl"), acc.get("hard_labels"), acc.get("ntp")
-    best = max((r for r in rows if r["arm"].startswith("ss")), key=lambda r: r["accuracy"], default=None)
+    at_p = [r for r in rows if r["arm"].startswith("ss") and not r["arm"].startswith("ss_p")]
+    best = max(at_p, key=lambda r: r["accuracy"], default=None)
     ratio = lambda a, b: None if a is None or not b else a / b  # noqa: E731
     return {
         "ss_over_truncated": ratio(ss, truncated),

@@ -24,6 +24,9 @@ shards and checkpoints, so re-running the same command continues an interrupted 
     python -m experiments.cartridges_recipe.run --out runs/cartridges_recipe --model /path/SmolLM2.gguf
     python -m experiments.cartridges_recipe.run --smoke --out /tmp/recipe_smoke      # tiny Llama, CPU, seconds
 
+`--more-sizes 7` also trains self-study at p = context // 7 (arm `ss_p<p>`, beside `truncated_<p>`) on the same
+conversations: the cartridge-size lever.
+
 The last line printed is JSON: the table's rows and the issue's targets (ss ≥ 2× truncated, ≥ 0.7× ICL,
 ss > hard_labels > ntp).
 """
@@ -107,6 +110,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=480, help="steps of every trained arm")
     p.add_argument("--synth-batch", type=int, default=512)
     p.add_argument("--size-ratio", type=int, default=14, help="p = context tokens // this")
+    p.add_argument("--more-sizes", type=int, nargs="*", default=[], metavar="RATIO",
+                   help="also train self-study at p = context tokens // RATIO (arm ss_p<p>, with truncated_<p> "
+                   "beside it), on the same conversations: the cartridge-size lever")
     p.add_argument(
         "--time-limit",
         type=float,
@@ -176,7 +182,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     cartridges = {}
     stopped = []
-    for arm in [a for a in ARMS if a in args.arms]:  # in ARMS' order, baselines first
+    # (arm, p, its overrides): the chosen arms at p in ARMS' order (baselines first), then self-study at each
+    # further size
+    sizes = [ctx_tokens // r for r in args.more_sizes]
+    plan = [(a, size, ARMS[a]) for a in ARMS if a in args.arms] + [(f"ss_p{q}", q, ARMS["ss"]) for q in sizes]
+    for arm, arm_size, lever in plan:
         target = out / f"c_{arm}"
         if not (target / "summary.json").is_file():
             if out_of_time():
@@ -184,11 +194,11 @@ def main(argv: list[str] | None = None) -> dict:
                 continue
             # every arm reads the conversations: NTP trains on the document and is measured on them
             cfg, _ = load_config("distill", [
-                *common, f"corpus.path={doc}", f"data={synthesize()}", f"output={target}", f"num_tokens={size}",
+                *common, f"corpus.path={doc}", f"data={synthesize()}", f"output={target}", f"num_tokens={arm_size}",
                 f"steps={s['steps']}", f"pack_len={s['pack_len']}", f"batch_size={s['batch_size']}",
                 f"corpus.min_tokens={s['chunks'][0]}", f"corpus.max_tokens={s['chunks'][1]}",
                 f"log_every={max(1, s['steps'] // 8)}", f"checkpoint_every={max(1, s['steps'] // 4)}",
-                f"resume={(target / distill.CHECKPOINT).is_file()}", *TRAINING, *ARMS[arm],
+                f"resume={(target / distill.CHECKPOINT).is_file()}", *TRAINING, *lever,
             ])  # fmt: skip
             timed(f"distill/{arm}", lambda cfg=cfg: distill.distill(cfg, model, tokenizer))
         cartridges[arm] = target / "cartridge.safetensors"
@@ -196,7 +206,8 @@ def main(argv: list[str] | None = None) -> dict:
     if stopped:
         print(f"time limit reached; not trained yet: {', '.join(stopped)}. Re-run the same command to continue.")
     eval_args = [
-        *common, f"corpus.path={doc}", f"qa={qa}", f"output={out / 'eval'}", f"truncated_tokens=[{size}]",
+        *common, f"corpus.path={doc}", f"qa={qa}", f"output={out / 'eval'}",
+        f"truncated_tokens=[{','.join(str(q) for q in [size, *sizes])}]",
         f"max_new_tokens={s['max_new_tokens']}", f"batch_size={s['eval_batch']}",
         *[f"+cartridges.{arm}={path}" for arm, path in cartridges.items()],
     ]  # fmt: skip

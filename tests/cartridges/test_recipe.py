@@ -110,3 +110,17 @@ def test_chunks_cover_the_document_edges():
     middle = sum(counts[n // 2 - 50 : n // 2 + 50]) / 100
     assert counts[0] > 0.5 * middle and counts[-1] > 0.5 * middle
     assert corpus.coverage(chunks)["uncovered_fraction"] == 0
+
+
+def test_more_sizes_train_self_study_at_each_size_beside_its_truncation(tmp_path):
+    """--more-sizes 4: self-study at p = context // 4 (arm ss_p<p>) on the same conversations, with
+    truncated_<p> beside it; the targets stay those of the run's own p."""
+    from experiments.cartridges_recipe import run
+
+    final = run.main(["--smoke", "--out", str(tmp_path), "--arms", "ss", "--more-sizes", "4"])
+    q = final["context_tokens"] // 4
+    rows = {r["arm"]: r for r in final["rows"]}
+    assert set(rows) == {"icl", f"truncated_{final['p']}", f"truncated_{q}", "none", "ss", f"ss_p{q}"}
+    assert rows[f"ss_p{q}"]["kv_tokens"] == q and rows["ss"]["kv_tokens"] == final["p"]
+    assert rows[f"ss_p{q}"]["method"] == "self_study" and rows[f"ss_p{q}"]["lever"][-1] == f"num_tokens={q}"
+    assert final["targets"]["best_self_study_arm"] == "ss"
