@@ -38,9 +38,9 @@ import torch
 from einops import rearrange
 
 try:  # run as a script (python experiments/bench/NAME.py) or as a module
-    from timing import fmt, median_ms
+    from timing import fmt, median_ms, peak_mib, rel_diff
 except ImportError:
-    from experiments.bench.timing import fmt, median_ms
+    from experiments.bench.timing import fmt, median_ms, peak_mib, rel_diff
 
 from zoo.models.mixers import _long_conv, h3, hyena
 from zoo.models.mixers._common import check_input, compute_dtype
@@ -116,22 +116,6 @@ def build(mixer: str, d: int, L: int, device: torch.device) -> tuple[torch.nn.Mo
         new, old = Hyena(d, **options), BaselineHyena(d, **options)
     old.load_state_dict(new.state_dict())
     return old.to(device), new.to(device)
-
-
-def peak_mib(fn, device: torch.device) -> float | None:
-    """Memory fn() allocates above what was allocated before it (MiB), on CUDA."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - before) / 2**20
-
-
-def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
 
 def toeplitz_flops(mixer: str, d: int, L: int, B: int) -> float:
