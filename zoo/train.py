@@ -55,6 +55,7 @@ def stop_requests(stop_at: float):
         if handler_set:
             signal.signal(signal.SIGTERM, previous)
 
+
 # Fields that change how a run is executed, not what it computes: left out of the run's identity.
 EXECUTION_KEYS = {
     "train": ("resume", "overwrite", "progress", "device", "compile", "cuda_graph", "pack_lrs", "threads", "stop_at"),
@@ -353,13 +354,14 @@ def _train_runs(members: list[Config], resolved: list[str | None] | None, must_s
     bar = tqdm(total=total_steps, initial=step, desc=desc, disable=not cfg.train.progress, dynamic_ncols=True)
     model.train()
     f = lr_lambda(total_steps, cfg.optim.warmup_frac, cfg.optim.min_lr_ratio)
-    def checkpoint(row: int, j: int) -> None:
-        """Member j's checkpoint at the loop's current epoch and step (mid-epoch when the run is stopped)."""
+
+    def checkpoint(row: int, j: int, member) -> None:
+        """Member j's checkpoint (strategy row `row`, its model `member`) at the loop's current epoch and step
+        (mid-epoch when the run is stopped)."""
         optimizer_state, scheduler_state = strategy.optimizer_state(row, step)
         wall = wall_before + time.perf_counter() - t0
         runs[todo[j]].save_checkpoint(
-            checkpoint_state(strategy.model_of(row), optimizer_state, scheduler_state, epoch, step, best[j], wall,
-                             tokens)
+            checkpoint_state(member, optimizer_state, scheduler_state, epoch, step, best[j], wall, tokens)
         )
 
     while epoch < cfg.train.epochs and live:
@@ -385,7 +387,7 @@ def _train_runs(members: list[Config], resolved: list[str | None] | None, must_s
                 bar.set_postfix(loss=f"{min(train_loss):.3f}", refresh=False)
             if must_stop():
                 for row, j in enumerate(live):
-                    checkpoint(row, j)
+                    checkpoint(row, j, strategy.model_of(row))
                 bar.close()
                 log.info("stopped at epoch %d, step %d (checkpointed: train.resume=true continues)", epoch, step)
                 raise Interrupted(f"stopped at epoch {epoch}, step {step}")
@@ -397,7 +399,7 @@ def _train_runs(members: list[Config], resolved: list[str | None] | None, must_s
                 metrics = evaluate(member, data["valid"], "valid", amp)
                 best[j] = max(best[j], metrics["valid/accuracy"])
                 trackers[j].log({"step": step, "epoch": epoch, **metrics})
-                checkpoint(row, j)
+                checkpoint(row, j, member)
                 if is_stopped(metrics["valid/accuracy"]):
                     finish(row, j, True)
                     done.append(row)
