@@ -182,11 +182,12 @@ class PackedParams:
         self.optim = optim
         self.buffers = {f"lm.{k}": v for k, v in model.named_buffers()}
         self.vmapped = n > 1
-        eager = vmap(self._member_loss, in_dims=(0, None, None, None), randomness="different"), self._member_loss
-        self._loss_fns = {False: eager, True: eager}  # compiled -> (batched loss, one member's loss)
+        # (the vmapped loss, one member's loss), eager and as the step runs them
+        self._eager = vmap(self._member_loss, in_dims=(0, None, None, None), randomness="different"), self._member_loss
+        self._compiled = self._eager
         if compile_mode is not None:
             # static shapes: an epoch has at most two batch sizes per segment, each compiled once
-            self._loss_fns[True] = tuple(torch.compile(f, mode=compile_mode, dynamic=False) for f in eager)
+            self._compiled = tuple(torch.compile(f, mode=compile_mode, dynamic=False) for f in self._eager)
 
     def __len__(self) -> int:
         return self.flat.shape[0]
@@ -210,7 +211,7 @@ class PackedParams:
         A pack of several members runs scaled_dot_product_attention's math backend: under vmap the fused kernels
         trained to NaN on the H200 where the unpacked model trains (experiments/LOG.md). A pack of one is not
         vmapped and keeps every kernel, the Triton and FLA impls included."""
-        batched, single = self._loss_fns[compiled]
+        batched, single = self._compiled if compiled else self._eager
         if self.vmapped:
             with sdpa_kernel(SDPBackend.MATH):
                 return batched(self.views(self.flat), inputs, query_pos, query_labels)
