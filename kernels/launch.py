@@ -51,6 +51,13 @@ def check_devices(op: str, *tensors: torch.Tensor | None) -> None:
                          f"{devices[0]} tensors); kernels/based/naive.py has the same functions in PyTorch")
 
 
+def grad_needed(*tensors: torch.Tensor | None) -> bool:
+    """Whether a backward can follow an op on `tensors` (grad mode on, one of them requiring grad), so that its
+    forward must keep what the backward reads. Inside torch.func.vmap, ask on the unwrapped tensors of the op's
+    vmap rule: a batched tensor's requires_grad reads False."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def cdiv(a: int, b: int) -> int:
     """⌈a / b⌉ for ints, b > 0."""
     return -(-a // b)

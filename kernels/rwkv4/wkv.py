@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import cdiv, check_devices, launch, next_power_of_2
+from kernels.launch import cdiv, check_devices, grad_needed, launch, next_power_of_2
 from kernels.rwkv4.naive import NO_TOKEN, State
 from kernels.vmap import channels_as_members, members_as_channels, members_first
 
@@ -205,9 +205,7 @@ def _fwd_vmap(info, in_dims, k, v, w, u, a0, b0, p0, save):
     n = info.batch_size
     k, v, w, u, a0, b0, p0 = (members_as_channels(members_first(n, t, dim))
                               for t, dim in zip((k, v, w, u, a0, b0, p0), in_dims))
-    # inside vmap the caller sees batched tensors, whose requires_grad reads False: decide on the plain ones
-    plain = (k, v, w, u, a0, b0, p0)
-    save = save or (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in plain))
+    save = save or grad_needed(k, v, w, u, a0, b0, p0)  # the caller saw batched tensors (see grad_needed)
     y, s, aT, bT, pT = torch.ops.zoo_rwkv4.wkv_fwd(k, v, w, u, a0, b0, p0, save)
     s = channels_as_members(s, n) if save else s  # [N, B, T, 3, d], or the empty placeholder
     return (channels_as_members(y, n), s, *(channels_as_members(x, n) for x in (aT, bT, pT))), (
@@ -233,7 +231,7 @@ def wkv4(k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, u: torch.Tensor,
                         "kernels/rwkv4/naive.py runs any dtype")
     state = () if state is None else tuple(state)
     check_devices("wkv4", k, v, w, u, *state)
-    save = torch.is_grad_enabled() and any(x.requires_grad for x in (k, v, w, u, *state))
+    save = grad_needed(k, v, w, u, *state)
     a0, b0, p0 = (x.float().contiguous() for x in state) if state else (None, None, None)
     y, _, aT, bT, pT = _fwd_op(k.contiguous(), v.contiguous(), w.float().contiguous(), u.float().contiguous(), a0,
                                b0, p0, save)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import cdiv, launch, next_power_of_2
+from kernels.launch import cdiv, grad_needed, launch, next_power_of_2
 from kernels.vmap import members_first
 
 
@@ -143,7 +143,7 @@ def _fwd_fake(u, dt, A, Bm, Cm, h0, save):
 def _bwd_op(u: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, Bm: torch.Tensor, Cm: torch.Tensor,
             h0: torch.Tensor | None, hs: torch.Tensor, dy: torch.Tensor, dhT: torch.Tensor | None) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> du, ddt [B, T, D], dA [D, N], dB, dC [B, T, N] and dh0 [B, D, N], all fp32 (dh0 zero without h0)."""
+    """-> du, ddt [B, T, D], dA (A's shape), dB, dC [B, T, N] and dh0 [B, D, N], all fp32 (dh0 zero without h0)."""
     Bsz, T, D = u.shape
     N = A.shape[-1]
     BD, BN = _blocks(D, N)
@@ -197,9 +197,7 @@ def _fwd_vmap(info, in_dims, u, dt, A, Bm, Cm, h0, save):
     u, dt, Bm, Cm, h0 = (None if t is None else members_first(n, t, dim).flatten(0, 1)
                          for t, dim in zip((u, dt, Bm, Cm, h0), (in_dims[0], in_dims[1], *in_dims[3:6])))
     A = A if in_dims[2] is None else A.movedim(in_dims[2], 0).contiguous()  # [N_members, D, N] or shared [D, N]
-    # inside vmap the caller sees batched tensors, whose requires_grad reads False: decide on the plain ones
-    plain = (u, dt, A, Bm, Cm, h0)
-    save = save or (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in plain))
+    save = save or grad_needed(u, dt, A, Bm, Cm, h0)  # the caller saw batched tensors (see grad_needed)
     y, hs, hT = torch.ops.zoo_selective_scan.fwd(u, dt, A, Bm, Cm, h0, save)
     hs = hs.unflatten(0, (n, -1)) if save else hs
     return (y.unflatten(0, (n, -1)), hs, hT.unflatten(0, (n, -1))), (0, 0 if save else None, 0)
@@ -217,6 +215,6 @@ def selective_scan(u, dt, A, Bm, Cm, h0=None):
     if u.dtype == torch.float64:
         raise TypeError("selective_scan computes in fp32; use naive.selective_scan_naive for float64")
     h0 = None if h0 is None else h0.float().contiguous()
-    save = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (u, dt, A, Bm, Cm, h0))
+    save = grad_needed(u, dt, A, Bm, Cm, h0)
     y, _, hT = _fwd_op(u.contiguous(), dt.contiguous(), A.contiguous(), Bm.contiguous(), Cm.contiguous(), h0, save)
     return y.to(u.dtype), hT
