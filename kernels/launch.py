@@ -1,5 +1,5 @@
-"""Host-side helpers for launching the Triton kernels: where they can run, integers for launch shapes, and
-`launch`, a cheaper way through Triton's launcher.
+"""Host-side helpers for launching the Triton kernels: where they can run, whether a backward will follow
+(`grad_needed`), integers for launch shapes, and `launch`, a cheaper way through Triton's launcher.
 
 `triton.cdiv` and `triton.next_power_of_2` are Triton constexpr functions: called from Python each one unwraps its
 arguments first, a few microseconds per call, and a Based forward+backward computes some forty such values. These
