@@ -181,3 +181,22 @@ def test_cartridges_threads_needs_a_number(capsys):
     with pytest.raises(SystemExit) as e:
         run_command("cartridges-distill", "distill", "usage", lambda cfg: None, ["--threads", "many"])
     assert e.value.code == 2 and "--threads needs a whole number" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override", ["runs_root=/tmp/elsewhere", "logger.backend=wandb"])
+def test_run_name_ignores_where_a_run_goes(override):
+    """A sweep under another runs root (or a moved runs folder) must still find and skip its finished runs."""
+    from zoo.train import run_name
+
+    a, _ = load_config([])
+    b, _ = load_config([override])
+    assert run_name(a) == run_name(b)
+
+
+@pytest.mark.parametrize("override", ["optim.lr=0.5", "model.d_model=48", "train.epochs=3"])
+def test_run_name_changes_with_what_a_run_computes(override):
+    from zoo.train import run_name
+
+    a, _ = load_config([])
+    b, _ = load_config([override])
+    assert run_name(a) != run_name(b)

@@ -16,7 +16,6 @@ model as ZooForCausalLM with its tokenizer, loadable by AutoModelForCausalLM.fro
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import math
 import os
@@ -35,7 +34,7 @@ from zoo.config import PretrainConfig, register_pretrain_configs
 from zoo.device import autocast, resolve_device, set_threads
 from zoo.lm_data import PackedWindows, TokenData, prepare, valid_windows
 from zoo.models import LanguageModel
-from zoo.runs import RunDir, find_resumable
+from zoo.runs import RunDir, find_resumable, identity_digest
 from zoo.steps import build_optimizer, lr_lambda
 from zoo.train import ConfigError, load_config, start_tracker
 
@@ -61,9 +60,7 @@ def run_name(cfg: PretrainConfig) -> str:
     if cfg.run:
         return cfg.run
     tree = OmegaConf.to_container(OmegaConf.structured(cfg))
-    tree["train"] = {k: v for k, v in tree["train"].items() if k not in EXECUTION_KEYS}
-    tree.pop("logger")
-    digest = hashlib.sha256(OmegaConf.to_yaml(OmegaConf.create(tree)).encode()).hexdigest()[:8]
+    digest = identity_digest(tree, EXECUTION_KEYS)
     return f"lm-d{cfg.model.d_model}-L{cfg.model.n_layers}-lr{cfg.optim.lr:g}-s{cfg.train.seed}-{digest}"
 
 

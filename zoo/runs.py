@@ -162,6 +162,17 @@ def run_identity(tree: dict[str, Any], train_control) -> dict[str, Any]:
     return out
 
 
+def identity_digest(tree: dict[str, Any], train_control) -> str:
+    """8 hex digits of the run's identity (`run_identity`): where a run goes (runs_root, run_dir) and how it is
+    logged never change its name, so a sweep under another runs root, or a moved runs folder, still skips it."""
+    import hashlib
+
+    import yaml
+
+    text = yaml.safe_dump(run_identity(tree, train_control), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
 def read_config_tree(run: RunDir) -> dict[str, Any] | None:
     import yaml
 

@@ -28,7 +28,7 @@ from zoo.device import autocast, resolve_device, set_threads
 from zoo.eval import QuerySegment, evaluate
 from zoo.models import LanguageModel
 from zoo.paths import config_dir
-from zoo.runs import RunDir, find_resumable
+from zoo.runs import RunDir, find_resumable, identity_digest
 from zoo.steps import PackedStep, PackError, check_pack, lr_lambda, make_strategy
 from zoo.synthetics import cached_generate, generate
 
@@ -74,9 +74,7 @@ def run_name(cfg: Config) -> str:
     if cfg.run:
         return cfg.run
     tree = OmegaConf.to_container(OmegaConf.structured(cfg))
-    tree["train"] = {k: v for k, v in tree["train"].items() if k not in EXECUTION_KEYS["train"]}
-    tree.pop("logger")
-    digest = hashlib.sha256(OmegaConf.to_yaml(OmegaConf.create(tree)).encode()).hexdigest()[:8]
+    digest = identity_digest(tree, EXECUTION_KEYS["train"])
     mixers = "-".join(dict.fromkeys(cfg.model.layers()))
     return f"{mixers}-d{cfg.model.d_model}-lr{cfg.optim.lr:g}-s{cfg.train.seed}-{digest}"
 
