@@ -250,3 +250,31 @@ def test_frontier_sweep_picks_gated_deltanet_impl_by_machine(monkeypatch):
 )
 def test_a_failed_run_is_recorded_by_its_exception_and_first_line(message, want):
     assert error_line(AssertionError(message)) == want
+
+
+FIG2_SELECTIONS = {
+    "all": ({}, 7 * 4 * 4),
+    "mixers": ({"MIXERS": "attention,base_conv"}, 2 * 4 * 4),
+    "d": ({"D": "256"}, 7 * 4),
+    "lrs": ({"LRS": "1e-4,0.01", "MIXERS": "attention", "D": "512"}, 2),
+}
+
+
+@pytest.mark.parametrize("name", FIG2_SELECTIONS)
+def test_fig2_selectors_pick_their_runs(name, monkeypatch):
+    """MIXERS, D and LRS select the Fig. 2 runs they name, at the L=64 panel."""
+    env, count = FIG2_SELECTIONS[name]
+    monkeypatch.setenv("ZOO_FIG2", "L64")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    runs = load_sweep(Path(__file__).resolve().parents[1] / "experiments/zoology_fig2/sweep.py")
+    assert len(runs) == count
+    if name == "lrs":
+        assert sorted(o for r in runs for o in r if o.startswith("optim.lr=")) == ["optim.lr=0.0001", "optim.lr=0.01"]
+
+
+def test_fig2_lrs_off_the_grid_is_refused(monkeypatch):
+    monkeypatch.setenv("ZOO_FIG2", "L64")
+    monkeypatch.setenv("LRS", "3e-3")
+    with pytest.raises(ValueError, match="not in the grid"):
+        load_sweep(Path(__file__).resolve().parents[1] / "experiments/zoology_fig2/sweep.py")

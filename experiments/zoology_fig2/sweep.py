@@ -17,7 +17,8 @@ Learning rates are selected on validation (Zoology selected and stopped on test)
 Selectors (environment variables, all optional):
 - `ZOO_FIG2`: `full` (default: L64, L128, L256), one or more panels (`L64`, `L128,L256`; `L512` is the paper's
   optional (512, 64) panel, batch 128) or `tiny`.
-- `MIXERS`: a comma list of preset names (e.g. `attention,base_conv`); `D`: a comma list of d_models.
+- `MIXERS`: a comma list of preset names (e.g. `attention,base_conv`); `D`: a comma list of d_models; `LRS`: a
+  comma list of learning rates of the grid (e.g. `1e-4,1e-2`), matched within 1%.
 Runs come cheapest and most informative first: panel by panel from L=64, each panel from the narrowest
 d_model, and within one d the models that stop early or train fastest first (attention, based, base_conv,
 rwkv, hyena, h3, mamba).
@@ -64,6 +65,20 @@ def _selected_d_models() -> list[int]:
     return ds
 
 
+def _selected_lrs() -> list[float]:
+    chosen = _csv("LRS")
+    if chosen is None:
+        return LRS
+    try:
+        wanted = [float(v) for v in chosen]
+    except ValueError:
+        raise ValueError(f"LRS must be a comma list of numbers, got {os.environ['LRS']!r}") from None
+    off_grid = [w for w in wanted if not any(abs(w - lr) <= 0.01 * lr for lr in LRS)]
+    if off_grid:
+        raise ValueError(f"LRS: {off_grid} not in the grid {LRS}")
+    return [lr for lr in LRS if any(abs(w - lr) <= 0.01 * lr for w in wanted)]
+
+
 # Presets whose recurrence runs as a Triton kernel on the GPU: preset -> its mixer's name.
 TRITON_MIXERS = {"mamba": "mamba", "rwkv": "rwkv4"}
 
@@ -75,7 +90,7 @@ def gpu_overrides(mixer: str) -> dict:
     return {f"+model.mixers.{TRITON_MIXERS[mixer]}.impl": "triton"} if mixer in TRITON_MIXERS else {}
 
 
-def panel_runs(panels: list[str], mixers: list[str], d_models: list[int]) -> list[dict]:
+def panel_runs(panels: list[str], mixers: list[str], d_models: list[int], lrs: list[float] = LRS) -> list[dict]:
     runs = []
     for panel in panels:
         L, n, batch = PANELS[panel]
@@ -88,7 +103,7 @@ def panel_runs(panels: list[str], mixers: list[str], d_models: list[int]) -> lis
         }
         for d in d_models:
             for mixer in mixers:
-                for lr in LRS:
+                for lr in lrs:
                     runs.append(
                         {
                             "model": f"zoology_fig2/{mixer}",
@@ -155,4 +170,4 @@ def sweep() -> list[dict]:
     unknown = [p for p in panels if p not in PANELS]
     if unknown or not panels:
         raise ValueError(f"ZOO_FIG2 must be full, tiny or a comma list of {','.join(PANELS)}, got {grid!r}")
-    return panel_runs(panels, _selected_mixers(), _selected_d_models())
+    return panel_runs(panels, _selected_mixers(), _selected_d_models(), _selected_lrs())
