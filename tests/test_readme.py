@@ -25,11 +25,32 @@ def marked_block(marker: str) -> str:
     return found.group(1).rstrip("\n")
 
 
+# How far the demo's accuracies move between CPU families: its matmuls and reductions take the kernels of the
+# CPU's vector ISA (AVX2, AVX-512, ...), which sum in different orders. Measured: 0.954/0.887 (Based valid/test)
+# on an AVX-512 machine, 0.952/0.889 on an AVX2 one, same code and torch.
+DEMO_ACC_TOL = 0.01
+
+
+def _table_cells(text: str) -> list[list[str]]:
+    return [line.split() for line in text.splitlines()]
+
+
 def test_demo_table_is_the_code_output(demo_runs):
+    """Everything but the accuracies equals the code's output exactly (header, mixers, state bytes, parameters,
+    footer); the accuracies equal it to DEMO_ACC_TOL, and the epochs (early stop) to one."""
     from zoo.demo import table
 
     rows, _ = demo_runs
-    assert marked_block("demo-table") == table(rows), "README's demo table is stale: run `python -m zoo.demo`"
+    stale = "README's demo table is stale: run `python -m zoo.demo`"
+    readme, code = _table_cells(marked_block("demo-table")), _table_cells(table(rows))
+    assert len(readme) == len(code), stale
+    assert readme[0] == code[0] and readme[-1] == code[-1], stale
+    for want, got in zip(readme[1:-1], code[1:-1]):
+        assert len(want) == len(got) == 6, stale
+        assert [want[0], want[3], want[4]] == [got[0], got[3], got[4]], f"{stale}: {' '.join(got)}"
+        for i in (1, 2):
+            assert abs(float(want[i]) - float(got[i])) <= DEMO_ACC_TOL, f"{stale}: {' '.join(got)}"
+        assert abs(int(want[5]) - int(got[5])) <= 1, f"{stale}: {' '.join(got)}"
 
 
 PYTHON = blocks("python")
