@@ -25,7 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from zoo.runs import find_runs
+from zoo.runs import atomic_savefig, atomic_write_text, find_runs
 
 SELECT = "valid/accuracy"
 REPORT = "test/accuracy"
@@ -159,7 +159,7 @@ def plot(points: list[dict[str, Any]], front: list[dict[str, Any]], out: Path, t
     axes[0][0].set_ylabel("test accuracy (best lr by valid)")
     fig.tight_layout()
     paths.append(out / "accuracy_vs_state.png")
-    fig.savefig(paths[-1], dpi=130)
+    atomic_savefig(fig, paths[-1], dpi=130)
     plt.close(fig)
 
     lengths = seq_lens(points) or [None]
@@ -185,7 +185,7 @@ def plot(points: list[dict[str, Any]], front: list[dict[str, Any]], out: Path, t
     axes[0][-1].legend(fontsize=8)
     fig.tight_layout()
     paths.append(out / "accuracy_vs_d_model.png")
-    fig.savefig(paths[-1], dpi=130)
+    atomic_savefig(fig, paths[-1], dpi=130)
     plt.close(fig)
     return paths
 
@@ -210,7 +210,7 @@ def make_figures(root: str | Path, out: str | Path | None = None, title: str | N
         "frontier": front,
         "figures": [p.name for p in figures],
     }
-    (out / "summary.json").write_text(json.dumps(record, indent=1) + "\n")
+    atomic_write_text(out / "summary.json", json.dumps(record, indent=1) + "\n")
     return record
 
 

@@ -43,6 +43,21 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 
 
+def atomic_savefig(fig: Any, path: Path, **kwargs: Any) -> None:
+    """matplotlib's `fig.savefig(path, **kwargs)` through a temporary file beside `path`, then a rename: a killed
+    plot leaves the old figure whole, never a truncated one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, **kwargs)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def atomic_torch_save(obj: Any, path: Path) -> None:
     """torch.save to a temporary file beside `path`, then rename: a killed save leaves the old file whole."""
     import torch

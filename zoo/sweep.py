@@ -69,6 +69,8 @@ from typing import Any
 
 import yaml
 
+from zoo.runs import atomic_write_text
+
 SWEEPS_DIR = "_sweeps"
 MPS_CONTROL = "nvidia-cuda-mps-control"
 
@@ -189,7 +191,7 @@ def run_one(overrides: list[str], extra: list[str]) -> dict[str, Any]:
         return record | {"status": "pending", "interrupted": str(e)}
     except Exception as e:  # a failing run is recorded; the sweep goes on
         run.path.mkdir(parents=True, exist_ok=True)
-        (run.path / "error.txt").write_text(traceback.format_exc())
+        atomic_write_text(run.path / "error.txt", traceback.format_exc())
         return record | {"status": "failed", "error": error_line(e)}
     (run.path / "error.txt").unlink(missing_ok=True)
     return record | {
@@ -258,7 +260,7 @@ def run_pack(runs: list[list[str]], extra: list[str]) -> list[dict[str, Any]]:
         for record in todo:
             path = Path(record["run_dir"])
             path.mkdir(parents=True, exist_ok=True)
-            (path / "error.txt").write_text(traceback.format_exc())
+            atomic_write_text(path / "error.txt", traceback.format_exc())
             record |= {"status": "failed", "error": error_line(e)}
         return records
     for record, summary in zip(todo, summaries):

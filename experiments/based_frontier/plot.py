@@ -24,6 +24,7 @@ from typing import Any
 
 from zoo.plot import build_reproduction, copy_summaries, mark_best_lr, markdown_table, reproduction_main, result_row
 from zoo.plot import load_summaries as _load_summaries
+from zoo.runs import atomic_savefig
 
 HERE = Path(__file__).resolve().parent
 SUMMARIES = HERE / "summaries"
@@ -162,7 +163,7 @@ def plot(result_rows: list[dict[str, Any]], out: Path) -> Path:
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = out / "accuracy_vs_state.png"
-    fig.savefig(path, dpi=130)
+    atomic_savefig(fig, path, dpi=130)
     plt.close(fig)
     return path
 

@@ -17,6 +17,8 @@ training seconds, steps and examples.
 import json
 from pathlib import Path
 
+from zoo.runs import atomic_savefig
+
 
 def data_info_kl(data: Path) -> float | None:
     """Token-weighted information KL of a synthesis output: its summary.json, else its dataset's column."""
@@ -116,7 +118,7 @@ def plot(out: str | Path) -> Path:
     kx.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     path = out / "recipe.png"
-    fig.savefig(path, dpi=130)
+    atomic_savefig(fig, path, dpi=130)
     plt.close(fig)
     return path
 

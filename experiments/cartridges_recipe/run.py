@@ -39,6 +39,8 @@ import shutil
 import time
 from pathlib import Path
 
+from zoo.runs import atomic_write_text
+
 HERE = Path(__file__).resolve().parent
 DOCUMENTS = {
     "merrowby": (HERE / "document.md", HERE / "qa.json"),
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
         t0 = time.time()
         result = fn()
         timings[stage] = round(time.time() - t0, 2)
-        timings_path.write_text(json.dumps(timings, indent=2))
+        atomic_write_text(timings_path, json.dumps(timings, indent=2))
         return result
 
     def out_of_time() -> bool:
@@ -249,7 +251,7 @@ def export(out: Path, target: Path, final: dict) -> None:
                 "summary": json.loads((run_dir / "summary.json").read_text()),
                 "metrics": [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()],
             }
-    (target / "run.json").write_text(json.dumps(record, indent=1))
+    atomic_write_text(target / "run.json", json.dumps(record, indent=1))
 
 
 def format_levers(rows: list[dict]) -> str:

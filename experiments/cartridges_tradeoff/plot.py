@@ -8,6 +8,8 @@ import re
 import sys
 from pathlib import Path
 
+from zoo.runs import atomic_savefig
+
 SERIES = {  # arm-name pattern -> (label, marker)
     r"self_study_(\d+)": ("cartridge, self-study", "o-"),
     r"hard_labels_(\d+)": ("cartridge, hard labels", "s--"),
@@ -45,7 +47,7 @@ def plot(results_path: str | Path) -> Path:
     ax.legend(fontsize=8)
     out = results_path.with_name("tradeoff.png")
     fig.tight_layout()
-    fig.savefig(out, dpi=150)
+    atomic_savefig(fig, out, dpi=150)
     plt.close(fig)
     return out
 

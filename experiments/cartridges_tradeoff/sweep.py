@@ -25,6 +25,8 @@ import os
 import time
 from pathlib import Path
 
+from zoo.runs import atomic_write_text
+
 HERE = Path(__file__).resolve().parent
 SIZES = [64, 128, 256, 512, 1024]
 METHODS = ["self_study", "hard_labels", "ntp"]
@@ -206,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     results = ceval.evaluate(cfg, model, tokenizer)
     timings["eval"] = time.time() - t0
     print(ceval.format_table(results))
-    (out / "timings.json").write_text(json.dumps(timings, indent=2))
+    atomic_write_text(out / "timings.json", json.dumps(timings, indent=2))
     from experiments.cartridges_tradeoff.plot import plot
 
     plot(out / "eval" / "results.json")

@@ -9,6 +9,8 @@ import json
 import sys
 from pathlib import Path
 
+from zoo.runs import atomic_savefig
+
 STYLE = {  # arm prefix -> (marker, label)
     "icl": ("*", "ICL (corpus in context)"),
     "none": ("v", "no corpus"),
@@ -55,7 +57,7 @@ def plot(summary_path: str | Path) -> Path:
     ax.legend(fontsize=7)
     out = summary_path.with_name("accuracy_vs_bytes.png")
     fig.tight_layout()
-    fig.savefig(out, dpi=150)
+    atomic_savefig(fig, out, dpi=150)
     plt.close(fig)
     return out
 
