@@ -1,8 +1,10 @@
 """zoo-sweep's concurrency on CPU: runs trained by concurrent workers equal the same runs trained one at a time,
 a failing run among concurrent or packed ones is recorded while the others finish, CUDA MPS is used only where
-the machine has it (a log line says why not), and the costliest jobs start first."""
+the machine has it (a log line says why not), the costliest jobs start first, and every run compiles into the
+sweep's compile cache."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -110,3 +112,43 @@ def test_the_costliest_jobs_start_first():
     runs = [run(64, 64, 64), run(512, 256, 64), run(128, 128, 64), run(512, 256, 16)]
     order = sorted(range(len(runs)), key=lambda i: -job_cost(runs[i]))
     assert order == [1, 3, 2, 0]
+
+
+# logger.project is a free string outside the run's identity: here it records what a run's process saw
+SEES_CACHE = "logger.project=${oc.env:TRITON_CACHE_DIR,unset}|${oc.env:TORCHINDUCTOR_CACHE_DIR,unset}"
+
+
+def _seen(record: dict) -> set[str]:
+    import yaml
+
+    seen = set()
+    for r in record["runs"]:
+        text = (Path(r["run_dir"]) / "config.yaml").read_text()
+        seen.add(yaml.safe_load(text)["logger"]["project"])
+    return seen
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_runs_compile_into_the_sweeps_cache(tmp_path, workers, monkeypatch):
+    """Serial and pool runs see TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR under <runs_root>/_sweeps/compile_cache,
+    and the sweep's own environment is as before once it returns."""
+    for var in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    extra = TINY + ["experiment_name=c", "train.epochs=1", f"data.cache_dir={tmp_path / 'data'}", SEES_CACHE]
+    record = run_sweep(GRID[:2], "c", workers=workers, device="cpu", extra=extra, runs_root=str(tmp_path))
+    cache = (tmp_path / "_sweeps" / "compile_cache").resolve()
+    assert record["finished"] == 2 and _seen(record) == {f"{cache / 'triton'}|{cache / 'inductor'}"}
+    assert "TRITON_CACHE_DIR" not in os.environ and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+
+
+def test_the_callers_cache_and_none_are_kept(tmp_path, monkeypatch):
+    """A cache variable the caller set wins; cache="none" sets nothing."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere/triton")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    extra = TINY + ["experiment_name=c", "train.epochs=1", f"data.cache_dir={tmp_path / 'data'}", SEES_CACHE]
+    kept = run_sweep(GRID[:1], "c", device="cpu", extra=extra, runs_root=str(tmp_path / "a"))
+    inductor = (tmp_path / "a" / "_sweeps" / "compile_cache" / "inductor").resolve()
+    assert _seen(kept) == {f"/elsewhere/triton|{inductor}"}
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    none = run_sweep(GRID[:1], "c", device="cpu", extra=extra, runs_root=str(tmp_path / "b"), cache="none")
+    assert _seen(none) == {"unset|unset"}

@@ -27,6 +27,12 @@ running run checkpoints where it is, mid-epoch included, and is recorded "pendin
 run starts. The same command later resumes each from that step, so a chain of limited jobs trains what one long
 job would (the runs' results are the same; only process start, data and compile are paid again per job).
 
+Compile cache (`--compile-cache DIR`, default `<runs_root>/_sweeps/compile_cache`): the sweep points
+TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR there (each unless the caller set it), for its workers and its own
+process, so every run of a grid after the first of its shape finds torch.compile's graphs and the Triton kernels
+compiled, and so does the next job of a chain, on another machine too, when the runs root is shared storage.
+`--compile-cache none` leaves both at torch's and Triton's defaults (per machine, under /tmp and ~/.triton).
+
 Sharding (`--shard I/N`): only the I-th of every N groups of runs differing only in optim.lr (the packs of
 `--pack-lrs`, whichever mode runs) — to split one grid over machines or job-array tasks, or to time a spread-out
 subset of a grid. Each shard writes its own record (`<sweep name>.shard-I-of-N.json`).
@@ -382,6 +388,24 @@ def job_cost(run: list[str]) -> float:
     return number("model.d_model", 128) * max(lengths, default=256) * number("train.epochs", 64)
 
 
+COMPILE_CACHE_VARS = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+
+
+@contextlib.contextmanager
+def compile_cache(directory: Path | None):
+    """While the block runs, TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR point into `directory` (its inductor/
+    and triton/), each unless already set; None changes nothing. Workers spawned inside the block inherit them.
+    Yields {variable: value} of what it set."""
+    chosen = {} if directory is None else {
+        var: str(Path(directory).resolve() / sub) for var, sub in COMPILE_CACHE_VARS.items() if var not in os.environ}
+    os.environ.update(chosen)
+    try:
+        yield chosen
+    finally:
+        for var in chosen:
+            os.environ.pop(var, None)
+
+
 def run_sweep(
     runs: list[list[str]],
     name: str,
@@ -392,23 +416,35 @@ def run_sweep(
     pack_lrs: bool = False,
     mps: str = "auto",
     order: str = "longest",
+    cache: str = "runs",
 ) -> dict[str, Any]:
     """Run every run (see the module docstring); write and return the sweep record.
 
     pack_lrs: train each group of runs that differ only in optim.lr as one pack (`lr_groups`, `run_pack`).
     mps: auto | on | off, CUDA MPS for workers that share a GPU (`MPS.start`).
     order: longest (the costliest jobs start first, `job_cost`) | file (the sweep file's order).
+    cache: the compile cache (`compile_cache`): "runs" for `<runs_root>/_sweeps/compile_cache`, "none" for none,
+    else a directory.
     The record is rewritten after every job (unstarted or unfinished runs are "pending").
     """
+    extra = list(extra) + ([f"runs_root={runs_root}"] if runs_root else [])
+    root = Path(runs_root) if runs_root else _runs_root_of(runs[0], extra)
+    out = root / SWEEPS_DIR / f"{name}.json"
+    directory = {"runs": root / SWEEPS_DIR / "compile_cache", "none": None}.get(cache, cache)
+    with compile_cache(directory) as cache_vars:
+        if cache_vars:
+            log.info("zoo-sweep %s: compile cache %s", name, ", ".join(f"{k}={v}" for k, v in cache_vars.items()))
+        return _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out)
+
+
+def _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out: Path) -> dict[str, Any]:
+    """run_sweep's jobs, serially or in the pool, with the record (`out`) rewritten after each."""
     import multiprocessing
 
     from tqdm.auto import tqdm
 
-    extra = list(extra) + ([f"runs_root={runs_root}"] if runs_root else [])
     results: list[dict[str, Any] | None] = [None] * len(runs)
     t0 = time.perf_counter()
-    root = Path(runs_root) if runs_root else _runs_root_of(runs[0], extra)
-    out = root / SWEEPS_DIR / f"{name}.json"
 
     def write_record() -> dict[str, Any]:
         rows = [r if r is not None else {"overrides": runs[i], "run_dir": None, "status": "pending"}
@@ -536,6 +572,9 @@ def main(argv: list[str] | None = None) -> None:
                         "machine allows it)")
     parser.add_argument("--order", default="longest", choices=["longest", "file"],
                         help="start the costliest jobs first (longest) or keep the sweep file's order")
+    parser.add_argument("--compile-cache", default="runs", metavar="DIR",
+                        help="torch.compile's and Triton's cache for the sweep (default runs: <runs_root>/_sweeps/"
+                        "compile_cache; none: their own defaults)")
     parser.add_argument("--time-limit", type=float, default=0, metavar="S",
                         help="stop after S seconds: running runs checkpoint where they are (mid-epoch too) and the "
                         "same command resumes them; for time-limited allocations (0: none)")
@@ -570,7 +609,8 @@ def main(argv: list[str] | None = None) -> None:
         workers = max(1, workers)
     stop = [f"train.stop_at={time.time() + args.time_limit:.3f}"] if args.time_limit else []
     overrides = list(args.overrides) + stop
-    record = run_sweep(runs, name, workers, args.device, overrides, args.runs_root, args.pack_lrs, args.mps, args.order)
+    record = run_sweep(runs, name, workers, args.device, overrides, args.runs_root, args.pack_lrs, args.mps, args.order,
+                       args.compile_cache)
     print(
         f"zoo-sweep {name}: {record['finished']} finished, {record['skipped']} skipped, "
         f"{record['failed']} failed, {record['pending']} pending in {record['wall_s']:.1f} s -> {record['path']}"
