@@ -352,12 +352,16 @@ def test_the_agreement_check_covers_every_member(tmp_path, monkeypatch):
     assert not (tmp_path / "default").exists()
 
 
-@pytest.mark.parametrize("preset", ["zoology_fig2/attention", "zoology_fig2/based"])
+FIG2_PRESETS = ["attention", "based", "base_conv", "rwkv", "hyena", "h3", "mamba"]
+
+
+@pytest.mark.parametrize("preset", FIG2_PRESETS)
 def test_paper_presets_with_dropout_train_as_a_pack(tmp_path, preset):
-    """The papers' models keep dropout (attention weights, embeddings): the pack draws each member's own masks
-    (vmap randomness="different") and checks agreement with the plain model in eval mode, so they pack."""
+    """Every Zoology Fig. 2 model trains as a pack (`zoo-sweep --pack-lrs`; its L-long filters follow the data's
+    length). The papers' models keep dropout (attention weights, embeddings): the pack draws each
+    member's own masks (vmap randomness="different") and checks agreement with the plain model in eval mode."""
     one = "{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:32}"
-    cfg, _ = load_config([*TINY, f"data.test=[{one}]", f"model={preset}", f"runs_root={tmp_path}",
+    cfg, _ = load_config([*TINY, f"data.test=[{one}]", f"model=zoology_fig2/{preset}", f"runs_root={tmp_path}",
                           "train.epochs=1", "train.early_stop=null"])
     summaries = train_runs(pack_members(cfg, LRS[:2]))
     assert [s["pack_size"] for s in summaries] == [2, 2]
