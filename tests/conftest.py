@@ -23,7 +23,8 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 @pytest.fixture(scope="session")
 def demo_runs(tmp_path_factory):
     """The README's demo (zoo.demo.run), trained once per session: (rows, runs root). tests/test_readme.py
-    compares its table with the README's; tests/test_resume.py compares a killed and resumed run with it."""
+    compares its table with the README's, tests/test_train.py checks that each model passes 90%, and
+    tests/test_resume.py compares a killed and resumed run with it."""
     from zoo import demo
 
     root = tmp_path_factory.mktemp("demo-runs")
