@@ -45,3 +45,28 @@ def test_plot_step_writes_results_figure_and_readme(tmp_path, experiment, preset
     readme = (out / "README.md").read_text()
     block = readme.split(plot["START"], 1)[1].split(plot["END"], 1)[0]
     assert "| verdict |" in block
+
+
+def test_collect_keeps_one_summary_per_run_across_renames(tmp_path):
+    """A run collected again under another name (its hash changed with the code) replaces its earlier summary
+    instead of adding a second row; a run of another lr is kept beside it."""
+    from zoo.plot import copy_summaries
+
+    def run(lr, root):
+        cfg, resolved = load_config([
+            "model=zoology_fig2/attention", "model.d_model=16", "data.vocab_size=64", f"data.train=[{SEG}]",
+            f"data.valid=[{SEG}]", f"data.test=[{SEG}]", "train.epochs=1", "train.progress=false",
+            f"optim.lr={lr}", f"runs_root={root}", "experiment_name=e", f"data.cache_dir={tmp_path / 'cache'}",
+        ])
+        train(cfg, resolved)
+
+    run(1e-3, tmp_path / "a")
+    run(1e-2, tmp_path / "a")
+    out = tmp_path / "summaries"
+    assert copy_summaries(tmp_path / "a" / "e", out) == 2
+    (old,) = [p for p in out.glob("*.json") if json.loads(p.read_text())["lr"] == 1e-3]
+    renamed = old.with_name("attention-d16-lr0.001-s0-00000000.json")  # as if named by an earlier hash
+    old.rename(renamed)
+    assert copy_summaries(tmp_path / "a" / "e", out) == 2
+    assert sorted(p.name for p in out.glob("*.json")) == sorted([old.name, *(p.name for p in out.glob("*lr0.01*"))])
+    assert not renamed.exists()

@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import re
+import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -214,14 +215,22 @@ def make_figures(root: str | Path, out: str | Path | None = None, title: str | N
     return record
 
 
+def _point_key(record: dict[str, Any]) -> str:
+    """What makes two committed summaries the same run of a reproduction: experiment, resolved model, lr, seed and
+    the length its state is measured at (a panel's L). The run name cannot say it: its hash has changed with the
+    code (commit 391d691), so one config can sit in summaries/ under two names."""
+    fields = ("experiment", "model", "lr", "seed", "state_bytes_seq_len")
+    return json.dumps({k: record.get(k) for k in fields}, sort_keys=True)
+
+
 def copy_summaries(runs_dir: str | Path, out: Path) -> int:
     """Copy each finished run's summary.json, with its resolved model config under "model", to out/<run>.json
-    (the data a reproduction commits); returns the count."""
+    (the data a reproduction commits); returns the count. A summary already in `out` under another name for the
+    same run (`_point_key`) is replaced, as one under the same name is: the runs dir holds the newer result."""
     import yaml
 
-    from zoo.runs import atomic_write_text
-
     out.mkdir(parents=True, exist_ok=True)
+    existing = {_point_key(json.loads(p.read_text())): p for p in sorted(out.glob("*.json"))}
     count = 0
     for run in find_runs(runs_dir):
         if not run.is_finished():
@@ -229,7 +238,13 @@ def copy_summaries(runs_dir: str | Path, out: Path) -> int:
         summary = run.read_summary()
         config = yaml.safe_load((run.path / "config.yaml").read_text()) or {}
         record = summary | {"model": config.get("model", {})}
-        atomic_write_text(out / f"{summary['run']}.json", json.dumps(record, indent=1, sort_keys=True) + "\n")
+        target = out / f"{summary['run']}.json"
+        atomic_write_text(target, json.dumps(record, indent=1, sort_keys=True) + "\n")
+        old = existing.get(_point_key(record))
+        if old is not None and old != target:
+            old.unlink(missing_ok=True)
+            print(f"replaced {old.name} (the same run under its earlier name)", file=sys.stderr)
+        existing[_point_key(record)] = target
         count += 1
     return count
 
