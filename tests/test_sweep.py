@@ -278,3 +278,26 @@ def test_fig2_lrs_off_the_grid_is_refused(monkeypatch):
     monkeypatch.setenv("LRS", "3e-3")
     with pytest.raises(ValueError, match="not in the grid"):
         load_sweep(Path(__file__).resolve().parents[1] / "experiments/zoology_fig2/sweep.py")
+
+
+@pytest.mark.parametrize("pack_lrs", [False, True])
+def test_a_fresh_runs_root_skips_the_committed_summaries(tmp_path, pack_lrs):
+    """`--skip-summaries DIR`: on a fresh runs root, the runs whose summary a reproduction committed are skipped
+    (no run dir made), whether packed or not; the others train, a pack keeping its uncommitted members."""
+    from zoo.plot import copy_summaries
+
+    extra = TINY + ["experiment_name=t", f"data.cache_dir={tmp_path / 'cache'}"]
+    run_sweep(GRID[:3], "t", workers=1, device="cpu", extra=extra, runs_root=str(tmp_path / "a"))
+    committed = tmp_path / "summaries"
+    assert copy_summaries(tmp_path / "a" / "t", committed) == 3
+    record = run_sweep(GRID, "t", workers=1, device="cpu", extra=extra, runs_root=str(tmp_path / "b"),
+                       pack_lrs=pack_lrs, skip_summaries=[str(committed)])
+    assert [r["status"] for r in record["runs"]] == ["skipped"] * 3 + ["finished"]
+    assert all(Path(r["summary"]).parent == committed for r in record["runs"][:3])
+    assert [p.name for p in (tmp_path / "b" / "t").iterdir()] == [Path(record["runs"][3]["run_dir"]).name]
+
+
+def test_skip_summaries_needs_a_directory(tmp_path):
+    with pytest.raises(SystemExit, match="no such directory"):
+        run_sweep(GRID[:1], "t", device="cpu", extra=TINY, runs_root=str(tmp_path),
+                  skip_summaries=[str(tmp_path / "x")])

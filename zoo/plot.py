@@ -26,7 +26,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from zoo.runs import atomic_savefig, atomic_write_text, find_runs
+from zoo.runs import atomic_savefig, atomic_write_text, find_runs, summary_point_key
 
 SELECT = "valid/accuracy"
 REPORT = "test/accuracy"
@@ -215,22 +215,15 @@ def make_figures(root: str | Path, out: str | Path | None = None, title: str | N
     return record
 
 
-def _point_key(record: dict[str, Any]) -> str:
-    """What makes two committed summaries the same run of a reproduction: experiment, resolved model, lr, seed and
-    the length its state is measured at (a panel's L). The run name cannot say it: its hash has changed with the
-    code (commit 391d691), so one config can sit in summaries/ under two names."""
-    fields = ("experiment", "model", "lr", "seed", "state_bytes_seq_len")
-    return json.dumps({k: record.get(k) for k in fields}, sort_keys=True)
-
-
 def copy_summaries(runs_dir: str | Path, out: Path) -> int:
     """Copy each finished run's summary.json, with its resolved model config under "model", to out/<run>.json
     (the data a reproduction commits); returns the count. A summary already in `out` under another name for the
-    same run (`_point_key`) is replaced, as one under the same name is: the runs dir holds the newer result."""
+    same run (`zoo.runs.summary_point_key`) is replaced, as one under the same name is: the runs dir holds the
+    newer result."""
     import yaml
 
     out.mkdir(parents=True, exist_ok=True)
-    existing = {_point_key(json.loads(p.read_text())): p for p in sorted(out.glob("*.json"))}
+    existing = {summary_point_key(json.loads(p.read_text())): p for p in sorted(out.glob("*.json"))}
     count = 0
     for run in find_runs(runs_dir):
         if not run.is_finished():
@@ -240,11 +233,11 @@ def copy_summaries(runs_dir: str | Path, out: Path) -> int:
         record = summary | {"model": config.get("model", {})}
         target = out / f"{summary['run']}.json"
         atomic_write_text(target, json.dumps(record, indent=1, sort_keys=True) + "\n")
-        old = existing.get(_point_key(record))
+        old = existing.get(summary_point_key(record))
         if old is not None and old != target:
             old.unlink(missing_ok=True)
             print(f"replaced {old.name} (the same run under its earlier name)", file=sys.stderr)
-        existing[_point_key(record)] = target
+        existing[summary_point_key(record)] = target
         count += 1
     return count
 

@@ -177,6 +177,26 @@ def run_identity(tree: dict[str, Any], train_control) -> dict[str, Any]:
     return out
 
 
+def point_key(experiment: str, model: dict[str, Any], lr: float, seed: int, seq_len: int) -> str:
+    """What makes two runs the same point of a reproduction, as its committed summaries can tell: experiment,
+    resolved model config, lr, seed and the longest training length (a panel's L). Run names cannot say it
+    across code versions: their hash changed in commit 391d691."""
+    return json.dumps({"experiment": experiment, "model": model, "lr": float(lr), "seed": int(seed),
+                       "seq_len": int(seq_len)}, sort_keys=True)
+
+
+def summary_point_key(record: dict[str, Any]) -> str:
+    """`point_key` of a committed summary (summary.json plus its resolved "model", `zoo.plot.copy_summaries`)."""
+    return point_key(record["experiment"], record.get("model", {}), record["lr"], record["seed"],
+                     record["state_bytes_seq_len"])
+
+
+def config_point_key(tree: dict[str, Any]) -> str:
+    """`point_key` of a resolved config tree (what config.yaml holds)."""
+    return point_key(tree["experiment_name"], tree["model"], tree["optim"]["lr"], tree["train"]["seed"],
+                     max(seg["seq_len"] for seg in tree["data"]["train"]))
+
+
 def identity_digest(tree: dict[str, Any], train_control) -> str:
     """8 hex digits of the run's identity (`run_identity`): where a run goes (runs_root, run_dir) and how it is
     logged never change its name, so a sweep under another runs root, or a moved runs folder, still skips it."""

@@ -27,6 +27,10 @@ running run checkpoints where it is, mid-epoch included, and is recorded "pendin
 run starts. The same command later resumes each from that step, so a chain of limited jobs trains what one long
 job would (the runs' results are the same; only process start, data and compile are paid again per job).
 
+Committed results (`--skip-summaries DIR`, repeatable): a run whose point (`zoo.runs.config_point_key`:
+experiment, resolved model, lr, seed, training length) matches a summary in DIR (a reproduction's committed
+`summaries/`) is recorded "skipped" without a run dir, so a shard on a fresh machine trains only what is missing.
+
 Compile cache (`--compile-cache DIR`, default `<runs_root>/_sweeps/compile_cache`): the sweep points
 TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR there (each unless the caller set it), for its workers and its own
 process, so every run of a grid after the first of its shape finds torch.compile's graphs and the Triton kernels
@@ -417,6 +421,7 @@ def run_sweep(
     mps: str = "auto",
     order: str = "longest",
     cache: str = "runs",
+    skip_summaries: list[str] = (),
 ) -> dict[str, Any]:
     """Run every run (see the module docstring); write and return the sweep record.
 
@@ -425,6 +430,7 @@ def run_sweep(
     order: longest (the costliest jobs start first, `job_cost`) | file (the sweep file's order).
     cache: the compile cache (`compile_cache`): "runs" for `<runs_root>/_sweeps/compile_cache`, "none" for none,
     else a directory.
+    skip_summaries: directories of committed summaries whose runs are skipped (`committed_runs`).
     The record is rewritten after every job (unstarted or unfinished runs are "pending").
     """
     extra = list(extra) + ([f"runs_root={runs_root}"] if runs_root else [])
@@ -434,16 +440,47 @@ def run_sweep(
     with compile_cache(directory) as cache_vars:
         if cache_vars:
             log.info("zoo-sweep %s: compile cache %s", name, ", ".join(f"{k}={v}" for k, v in cache_vars.items()))
-        return _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out)
+        done = committed_runs(runs, extra, skip_summaries) if skip_summaries else {}
+        return _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out, done)
 
 
-def _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out: Path) -> dict[str, Any]:
-    """run_sweep's jobs, serially or in the pool, with the record (`out`) rewritten after each."""
+def committed_runs(runs: list[list[str]], extra: list[str], directories: list[str]) -> dict[int, dict[str, Any]]:
+    """{index: skipped record} of the runs whose point (`zoo.runs.config_point_key`) has a summary in one of
+    `directories`. A run whose config does not compose is left to the sweep, which records why."""
+    import yaml
+
+    from zoo.runs import config_point_key, summary_point_key
+    from zoo.train import ConfigError, load_config
+
+    have: dict[str, Path] = {}
+    for directory in directories:
+        if not Path(directory).is_dir():
+            raise SystemExit(f"zoo-sweep: --skip-summaries {directory}: no such directory")
+        for path in sorted(Path(directory).glob("*.json")):
+            try:
+                have[summary_point_key(json.loads(path.read_text()))] = path
+            except (KeyError, ValueError, TypeError):
+                continue  # not a run's summary
+    done = {}
+    for i, run in enumerate(runs):
+        try:
+            _, resolved = load_config(run + extra)
+        except ConfigError:
+            continue
+        path = have.get(config_point_key(yaml.safe_load(resolved)))
+        if path is not None:
+            done[i] = {"overrides": run, "run_dir": None, "status": "skipped", "summary": str(path)}
+    return done
+
+
+def _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out: Path, done: dict) -> dict[str, Any]:
+    """run_sweep's jobs, serially or in the pool, with the record (`out`) rewritten after each; `done`: records
+    of runs already skipped."""
     import multiprocessing
 
     from tqdm.auto import tqdm
 
-    results: list[dict[str, Any] | None] = [None] * len(runs)
+    results: list[dict[str, Any] | None] = [done.get(i) for i in range(len(runs))]
     t0 = time.perf_counter()
 
     def write_record() -> dict[str, Any]:
@@ -457,8 +494,9 @@ def _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out: Pat
         os.replace(tmp, out)
         return record
 
-    bar = tqdm(total=len(runs), desc=f"sweep {name}", dynamic_ncols=True)
+    bar = tqdm(total=len(runs), initial=len(done), desc=f"sweep {name}", dynamic_ncols=True)
     jobs = lr_groups(runs) if pack_lrs else [[i] for i in range(len(runs))]
+    jobs = [job for job in ([i for i in job if i not in done] for job in jobs) if job]
     if order == "longest":
         jobs.sort(key=lambda job: -job_cost(runs[job[0]]))  # stable: ties keep the file's order
     elif order != "file":
@@ -572,6 +610,9 @@ def main(argv: list[str] | None = None) -> None:
                         "machine allows it)")
     parser.add_argument("--order", default="longest", choices=["longest", "file"],
                         help="start the costliest jobs first (longest) or keep the sweep file's order")
+    parser.add_argument("--skip-summaries", action="append", default=[], metavar="DIR",
+                        help="skip the runs that have a summary in DIR (a reproduction's committed summaries/); "
+                        "repeatable")
     parser.add_argument("--compile-cache", default="runs", metavar="DIR",
                         help="torch.compile's and Triton's cache for the sweep (default runs: <runs_root>/_sweeps/"
                         "compile_cache; none: their own defaults)")
@@ -610,7 +651,7 @@ def main(argv: list[str] | None = None) -> None:
     stop = [f"train.stop_at={time.time() + args.time_limit:.3f}"] if args.time_limit else []
     overrides = list(args.overrides) + stop
     record = run_sweep(runs, name, workers, args.device, overrides, args.runs_root, args.pack_lrs, args.mps, args.order,
-                       args.compile_cache)
+                       args.compile_cache, args.skip_summaries)
     print(
         f"zoo-sweep {name}: {record['finished']} finished, {record['skipped']} skipped, "
         f"{record['failed']} failed, {record['pending']} pending in {record['wall_s']:.1f} s -> {record['path']}"
