@@ -301,3 +301,20 @@ def test_skip_summaries_needs_a_directory(tmp_path):
     with pytest.raises(SystemExit, match="no such directory"):
         run_sweep(GRID[:1], "t", device="cpu", extra=TINY, runs_root=str(tmp_path),
                   skip_summaries=[str(tmp_path / "x")])
+
+
+def test_dry_run_names_committed_done_and_todo_runs(tmp_path, capsys):
+    """`zoo-sweep FILE --dry-run [--skip-summaries DIR]`: one line a run, committed / done / todo / invalid."""
+    from zoo.plot import copy_summaries
+    from zoo.sweep import _dry_run
+
+    extra = TINY + ["experiment_name=t", f"data.cache_dir={tmp_path / 'cache'}"]
+    run_sweep(GRID[:2], "t", workers=1, device="cpu", extra=extra, runs_root=str(tmp_path / "a"))
+    committed = tmp_path / "summaries"
+    copy_summaries(tmp_path / "a" / "t", committed)
+    run_sweep(GRID[2:3], "t", workers=1, device="cpu", extra=extra, runs_root=str(tmp_path / "b"))
+    capsys.readouterr()
+    _dry_run(GRID + [["model=based", "optim.lr=-1"]], extra + [f"runs_root={tmp_path / 'b'}"], [str(committed)])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == ["committed", "committed", "done", "todo", "invalid", "2"]
+    assert lines[-1] == f"2 of 5 runs committed in {committed}"

@@ -3,6 +3,7 @@
     zoo-sweep experiments/zoology_fig2/sweep.py                  # every GPU, 4 runs per GPU
     zoo-sweep zoo/configs/sweep/tiny.yaml --workers 2 --device cpu
     zoo-sweep experiments/zoology_fig2/sweep.py --dry-run        # list the runs and what is already done
+    zoo-sweep experiments/zoology_fig2/sweep.py --dry-run --skip-summaries experiments/zoology_fig2/summaries
     zoo-sweep experiments/zoology_fig2/sweep.py --emit           # one zoo-train command per line
     zoo-sweep experiments/zoology_fig2/sweep.py --pack-lrs       # the 4 lrs of each point as one packed job
 
@@ -640,7 +641,7 @@ def main(argv: list[str] | None = None) -> None:
             print(shlex.join(["zoo-train", *run, *extra]))
         return
     if args.dry_run:
-        _dry_run(runs, extra)
+        _dry_run(runs, extra, args.skip_summaries)
         return
     workers = args.workers
     if workers <= 0:
@@ -667,19 +668,26 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(1)
 
 
-def _dry_run(runs: list[list[str]], extra: list[str]) -> None:
+def _dry_run(runs: list[list[str]], extra: list[str], skip_summaries: list[str] = ()) -> None:
+    """One line a run: done, partial, todo or invalid (its run dir), or committed (a summary in skip_summaries)."""
     from zoo.runs import RunDir
     from zoo.train import ConfigError, load_config, run_name
 
-    for run in runs:
+    committed = committed_runs(runs, extra, skip_summaries) if skip_summaries else {}
+    for i, run in enumerate(runs):
+        if i in committed:
+            print(f"{'committed':9s} {' '.join(run)} -> {committed[i]['summary']}")
+            continue
         try:
             cfg, _ = load_config(run + extra)
         except ConfigError as e:
-            print(f"invalid  {' '.join(run)}: {e}")
+            print(f"{'invalid':9s} {' '.join(run)}: {e}")
             continue
         path = Path(cfg.runs_root) / cfg.experiment_name / run_name(cfg)
         state = "done" if RunDir(path).is_finished() else ("partial" if RunDir(path).exists() else "todo")
-        print(f"{state:8s} {path}")
+        print(f"{state:9s} {path}")
+    if committed:
+        print(f"{len(committed)} of {len(runs)} runs committed in {', '.join(skip_summaries)}")
 
 
 if __name__ == "__main__":
