@@ -231,13 +231,13 @@ def copy_summaries(runs_dir: str | Path, out: Path) -> int:
         summary = run.read_summary()
         config = yaml.safe_load((run.path / "config.yaml").read_text()) or {}
         record = summary | {"model": config.get("model", {})}
-        target = out / f"{summary['run']}.json"
+        target, key = out / f"{summary['run']}.json", summary_point_key(record)
         atomic_write_text(target, json.dumps(record, indent=1, sort_keys=True) + "\n")
-        old = existing.get(summary_point_key(record))
+        old = existing.get(key)
         if old is not None and old != target:
             old.unlink(missing_ok=True)
             print(f"replaced {old.name} (the same run under its earlier name)", file=sys.stderr)
-        existing[summary_point_key(record)] = target
+        existing[key] = target
         count += 1
     return count
 

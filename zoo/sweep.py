@@ -489,10 +489,7 @@ def _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out: Pat
                 for i, r in enumerate(results)]
         counts = {s: sum(r["status"] == s for r in rows) for s in ("finished", "skipped", "failed", "pending")}
         record = {"sweep": name, "runs": rows, **counts, "wall_s": time.perf_counter() - t0}
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(record, indent=1) + "\n")
-        os.replace(tmp, out)
+        atomic_write_text(out, json.dumps(record, indent=1) + "\n")
         return record
 
     bar = tqdm(total=len(runs), initial=len(done), desc=f"sweep {name}", dynamic_ncols=True)

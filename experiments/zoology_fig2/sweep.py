@@ -73,10 +73,13 @@ def _selected_lrs() -> list[float]:
         wanted = [float(v) for v in chosen]
     except ValueError:
         raise ValueError(f"LRS must be a comma list of numbers, got {os.environ['LRS']!r}") from None
-    off_grid = [w for w in wanted if not any(abs(w - lr) <= 0.01 * lr for lr in LRS)]
+    def near(w: float, lr: float) -> bool:  # the grid's values are rounded to 4 digits
+        return abs(w - lr) <= 0.01 * lr
+
+    off_grid = [w for w in wanted if not any(near(w, lr) for lr in LRS)]
     if off_grid:
         raise ValueError(f"LRS: {off_grid} not in the grid {LRS}")
-    return [lr for lr in LRS if any(abs(w - lr) <= 0.01 * lr for w in wanted)]
+    return [lr for lr in LRS if any(near(w, lr) for w in wanted)]
 
 
 # Presets whose recurrence runs as a Triton kernel on the GPU: preset -> its mixer's name.
