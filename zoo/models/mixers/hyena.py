@@ -73,38 +73,34 @@ class HyenaConfig:
 
 
 class ImplicitFilter(nn.Module):
-    """h[t, c] for t = 0..T-1: a sine-activated MLP of positional features, times an exponential decay."""
+    """h[t, c] for t = 0..T-1: a sine-activated MLP of positional features, times an exponential decay.
+
+    Every sine activation shares one frequency vector ω (sin(ω ⊙ x), ω = 1 fixed or learned per unit), held here as
+    one parameter rather than as one module reused between the layers: torch.compile over a vmapped pack does not
+    compile a module that appears at several places of a Sequential (its batched parameter leaks out of the graph).
+    """
 
     def __init__(self, channels: int, config: HyenaConfig) -> None:
         super().__init__()
         self.max_seq_len = config.max_seq_len
         self.num_freqs = config.num_freqs
         width = config.filter_hidden
-        sine = Sine(width, config.learn_freq)  # one module: every activation shares its frequencies
-        layers = [nn.Linear(1 + 2 * config.num_freqs, width), sine]
-        for _ in range(config.filter_depth):
-            layers += [nn.Linear(width, width), sine]
-        self.mlp = nn.Sequential(*layers, nn.Linear(width, channels, bias=False))
+        widths = [1 + 2 * config.num_freqs] + [width] * (config.filter_depth + 1)
+        self.hidden = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
+        self.freq = nn.Parameter(torch.ones(width)) if config.learn_freq else None
+        self.head = nn.Linear(width, channels, bias=False)
         self.register_buffer("decay", torch.linspace(config.decay_min, config.decay_max, channels), persistent=False)
 
     def forward(self, length: int) -> torch.Tensor:
         """-> h: [length, channels] in the parameters' dtype."""
-        dtype = self.mlp[0].weight.dtype
+        dtype = self.head.weight.dtype
         t = torch.arange(length, device=self.decay.device, dtype=dtype)[:, None] / self.max_seq_len  # [T, 1]
         freqs = torch.arange(1, self.num_freqs + 1, device=t.device, dtype=dtype)[None, :]  # [1, F]
-        feats = torch.cat([t, torch.sin(2 * math.pi * freqs * t), torch.cos(2 * math.pi * freqs * t)], dim=-1)
-        return self.mlp(feats) * torch.exp(-self.decay.to(dtype)[None, :] * t)  # [T, C]
-
-
-class Sine(nn.Module):
-    """sin(ω ⊙ x) over the last dim, ω = 1 fixed or learned (one per unit)."""
-
-    def __init__(self, width: int, learn_freq: bool) -> None:
-        super().__init__()
-        self.freq = nn.Parameter(torch.ones(width)) if learn_freq else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sin(x if self.freq is None else self.freq.to(x.dtype) * x)
+        x = torch.cat([t, torch.sin(2 * math.pi * freqs * t), torch.cos(2 * math.pi * freqs * t)], dim=-1)
+        for linear in self.hidden:
+            x = linear(x)
+            x = torch.sin(x if self.freq is None else self.freq.to(x.dtype) * x)
+        return self.head(x) * torch.exp(-self.decay.to(dtype)[None, :] * t)  # [T, C]
 
 
 class Hyena(nn.Module):
