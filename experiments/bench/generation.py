@@ -11,8 +11,9 @@ Based's kv stored in bf16, with its cost against the fp32 state (below):
     python experiments/bench/generation.py --based-batches 1024,4096 --llama-batches 128 --repeats 1 --warmups 1 \
         --based-state-dtype bf16 --profile-batch 0
 
-Both models have random weights. Based: `zoo/configs/model/based_1b.yaml` (1.35B parameters, Based impl=triton on
-CUDA) as ZooForCausalLM, whose decode steps replay a CUDA graph over the fixed recurrent state. Llama:
+Both models have random weights. Based: `zoo/configs/model/based_1b.yaml` (1.35B parameters, Based and the
+sliding window impl=triton on CUDA) as ZooForCausalLM, whose decode steps replay a CUDA graph over the fixed
+recurrent state. Llama:
 `LlamaForCausalLM` with SDPA attention and a static KV cache (transformers compiles its decode step, CUDA
 graphs included), its depth chosen so its parameter count is closest to Based's. Both run through
 `model.generate` (greedy, exactly `--gen` new tokens) on the same random prompts of `--prompt` tokens.
@@ -80,6 +81,8 @@ def based_model(preset: str, vocab: int, device: torch.device, dtype: torch.dtyp
     node.vocab_size = vocab
     node.mixers.based.impl = impl
     node.mixers.based.state_dtype = state_dtype
+    if "sliding_window" in node.mixers:  # its decoding step as one kernel where Based runs its Triton kernels
+        node.mixers.sliding_window.impl = impl
     mc = OmegaConf.to_object(node)
     with torch.device(device):
         model = ZooForCausalLM(ZooConfig.from_model_config(mc))

@@ -103,8 +103,9 @@ def check_decode(case: DecodeCase, device, kv_dtype: torch.dtype, rounding: str)
     carried into the next steps' references, where it would grow by cancellation into any relative error.
     bf16 kv: after each step, at least 99% of kv's elements equal the reference's bit for bit and the rest differ by
     at most one bf16 step (the kernel's φ differs from the reference's in the last fp32 bits, which moves a rounding
-    now and then; see within_one_bf16_step); o within 1e-5 relative. fp32 kv: kv and o within 1e-5 relative. k_sum within 1e-6 either way. A
-    step that skipped the rounding, read o before it or rounded the other way would miss by ~1e-3 or more."""
+    now and then; see within_one_bf16_step); o within 1e-5 relative. fp32 kv: kv and o within 1e-5 relative. k_sum
+    within 1e-6 either way. A step that skipped the rounding, read o before it or rounded the other way would miss
+    by ~1e-3 or more."""
     q, k, v, kv0, ks0 = inputs(case, device)
     kv = to_bf16(kv0, rounding) if kv_dtype == torch.bfloat16 else kv0.to(kv_dtype)
     state = (kv.contiguous(), ks0.float().contiguous())
@@ -125,6 +126,7 @@ def check_decode(case: DecodeCase, device, kv_dtype: torch.dtype, rounding: str)
             same = (state[0] == ref_kv).double().mean().item()
             assert same >= 0.99, f"{where}: {same:.2%} of kv's elements equal the reference's"
             terms = state_before.abs() + (taylor_feature_map(k[:, t].float())[..., None] * v[:, t, :, None]).abs()
-            assert within_one_bf16_step(state[0], ref_kv, terms).all(), f"{where}: a kv element more than one bf16 step off"
+            off = f"{where}: a kv element more than one bf16 step off"
+            assert within_one_bf16_step(state[0], ref_kv, terms).all(), off
         else:
             assert rel_error(state[0], ref_kv) <= 1e-5, f"{where}: kv relative error {rel_error(state[0], ref_kv):.3g}"

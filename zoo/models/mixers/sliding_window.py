@@ -14,6 +14,9 @@ What is unusual here:
   so every row reaches the same `pos`; `start` = P keeps the ring slots before P (never written) out of
   its attention. Rotary is relative, so the shift changes nothing else.
 - Training forward is SDPA with a banded boolean mask: O(T²) work, fine up to T ≈ 2048.
+- `impl="triton"` runs the decoding step (a chunk of one token with a state) as one kernel
+  (kernels/sliding_window: rotary, the ring write and the attention over the ring); training and chunked prefill
+  stay the PyTorch forward. `impl="naive"` (the default) is PyTorch throughout.
 """
 
 from __future__ import annotations
@@ -27,13 +30,18 @@ from torch import nn
 
 from zoo.models.mixers._common import (
     apply_rotary,
+    check_choice,
     check_input,
     check_int,
     check_step_input,
     default_num_heads,
+    log_impl,
     make_config,
     module_device_dtype,
+    require_triton_device,
 )
+
+ROTARY_BASE = 10000.0
 
 
 @dataclass
@@ -42,9 +50,11 @@ class SlidingWindowConfig:
 
     window: int = 64  # keys per query, itself included
     num_heads: int | None = None  # None: default_num_heads(d_model), heads of width about 64
+    impl: str = "naive"  # naive | triton (the decoding step as one kernel, kernels/sliding_window)
 
     def validate(self, d_model: int) -> None:
         check_int("sliding_window: window", self.window, minimum=1)
+        check_choice("sliding_window: impl", self.impl, ("naive", "triton"))
         if self.num_heads is not None:
             check_int("sliding_window: num_heads", self.num_heads, minimum=1)
             if d_model % self.num_heads:
@@ -68,6 +78,7 @@ class SlidingWindowAttention(nn.Module):
 
     Config = SlidingWindowConfig
     name = "sliding_window"
+    vmap_impls = ("naive", "triton")  # training is the PyTorch forward under either: zoo/steps.py packs both
 
     def __init__(self, d_model: int, **options) -> None:
         super().__init__()
@@ -78,6 +89,27 @@ class SlidingWindowAttention(nn.Module):
         self.head_dim = d_model // self.num_heads
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.out = nn.Linear(d_model, d_model, bias=False)
+        self.impl = self.config.impl
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}  # impl=triton: rotary frequencies per device
+        if self.impl == "triton":
+            from kernels.sliding_window.decode import window_decode
+
+            self._window_decode = window_decode
+            log_impl(self.name, self.impl)
+
+    def _triton_step(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """x: [B, 1, d_model] -> [B, 1, d_model] through the fused decoding kernel; advances pos."""
+        require_triton_device(x, self.name, self.impl)
+        if x.dtype == torch.float64:
+            raise ValueError("sliding_window impl='triton' takes fp32, fp16 or bf16 activations, got float64")
+        inv_freq = self._inv_freq.get(x.device)
+        if inv_freq is None:  # apply_rotary's frequencies in fp32, made once per device (before any graph capture)
+            d = torch.arange(0, self.head_dim, 2, device=x.device, dtype=torch.float32)
+            inv_freq = self._inv_freq[x.device] = ROTARY_BASE ** (-d / self.head_dim)
+        y = self._window_decode(self.qkv(x[:, 0]), state["k"], state["v"], state["pos"], inv_freq,
+                                state.get("start"))  # [B, d_model]
+        state["pos"].add_(1)
+        return self.out(y)[:, None]
 
     def _qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [B, T, d_model], positions: [T] -> q, k, v: [B, T, H, D], q and k rotated."""
@@ -104,6 +136,8 @@ class SlidingWindowAttention(nn.Module):
             positions = torch.arange(T, device=x.device)  # [T]
             q, k, v = self._qkv(x, positions)
             return self._attend(q, k, v, self._band(positions, positions))
+        if T == 1 and self.impl == "triton":
+            return self._triton_step(x, state)
         ring_k, ring_v, pos = state["k"], state["v"], state["pos"]
         positions = pos + torch.arange(T, device=x.device)  # [T]
         q, k, v = self._qkv(x, positions)
