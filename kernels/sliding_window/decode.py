@@ -4,6 +4,7 @@
 
 One program per (batch, head): it rotates its head's q and k, writes k and v into the ring slot of `pos`, and reads
 the whole ring once (the new token's row from registers, so no barrier orders the store before the loads). The
+rotary cosines and sines come in from the caller, computed by PyTorch as the PyTorch step computes them. The
 PyTorch step runs the same math as about 56 kernels a layer (rotary's elementwise ops, the ring writes, the mask
 and SDPA's own), each reading or writing a few KB, which is what keeps a large-batch decode step off the memory
 roofline. `pos` and `start` are read on the device, so the step can be captured in a CUDA graph; the caller
@@ -18,7 +19,7 @@ from kernels.launch import check_devices, launch, next_power_of_2
 
 
 @triton.jit
-def _window_decode_kernel(qkv, ring_k, ring_v, pos_ptr, start, inv_freq, out, sm_scale,
+def _window_decode_kernel(qkv, ring_k, ring_v, pos_ptr, start, cos_ptr, sin_ptr, out, sm_scale,
                           H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr,
                           BD2: tl.constexpr, HAS_START: tl.constexpr):
     i_bh = tl.program_id(0)
@@ -28,9 +29,8 @@ def _window_decode_kernel(qkv, ring_k, ring_v, pos_ptr, start, inv_freq, out, sm
     d = tl.arange(0, BD2)
     m_d = d < half
     pos = tl.load(pos_ptr)  # int64
-    angle = pos.to(tl.float32) * tl.load(inv_freq + d, mask=m_d, other=0.0)  # [BD2]
-    cos = tl.cos(angle)
-    sin = tl.sin(angle)
+    cos = tl.load(cos_ptr + d, mask=m_d, other=0.0)  # [BD2] rotary at pos
+    sin = tl.load(sin_ptr + d, mask=m_d, other=0.0)
     row = qkv + b.to(tl.int64) * 3 * H * D + h * D  # q at [0, H·D), k at [H·D, 2·H·D), v after
     dt = qkv.dtype.element_ty
     q1 = tl.load(row + d, mask=m_d, other=0.0).to(tl.float32)
@@ -80,10 +80,11 @@ def _window_decode_kernel(qkv, ring_k, ring_v, pos_ptr, start, inv_freq, out, sm
 
 
 def window_decode(qkv: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, pos: torch.Tensor,
-                  inv_freq: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:
+                  cos: torch.Tensor, sin: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:
     """qkv: [B, 3·H·D] (q, k, v of one token, heads side by side in each), ring_k, ring_v: [B, W, H, D]
-    contiguous, pos: [] int64 (the token's position; not advanced here), inv_freq: [D/2] fp32 rotary
-    frequencies, start: [B] int64 or None (the first position each row may attend to) -> o [B, H·D] in qkv's
+    contiguous, pos: [] int64 (the token's position; not advanced here), cos, sin: [D/2] fp32, the rotary
+    angles' cosines and sines at pos (computed by the caller as `apply_rotary` computes them, so both paths
+    rotate alike), start: [B] int64 or None (the first position each row may attend to) -> o [B, H·D] in qkv's
     dtype. Writes the rotated k and v into slot pos mod W of the rings."""
     B, W, H, D = ring_k.shape
     if qkv.shape != (B, 3 * H * D) or ring_v.shape != ring_k.shape or D % 2:
@@ -91,10 +92,12 @@ def window_decode(qkv: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor,
                          f"{tuple(qkv.shape)}, {tuple(ring_k.shape)}, {tuple(ring_v.shape)}")
     if not (ring_k.is_contiguous() and ring_v.is_contiguous()) or pos.dtype != torch.int64 or pos.dim() != 0:
         raise ValueError("window_decode: the rings must be contiguous and pos a 0-dim int64 tensor")
-    check_devices("window_decode", qkv, ring_k, ring_v, pos, inv_freq, start)
+    if cos.shape != (D // 2,) or sin.shape != (D // 2,) or cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise ValueError(f"window_decode: cos and sin must be [D/2] = [{D // 2}] fp32 tensors")
+    check_devices("window_decode", qkv, ring_k, ring_v, pos, cos, sin, start)
     qkv = qkv.contiguous()
     out = torch.empty(B, H * D, device=qkv.device, dtype=qkv.dtype)
     launch(_window_decode_kernel, (B * H,), qkv, ring_k, ring_v, pos, pos if start is None else start,
-           inv_freq, out, D**-0.5, H=H, D=D, W=W, BW=next_power_of_2(W), BD2=next_power_of_2(D // 2),
-           HAS_START=start is not None, num_warps=4)
+           cos.contiguous(), sin.contiguous(), out, D**-0.5, H=H, D=D, W=W, BW=next_power_of_2(W),
+           BD2=next_power_of_2(D // 2), HAS_START=start is not None, num_warps=4)
     return out

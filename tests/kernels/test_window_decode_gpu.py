@@ -22,6 +22,14 @@ def test_window_decode_step_equals_the_pytorch_step_gpu(case, dtype):
         torch.testing.assert_close(s_fast[name].float(), s_naive[name].float(), rtol=rtol, atol=atol)
 
 
+def test_window_decode_at_a_large_position_gpu():
+    """Past 3,000 tokens (rotary angles in the thousands of radians) the kernel still equals the PyTorch step."""
+    case = WindowCase(d_model=64, num_heads=1, window=16, prefill=3000, steps=3)
+    (o_naive, s_naive), (o_fast, s_fast) = run_steps(case, "cuda")
+    torch.testing.assert_close(o_fast, o_naive, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s_fast["k"], s_naive["k"], rtol=1e-5, atol=1e-5)
+
+
 def test_window_decode_in_cuda_graph_gpu():
     """Three steps replayed from one captured step equal three direct steps (pos read on the device)."""
     case = WindowCase(d_model=128, num_heads=2, window=8, prefill=0, steps=3)

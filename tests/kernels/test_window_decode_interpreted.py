@@ -21,10 +21,12 @@ def test_window_decode_step_equals_the_pytorch_step(case):
 def test_window_decode_rejects_bad_shapes_in_one_line():
     ring = torch.zeros(2, 4, 1, 8)
     with pytest.raises(ValueError, match=r"qkv must be \[B, 3·H·D\]") as e:
-        window_decode(torch.zeros(2, 16), ring, ring, torch.zeros((), dtype=torch.int64), torch.ones(4))
+        window_decode(torch.zeros(2, 16), ring, ring, torch.zeros((), dtype=torch.int64), torch.ones(4), torch.ones(4))
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="pos a 0-dim int64"):
-        window_decode(torch.zeros(2, 24), ring, ring, torch.zeros(1, dtype=torch.int64), torch.ones(4))
+        window_decode(torch.zeros(2, 24), ring, ring, torch.zeros(1, dtype=torch.int64), torch.ones(4), torch.ones(4))
+    with pytest.raises(ValueError, match="cos and sin must be"):
+        window_decode(torch.zeros(2, 24), ring, ring, torch.zeros((), dtype=torch.int64), torch.ones(3), torch.ones(3))
 
 
 def test_left_padded_generation_with_the_window_kernel_equals_the_pytorch_step():

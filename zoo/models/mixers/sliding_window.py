@@ -106,7 +106,8 @@ class SlidingWindowAttention(nn.Module):
         if inv_freq is None:  # apply_rotary's frequencies in fp32, made once per device (before any graph capture)
             d = torch.arange(0, self.head_dim, 2, device=x.device, dtype=torch.float32)
             inv_freq = self._inv_freq[x.device] = ROTARY_BASE ** (-d / self.head_dim)
-        y = self._window_decode(self.qkv(x[:, 0]), state["k"], state["v"], state["pos"], inv_freq,
+        angles = state["pos"].to(torch.float32) * inv_freq  # [D/2], as apply_rotary computes them
+        y = self._window_decode(self.qkv(x[:, 0]), state["k"], state["v"], state["pos"], angles.cos(), angles.sin(),
                                 state.get("start"))  # [B, d_model]
         state["pos"].add_(1)
         return self.out(y)[:, None]
