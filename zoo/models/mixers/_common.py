@@ -80,15 +80,19 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def rotary_inv_freq(dim: int, device: torch.device, dtype: torch.dtype, base: float = 10000.0) -> torch.Tensor:
+    """The rotary frequencies base^(-2i/dim), i = 0 .. dim/2 - 1: [dim/2] in dtype."""
+    return base ** (-torch.arange(0, dim, 2, device=device, dtype=dtype) / dim)
+
+
 def apply_rotary(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
     """Rotary position embedding (Su et al., 2021), half-split convention (rotate_half).
 
     x: [B, T, H, D] with D even; positions: [T] integer absolute positions. Angles are computed in at least
     fp32 and the result is cast back to x's dtype.
     """
-    dim = x.shape[-1]
     dtype = compute_dtype(x.dtype)
-    inv_freq = base ** (-torch.arange(0, dim, 2, device=x.device, dtype=dtype) / dim)  # [D/2]
+    inv_freq = rotary_inv_freq(x.shape[-1], x.device, dtype, base)  # [D/2]
     angles = positions.to(dtype)[:, None] * inv_freq[None, :]  # [T, D/2]
     cos = angles.cos()[None, :, None, :]  # [1, T, 1, D/2]
     sin = angles.sin()[None, :, None, :]  # [1, T, 1, D/2]

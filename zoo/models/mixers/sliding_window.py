@@ -39,9 +39,8 @@ from zoo.models.mixers._common import (
     make_config,
     module_device_dtype,
     require_triton_device,
+    rotary_inv_freq,
 )
-
-ROTARY_BASE = 10000.0
 
 
 @dataclass
@@ -104,8 +103,7 @@ class SlidingWindowAttention(nn.Module):
             raise ValueError("sliding_window impl='triton' takes fp32, fp16 or bf16 activations, got float64")
         inv_freq = self._inv_freq.get(x.device)
         if inv_freq is None:  # apply_rotary's frequencies in fp32, made once per device (before any graph capture)
-            d = torch.arange(0, self.head_dim, 2, device=x.device, dtype=torch.float32)
-            inv_freq = self._inv_freq[x.device] = ROTARY_BASE ** (-d / self.head_dim)
+            inv_freq = self._inv_freq[x.device] = rotary_inv_freq(self.head_dim, x.device, torch.float32)
         angles = state["pos"].to(torch.float32) * inv_freq  # [D/2], as apply_rotary computes them
         y = self._window_decode(self.qkv(x[:, 0]), state["k"], state["v"], state["pos"], angles.cos(), angles.sin(),
                                 state.get("start"))  # [B, d_model]
