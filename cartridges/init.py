@@ -6,6 +6,9 @@
   corpus order): real corpus KV that is not concentrated on the document's start.
 - `random`: N(0, 1) keys and values, the sink (first `num_frozen` tokens) the model's KV of the BOS token.
 - `peft`: a PEFT CARTRIDGE adapter directory (`peft_adapter`), e.g. one trained with PEFT's own example.
+- `attention_matching`: the whole context's KV compacted to p tokens without training (`cartridges.compact`):
+  per KV head the keys repeat-prefill queries attend to most, their values fitted to the context's attention
+  output.
 
 A Zoo model (recurrent or hybrid) gets a `StateCartridge`: the state after the same tokens, or random.
 """
@@ -65,6 +68,17 @@ def init_cartridge(cfg: DistillConfig, model, tokenizer, corpus: Corpus, device)
             )
         c.info.corpus_hash = corpus.hash
         return c
+    if cfg.init == "attention_matching":
+        if state:
+            raise ConfigError("init=attention_matching compacts a KV cache; Zoo models train state cartridges")
+        from cartridges.compact import attention_matching, repeat_prefill_ids
+
+        text = corpus.full_text()
+        ctx = context_ids(tokenizer, text)
+        if len(ctx) < cfg.num_tokens:
+            raise ConfigError(f"num_tokens={cfg.num_tokens} exceeds the corpus in context ({len(ctx)} tokens)")
+        return attention_matching(model, ctx, cfg.num_tokens, repeat_prefill_ids(tokenizer, text),
+                                  num_frozen=cfg.num_frozen, corpus_hash=corpus.hash).to(device)
     if cfg.init == "random":
         if state:
             c = StateCartridge.random(model, cfg.num_tokens, seed=cfg.seed)

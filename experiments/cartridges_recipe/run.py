@@ -6,6 +6,8 @@ Arms (all evaluated on the same questions, `cartridges/eval.py`):
     ntp                        next-token prediction on the document itself
     hard_labels                the self-study conversations with the teacher's chosen tokens as one-hot targets
     ss                         self-study: the teacher's top-k distribution on the same conversations
+    am, ss_am (with --arms)    the document's KV compacted to p tokens by attention matching, untrained
+                               (cartridges/compact.py); self-study starting from it
 
 The self-study data: chunks of 64-512 tokens, fact-stating seed prompts (question, quiz, extraction, recall),
 --conversations of them. Every trained arm shares the rest (`TRAINING`): --steps steps of 4 packed rows of
@@ -48,13 +50,18 @@ DOCUMENTS = {
 }
 RECIPE_SEEDS = ["question", "quiz", "extraction", "recall"]
 # cartridges-distill settings every trained arm shares
-TRAINING = ["lr=2e-2", "lr_schedule=cosine", "init=first_tokens", "num_frozen=0"]
-# arm -> its own overrides of cartridges-distill, in training order (baselines first)
+TRAINING = ["lr=2e-2", "lr_schedule=cosine", "num_frozen=0"]
+# arm -> its own overrides of cartridges-distill, in training order (baselines first); ss_am (self-study from the
+# attention-matching cartridge) runs only when --arms names it
 ARMS = {
-    "ntp": ["method=ntp"],
-    "hard_labels": ["method=hard_labels"],
-    "ss": ["method=self_study"],
+    "ntp": ["method=ntp", "init=first_tokens"],
+    "hard_labels": ["method=hard_labels", "init=first_tokens"],
+    "ss": ["method=self_study", "init=first_tokens"],
+    "ss_am": ["method=self_study", "init=attention_matching"],
 }
+DEFAULT_ARMS = ["ntp", "hard_labels", "ss"]
+# arms that need no training: am, the document's KV compacted to p tokens by attention matching
+# (cartridges/compact.py), the cheap baseline and the initialiser of ss_am
 
 
 def resolve_model(name: str) -> str:
@@ -107,7 +114,8 @@ def main(argv: list[str] | None = None) -> dict:
         default="merrowby",
         help="merrowby: the 1.25K-token benchmark; quellmere: the 4.6K-token hard case",
     )
-    p.add_argument("--arms", nargs="+", choices=sorted(ARMS), default=list(ARMS))
+    p.add_argument("--arms", nargs="+", choices=sorted([*ARMS, "am"]), default=DEFAULT_ARMS,
+                   help="trained arms (ss_am: self-study from the am cartridge) and am, the untrained compaction")
     p.add_argument("--conversations", type=int, default=4096)
     p.add_argument("--steps", type=int, default=480, help="steps of every trained arm")
     p.add_argument("--synth-batch", type=int, default=512)
@@ -184,6 +192,19 @@ def main(argv: list[str] | None = None) -> dict:
 
     cartridges = {}
     stopped = []
+    if "am" in args.arms:
+        target = out / "c_am" / "cartridge.safetensors"
+        if not target.is_file():
+
+            def compact():
+                from cartridges.compact import attention_matching, repeat_prefill_ids
+
+                text = doc.read_text()
+                ctx, reference = context_ids(tokenizer, text), repeat_prefill_ids(tokenizer, text)
+                return attention_matching(model, ctx, size, reference, num_frozen=1).save(target)
+
+            timed("compact/am", compact)
+        cartridges["am"] = target
     # (arm, p, its overrides): the chosen arms at p in ARMS' order (baselines first), then self-study at each
     # further size
     sizes = [ctx_tokens // r for r in args.more_sizes]

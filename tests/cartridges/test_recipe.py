@@ -55,6 +55,21 @@ def test_smoke_arms_share_the_training_settings(smoke, arm):
     assert (training["lr_schedule"], training["init"], training["num_frozen"]) == ("cosine", "first_tokens", 0)
 
 
+def test_smoke_attention_matching_arms(tmp_path):
+    """--arms am ss_am: the untrained compaction is evaluated at p beside the baselines, and ss_am trains
+    self-study from it (its file records init=attention_matching)."""
+    from cartridges.format import read_header
+    from experiments.cartridges_recipe import run
+
+    final = run.main(["--smoke", "--out", str(tmp_path), "--arms", "am", "ss_am"])
+    rows = {r["arm"]: r for r in final["rows"]}
+    assert set(rows) == {"icl", f"truncated_{final['p']}", "none", "am", "ss_am"}
+    assert rows["am"]["kv_tokens"] == rows["ss_am"]["kv_tokens"] == final["p"]
+    assert read_header(tmp_path / "c_am" / "cartridge.safetensors")["init_method"] == "attention_matching"
+    training = read_header(tmp_path / "c_ss_am" / "cartridge.safetensors")["training_config"]["distill"]
+    assert (training["method"], training["init"]) == ("self_study", "attention_matching")
+
+
 def test_smoke_rerun_resumes_without_retraining(smoke):
     from experiments.cartridges_recipe import run
 
