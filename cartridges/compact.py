@@ -10,9 +10,9 @@ What differs from the paper, and why:
 - The paper adds a scalar β_j to each kept key's attention logit, so that the compacted block keeps the full
   block's attention mass against the tokens that follow it. A cartridge is a plain KV prefix (our file format,
   PEFT's CARTRIDGE and every server read it as one), so here the bias rides in the keys: per head, the queries
-  have a direction u on which every reference query projects to about 1 (a least-squares fit; R² ≥ 0.97 on every
-  SmolLM2 head checked), and adding β·u/scale to a key adds about β to its logit for every query. One β per head
-  (fitted to the mass of the keys left out), not one per key.
+  have a direction u on which every reference query projects to about 1 (a least-squares fit; how well it holds
+  for SmolLM2 is in experiments/LOG.md), and adding β·u/scale to a key adds about β to its logit for every query.
+  One β per head (fitted to the mass of the keys left out), not one per key.
 - Keys are selected by highest attention (the paper's fast variant), not by orthogonal matching pursuit.
 - Queries come from one pass over the full context (not recomputed layer by layer through the compacted layers).
 
