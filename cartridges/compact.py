@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from cartridges.cache import Cartridge, CartridgeError, CartridgeInfo, ModelSignature
+from cartridges.corpus import turn_ids
 
 REPEAT_PROMPT = "Repeat the document above, word for word."
 
@@ -33,8 +34,6 @@ REPEAT_PROMPT = "Repeat the document above, word for word."
 def repeat_prefill_ids(tokenizer, document: str) -> list[int]:
     """The turns that follow the context in the reference pass: a request to repeat the document, and the document
     itself as the assistant's answer."""
-    from cartridges.corpus import turn_ids
-
     return turn_ids(tokenizer, [{"role": "user", "content": REPEAT_PROMPT}, {"role": "assistant", "content": document}])
 
 
@@ -166,7 +165,7 @@ def attention_matching(model, context_ids: list[int], num_tokens: int, reference
         for g in range(keys.shape[0]):
             q = queries[g * groups:(g + 1) * groups].reshape(-1, queries.shape[-1])
             _, new_keys, fitted = compact_head(keys[g], values[g], q, p, float(attn.scaling), num_frozen, ridge)
-            ks.append(rotate(new_keys, cos.to(keys.device), sin.to(keys.device)))
+            ks.append(rotate(new_keys, cos, sin))
             vs.append(fitted)
         keys_out.append(torch.stack(ks))
         values_out.append(torch.stack(vs))

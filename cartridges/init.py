@@ -39,11 +39,17 @@ def header_length(tokenizer) -> int:
     return n
 
 
-def init_ids(cfg: DistillConfig, tokenizer, corpus: Corpus) -> list[int]:
-    """The p token ids whose KV starts a `first_tokens` or `corpus_tokens` cartridge."""
+def corpus_context(cfg: DistillConfig, tokenizer, corpus: Corpus) -> list[int]:
+    """The corpus in context (what ICL reads), checked to hold at least the cartridge's p tokens."""
     ctx = context_ids(tokenizer, corpus.full_text())
     if len(ctx) < cfg.num_tokens:
         raise ConfigError(f"num_tokens={cfg.num_tokens} exceeds the corpus in context ({len(ctx)} tokens)")
+    return ctx
+
+
+def init_ids(cfg: DistillConfig, tokenizer, corpus: Corpus) -> list[int]:
+    """The p token ids whose KV starts a `first_tokens` or `corpus_tokens` cartridge."""
+    ctx = corpus_context(cfg, tokenizer, corpus)
     if cfg.init == "first_tokens":
         return ctx[: cfg.num_tokens]
     head = ctx[: min(header_length(tokenizer), cfg.num_tokens)]
@@ -73,11 +79,8 @@ def init_cartridge(cfg: DistillConfig, model, tokenizer, corpus: Corpus, device)
             raise ConfigError("init=attention_matching compacts a KV cache; Zoo models train state cartridges")
         from cartridges.compact import attention_matching, repeat_prefill_ids
 
-        text = corpus.full_text()
-        ctx = context_ids(tokenizer, text)
-        if len(ctx) < cfg.num_tokens:
-            raise ConfigError(f"num_tokens={cfg.num_tokens} exceeds the corpus in context ({len(ctx)} tokens)")
-        return attention_matching(model, ctx, cfg.num_tokens, repeat_prefill_ids(tokenizer, text),
+        reference = repeat_prefill_ids(tokenizer, corpus.full_text())
+        return attention_matching(model, corpus_context(cfg, tokenizer, corpus), cfg.num_tokens, reference,
                                   num_frozen=cfg.num_frozen, corpus_hash=corpus.hash).to(device)
     if cfg.init == "random":
         if state:

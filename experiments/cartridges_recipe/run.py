@@ -60,8 +60,9 @@ ARMS = {
     "ss_am": ["method=self_study", "init=attention_matching"],
 }
 DEFAULT_ARMS = ["ntp", "hard_labels", "ss"]
-# arms that need no training: am, the document's KV compacted to p tokens by attention matching
+# arms built without training: am, the document's KV compacted to p tokens by attention matching
 # (cartridges/compact.py), the cheap baseline and the initialiser of ss_am
+UNTRAINED_ARMS = ["am"]
 
 
 def resolve_model(name: str) -> str:
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
         default="merrowby",
         help="merrowby: the 1.25K-token benchmark; quellmere: the 4.6K-token hard case",
     )
-    p.add_argument("--arms", nargs="+", choices=sorted([*ARMS, "am"]), default=DEFAULT_ARMS,
+    p.add_argument("--arms", nargs="+", choices=sorted([*ARMS, *UNTRAINED_ARMS]), default=DEFAULT_ARMS,
                    help="trained arms (ss_am: self-study from the am cartridge) and am, the untrained compaction")
     p.add_argument("--conversations", type=int, default=4096)
     p.add_argument("--steps", type=int, default=480, help="steps of every trained arm")
