@@ -70,3 +70,23 @@ def test_collect_keeps_one_summary_per_run_across_renames(tmp_path):
     assert copy_summaries(tmp_path / "a" / "e", out) == 2
     assert sorted(p.name for p in out.glob("*.json")) == sorted([old.name, *(p.name for p in out.glob("*lr0.01*"))])
     assert not renamed.exists()
+
+
+def _frontier_summary(layers, state_size, slices):
+    return {"run": "r", "layers": layers, "d_model": 64, "lr": 1e-3, "epochs": 1, "state_bytes_seq_len": 256,
+            "state_bytes_fp32": 4 * state_size["256"], "state_size": state_size, "valid/accuracy": 0.5,
+            **{f"test/accuracy/seq_len={L}": 0.5 for L in slices}, "test/accuracy": 0.5}
+
+
+def test_frontier_state_is_read_at_the_longest_test_length():
+    """Zoology logs a model's state at max(test input_seq_len): attention's KV at L=1024, not the training 256."""
+    plot = runpy.run_path(str(REPO / "experiments" / "based_frontier" / "plot.py"), run_name="plot")
+    sizes = {"64": 10, "256": 40, "1024": 160}
+    (row,) = plot["rows"]([_frontier_summary(["short_conv", "attention"], sizes, [64, 256, 1024])])
+    assert (row["seq_len"], row["state_bytes"]) == (1024, 640)
+
+
+def test_frontier_refuses_a_run_without_its_test_length_state():
+    plot = runpy.run_path(str(REPO / "experiments" / "based_frontier" / "plot.py"), run_name="plot")
+    with pytest.raises(ValueError, match="no state_size at its test length 1024"):
+        plot["rows"]([_frontier_summary(["short_conv", "attention"], {"64": 10, "256": 40}, [64, 1024])])

@@ -7,8 +7,9 @@ README's comparison table.
 `collect` copies every finished run below a runs dir (its summary.json, plus the `model` section of its
 config.yaml) to `summaries/<run>.json`; commit those. The build step reads `summaries/` only and writes
 - `results.json`: {"rows": [...]}, one row per run: mixer (the preset's name), dial (feature_dim, window or
-  d_state where the grid sweeps one), d_model, seq_len (the longest training length, 256), lr, epochs,
-  state_bytes (fp32, at seq_len), valid_accuracy, test_accuracy, test_accuracy_by_slice, best_lr_by_valid;
+  d_state where the grid sweeps one), d_model, seq_len (the longest test length, 1,024, where Zoology measures
+  the state), lr, epochs, state_bytes (fp32, at seq_len), valid_accuracy, test_accuracy, test_accuracy_by_slice,
+  best_lr_by_valid;
 - `accuracy_vs_state.png`: test accuracy of every (model, d_model, dial) point at its best lr (chosen on
   validation) against its state in bytes, one series per model, and the frontier over all of them;
 - the table between the `comparison` markers of README.md: the paper's readings (shared/REFERENCE.md §1) beside
@@ -72,12 +73,32 @@ def name_and_dial(summary: dict[str, Any]) -> tuple[str, int | None]:
     return name, summary.get("model", {}).get("mixers", {}).get(mixer, {}).get(option)
 
 
+def longest_test_length(summary: dict[str, Any]) -> int:
+    """The longest sequence of the run's test slices (`test/accuracy/seq_len=L`): 1,024 for this grid."""
+    prefix = "test/accuracy/seq_len="
+    lengths = [int(k[len(prefix):]) for k in summary if k.startswith(prefix)]
+    if not lengths:
+        raise ValueError(f"run {summary.get('run')!r} has no test/accuracy/seq_len=L slice")
+    return max(lengths)
+
+
+def state_at_test_length(summary: dict[str, Any]) -> dict[str, Any]:
+    """seq_len and state_bytes (fp32) at the longest test length, where Zoology's logger measures the state
+    (`model.state_size(sequence_length=max(test input_seq_len)) * 4`): the attention and long-convolution states
+    grow with L, so the training length (256) would put them 4x left of the paper's x-axis."""
+    L = longest_test_length(summary)
+    sizes = summary["state_size"]
+    if str(L) not in sizes:
+        raise ValueError(f"run {summary.get('run')!r} records no state_size at its test length {L}")
+    return {"seq_len": L, "state_bytes": 4 * sizes[str(L)]}
+
+
 def rows(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per run; best_lr_by_valid marks the run each (mixer, dial, d_model) point reports."""
     out = []
     for s in summaries:
         mixer, dial = name_and_dial(s)
-        out.append(result_row(s, mixer) | {"dial": dial})
+        out.append(result_row(s, mixer) | state_at_test_length(s) | {"dial": dial})
     mark_best_lr(out, ("mixer", "dial", "d_model"))
     order = {m: i for i, m in enumerate(ORDER)}
     return sorted(out, key=lambda r: (order.get(r["mixer"], len(order)), r["d_model"], r["dial"] or 0, r["lr"]))
@@ -155,7 +176,8 @@ def plot(result_rows: list[dict[str, Any]], out: Path) -> Path:
         ax.step([p["state_bytes"] for p in front], [p["test_accuracy"] for p in front], "k--", where="post",
                 label="frontier", linewidth=1)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("recurrent state (bytes, fp32, at L = 256)")
+    lengths = "/".join(str(L) for L in sorted({p["seq_len"] for p in pts})) or "the longest test length"
+    ax.set_xlabel(f"recurrent state (bytes, fp32, at L = {lengths})")
     ax.set_ylabel("MQAR test accuracy (best lr by valid)")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title("Based Fig. 2: recall vs state")
