@@ -10,7 +10,7 @@ a tracker) and writes
   length, the panel), lr, epochs, state_bytes (fp32, at seq_len), valid_accuracy, test_accuracy,
   test_accuracy_by_slice, and best_lr_by_valid (true for the run whose lr the point reports);
 - `accuracy_vs_d_model.png`: one panel per L, test accuracy of the best-lr run (chosen on validation) against
-  d_model, one line per model, as in the paper's figure;
+  d_model, one line per model, as in the paper's figure, over shaded bars of the paper's readings;
 - the table between the `comparison` markers of README.md: every reading of Fig. 2 in shared/REFERENCE.md §1
   beside ours, "matches" (within 0.05 of the paper's range) or "differs".
 """
@@ -141,27 +141,57 @@ def comparison_table(entries: list[dict[str, Any]]) -> str:
     return markdown_table(COLUMNS, entries)
 
 
+def draw_readings(ax, L: int, colors: dict[str, str]) -> None:
+    """The paper's readings of this panel behind our lines: a bar from the reading's low to its high end at each
+    of its d_models (grey where one reading covers every model but attention, else the model's colour), and
+    attention's every-d reading as a band across the panel."""
+    shared: dict[tuple, int] = {}
+    for cL, _mixer, ds, _, low, high in CLAIMS:
+        if cL == L and ds is not None:
+            shared[(tuple(ds), low, high)] = shared.get((tuple(ds), low, high), 0) + 1
+    drawn = set()
+    for cL, mixer, ds, _, low, high in CLAIMS:
+        if cL != L:
+            continue
+        if ds is None:
+            ax.axhspan(low - 0.005, high + 0.005, color=colors[mixer], alpha=0.15, linewidth=0)
+            continue
+        grey = shared[(tuple(ds), low, high)] > 1
+        if grey and (tuple(ds), low, high) in drawn:
+            continue
+        drawn.add((tuple(ds), low, high))
+        for d in ds:
+            ax.fill_between([d / 1.12, d * 1.12], low - 0.005, high + 0.005, color="0.5" if grey else colors[mixer],
+                            alpha=0.25 if grey else 0.35, linewidth=0)
+
+
 def plot(result_rows: list[dict[str, Any]], out: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     best = points(result_rows)
     lengths = sorted({L for L, _, _ in best})
+    colors = {m: f"C{i}" for i, m in enumerate(ORDER)}
     fig, axes = plt.subplots(1, len(lengths), figsize=(4 * len(lengths), 3.6), squeeze=False, sharey=True)
     for ax, L in zip(axes[0], lengths):
+        draw_readings(ax, L, colors)
         for mixer in ORDER:
             ds = sorted(d for (sl, m, d) in best if sl == L and m == mixer)
             if ds:
-                ax.plot(ds, [best[(L, mixer, d)]["test_accuracy"] for d in ds], "o-", label=mixer, alpha=0.85)
+                ax.plot(ds, [best[(L, mixer, d)]["test_accuracy"] for d in ds], "o-", label=mixer, alpha=0.85,
+                        color=colors[mixer])
         ax.set_xscale("log", base=2)
         ax.set_xlabel("d_model")
         ax.set_title(f"L = {L}")
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("MQAR test accuracy (best lr by valid)")
-    axes[0][-1].legend(fontsize=8)
+    handles, _ = axes[0][-1].get_legend_handles_labels()
+    paper = Patch(facecolor="0.5", alpha=0.25, label="paper's reading (grey: all but attention)")
+    axes[0][-1].legend(handles=[*handles, paper], fontsize=7)
     fig.tight_layout()
     path = out / "accuracy_vs_d_model.png"
     atomic_savefig(fig, path, dpi=130)
