@@ -19,6 +19,10 @@ class ModelConfig:
     `{"based": {"feature_dim": 8, "num_heads": 2}}`; options not given take the mixer's defaults.
     `max_position_embeddings` > 0 adds a learned absolute position table of that many rows to the token
     embeddings, and `embed_dropout` drops embedding elements while training (both Zoology's; off by default).
+    `init`: "default" draws linear and embedding weights from normal(0, 0.02) with zero biases, convolutions'
+    biases included; "zoology" is Zoology's init for its TransformerBlock models exactly: convolutions keep
+    PyTorch's default init, bias too, and the output projections Zoology names `out_proj` (attention, Hyena,
+    sliding window) are drawn at 0.02/√(2·n_layers).
     """
 
     vocab_size: int = 8192
@@ -32,6 +36,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     max_position_embeddings: int = 0  # rows of a learned absolute position table added to the embeddings; 0: none
     embed_dropout: float = 0.0  # dropout on the embeddings while training
+    init: str = "default"  # default | zoology
 
     def __post_init__(self) -> None:
         if self.vocab_size < 2:
@@ -50,6 +55,8 @@ class ModelConfig:
             raise ValueError(f"model.max_position_embeddings must be >= 0, got {self.max_position_embeddings}")
         if not 0 <= self.embed_dropout < 1:
             raise ValueError(f"model.embed_dropout must be in [0, 1), got {self.embed_dropout}")
+        if self.init not in ("default", "zoology"):
+            raise ValueError(f"model.init must be one of default|zoology, got {self.init!r}")
         from zoo.models.mixers import check_mixer_options
 
         for name in self.pattern:
@@ -137,9 +144,18 @@ class DataConfig:
         return max(seg.seq_len for split in SPLITS for seg in getattr(self, split))
 
 
+SCHEDULES = ("cosine", "cosine_epoch")
+DECAYS = ("matrices", "all")
+
+
 @dataclass
 class OptimConfig:
-    """AdamW with linear warmup then cosine decay to `min_lr_ratio`·lr."""
+    """AdamW with linear warmup then cosine decay to `min_lr_ratio`·lr.
+
+    `schedule`: "cosine" decays every step after `warmup_frac` of them; "cosine_epoch" is Zoology's trainer
+    (torch's CosineAnnealingLR stepped after each epoch, no warmup): the lr of epoch e is held for the whole epoch.
+    `decay`: "matrices" decays weights of two or more dims only; "all" decays every parameter, biases and norms
+    included, as Zoology's `AdamW(model.parameters())` does."""
 
     lr: float = 1e-3
     weight_decay: float = 0.1
@@ -149,10 +165,19 @@ class OptimConfig:
     warmup_frac: float = 0.02  # fraction of all steps
     min_lr_ratio: float = 0.0
     grad_clip: float = 1.0  # 0 disables
+    schedule: str = "cosine"  # cosine | cosine_epoch
+    decay: str = "matrices"  # matrices | all
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
             raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"optim.schedule must be one of {'|'.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.decay not in DECAYS:
+            raise ValueError(f"optim.decay must be one of {'|'.join(DECAYS)}, got {self.decay!r}")
+        if self.schedule == "cosine_epoch" and self.warmup_frac:
+            raise ValueError(f"optim.schedule=cosine_epoch has no warmup; set optim.warmup_frac=0 "
+                             f"(got {self.warmup_frac})")
         if not 0 <= self.warmup_frac < 1:
             raise ValueError(f"optim.warmup_frac must be in [0, 1), got {self.warmup_frac}")
         if not 0 <= self.min_lr_ratio <= 1:

@@ -289,7 +289,7 @@ def _pretrain(cfg: PretrainConfig, resolved_yaml: str | None, d: Dist) -> dict[s
     module = wrap(model, cfg, d)
     optimizer = build_optimizer(module, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(tc.steps, cfg.optim.warmup_frac, cfg.optim.min_lr_ratio)
+        optimizer, lr_lambda(cfg.optim, tc.steps)
     )
     amp = autocast(d.device, tc.precision)
     forward = torch.compile(module, mode=tc.compile_mode) if tc.compile else module

@@ -177,12 +177,24 @@ def run_identity(tree: dict[str, Any], train_control) -> dict[str, Any]:
     return out
 
 
+def model_without_defaults(model: dict[str, Any]) -> dict[str, Any]:
+    """A resolved model section without the top-level fields at ModelConfig's current defaults: a summary
+    collected before a field existed then names the same point as a config that leaves it at its default."""
+    import dataclasses
+
+    from zoo.config import ModelConfig
+
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                for f in dataclasses.fields(ModelConfig)}
+    return {k: v for k, v in model.items() if not (k in defaults and v == defaults[k])}
+
+
 def point_key(experiment: str, model: dict[str, Any], lr: float, seed: int, seq_len: int) -> str:
     """What makes two runs the same point of a reproduction, as its committed summaries can tell: experiment,
-    resolved model config, lr, seed and the longest training length (a panel's L). Run names cannot say it
-    across code versions: their hash changed in commit 391d691."""
-    return json.dumps({"experiment": experiment, "model": model, "lr": float(lr), "seed": int(seed),
-                       "seq_len": int(seq_len)}, sort_keys=True)
+    resolved model config (`model_without_defaults`), lr, seed and the longest training length (a panel's L).
+    Run names cannot say it across code versions: their hash changed in commit 391d691."""
+    return json.dumps({"experiment": experiment, "model": model_without_defaults(model), "lr": float(lr),
+                       "seed": int(seed), "seq_len": int(seq_len)}, sort_keys=True)
 
 
 def summary_point_key(record: dict[str, Any]) -> str:

@@ -53,9 +53,23 @@ from zoo.models.mixers._common import PYTORCH_IMPLS, make_config
 log = logging.getLogger("zoo.steps")
 
 
-def lr_lambda(total_steps: int, warmup_frac: float, min_ratio: float):
-    """Linear warmup over `warmup_frac` of the steps, then cosine down to `min_ratio` of the peak."""
-    warmup = int(total_steps * warmup_frac)
+def lr_lambda(optim: OptimConfig, total_steps: int, epochs: int | None = None):
+    """The factor of the peak lr at each step, by `optim.schedule`:
+    - "cosine": linear warmup over `warmup_frac` of the steps, then cosine down to `min_lr_ratio` of the peak;
+    - "cosine_epoch": Zoology's CosineAnnealingLR(T_max=epochs) stepped after each epoch: epoch e of `epochs`
+      (total_steps // epochs steps each) trains at min + (1 - min)·(1 + cos(π e / epochs)) / 2 throughout."""
+    min_ratio = optim.min_lr_ratio
+    if optim.schedule == "cosine_epoch":
+        if not epochs:
+            raise ConfigError("optim.schedule=cosine_epoch needs an epoch count; this trainer counts steps only")
+        per_epoch = max(1, total_steps // epochs)
+
+        def by_epoch(step: int) -> float:
+            epoch = min(step // per_epoch, epochs - 1)
+            return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * epoch / epochs))
+
+        return by_epoch
+    warmup = int(total_steps * optim.warmup_frac)
 
     def f(step: int) -> float:
         if step < warmup:
@@ -66,12 +80,17 @@ def lr_lambda(total_steps: int, warmup_frac: float, min_ratio: float):
     return f
 
 
+def decayed(p: torch.Tensor, optim: OptimConfig) -> bool:
+    """Whether AdamW decays this parameter: matrices only (`optim.decay="matrices"`), or every one ("all")."""
+    return optim.decay == "all" or p.ndim >= 2
+
+
 def build_optimizer(model: torch.nn.Module, cfg: Config, fused: bool = False) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (not on norms and biases). `fused`: torch's fused implementation on
-    CUDA parameters, one kernel for every parameter instead of a few per parameter group."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    """AdamW; weight decay on the parameters `decayed` picks. `fused`: torch's fused implementation on CUDA
+    parameters, one kernel for every parameter instead of a few per parameter group."""
     o = cfg.optim
+    decay = [p for p in model.parameters() if p.requires_grad and decayed(p, o)]
+    no_decay = [p for p in model.parameters() if p.requires_grad and not decayed(p, o)]
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     fused = fused and all(p.is_cuda for p in decay + no_decay) or None
     return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused)
@@ -174,9 +193,10 @@ class PackedParams:
         self.flat = one.expand(n, -1).clone().requires_grad_(True)  # [N, P]
         self.exp_avg = torch.zeros_like(self.flat, requires_grad=False)
         self.exp_avg_sq = torch.zeros_like(self.flat, requires_grad=False)
-        # zoo.train.build_optimizer: weight decay on matrices (ndim >= 2) only.
+        # as build_optimizer: weight decay on the parameters `decayed` picks
         self.decay = torch.cat(
-            [torch.full((p.numel(),), optim.weight_decay if p.ndim >= 2 else 0.0, device=one.device) for _, p in named]
+            [torch.full((p.numel(),), optim.weight_decay if decayed(p, optim) else 0.0, device=one.device)
+             for _, p in named]
         )  # [P]
         self.lrs = torch.tensor(lrs, dtype=one.dtype, device=one.device)  # [N]
         self.optim = optim
@@ -296,7 +316,7 @@ class PackedParams:
     def optimizer_state(self, row: int, model: LanguageModel, cfg: Config, step: int) -> tuple[dict, dict]:
         """Member `row`'s optimizer and scheduler state dicts in zoo.train's format (`model` holds its params)."""
         optimizer = build_optimizer(model, cfg)
-        f = lr_lambda(self.total_steps, cfg.optim.warmup_frac, cfg.optim.min_lr_ratio)
+        f = lr_lambda(cfg.optim, self.total_steps, cfg.train.epochs)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, f)
         m, v = self.views(self.exp_avg), self.views(self.exp_avg_sq)
         params = dict(model.named_parameters())
@@ -338,7 +358,7 @@ class PlainStep:
         self.model, self.cfg, self.amp = model, cfg, amp
         self.optimizer = build_optimizer(model, cfg, fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(total_steps, cfg.optim.warmup_frac, cfg.optim.min_lr_ratio)
+            self.optimizer, lr_lambda(cfg.optim, total_steps, cfg.train.epochs)
         )
         t = cfg.train
         # static shapes: an epoch has at most two batch sizes per segment (full and last), each compiled once
@@ -387,7 +407,7 @@ class PackedStep:
         self.amp = autocast(device, self.precision)
         compile_mode = cfg.train.compile_mode if cfg.train.compile else None
         self.pack = PackedParams(model, [m.optim.lr for m in members], cfg.optim, total_steps, compile_mode)
-        self.f = lr_lambda(total_steps, cfg.optim.warmup_frac, cfg.optim.min_lr_ratio)
+        self.f = lr_lambda(cfg.optim, total_steps, cfg.train.epochs)
         self.lr_factor = torch.zeros((), device=device)
         self.t = torch.zeros((), device=device)
         self.graphs: dict[tuple[int, int], StaticGraph] = {}

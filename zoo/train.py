@@ -351,7 +351,7 @@ def _train_runs(members: list[Config], resolved: list[str | None] | None, must_s
     desc = names[todo[0]] if n == 1 else f"pack of {n}"
     bar = tqdm(total=total_steps, initial=step, desc=desc, disable=not cfg.train.progress, dynamic_ncols=True)
     model.train()
-    f = lr_lambda(total_steps, cfg.optim.warmup_frac, cfg.optim.min_lr_ratio)
+    f = lr_lambda(cfg.optim, total_steps, cfg.train.epochs)
 
     def checkpoint(row: int, j: int, member) -> None:
         """Member j's checkpoint (strategy row `row`, its model `member`) at the loop's current epoch and step
@@ -380,7 +380,7 @@ def _train_runs(members: list[Config], resolved: list[str | None] | None, must_s
                 loss_sum.zero_()
                 loss_n = 0
                 for row, j in enumerate(live):
-                    lr = members[todo[j]].optim.lr * f(step)
+                    lr = members[todo[j]].optim.lr * f(step - 1)  # the lr the last step trained at
                     trackers[j].log({"step": step, "epoch": epoch, "train/loss": train_loss[row], "lr": lr})
                 bar.set_postfix(loss=f"{min(train_loss):.3f}", refresh=False)
             if must_stop():

@@ -15,8 +15,9 @@ Data: Zoology's standard mixture, (L, n) = (64, 4) 100k, (128, 8) 20k, (256, 16/
 for every segment (180k examples an epoch); test 1k each of (64, 4), (64, 8), (64, 16), (128, 32), (256, 64),
 (512, 128), (1024, 256); a validation split of the same (L, n) list, drawn from its own seeds, selects the lr
 and stops early at 0.99 (Zoology stopped on its test set). 32 epochs, lr ∈ logspace(-3, -1.5, 4) = {1e-3,
-3.16e-3, 1e-2, 3.16e-2}, AdamW as Zoology runs it (wd 0.1, betas (0.9, 0.999), no gradient clipping), cosine to
-0, no warmup. 49 models × 4 lrs = 196 runs.
+3.16e-3, 1e-2, 3.16e-2}, AdamW as Zoology runs it (wd 0.1 on every parameter, betas (0.9, 0.999), no gradient
+clipping), its per-epoch cosine to 0 with no warmup (`optim.schedule=cosine_epoch`, `optim.decay=all`); the
+presets take Zoology's init (`init: zoology`). 49 models × 4 lrs = 196 runs.
 
     zoo-sweep experiments/based_frontier/sweep.py --pack-lrs --runs-root runs
     python experiments/based_frontier/plot.py
@@ -115,6 +116,8 @@ def full_runs(epochs: int, lrs: list[float], experiment: str) -> list[dict]:
         "optim.beta2": 0.999,
         "optim.grad_clip": 0.0,
         "optim.warmup_frac": 0.0,
+        "optim.schedule": "cosine_epoch",
+        "optim.decay": "all",
         "train.epochs": epochs,
         "train.early_stop": 0.99,
         "experiment_name": experiment,

@@ -7,7 +7,9 @@ h3 (d_state=L, head_dim 2), rwkv (RWKV-4 time mixing), based (gated short conv, 
 mamba (d_state 16, expand 2). Grid: (L, n) ∈ {(64, 4), (128, 8), (256, 16)}, d_model ∈ {64, 128, 256, 512},
 lr ∈ logspace(-4, -2, 4): 7·4·4·3 = 336 runs. 2 layers, no MLP, 100k train / 1k valid / 3k test examples,
 batch 512/512/256, 64 epochs, early stop at 0.99 valid accuracy; AdamW as Zoology runs it (wd 0.1, betas
-(0.9, 0.999), no gradient clipping), cosine to 0, no warmup. Each length is its own run (one panel).
+(0.9, 0.999), no gradient clipping), cosine to 0, no warmup; from the L=128 panel on, Zoology's per-epoch cosine,
+decay on every parameter and init exactly (`ZOOLOGY_EXACT`; the L=64 panel's runs predate those options). Each
+length is its own run (one panel).
 Learning rates are selected on validation (Zoology selected and stopped on test).
 
     ZOO_FIG2=L64 zoo-sweep experiments/zoology_fig2/sweep.py --pack-lrs --runs-root runs    # one panel (GPU)
@@ -82,6 +84,13 @@ def _selected_lrs() -> list[float]:
     return [lr for lr in LRS if any(near(w, lr) for w in wanted)]
 
 
+# Zoology's trainer and init exactly (zoo/config.py: OptimConfig.schedule and .decay, ModelConfig.init): the lr
+# held through each epoch on a per-epoch cosine, weight decay on every parameter, convolutions at PyTorch's init and
+# `out_proj` at 0.02/sqrt(2 n_layers). The L=64 panel's runs predate these options and keep the per-step cosine,
+# decay on matrices only and the default init they ran with, so that each panel is one setting.
+ZOOLOGY_EXACT = {"optim.schedule": "cosine_epoch", "optim.decay": "all", "model.init": "zoology"}
+PANELS_BEFORE_EXACT = {"L64"}
+
 # Presets whose recurrence runs as a Triton kernel on the GPU: preset -> its mixer's name.
 TRITON_MIXERS = {"mamba": "mamba", "rwkv": "rwkv4"}
 
@@ -121,6 +130,7 @@ def panel_runs(panels: list[str], mixers: list[str], d_models: list[int], lrs: l
                             "train.epochs": 64,
                             "train.early_stop": 0.99,
                             "experiment_name": "zoology_fig2",
+                            **({} if panel in PANELS_BEFORE_EXACT else ZOOLOGY_EXACT),
                         }
                     )
     return runs

@@ -8,6 +8,8 @@ position of the next token.
 
 from __future__ import annotations
 
+import math
+from functools import partial
 from typing import Any
 
 import torch
@@ -39,7 +41,12 @@ class LanguageModel(nn.Module):
         )
         self.norm = make_norm(config.norm, d)
         self.head = nn.Linear(d, config.vocab_size, bias=False)
-        self.apply(_init_weights)
+        self.apply(partial(_init_weights, zero_conv_bias=config.init == "default"))
+        if config.init == "zoology":
+            std = 0.02 / math.sqrt(2 * len(self.blocks))
+            for block in self.blocks:
+                if block.mixer.name in ZOOLOGY_OUT_PROJ:
+                    nn.init.normal_(block.mixer.out.weight, std=std)
         for block in self.blocks:  # a mixer with its own scheme (Mamba's) re-initialises its weights after that
             if hasattr(block.mixer, "init_weights"):
                 block.mixer.init_weights(n_layers=len(self.blocks))
@@ -122,10 +129,18 @@ class LanguageModel(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-def _init_weights(module: nn.Module) -> None:
-    """Normal(0, 0.02) for linear and embedding weights, zero biases; norms and convs keep their defaults (Zoology's
-    init for its TransformerBlock models). Mixers that define `init_weights(n_layers)` redo theirs afterwards."""
+# Mixers whose output projection Zoology names `out_proj`, the name its init rescales (MHA, Hyena, SlidingAttn;
+# Based's is `proj_o`, H3's `output_linear`, RWKV's `output`, so theirs keep 0.02).
+ZOOLOGY_OUT_PROJ = ("attention", "hyena", "sliding_window")
+
+
+def _init_weights(module: nn.Module, zero_conv_bias: bool = True) -> None:
+    """Normal(0, 0.02) for linear and embedding weights, zero linear biases; norms and conv weights keep their
+    defaults, conv biases too unless `zero_conv_bias` (Zoology's init for its TransformerBlock models keeps them).
+    Mixers that define `init_weights(n_layers)` redo theirs afterwards."""
     if isinstance(module, (nn.Linear, nn.Embedding)):
         nn.init.normal_(module.weight, std=0.02)
-    if isinstance(module, (nn.Linear, nn.Conv1d)) and module.bias is not None:
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+    if zero_conv_bias and isinstance(module, nn.Conv1d) and module.bias is not None:
         nn.init.zeros_(module.bias)

@@ -1,0 +1,148 @@
+"""Zoology's trainer and init as options (zoo/config.py): the lr held through each epoch on a per-epoch cosine
+(`optim.schedule=cosine_epoch`), weight decay on every parameter (`optim.decay=all`) and Zoology's init
+(`model.init=zoology`), in the plain and the packed loop; a committed summary still names its point when a model
+field it predates is left at its default."""
+
+import math
+
+import pytest
+import torch
+
+from zoo.config import ModelConfig, OptimConfig
+from zoo.models import LanguageModel
+from zoo.runs import point_key
+from zoo.steps import PackedParams, build_optimizer, lr_lambda
+from zoo.train import ConfigError, load_config, train
+
+TINY = [
+    "model=based",
+    "model.d_model=16",
+    "data.vocab_size=64",
+    "data.train=[{seq_len:16,num_kv_pairs:2,num_examples:64,batch_size:16}]",
+    "data.valid=[{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:32}]",
+    "data.test=[{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:32}]",
+    "optim.warmup_frac=0",
+    "optim.schedule=cosine_epoch",
+    "train.epochs=4",
+    "train.early_stop=null",
+    "train.log_every=1",
+    "train.progress=false",
+]
+
+
+def test_cosine_epoch_is_torchs_cosine_annealing_stepped_each_epoch():
+    epochs, per_epoch = 5, 7
+    f = lr_lambda(OptimConfig(lr=1.0, warmup_frac=0.0, schedule="cosine_epoch"), epochs * per_epoch, epochs)
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs, eta_min=0.0)
+    opt.step()  # torch warns when a scheduler steps before its optimizer
+    for epoch in range(epochs):
+        want = opt.param_groups[0]["lr"]
+        got = [f(epoch * per_epoch + i) for i in range(per_epoch)]
+        assert got == pytest.approx([want] * per_epoch, abs=1e-12), epoch
+        sched.step()
+
+
+def test_cosine_epoch_keeps_min_lr_ratio():
+    f = lr_lambda(OptimConfig(warmup_frac=0.0, min_lr_ratio=0.1, schedule="cosine_epoch"), 40, 4)
+    assert f(0) == pytest.approx(1.0)
+    assert f(39) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 3 / 4)))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"schedule": "cosine_epoch", "warmup_frac": 0.02}, "cosine_epoch has no warmup"),
+    ({"schedule": "linear"}, "optim.schedule must be one of cosine|cosine_epoch"),
+    ({"decay": "biases"}, "optim.decay must be one of matrices|all"),
+])
+def test_bad_optim_options_fail_in_one_line(kwargs, match):
+    with pytest.raises(ValueError, match=match) as err:
+        OptimConfig(**kwargs)
+    assert "\n" not in str(err.value)
+
+
+def test_cosine_epoch_needs_an_epoch_count():
+    with pytest.raises(ConfigError, match="needs an epoch count"):
+        lr_lambda(OptimConfig(warmup_frac=0.0, schedule="cosine_epoch"), 100)
+
+
+def test_a_run_logs_one_lr_an_epoch(tmp_path):
+    cfg, resolved = load_config([*TINY, f"runs_root={tmp_path}", "optim.lr=0.01"])
+    summary = train(cfg, resolved)
+    from zoo.runs import RunDir
+
+    logged = [(m["epoch"], m["lr"]) for m in RunDir(tmp_path / "default" / summary["run"]).read_metrics()
+              if "lr" in m]
+    by_epoch = {}
+    for epoch, lr in logged:
+        by_epoch.setdefault(epoch, set()).add(round(lr, 12))
+    # the lr a step trained at is logged after it: the 4 steps of epoch e log epoch e's lr
+    assert sorted(by_epoch) == [0, 1, 2, 3]
+    for epoch, lrs in by_epoch.items():
+        assert lrs == {round(0.01 * 0.5 * (1 + math.cos(math.pi * epoch / 4)), 12)}, epoch
+
+
+def _model(init: str, pattern=("short_conv", "attention"), d: int = 256) -> LanguageModel:
+    torch.manual_seed(0)
+    return LanguageModel(ModelConfig(d_model=d, vocab_size=64, pattern=list(pattern), init=init))
+
+
+def test_zoology_init_rescales_out_proj_and_keeps_conv_biases():
+    default, zoology = _model("default"), _model("zoology")
+    conv_d, conv_z = default.blocks[0].mixer.conv, zoology.blocks[0].mixer.conv
+    assert torch.count_nonzero(conv_d.bias) == 0
+    assert conv_z.bias.abs().max() > 0.1  # PyTorch's U(±1/sqrt(k)) with k = 3
+    assert conv_z.bias.abs().max() <= 1 / math.sqrt(conv_z.kernel_size[0]) + 1e-6
+    assert default.blocks[1].mixer.out.weight.std().item() == pytest.approx(0.02, rel=0.03)
+    assert zoology.blocks[1].mixer.out.weight.std().item() == pytest.approx(0.02 / 2, rel=0.03)  # 0.02/sqrt(2·2)
+    # Zoology rescales the modules it names out_proj only: Based's output (its proj_o) keeps 0.02
+    based = _model("zoology", ("short_conv", "based"))
+    assert based.blocks[1].mixer.out.weight.std().item() == pytest.approx(0.02, rel=0.03)
+
+
+def test_bad_init_fails_in_one_line():
+    with pytest.raises(ValueError, match="model.init must be one of default|zoology"):
+        ModelConfig(init="xavier")
+
+
+def test_decay_all_decays_biases_and_norms_in_both_loops():
+    model = _model("default", d=16)
+    for decay, want_free in (("matrices", True), ("all", False)):
+        cfg, _ = load_config([f"optim.decay={decay}"])
+        groups = build_optimizer(model, cfg).param_groups
+        free = [p for g in groups if g["weight_decay"] == 0.0 for p in g["params"]]
+        assert bool(free) == want_free
+        assert all(p.ndim < 2 for p in free)
+        pack = PackedParams(model, [1e-3, 1e-2], cfg.optim, total_steps=10)
+        n_free = sum(p.numel() for p in free)
+        assert int((pack.decay == 0).sum()) == n_free
+        assert int((pack.decay == cfg.optim.weight_decay).sum()) == pack.decay.numel() - n_free
+
+
+def test_a_pack_trains_as_its_members_alone_under_zoologys_trainer(tmp_path):
+    from test_packed import assert_same_run, set_aside
+
+    from zoo.steps import pack_members
+    from zoo.train import train_runs
+
+    extra = ["optim.decay=all", "model.init=zoology", "train.epochs=2", "train.log_every=2"]
+    lrs = [1e-3, 3e-2]
+    refs = []
+    for lr in lrs:
+        cfg, resolved = load_config([*TINY, f"runs_root={tmp_path}", f"optim.lr={lr}", *extra])
+        refs.append(train(cfg, resolved))
+    ref_root = set_aside(tmp_path)
+    cfg, _ = load_config([*TINY, f"runs_root={tmp_path}", *extra])
+    got = train_runs(pack_members(cfg, lrs))
+    assert [s["run"] for s in got] == [s["run"] for s in refs]
+    for s in refs:
+        assert_same_run(ref_root / s["run"], tmp_path / "default" / s["run"])
+
+
+def test_a_summary_from_before_a_model_field_names_the_same_point():
+    cfg, resolved = load_config(["model=zoology_fig2/attention"])
+    import yaml
+
+    model = yaml.safe_load(resolved)["model"]
+    before = {k: v for k, v in model.items() if k != "init"}  # as collected before model.init existed
+    assert point_key("e", before, 1e-3, 0, 64) == point_key("e", model, 1e-3, 0, 64)
+    assert point_key("e", before, 1e-3, 0, 64) != point_key("e", model | {"init": "zoology"}, 1e-3, 0, 64)
