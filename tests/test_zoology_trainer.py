@@ -146,3 +146,19 @@ def test_a_summary_from_before_a_model_field_names_the_same_point():
     before = {k: v for k, v in model.items() if k != "init"}  # as collected before model.init existed
     assert point_key("e", before, 1e-3, 0, 64) == point_key("e", model, 1e-3, 0, 64)
     assert point_key("e", before, 1e-3, 0, 64) != point_key("e", model | {"init": "zoology"}, 1e-3, 0, 64)
+
+
+def test_zoology_init_gives_each_rwkv4_layer_zoologys_values():
+    d = 64
+    c = torch.arange(d, dtype=torch.float32)
+    default, zoology = (_model(init, ("rwkv4",), d=d) for init in ("default", "zoology"))
+    for m in default.blocks:  # layer 0's values in every layer
+        torch.testing.assert_close(m.mixer.time_decay.data, -5 + 8 * (c / (d - 1)) ** 0.7)
+        torch.testing.assert_close(m.mixer.time_mix_k.data, c / d)
+    first, second = (b.mixer for b in zoology.blocks)
+    torch.testing.assert_close(first.time_decay.data, default.blocks[0].mixer.time_decay.data)
+    a, b = 1 / 11, 1 - 1 / 12  # Zoology's layer 1 of RWKV-4's default 12
+    torch.testing.assert_close(second.time_decay.data, -5 + 8 * (c / (d - 1)) ** (0.7 + 1.3 * a))
+    torch.testing.assert_close(second.time_mix_k.data, (c / d) ** b)
+    torch.testing.assert_close(second.time_mix_v.data, (c / d) ** b + 0.3 * a)
+    torch.testing.assert_close(second.time_mix_r.data, (c / d) ** (0.5 * b))

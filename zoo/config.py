@@ -21,8 +21,8 @@ class ModelConfig:
     embeddings, and `embed_dropout` drops embedding elements while training (both Zoology's; off by default).
     `init`: "default" draws linear and embedding weights from normal(0, 0.02) with zero biases, convolutions'
     biases included; "zoology" is Zoology's init for its TransformerBlock models exactly: convolutions keep
-    PyTorch's default init, bias too, and the output projections Zoology names `out_proj` (attention, Hyena,
-    sliding window) are drawn at 0.02/√(2·n_layers).
+    PyTorch's default init, bias too, the output projections Zoology names `out_proj` (attention, Hyena,
+    sliding window) are drawn at 0.02/√(2·n_layers), and a mixer with a per-layer init (RWKV-4) gets its layer's.
     """
 
     vocab_size: int = 8192

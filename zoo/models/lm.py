@@ -44,9 +44,11 @@ class LanguageModel(nn.Module):
         self.apply(partial(_init_weights, zero_conv_bias=config.init == "default"))
         if config.init == "zoology":
             std = 0.02 / math.sqrt(2 * len(self.blocks))
-            for block in self.blocks:
+            for i, block in enumerate(self.blocks):
                 if block.mixer.name in ZOOLOGY_OUT_PROJ:
                     nn.init.normal_(block.mixer.out.weight, std=std)
+                if hasattr(block.mixer, "init_layer"):  # a per-layer init (RWKV-4's decays and mixes)
+                    block.mixer.init_layer(i)
         for block in self.blocks:  # a mixer with its own scheme (Mamba's) re-initialises its weights after that
             if hasattr(block.mixer, "init_weights"):
                 block.mixer.init_weights(n_layers=len(self.blocks))

@@ -25,8 +25,9 @@ What is unusual here:
   members side by side as channels), so such runs pack (zoo/steps.py).
 - Initialisation follows Zoology's configs, which leave RWKV-4's layer count at its default of 12: the
   per-channel decay speeds −5 + 8·(c/(d−1))^0.7, the bonus log 0.3 with a ±0.5 zigzag, and μ_k = μ_v = c/d,
-  μ_r = (c/d)^0.5, the values RWKV-4 gives layer 0. Both layers get them here (the options are per mixer name,
-  not per layer); Zoology's layer 1 starts from slightly different decays and mixes.
+  μ_r = (c/d)^0.5, the values RWKV-4 gives layer 0. A mixer does not know its layer, so every layer starts
+  there; with `model.init=zoology` the LanguageModel calls `init_layer(i)`, which gives layer i Zoology's
+  values (its layer 1 starts from slightly different decays and mixes).
 """
 
 from __future__ import annotations
@@ -82,17 +83,33 @@ class RWKV4(nn.Module):
         self.d_model = d_model
         d = d_model
         c = torch.arange(d, dtype=torch.float32)
-        self.time_decay = nn.Parameter(-5 + 8 * (c / max(d - 1, 1)) ** 0.7)
         zigzag = 0.5 * (((c + 1) % 3) - 1)
         self.time_first = nn.Parameter(torch.full((d,), math.log(0.3)) + zigzag)
-        self.time_mix_k = nn.Parameter(c / d)
-        self.time_mix_v = nn.Parameter(c / d)
-        self.time_mix_r = nn.Parameter((c / d) ** 0.5)
+        self.time_decay = nn.Parameter(torch.empty(d))
+        self.time_mix_k = nn.Parameter(torch.empty(d))
+        self.time_mix_v = nn.Parameter(torch.empty(d))
+        self.time_mix_r = nn.Parameter(torch.empty(d))
+        self.init_layer(0)
         self.key = nn.Linear(d, d, bias=False)
         self.value = nn.Linear(d, d, bias=False)
         self.receptance = nn.Linear(d, d, bias=False)
         self.output = nn.Linear(d, d, bias=False)
         log_impl(self.name, self.config.impl)
+
+    @torch.no_grad()
+    def init_layer(self, layer_idx: int, n_layer: int = 12) -> None:
+        """RWKV-4's per-layer init of the decays and mixes, as Zoology's RWKVTimeMixer draws it for layer
+        `layer_idx` of `n_layer` (Zoology leaves RWKV-4's default of 12): with a = layer_idx / (n_layer - 1) and
+        b = 1 - layer_idx / n_layer, decay speed -5 + 8·(c/(d-1))^(0.7 + 1.3a), μ_k = (c/d)^b,
+        μ_v = (c/d)^b + 0.3a, μ_r = (c/d)^(b/2). Layer 0 (a = 0, b = 1) is what the constructor sets."""
+        d = self.d_model
+        c = torch.arange(d, dtype=torch.float32, device=self.time_decay.device)
+        a, b = layer_idx / (n_layer - 1), 1.0 - layer_idx / n_layer
+        x = c / d
+        self.time_decay.copy_(-5 + 8 * (c / max(d - 1, 1)) ** (0.7 + 1.3 * a))
+        self.time_mix_k.copy_(x**b)
+        self.time_mix_v.copy_(x**b + 0.3 * a)
+        self.time_mix_r.copy_(x ** (0.5 * b))
 
     def _inputs(self, x: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [B, T, d], prev: [B, d] the input before x -> σ(r), k, v: [B, T, d]."""
