@@ -162,3 +162,16 @@ def test_zoology_init_gives_each_rwkv4_layer_zoologys_values():
     torch.testing.assert_close(second.time_mix_k.data, (c / d) ** b)
     torch.testing.assert_close(second.time_mix_v.data, (c / d) ** b + 0.3 * a)
     torch.testing.assert_close(second.time_mix_r.data, (c / d) ** (0.5 * b))
+
+
+def test_final_norm_sets_the_norm_before_the_head_alone():
+    from zoo.models.hf import ZooConfig
+
+    cfg = ModelConfig(d_model=32, vocab_size=64, pattern=["mamba"], norm="rmsnorm", final_norm="layernorm")
+    model = LanguageModel(cfg)
+    assert isinstance(model.norm, torch.nn.LayerNorm)
+    assert all(isinstance(b.mixer_norm, torch.nn.RMSNorm) for b in model.blocks)
+    assert isinstance(LanguageModel(ModelConfig(d_model=32, vocab_size=64, norm="rmsnorm")).norm, torch.nn.RMSNorm)
+    assert ZooConfig.from_model_config(cfg).model_config().final_norm == "layernorm"
+    with pytest.raises(ValueError, match="model.final_norm must be empty"):
+        ModelConfig(final_norm="batchnorm")

@@ -33,6 +33,7 @@ class ModelConfig:
     mlp: str = "none"  # none | swiglu | gelu | identity (Zoology's state_mixer=Identity: x + norm(x))
     mlp_hidden: int = 0  # 0: 2·d_model for swiglu, 4·d_model for gelu
     norm: str = "layernorm"  # layernorm | rmsnorm
+    final_norm: str = ""  # the norm before the head: "" (the blocks' `norm`) | layernorm | rmsnorm
     tie_embeddings: bool = True
     max_position_embeddings: int = 0  # rows of a learned absolute position table added to the embeddings; 0: none
     embed_dropout: float = 0.0  # dropout on the embeddings while training
@@ -49,6 +50,9 @@ class ModelConfig:
             raise ValueError(f"model.mlp must be one of none|swiglu|gelu|identity, got {self.mlp!r}")
         if self.norm not in ("layernorm", "rmsnorm"):
             raise ValueError(f"model.norm must be one of layernorm|rmsnorm, got {self.norm!r}")
+        if self.final_norm not in ("", "layernorm", "rmsnorm"):
+            raise ValueError(f"model.final_norm must be empty (as model.norm) or one of layernorm|rmsnorm, "
+                             f"got {self.final_norm!r}")
         if self.mlp_hidden < 0:
             raise ValueError(f"model.mlp_hidden must be >= 0, got {self.mlp_hidden}")
         if self.max_position_embeddings < 0:

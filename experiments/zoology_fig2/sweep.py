@@ -84,11 +84,13 @@ def _selected_lrs() -> list[float]:
     return [lr for lr in LRS if any(near(w, lr) for w in wanted)]
 
 
-# Zoology's trainer and init exactly (zoo/config.py: OptimConfig.schedule and .decay, ModelConfig.init): the lr
-# held through each epoch on a per-epoch cosine, weight decay on every parameter, convolutions at PyTorch's init and
-# `out_proj` at 0.02/sqrt(2 n_layers). The L=64 panel's runs predate these options and keep the per-step cosine,
-# decay on matrices only and the default init they ran with, so that each panel is one setting.
-ZOOLOGY_EXACT = {"optim.schedule": "cosine_epoch", "optim.decay": "all", "model.init": "zoology"}
+# Zoology's trainer and init exactly (zoo/config.py: OptimConfig.schedule and .decay, ModelConfig.init and
+# .final_norm): the lr held through each epoch on a per-epoch cosine, weight decay on every parameter, convolutions
+# at PyTorch's init, `out_proj` at 0.02/sqrt(2 n_layers), RWKV-4's per-layer init, and a LayerNorm before the head
+# (Mamba's blocks keep RMSNorm). The L=64 panel's runs predate these options and keep the per-step cosine, decay on
+# matrices only, the default init and Mamba's final RMSNorm they ran with, so that each panel is one setting.
+ZOOLOGY_EXACT = {"optim.schedule": "cosine_epoch", "optim.decay": "all", "model.init": "zoology",
+                 "model.final_norm": "layernorm"}
 PANELS_BEFORE_EXACT = {"L64"}
 
 # Presets whose recurrence runs as a Triton kernel on the GPU: preset -> its mixer's name.

@@ -73,8 +73,9 @@ def zoology_lm(d: int, mixers: list[int], positions: int = 0) -> int:
     return V * d + positions * d + sum(mixers) + 2 * zoology_block(d) + norm(d)
 
 
-def mamba_lm(d: int, N: int) -> int:
-    return V * d + 2 * (mamba_params(d, N) + d) + d  # RMSNorm: weight only
+def mamba_lm(d: int, N: int, final_layernorm: bool = False) -> int:
+    """RMSNorm blocks (weight only); the final norm RMSNorm too, or a LayerNorm (weight and bias) as Zoology's."""
+    return V * d + 2 * (mamba_params(d, N) + d) + (2 * d if final_layernorm else d)
 
 
 ZOOLOGY = {
@@ -175,7 +176,7 @@ BASED_FIG2 = {
               lambda d: 2 * d + feature_dim(24) * (d + 1)),
     "sliding_window": (["short_conv", "sliding_window"], ["model.mixers.sliding_window.window=8"],
                        lambda d: zoology_lm(d, [short_conv_params(d), 4 * d * d]), lambda d: 2 * d + 2 * 8 * d),
-    "mamba": (["mamba", "mamba"], ["model.mixers.mamba.d_state=8"], lambda d: mamba_lm(d, 8),
+    "mamba": (["mamba", "mamba"], ["model.mixers.mamba.d_state=8"], lambda d: mamba_lm(d, 8, final_layernorm=True),
               lambda d: 2 * (2 * d * 8 + 2 * d * 3)),
     "mamba2": (["mamba2", "mamba2"], ["model.mixers.mamba2.d_state=8", "model.mixers.mamba2.head_dim=16"], None, None),
     "hyena": (["hyena", "hyena"], [], lambda d: zoology_lm(d, [hyena_params(d)] * 2),

@@ -70,6 +70,7 @@ class ZooConfig(PretrainedConfig):
     mlp: str = "swiglu"
     mlp_hidden: int = 0
     norm: str = "rmsnorm"
+    final_norm: str = ""
     tie_word_embeddings: bool = True
     embed_dropout: float = 0.0
     use_cache: bool = True
@@ -91,6 +92,7 @@ class ZooConfig(PretrainedConfig):
             mlp=self.mlp,
             mlp_hidden=self.mlp_hidden,
             norm=self.norm,
+            final_norm=self.final_norm,
             tie_embeddings=self.tie_word_embeddings,
             embed_dropout=self.embed_dropout,
         )
@@ -111,6 +113,7 @@ class ZooConfig(PretrainedConfig):
             mlp=model_config.mlp,
             mlp_hidden=model_config.mlp_hidden,
             norm=model_config.norm,
+            final_norm=model_config.final_norm,
             tie_word_embeddings=model_config.tie_embeddings,
             embed_dropout=model_config.embed_dropout,
             **kwargs,

@@ -39,7 +39,7 @@ class LanguageModel(nn.Module):
             Block(d, MIXERS[name](d, **config.mixers.get(name, {})), config.mlp, config.mlp_hidden, config.norm)
             for name in config.layers()
         )
-        self.norm = make_norm(config.norm, d)
+        self.norm = make_norm(config.final_norm or config.norm, d)
         self.head = nn.Linear(d, config.vocab_size, bias=False)
         self.apply(partial(_init_weights, zero_conv_bias=config.init == "default"))
         if config.init == "zoology":
