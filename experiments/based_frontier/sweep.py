@@ -4,7 +4,7 @@ defines it: MQAR accuracy against recurrent state size, each architecture at its
 Models (presets `zoo/configs/model/based_fig2/*.yaml`; each header says where ours differs):
 - Hybrid[BaseConv k=3, X] (layer 0 the gated short conv, layer 1 X) for X = attention (d ∈ {64, 128}, 1 head,
   dropout 0.1, no positions), Based (d ∈ {48, 64, 128} × feature_dim ∈ {8, 16, 24}, 1 head) and sliding-window
-  attention (d = 128, window ∈ {8, 16, ..., 1024}).
+  attention (d = 128, Zoology's block_size w ∈ {8, 16, ..., 1024}: our window of w + 1 keys, no positions).
 - Alone, as the config has them: Mamba and Mamba-2 (d ∈ {64, 128, 256} × d_state ∈ {8, 16, 24}), Hyena
   (d ∈ {64, 128, 256}, l_max 1024) and H3 (d ∈ {64, 128, 256}, d_state = d/4, head_dim 2). REFERENCE §1 says
   every model but Mamba is wrapped; the config wraps only attention, Based and the sliding window (Hyena and H3
@@ -61,7 +61,9 @@ def paper_models() -> list[dict]:
     for d in (48, 64, 128):
         models += [{"preset": "based", "d": d, "model.mixers.based.feature_dim": f} for f in (8, 16, 24)]
     models += [{"preset": "attention", "d": d} for d in (64, 128)]
-    models += [{"preset": "sliding_window", "d": 128, "model.mixers.sliding_window.window": 2**i} for i in range(3, 11)]
+    # Zoology's block_size w keeps keys i-w..i: our window (keys per query) of w + 1
+    models += [{"preset": "sliding_window", "d": 128, "model.mixers.sliding_window.window": 2**i + 1}
+               for i in range(3, 11)]
     for preset in ("mamba", "mamba2"):
         for d in (64, 128, 256):
             models += [{"preset": preset, "d": d, f"model.mixers.{preset}.d_state": n} for n in (8, 16, 24)]

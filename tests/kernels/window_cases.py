@@ -16,11 +16,12 @@ class WindowCase:
     prefill: int  # tokens before the decoding steps
     steps: int
     start: bool = False  # left-padded rows: a per-row first position
+    zoology: bool = False  # Zoology's SlidingAttn: no rotary, biased projections
 
     @property
     def id(self) -> str:
         return (f"d{self.d_model}-h{self.num_heads}-w{self.window}-prefill{self.prefill}-steps{self.steps}"
-                + ("-start" if self.start else ""))
+                + ("-start" if self.start else "") + ("-zoology" if self.zoology else ""))
 
 
 CASES = [
@@ -28,14 +29,16 @@ CASES = [
     WindowCase(d_model=24, num_heads=2, window=5, prefill=0, steps=7),  # W and D/2 not powers of two, empty ring
     WindowCase(d_model=32, num_heads=1, window=8, prefill=10, steps=3, start=True),
     WindowCase(d_model=64, num_heads=1, window=16, prefill=20, steps=2),  # head dim 64, as based_1b's
+    WindowCase(d_model=16, num_heads=1, window=5, prefill=4, steps=5, zoology=True),
 ]
 
 
 def twins(case: WindowCase, device, dtype=torch.float32):
     """(naive, triton) mixers with equal weights."""
     torch.manual_seed(0)
-    naive = SlidingWindowAttention(case.d_model, window=case.window, num_heads=case.num_heads)
-    fast = SlidingWindowAttention(case.d_model, window=case.window, num_heads=case.num_heads, impl="triton")
+    options = dict(window=case.window, num_heads=case.num_heads, rotary=not case.zoology, bias=case.zoology)
+    naive = SlidingWindowAttention(case.d_model, **options)
+    fast = SlidingWindowAttention(case.d_model, **options, impl="triton")
     fast.load_state_dict(naive.state_dict())
     return naive.to(device, dtype), fast.to(device, dtype)
 

@@ -19,6 +19,7 @@ CASES = [
     ("attention-nopos", "attention", {"positional": "none"}),
     ("sliding_window-w4", "sliding_window", {"window": 4, "num_heads": 2}),
     ("sliding_window-w1", "sliding_window", {"window": 1}),
+    ("sliding_window-zoology", "sliding_window", {"window": 5, "num_heads": 1, "rotary": False, "bias": True}),
     ("based-f4h2", "based", {"feature_dim": 4, "num_heads": 2, "chunk_size": 5}),
     ("based-f3dv5", "based", {"feature_dim": 3, "head_dim_v": 5}),
     ("base_conv-k3", "base_conv", {}),
@@ -317,6 +318,24 @@ def test_sliding_window_matches_banded_reference():
         for i in range(11):
             start = max(0, i - window + 1)
             torch.testing.assert_close(y[:, i], mixer(x[:, start : i + 1])[:, -1], rtol=1e-9, atol=1e-10)
+
+
+def test_sliding_window_without_rotary_is_zoologys_sliding_attn():
+    """Zoology's SlidingAttn with block_size w: one head over d, biased qkv and output projections, no positions,
+    and a mask that keeps keys i-w..i (w + 1 of them), so it is our window of w + 1 with rotary=False, bias=True."""
+    w, T = 3, 10
+    mixer = build(("", "sliding_window", {"window": w + 1, "num_heads": 1, "rotary": False, "bias": True}))
+    with torch.no_grad():
+        for p in (mixer.qkv.bias, mixer.out.bias):
+            p.normal_(generator=torch.Generator().manual_seed(4))
+    x = inputs(2, T)
+    with torch.no_grad():
+        q, k, v = (x @ mixer.qkv.weight.T + mixer.qkv.bias).chunk(3, dim=-1)
+        scores = q @ k.transpose(1, 2) / math.sqrt(D_MODEL)
+        i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+        scores = scores.masked_fill((j > i) | (j < i - w), float("-inf"))
+        expected = (scores.softmax(-1) @ v) @ mixer.out.weight.T + mixer.out.bias
+        torch.testing.assert_close(mixer(x), expected, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 7, 64])

@@ -175,7 +175,8 @@ BASED_FIG2 = {
               lambda d: zoology_lm(d, [short_conv_params(d), based_params(d, 24)]),
               lambda d: 2 * d + feature_dim(24) * (d + 1)),
     "sliding_window": (["short_conv", "sliding_window"], ["model.mixers.sliding_window.window=8"],
-                       lambda d: zoology_lm(d, [short_conv_params(d), 4 * d * d]), lambda d: 2 * d + 2 * 8 * d),
+                       lambda d: zoology_lm(d, [short_conv_params(d), 4 * d * d + 4 * d]),  # qkv, out + biases
+                       lambda d: 2 * d + 2 * 8 * d),
     "mamba": (["mamba", "mamba"], ["model.mixers.mamba.d_state=8"], lambda d: mamba_lm(d, 8, final_layernorm=True),
               lambda d: 2 * (2 * d * 8 + 2 * d * 3)),
     "mamba2": (["mamba2", "mamba2"], ["model.mixers.mamba2.d_state=8", "model.mixers.mamba2.head_dim=16"], None, None),

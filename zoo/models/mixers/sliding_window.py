@@ -1,5 +1,6 @@
 """Sliding-window causal attention with rotary positions (the local attention of Based, Arora et al., 2024;
-windowed attention as in Longformer, Beltagy et al., 2020).
+windowed attention as in Longformer, Beltagy et al., 2020); `rotary=False, bias=True` is Zoology's SlidingAttn
+(no positions, biased projections).
 
 Token i attends to keys i-window+1 .. i (itself included), so the state is a fixed 2·window·d_model.
 
@@ -50,15 +51,20 @@ class SlidingWindowConfig:
     window: int = 64  # keys per query, itself included
     num_heads: int | None = None  # None: default_num_heads(d_model), heads of width about 64
     impl: str = "naive"  # naive | triton (the decoding step as one kernel, kernels/sliding_window)
+    rotary: bool = True  # rotary positions on q and k; False: no positions (Zoology's SlidingAttn)
+    bias: bool = False  # biases on the qkv and output projections (Zoology's SlidingAttn has them)
 
     def validate(self, d_model: int) -> None:
         check_int("sliding_window: window", self.window, minimum=1)
         check_choice("sliding_window: impl", self.impl, ("naive", "triton"))
+        for name in ("rotary", "bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"sliding_window: {name} must be true or false, got {getattr(self, name)!r}")
         if self.num_heads is not None:
             check_int("sliding_window: num_heads", self.num_heads, minimum=1)
             if d_model % self.num_heads:
                 raise ValueError(f"sliding_window: d_model={d_model} must be divisible by num_heads={self.num_heads}")
-        if (d_model // self.heads(d_model)) % 2:
+        if self.rotary and (d_model // self.heads(d_model)) % 2:
             raise ValueError(
                 f"sliding_window: rotary needs an even head dim, got d_model={d_model} / "
                 f"num_heads={self.heads(d_model)}"
@@ -86,8 +92,9 @@ class SlidingWindowAttention(nn.Module):
         self.window = self.config.window
         self.num_heads = self.config.heads(d_model)
         self.head_dim = d_model // self.num_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
-        self.out = nn.Linear(d_model, d_model, bias=False)
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=self.config.bias)
+        self.out = nn.Linear(d_model, d_model, bias=self.config.bias)
+        self.rotary = self.config.rotary
         self.impl = self.config.impl
         self._inv_freq: dict[torch.device, torch.Tensor] = {}  # impl=triton: rotary frequencies per device
         if self.impl == "triton":
@@ -105,15 +112,19 @@ class SlidingWindowAttention(nn.Module):
         if inv_freq is None:  # apply_rotary's frequencies in fp32, made once per device (before any graph capture)
             inv_freq = self._inv_freq[x.device] = rotary_inv_freq(self.head_dim, x.device, torch.float32)
         angles = state["pos"].to(torch.float32) * inv_freq  # [D/2], as apply_rotary computes them
+        if not self.rotary:
+            angles = angles * 0.0  # a rotation by 0: the kernel leaves q and k as they are
         y = self._window_decode(self.qkv(x[:, 0]), state["k"], state["v"], state["pos"], angles.cos(), angles.sin(),
                                 state.get("start"))  # [B, d_model]
         state["pos"].add_(1)
         return self.out(y)[:, None]
 
     def _qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [B, T, d_model], positions: [T] -> q, k, v: [B, T, H, D], q and k rotated."""
+        """x: [B, T, d_model], positions: [T] -> q, k, v: [B, T, H, D], q and k rotated (with `rotary`)."""
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # [B, T, d] each
         q, k, v = (rearrange(t, "b t (h d) -> b t h d", h=self.num_heads) for t in (q, k, v))  # [B, T, H, D]
+        if not self.rotary:
+            return q, k, v
         return apply_rotary(q, positions), apply_rotary(k, positions), v
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
