@@ -175,3 +175,33 @@ def test_final_norm_sets_the_norm_before_the_head_alone():
     assert ZooConfig.from_model_config(cfg).model_config().final_norm == "layernorm"
     with pytest.raises(ValueError, match="model.final_norm must be empty"):
         ModelConfig(final_norm="batchnorm")
+
+
+def test_hyena_zoology_positions_and_short_conv_init():
+    from zoo.models.mixers import MIXERS
+
+    L = 32
+    torch.manual_seed(0)
+    hyena = MIXERS["hyena"](16, max_seq_len=L, num_freqs=1, positions="zoology", short_bias=True, learn_freq=True)
+    pos = torch.arange(L, dtype=torch.float32)
+    w = 2 * math.pi * pos / L
+    want = torch.stack([pos / (L - 1), torch.cos(1e-4 * w), -torch.sin(1e-4 * w)], dim=-1)
+    torch.testing.assert_close(hyena.filter.z.data, want)
+    assert isinstance(hyena.filter.z, torch.nn.Parameter)  # learned, as Zoology's
+    torch.testing.assert_close(hyena.filter.t[:, 0], pos / (L - 1))
+    # the filter, written out: the MLP reads z, the decay reads t = position / (L-1)
+    f = hyena.filter
+    with torch.no_grad():
+        x = want
+        for linear in f.hidden:
+            x = torch.sin(f.freq * linear(x))
+        expected = f.head(x) * torch.exp(-f.decay[None, :] * (pos / (L - 1))[:, None])
+        torch.testing.assert_close(f(L), expected)
+    model = LanguageModel(ModelConfig(d_model=16, vocab_size=64, pattern=["hyena"], init="zoology",
+                                      mixers={"hyena": {"max_seq_len": L, "short_bias": True}}))
+    for block in model.blocks:
+        bound = 1 / math.sqrt(block.mixer.k)
+        for p in (block.mixer.short_weight, block.mixer.short_bias):
+            assert p.abs().max() <= bound and p.abs().max() > 0.8 * bound and p.std() < 0.75 * bound
+    with pytest.raises(ValueError, match="positions=zoology needs num_freqs >= 1"):
+        MIXERS["hyena"](16, num_freqs=0, positions="zoology")

@@ -91,6 +91,8 @@ def _selected_lrs() -> list[float]:
 # matrices only, the default init and Mamba's final RMSNorm they ran with, so that each panel is one setting.
 ZOOLOGY_EXACT = {"optim.schedule": "cosine_epoch", "optim.decay": "all", "model.init": "zoology",
                  "model.final_norm": "layernorm"}
+# ... and per preset: Hyena's filter reads Zoology's learned position features (one band).
+ZOOLOGY_EXACT_MIXER = {"hyena": {"model.mixers.hyena.positions": "zoology", "model.mixers.hyena.num_freqs": 1}}
 PANELS_BEFORE_EXACT = {"L64"}
 
 # Presets whose recurrence runs as a Triton kernel on the GPU: preset -> its mixer's name.
@@ -133,6 +135,7 @@ def panel_runs(panels: list[str], mixers: list[str], d_models: list[int], lrs: l
                             "train.early_stop": 0.99,
                             "experiment_name": "zoology_fig2",
                             **({} if panel in PANELS_BEFORE_EXACT else ZOOLOGY_EXACT),
+                            **({} if panel in PANELS_BEFORE_EXACT else ZOOLOGY_EXACT_MIXER.get(mixer, {})),
                         }
                     )
     return runs

@@ -29,6 +29,8 @@ CASES = [
     ("hyena-k2", "hyena", {"filter_hidden": 8, "short_kernel_size": 2}),
     ("hyena-zoology", "hyena", {"filter_hidden": 8, "num_freqs": 0, "filter_depth": 2, "learn_freq": True,
                                 "short_bias": True}),
+    ("hyena-zoology-positions", "hyena", {"filter_hidden": 8, "num_freqs": 1, "positions": "zoology",
+                                          "filter_depth": 2, "learn_freq": True, "short_bias": True}),
     ("h3-n8", "h3", {"d_state": 8}),
     ("h3-n3-shift2", "h3", {"d_state": 3, "shift_size": 2}),
     ("h3-p2", "h3", {"d_state": 4, "head_dim": 2}),

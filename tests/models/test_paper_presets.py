@@ -49,10 +49,11 @@ def based_params(d: int, f: int) -> int:
     return 2 * d * f + 2 * d * d  # q, k: d -> f; v, out: d -> d (1 head, no biases)
 
 
-def hyena_params(d: int) -> int:
+def hyena_params(d: int, zoology_positions_L: int = 0) -> int:
     # in-proj 3d (bias), short conv 3d x 3 (bias), filter MLP 1 -> 64 -> 64 -> 64 -> d (no last bias) with 64
-    # shared sine frequencies, bias d, out-proj (bias)
-    return 3 * d * d + 3 * d + 9 * d + 3 * d + (64 + 64) + 2 * (64 * 64 + 64) + 64 + 64 * d + d + d * d + d
+    # shared sine frequencies, bias d, out-proj (bias); Zoology's positions: a learned [L, 3] table and 3 inputs
+    positions = 3 * zoology_positions_L + 2 * 64 if zoology_positions_L else 0
+    return 3 * d * d + 3 * d + 9 * d + 3 * d + (64 + 64) + 2 * (64 * 64 + 64) + 64 + 64 * d + d + d * d + d + positions
 
 
 def h3_params(d: int, N: int, shift: int) -> int:
@@ -180,7 +181,7 @@ BASED_FIG2 = {
     "mamba": (["mamba", "mamba"], ["model.mixers.mamba.d_state=8"], lambda d: mamba_lm(d, 8, final_layernorm=True),
               lambda d: 2 * (2 * d * 8 + 2 * d * 3)),
     "mamba2": (["mamba2", "mamba2"], ["model.mixers.mamba2.d_state=8", "model.mixers.mamba2.head_dim=16"], None, None),
-    "hyena": (["hyena", "hyena"], [], lambda d: zoology_lm(d, [hyena_params(d)] * 2),
+    "hyena": (["hyena", "hyena"], [], lambda d: zoology_lm(d, [hyena_params(d, zoology_positions_L=1024)] * 2),
               lambda d: 2 * (d * 1024 + 3 * d * 2)),
     "h3": (["h3", "h3"], ["model.mixers.h3.d_state=4", "model.mixers.h3.shift_size=4"],
            lambda d: zoology_lm(d, [h3_params(d, 4, 4)] * 2), lambda d: 2 * (2 * d * 4 + d * 3)),

@@ -47,8 +47,8 @@ class LanguageModel(nn.Module):
             for i, block in enumerate(self.blocks):
                 if block.mixer.name in ZOOLOGY_OUT_PROJ:
                     nn.init.normal_(block.mixer.out.weight, std=std)
-                if hasattr(block.mixer, "init_layer"):  # a per-layer init (RWKV-4's decays and mixes)
-                    block.mixer.init_layer(i)
+                if hasattr(block.mixer, "zoology_init"):  # the rest of a mixer's Zoology init (RWKV-4, Hyena)
+                    block.mixer.zoology_init(i)
         for block in self.blocks:  # a mixer with its own scheme (Mamba's) re-initialises its weights after that
             if hasattr(block.mixer, "init_weights"):
                 block.mixer.init_weights(n_layers=len(self.blocks))

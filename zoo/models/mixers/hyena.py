@@ -5,9 +5,10 @@
     y = Linear(d → d)(x2 ⊙ (h ∗ z + bias ⊙ z))               h: a long causal filter per channel
 
 The long filter is implicit: h[t, c] = MLP(pos(t))[c] · exp(-α_c · t / max_seq_len), where pos(t) holds
-t / max_seq_len and `num_freqs` sin/cos pairs, the MLP has sine activations (`filter_depth` hidden-to-hidden
-layers; with `learn_freq` one learned frequency per hidden unit, shared by every activation, as in Zoology's
-Hyena), and the decay rates α_c are spread over [decay_min, decay_max] across channels. The convolution runs
+t / max_seq_len and `num_freqs` sin/cos pairs (`positions="zoology"`: Zoology's learned features, and t / (L-1)
+in both places), the MLP has sine activations (`filter_depth` hidden-to-hidden layers; with `learn_freq` one
+learned frequency per hidden unit, shared by every activation, as in Zoology's Hyena), and the decay rates α_c
+are spread over [decay_min, decay_max] across channels. The convolution runs
 through `causal_conv` (a Toeplitz matmul up to DIRECT_MAX_T positions, an FFT of length 2T beyond), with the
 bias term folded into the filter's lag 0.
 `short_bias` gives the short conv a bias (Zoology's has one).
@@ -54,6 +55,7 @@ class HyenaConfig:
     filter_depth: int = 1  # hidden-to-hidden layers of the filter MLP (Zoology's Hyena: 2)
     learn_freq: bool = False  # learned sine frequencies (one per hidden unit, initialised at 1)
     short_bias: bool = False  # a bias on the short conv
+    positions: str = "fixed"  # fixed | zoology (the filter's position features as Zoology's Hyena: see ImplicitFilter)
 
     def validate(self, d_model: int) -> None:
         check_int("hyena: max_seq_len", self.max_seq_len, minimum=1)
@@ -61,6 +63,10 @@ class HyenaConfig:
         check_int("hyena: num_freqs", self.num_freqs, minimum=0)
         check_int("hyena: short_kernel_size", self.short_kernel_size, minimum=1)
         check_int("hyena: filter_depth", self.filter_depth, minimum=0)
+        if self.positions not in ("fixed", "zoology"):
+            raise ValueError(f"hyena: positions must be fixed or zoology, got {self.positions!r}")
+        if self.positions == "zoology" and self.num_freqs < 1:
+            raise ValueError("hyena: positions=zoology needs num_freqs >= 1 (Zoology's emb_dim 3 is one band)")
         for name in ("learn_freq", "short_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"hyena: {name} must be true or false, got {getattr(self, name)!r}")
@@ -84,6 +90,18 @@ class ImplicitFilter(nn.Module):
         super().__init__()
         self.max_seq_len = config.max_seq_len
         self.num_freqs = config.num_freqs
+        if config.positions == "zoology":
+            # Zoology's PositionalEmbedding: z = [t, cos(f·w), -sin(f·w)] with t = linspace(0, 1, L) (position /
+            # (L-1)), w = 2π·position / L and f = linspace(1e-4, F-1, F): a learned parameter (Zoology registers it
+            # with lr 1e-5, which its trainer does not read). The decay reads the same t.
+            L, F = config.max_seq_len, config.num_freqs
+            t = torch.linspace(0, 1, L)[:, None]  # [L, 1]
+            w = 2 * math.pi * torch.arange(L, dtype=torch.float32)[:, None] / L  # [L, 1]
+            f = torch.linspace(1e-4, F - 1, F)[None, :]  # [1, F]
+            self.z = nn.Parameter(torch.cat([t, torch.cos(f * w), -torch.sin(f * w)], dim=-1))  # [L, 1 + 2F]
+            self.register_buffer("t", t, persistent=False)
+        else:
+            self.z = None
         width = config.filter_hidden
         widths = [1 + 2 * config.num_freqs] + [width] * (config.filter_depth + 1)
         self.hidden = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
@@ -94,9 +112,12 @@ class ImplicitFilter(nn.Module):
     def forward(self, length: int) -> torch.Tensor:
         """-> h: [length, channels] in the parameters' dtype."""
         dtype = self.head.weight.dtype
-        t = torch.arange(length, device=self.decay.device, dtype=dtype)[:, None] / self.max_seq_len  # [T, 1]
-        freqs = torch.arange(1, self.num_freqs + 1, device=t.device, dtype=dtype)[None, :]  # [1, F]
-        x = torch.cat([t, torch.sin(2 * math.pi * freqs * t), torch.cos(2 * math.pi * freqs * t)], dim=-1)
+        if self.z is not None:
+            t, x = self.t[:length].to(dtype), self.z[:length].to(dtype)  # [T, 1], [T, 1 + 2F]
+        else:
+            t = torch.arange(length, device=self.decay.device, dtype=dtype)[:, None] / self.max_seq_len  # [T, 1]
+            freqs = torch.arange(1, self.num_freqs + 1, device=t.device, dtype=dtype)[None, :]  # [1, F]
+            x = torch.cat([t, torch.sin(2 * math.pi * freqs * t), torch.cos(2 * math.pi * freqs * t)], dim=-1)
         for linear in self.hidden:
             x = linear(x)
             x = torch.sin(x if self.freq is None else self.freq.to(x.dtype) * x)
@@ -124,6 +145,14 @@ class Hyena(nn.Module):
         self.filter = ImplicitFilter(d_model, self.config)
         self.bias = nn.Parameter(torch.randn(d_model))
         self.out = nn.Linear(d_model, d_model)
+
+    @torch.no_grad()
+    def zoology_init(self, layer_idx: int) -> None:
+        """Zoology's short filter is an nn.Conv1d (groups = 3d) at PyTorch's init: weight and bias U(±1/√k)."""
+        bound = 1 / math.sqrt(self.k)
+        self.short_weight.uniform_(-bound, bound)
+        if self.short_bias is not None:
+            self.short_bias.uniform_(-bound, bound)
 
     def _gates(self, x: torch.Tensor, history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [B, T, d], history: [B, k-1, 3d] -> x2, z: [B, T, d] and the new short history [B, k-1, 3d]."""

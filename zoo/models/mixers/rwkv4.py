@@ -26,7 +26,7 @@ What is unusual here:
 - Initialisation follows Zoology's configs, which leave RWKV-4's layer count at its default of 12: the
   per-channel decay speeds −5 + 8·(c/(d−1))^0.7, the bonus log 0.3 with a ±0.5 zigzag, and μ_k = μ_v = c/d,
   μ_r = (c/d)^0.5, the values RWKV-4 gives layer 0. A mixer does not know its layer, so every layer starts
-  there; with `model.init=zoology` the LanguageModel calls `init_layer(i)`, which gives layer i Zoology's
+  there; with `model.init=zoology` the LanguageModel calls `zoology_init(i)`, which gives layer i Zoology's
   values (its layer 1 starts from slightly different decays and mixes).
 """
 
@@ -110,6 +110,10 @@ class RWKV4(nn.Module):
         self.time_mix_k.copy_(x**b)
         self.time_mix_v.copy_(x**b + 0.3 * a)
         self.time_mix_r.copy_(x ** (0.5 * b))
+
+    def zoology_init(self, layer_idx: int) -> None:
+        """Zoology's init of this mixer at layer `layer_idx` (model.init=zoology): RWKV-4's for that layer."""
+        self.init_layer(layer_idx)
 
     def _inputs(self, x: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [B, T, d], prev: [B, d] the input before x -> σ(r), k, v: [B, T, d]."""
