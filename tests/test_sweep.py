@@ -87,7 +87,13 @@ def test_repo_sweep_files_compose(capsys):
     assert files
     for path in files:
         runs = load_sweep(path)
-        for run in runs[:: max(1, len(runs) // 8)]:
+        # one run per preset and set of overridden keys (a preset-specific override composes too), plus a stride
+        kinds = {}
+        for run in runs:
+            keys = frozenset(arg.split("=", 1)[0] for arg in run)
+            preset = next((arg for arg in run if arg.startswith("model=")), "")
+            kinds.setdefault((preset, keys), run)
+        for run in [*kinds.values(), *runs[:: max(1, len(runs) // 8)]]:
             load_config(run)
     main([str(repo / "zoo/configs/sweep/tiny.yaml"), "--emit"])
     assert capsys.readouterr().out.count("zoo-train ") == len(load_sweep(repo / "zoo/configs/sweep/tiny.yaml"))

@@ -92,7 +92,7 @@ def _selected_lrs() -> list[float]:
 ZOOLOGY_EXACT = {"optim.schedule": "cosine_epoch", "optim.decay": "all", "model.init": "zoology",
                  "model.final_norm": "layernorm"}
 # ... and per preset: Hyena's filter reads Zoology's learned position features (one band).
-ZOOLOGY_EXACT_MIXER = {"hyena": {"model.mixers.hyena.positions": "zoology", "model.mixers.hyena.num_freqs": 1}}
+ZOOLOGY_EXACT_MIXER = {"hyena": {"+model.mixers.hyena.positions": "zoology", "model.mixers.hyena.num_freqs": 1}}
 PANELS_BEFORE_EXACT = {"L64"}
 
 # Presets whose recurrence runs as a Triton kernel on the GPU: preset -> its mixer's name.
