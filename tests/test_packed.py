@@ -208,15 +208,17 @@ def test_every_naive_mixer_packs(mixer, monkeypatch):
         torch.testing.assert_close(pack.flat.grad[member], grad, rtol=1e-4, atol=1e-6)
 
 
-def test_a_compiled_pack_of_the_fig2_hyena_equals_the_eager_pack():
+@pytest.mark.parametrize("positions", ["fixed", "zoology"])
+def test_a_compiled_pack_of_the_fig2_hyena_equals_the_eager_pack(positions):
     """torch.compile over the vmapped loss of Zoology Fig. 2's Hyena (learned sine frequencies shared by the
-    filter's three activations): loss and gradients equal the eager pack's. The frequencies were once one module
-    reused in the filter's Sequential, which inductor refused under vmap ("Cannot access storage of
-    BatchedTensorImpl")."""
+    filter's three activations; with Zoology's positions, a learned table sliced to the sequence): loss and
+    gradients equal the eager pack's. The frequencies were once one module reused in the filter's Sequential,
+    which inductor refused under vmap ("Cannot access storage of BatchedTensorImpl")."""
     from zoo.config import ModelConfig
 
     torch.manual_seed(0)
-    options = {"hyena": {"max_seq_len": 16, "learn_freq": True, "filter_depth": 2, "num_freqs": 0}}
+    options = {"hyena": {"max_seq_len": 16, "learn_freq": True, "filter_depth": 2, "positions": positions,
+                         "num_freqs": 1 if positions == "zoology" else 0}}
     model = LanguageModel(ModelConfig(vocab_size=64, d_model=16, n_layers=2, pattern=["hyena"], mixers=options))
     cfg, _ = load_config([*TINY])
     batch = torch.randint(0, 64, (4, 16)), torch.randint(0, 16, (4, 3)), torch.randint(0, 64, (4, 3))
