@@ -205,3 +205,56 @@ def test_hyena_zoology_positions_and_short_conv_init():
             assert p.abs().max() <= bound and p.abs().max() > 0.8 * bound and p.std() < 0.75 * bound
     with pytest.raises(ValueError, match="positions=zoology needs num_freqs >= 1"):
         MIXERS["hyena"](16, num_freqs=0, positions="zoology")
+
+
+def test_h3_zoology_ssm_is_s4d_lin_bilinear():
+    """H3 with ssm=zoology reduced to its SSM (q = v = 1, the shift an identity, out = identity): each channel is
+    Zoology's S4D-Lin kernel, 2·Re(Σ_m C_m dB_m dA_m^l) with bilinear dA, dB, plus D at lag 0; written out here from
+    the raw parameters as a recurrence over a complex state."""
+    from zoo.models.mixers import MIXERS
+
+    d, N, T = 4, 6, 12
+    torch.manual_seed(0)
+    h3 = MIXERS["h3"](d, d_state=N, shift_size=3, ssm="zoology").double()
+    M = N // 2
+    torch.testing.assert_close(h3.inv_A_real.data, torch.full((d, M), math.log(0.5), dtype=torch.float64))
+    torch.testing.assert_close(h3.A_imag.data, math.pi * torch.arange(M, dtype=torch.float64).repeat(d, 1))
+    with torch.no_grad():
+        h3.qkv.weight.zero_()
+        h3.qkv.weight[d : 2 * d] = torch.eye(d)  # k = x
+        h3.qkv.bias.zero_()
+        h3.qkv.bias[:d] = 1.0  # q = 1
+        h3.qkv.bias[2 * d :] = 1.0  # v = 1
+        h3.shift_weight.zero_()
+        h3.shift_weight[:, -1] = 1.0  # the current input: k' = k
+        h3.shift_skip.zero_()
+        h3.out.weight.copy_(torch.eye(d))
+        h3.out.bias.zero_()
+    x = torch.randn(2, T, d, dtype=torch.float64)
+    with torch.no_grad():
+        got = h3(x)
+        dt = torch.exp(h3.log_dt)[:, None]
+        A = -torch.exp(h3.inv_A_real) + 1j * h3.A_imag
+        B = torch.complex(h3.B[..., 0], h3.B[..., 1])
+        C = torch.complex(h3.C[..., 0], h3.C[..., 1])
+        dA, dB = (2 + dt * A) / (2 - dt * A), 2 * dt * B / (2 - dt * A)
+        s = torch.zeros(2, d, M, dtype=torch.complex128)
+        want = []
+        for t in range(T):
+            s = dA * s + dB * x[:, t, :, None]
+            want.append(2 * (C * s).sum(-1).real + h3.D * x[:, t])
+        torch.testing.assert_close(got, torch.stack(want, dim=1))
+
+
+def test_h3_zoology_shift_skip_and_init():
+    from zoo.models.mixers import MIXERS
+
+    with pytest.raises(ValueError, match="d_state must be even"):
+        MIXERS["h3"](8, d_state=5, ssm="zoology")
+    model = LanguageModel(ModelConfig(d_model=64, vocab_size=64, pattern=["h3"], init="zoology",
+                                      mixers={"h3": {"d_state": 16, "shift_size": 16, "head_dim": 2,
+                                                     "ssm": "zoology"}}))
+    for block in model.blocks:
+        w = block.mixer.shift_weight
+        assert w.abs().max() <= 1 / 4 and w.abs().max() > 0.2  # U(±1/√16), Zoology's SSKernelShift C
+        assert block.mixer.shift_skip.std() > 0.5  # its ssm_k_D ~ N(0, 1)

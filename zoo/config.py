@@ -23,7 +23,7 @@ class ModelConfig:
     biases included; "zoology" is Zoology's init for its TransformerBlock models exactly: convolutions keep
     PyTorch's default init, bias too, the output projections Zoology names `out_proj` (attention, Hyena,
     sliding window) are drawn at 0.02/√(2·n_layers), and mixers with more of Zoology's init to add (`zoology_init`:
-    RWKV-4's per-layer decays and mixes, Hyena's short conv at PyTorch's Conv1d init) get it.
+    RWKV-4's per-layer decays and mixes, Hyena's short conv and H3's shift at PyTorch's Conv1d init) get it.
     """
 
     vocab_size: int = 8192

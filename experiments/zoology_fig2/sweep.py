@@ -91,8 +91,10 @@ def _selected_lrs() -> list[float]:
 # matrices only, the default init and Mamba's final RMSNorm they ran with, so that each panel is one setting.
 ZOOLOGY_EXACT = {"optim.schedule": "cosine_epoch", "optim.decay": "all", "model.init": "zoology",
                  "model.final_norm": "layernorm"}
-# ... and per preset: Hyena's filter reads Zoology's learned position features (one band).
-ZOOLOGY_EXACT_MIXER = {"hyena": {"+model.mixers.hyena.positions": "zoology", "model.mixers.hyena.num_freqs": 1}}
+# ... and per preset: Hyena's filter reads Zoology's learned position features (one band); H3 runs Zoology's complex
+# S4D-Lin SSM and the shift's separate skip weight.
+ZOOLOGY_EXACT_MIXER = {"hyena": {"+model.mixers.hyena.positions": "zoology", "model.mixers.hyena.num_freqs": 1},
+                       "h3": {"+model.mixers.h3.ssm": "zoology"}}
 PANELS_BEFORE_EXACT = {"L64"}
 
 # Presets whose recurrence runs as a Triton kernel on the GPU: preset -> its mixer's name.

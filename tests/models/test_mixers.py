@@ -35,6 +35,7 @@ CASES = [
     ("h3-n3-shift2", "h3", {"d_state": 3, "shift_size": 2}),
     ("h3-p2", "h3", {"d_state": 4, "head_dim": 2}),
     ("h3-p4-shift40", "h3", {"d_state": 3, "head_dim": 4, "shift_size": 40}),  # a shift filter via causal_conv
+    ("h3-zoology", "h3", {"d_state": 6, "head_dim": 2, "shift_size": 6, "ssm": "zoology"}),
     ("short_conv-k3", "short_conv", {}),
     ("short_conv-k5", "short_conv", {"kernel_size": 5}),
     ("short_conv-k1", "short_conv", {"kernel_size": 1}),

@@ -8,9 +8,15 @@ SSM_diag runs `d_state` real diagonal modes per channel (S4D-real style):
 
     s_t = a ⊙ s_{t-1} + b · u_t,   out_t = Σ_n c_n s_{t,n} + D · u_t,   a = exp(-Δ·A) ∈ (0, 1)
 
-with A_n = n + 1 and Δ per head. With `head_dim` p > 1 (Zoology Fig. 2 uses p = 2) the d channels form
-H = d/p heads: every head's p×p outer products k'_h v_hᵀ each run through that head's SSM, and the head's
-output is q_hᵀ · SSM(k'_h v_hᵀ). With p = 1 (the default) q ⊙ and k' ⊙ v are elementwise, one SSM per channel.
+with A_n = n + 1 and Δ per head. `ssm="zoology"` runs Zoology's SSKernel instead (S4D-Lin, bilinear): d_state/2
+complex modes A_m = -1/2 + iπm (the real part kept negative as -exp(·)), B_m = 1, C_m complex normal,
+s_t = dA ⊙ s_{t-1} + dB·u_t with dA = (1 + ΔA/2)/(1 - ΔA/2), dB = B·Δ/(1 - ΔA/2),
+out_t = 2·Re(Σ_m C_m s_{t,m}) + D·u_t, its state the modes' real and imaginary parts side by side (d_state reals,
+as many as the real modes); and the shift gets Zoology's separate skip weight, k' = shift(k) + ssm_k_D ⊙ k.
+
+With `head_dim` p > 1 (Zoology Fig. 2 uses p = 2) the d channels form H = d/p heads: every head's p×p outer products
+k'_h v_hᵀ each run through that head's SSM, and the head's output is q_hᵀ · SSM(k'_h v_hᵀ). With p = 1 (the default)
+q ⊙ and k' ⊙ v are elementwise, one SSM per channel.
 
 What is unusual here:
 - The parallel form builds the SSM's kernel once per head, K[l, h] = Σ_n c_n b_n a_n^l (a head's p·p inputs
@@ -55,9 +61,14 @@ class H3Config:
     shift_size: int = 4  # length of the shift filter on k (Zoology's shift SSM has d_state taps)
     dt_min: float = 1e-3
     dt_max: float = 1e-1
+    ssm: str = "real"  # real (S4D-real modes) | zoology (Zoology's SSKernel: complex S4D-Lin, bilinear; see H3)
 
     def validate(self, d_model: int) -> None:
         check_int("h3: d_state", self.d_state, minimum=1)
+        if self.ssm not in ("real", "zoology"):
+            raise ValueError(f"h3: ssm must be real or zoology, got {self.ssm!r}")
+        if self.ssm == "zoology" and self.d_state % 2:
+            raise ValueError(f"h3: ssm=zoology holds d_state/2 complex modes: d_state must be even, got {self.d_state}")
         check_int("h3: shift_size", self.shift_size, minimum=1)
         check_int("h3: head_dim", self.head_dim, minimum=1)
         if d_model % self.head_dim:
@@ -91,11 +102,42 @@ class H3(nn.Module):
         self.shift_weight = nn.Parameter(torch.randn(d, k) / math.sqrt(k))
         lo, hi = math.log(self.config.dt_min), math.log(self.config.dt_max)
         self.log_dt = nn.Parameter(torch.rand(H) * (hi - lo) + lo)  # [H]
-        self.log_A = nn.Parameter(torch.log(torch.arange(1, N + 1, dtype=torch.float32)).repeat(H, 1))  # [H, N]
-        self.B = nn.Parameter(torch.ones(H, N))
-        self.C = nn.Parameter(torch.randn(H, N) / math.sqrt(N))
+        self.complex = self.config.ssm == "zoology"
+        if self.complex:
+            # Zoology's SSKernel (mode diag, measure diag-lin, bilinear, real_type exp): M = N/2 modes per head,
+            # A_m = -exp(inv_A_real) + i·A_imag = -1/2 + iπm, B_m = 1 and C_m complex normal (real, imag pairs), and
+            # a separate skip weight on the shift's input (its ssm_k_D).
+            M = N // 2
+            self.inv_A_real = nn.Parameter(torch.full((H, M), math.log(0.5)))
+            self.A_imag = nn.Parameter(math.pi * torch.arange(M, dtype=torch.float32).repeat(H, 1))
+            self.B = nn.Parameter(torch.stack([torch.ones(H, M), torch.zeros(H, M)], dim=-1))  # [H, M, 2]
+            self.C = nn.Parameter(torch.randn(H, M, 2) / math.sqrt(2))  # [H, M, 2]: torch.randn(cfloat)
+            self.shift_skip = nn.Parameter(torch.randn(d))
+        else:
+            self.log_A = nn.Parameter(torch.log(torch.arange(1, N + 1, dtype=torch.float32)).repeat(H, 1))  # [H, N]
+            self.B = nn.Parameter(torch.ones(H, N))
+            self.C = nn.Parameter(torch.randn(H, N) / math.sqrt(N))
+            self.shift_skip = None
         self.D = nn.Parameter(torch.randn(H))
         self.out = nn.Linear(d, d)
+
+    @torch.no_grad()
+    def zoology_init(self, layer_idx: int) -> None:
+        """Zoology's shift SSM starts its kernel C of d_state taps at torch.nn.Conv1d's init, U(±1/√taps)."""
+        bound = 1 / math.sqrt(self.config.shift_size)
+        self.shift_weight.uniform_(-bound, bound)
+
+    def _complex_terms(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """ssm=zoology, bilinear: dA = (1 + ΔA/2)/(1 - ΔA/2), dB = B·Δ/(1 - ΔA/2) and C, complex [H, M] each,
+        with out_t = 2·Re(Σ_m C_m s_{t,m}) and s_t = dA ⊙ s_{t-1} + dB·u_t."""
+        cdtype = torch.complex128 if dtype == torch.float64 else torch.complex64
+        dt = torch.exp(self.log_dt.to(dtype))[:, None]  # [H, 1]
+        A = torch.complex(-torch.exp(self.inv_A_real.to(dtype)), self.A_imag.to(dtype)).to(cdtype)  # [H, M]
+        dtA = A * dt
+        dA = (1 + dtA / 2) / (1 - dtA / 2)
+        B = torch.complex(self.B[..., 0].to(dtype), self.B[..., 1].to(dtype)).to(cdtype)
+        C = torch.complex(self.C[..., 0].to(dtype), self.C[..., 1].to(dtype)).to(cdtype)
+        return dA, B * dt / (1 - dtA / 2), C
 
     def _per_channel(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A per-head parameter [H, ...] -> [H·p·p, ...] (every SSM input of the head), in `dtype`."""
@@ -112,6 +154,8 @@ class H3(nn.Module):
         [B, T, d] each and the new shift history [B, k-1, d] (None without one)."""
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # [B, T, d] each
         k_shift = explicit_causal_conv(k, self.shift_weight, history)  # [B, T, d]
+        if self.shift_skip is not None:
+            k_shift = k_shift + self.shift_skip.to(k.dtype) * k
         new_history = None if history is None else torch.cat([history.to(k.dtype), k], dim=1)[:, k.shape[1] :]
         return q, k_shift, v, new_history
 
@@ -126,11 +170,16 @@ class H3(nn.Module):
         dtype = compute_dtype(x.dtype) if state is None else torch.promote_types(x.dtype, state["ssm"].dtype)
         device = x.device.type
         with torch.autocast(device_type=device, enabled=False):
-            log_a = self._log_a(dtype)  # [H, N]
             lags = torch.arange(T, device=x.device, dtype=dtype)  # [T]
-            powers = torch.exp(lags[:, None, None] * log_a[None])  # [T, H, N]: a^l
-            C, Bm = self.C.to(dtype), self.B.to(dtype)  # [H, N]
-            kernel = torch.einsum("lhn,hn->lh", powers, C * Bm)  # [T, H]
+            if self.complex:
+                dA, Bm, C = self._complex_terms(dtype)  # [H, M] complex
+                powers = torch.exp(lags[:, None, None] * torch.log(dA)[None])  # [T, H, M]: dA^l
+                kernel = 2 * torch.einsum("lhn,hn->lh", powers, C * Bm).real  # [T, H]
+            else:
+                log_a = self._log_a(dtype)  # [H, N]
+                powers = torch.exp(lags[:, None, None] * log_a[None])  # [T, H, N]: a^l
+                C, Bm = self.C.to(dtype), self.B.to(dtype)  # [H, N]
+                kernel = torch.einsum("lhn,hn->lh", powers, C * Bm)  # [T, H]
             # D·u_t is the kernel's lag 0: out_t = Σ_{s≤t} K[t-s] u_s + D u_t.
             kernel = torch.cat([kernel[:1] + self.D.to(dtype), kernel[1:]])  # [T, H]
             # u[i, j, b, t, h] = k'[b, t, h, i] · v[b, t, h, j], in the factors' dtype: bf16 under autocast, the
@@ -143,12 +192,15 @@ class H3(nn.Module):
         with torch.autocast(device_type=device, enabled=False):
             if state is not None:
                 u_q = u.reshape(p * p, B, T, H).to(dtype)  # [p·p, B, T, H]
-                s0 = rearrange(state["ssm"].to(dtype), "b (h q) n -> b h q n", q=p * p)  # [B, H, p·p, N]
-                carried = powers * torch.exp(log_a)[None]  # [T, H, N]: a^{t+1}
-                y = y + torch.einsum("thn,bhqn,hn->qbth", carried, s0, C).reshape(p, p, B, T, H)
+                s0 = rearrange(self._ssm_state(state["ssm"], dtype), "b (h q) n -> b h q n", q=p * p)  # [B, H, pp, N]
+                a = dA if self.complex else torch.exp(log_a)  # [H, N] (complex [H, M])
+                carried = powers * a[None]  # [T, H, N]: a^{t+1}
+                carried_out = torch.einsum("thn,bhqn,hn->qbth", carried, s0.to(carried.dtype), C)
+                y = y + (2 * carried_out.real if self.complex else carried_out).reshape(p, p, B, T, H)
                 # s_T = a^T s_0 + Σ_s a^{T-1-s} b u_s; powers.flip(0)[s] = a^{T-1-s}.
-                s_T = carried[-1][None, :, None] * s0 + torch.einsum("thn,qbth,hn->bhqn", powers.flip(0), u_q, Bm)
-                state["ssm"].copy_(rearrange(s_T, "b h q n -> b (h q) n"))
+                s_T = carried[-1][None, :, None] * s0 + torch.einsum(
+                    "thn,qbth,hn->bhqn", powers.flip(0), u_q.to(powers.dtype), Bm)
+                self._store_ssm(state["ssm"], rearrange(s_T, "b h q n -> b (h q) n"))
                 state["shift"].copy_(new_history)
             q_i = rearrange(q.to(dtype), "b t (h i) -> i 1 b t h", i=p)  # [p, 1, B, T, H]
             out = (q_i * y).sum(0)  # [p(j), B, T, H]: Σ_i q_i Y_ij, in fp32 (q_i is)
@@ -166,15 +218,32 @@ class H3(nn.Module):
             k_i = rearrange(k_shift[:, 0].to(dtype), "b (h i) -> b h i 1", i=p)
             v_j = rearrange(v[:, 0].to(dtype), "b (h j) -> b h 1 j", j=p)
             u = rearrange(k_i * v_j, "b h i j -> b (h i j)")  # [B, H·p·p]
-            Bm = self._per_channel(self.B, dtype)
-            a = torch.exp(self._per_channel(self._log_a(dtype), dtype))  # [H·p·p, N]
-            s_new = a[None] * s.to(dtype) + Bm * u[..., None]
-            s.copy_(s_new)
-            C, D = self._per_channel(self.C, dtype), self._per_channel(self.D, dtype)
-            y = torch.einsum("bdn,dn->bd", s_new, C) + D * u  # [B, H·p·p]
+            if self.complex:
+                dA, Bm, C = (t.repeat_interleave(p * p, dim=0) for t in self._complex_terms(dtype))  # [H·p·p, M]
+                s_new = dA[None] * self._ssm_state(s, dtype) + Bm * u[..., None].to(Bm.dtype)
+                y_ssm = 2 * torch.einsum("bdn,dn->bd", s_new, C).real
+            else:
+                Bm = self._per_channel(self.B, dtype)
+                a = torch.exp(self._per_channel(self._log_a(dtype), dtype))  # [H·p·p, N]
+                s_new = a[None] * s.to(dtype) + Bm * u[..., None]
+                y_ssm = torch.einsum("bdn,dn->bd", s_new, self._per_channel(self.C, dtype))
+            self._store_ssm(s, s_new)
+            y = y_ssm + self._per_channel(self.D, dtype) * u  # [B, H·p·p]
             q_i = rearrange(q[:, 0].to(dtype), "b (h i) -> b h i 1", i=p)
             out = (q_i * rearrange(y, "b (h i j) -> b h i j", i=p, j=p)).sum(2)  # [B, H, p(j)]
         return self.out(rearrange(out, "b h j -> b (h j)").to(q.dtype))  # [B, d_model]
+
+    def _ssm_state(self, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The stored SSM state [B, C, N] (real) as the recurrence reads it: [B, C, N] in `dtype`, or with
+        ssm=zoology [B, C, N/2] complex (each mode's real and imaginary parts side by side)."""
+        if not self.complex:
+            return s.to(dtype)
+        pairs = s.to(dtype).unflatten(-1, (-1, 2))  # [B, C, N/2, 2]
+        return torch.complex(pairs[..., 0], pairs[..., 1])
+
+    def _store_ssm(self, s: torch.Tensor, value: torch.Tensor) -> None:
+        """Write a state of `_ssm_state`'s form back into the stored real tensor, in place."""
+        s.copy_(torch.view_as_real(value).flatten(-2) if self.complex else value)
 
     def init_state(
         self, batch_size: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
