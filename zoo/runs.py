@@ -11,6 +11,7 @@ Every write that replaces a file is atomic, so a kill at any moment leaves eithe
 checkpoints, so listing and plotting runs stays light.
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -177,15 +178,20 @@ def run_identity(tree: dict[str, Any], train_control) -> dict[str, Any]:
     return out
 
 
-def model_without_defaults(model: dict[str, Any]) -> dict[str, Any]:
-    """A resolved model section without the top-level fields at ModelConfig's current defaults: a summary
-    collected before a field existed then names the same point as a config that leaves it at its default."""
+@functools.cache
+def _model_defaults() -> dict[str, Any]:
     import dataclasses
 
     from zoo.config import ModelConfig
 
-    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
-                for f in dataclasses.fields(ModelConfig)}
+    return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            for f in dataclasses.fields(ModelConfig)}
+
+
+def model_without_defaults(model: dict[str, Any]) -> dict[str, Any]:
+    """A resolved model section without the top-level fields at ModelConfig's current defaults: a summary
+    collected before a field existed then names the same point as a config that leaves it at its default."""
+    defaults = _model_defaults()
     return {k: v for k, v in model.items() if not (k in defaults and v == defaults[k])}
 
 

@@ -113,6 +113,7 @@ def panel_runs(panels: list[str], mixers: list[str], d_models: list[int], lrs: l
     for panel in panels:
         L, n, batch = PANELS[panel]
         seg = {"seq_len": L, "num_kv_pairs": n, "batch_size": batch}
+        exact = {} if panel in PANELS_BEFORE_EXACT else ZOOLOGY_EXACT
         data = {
             "data.vocab_size": 8192,
             "data.train": [seg | {"num_examples": 100_000}],
@@ -136,8 +137,7 @@ def panel_runs(panels: list[str], mixers: list[str], d_models: list[int], lrs: l
                             "train.epochs": 64,
                             "train.early_stop": 0.99,
                             "experiment_name": "zoology_fig2",
-                            **({} if panel in PANELS_BEFORE_EXACT else ZOOLOGY_EXACT),
-                            **({} if panel in PANELS_BEFORE_EXACT else ZOOLOGY_EXACT_MIXER.get(mixer, {})),
+                            **(exact | ZOOLOGY_EXACT_MIXER.get(mixer, {}) if exact else {}),
                         }
                     )
     return runs

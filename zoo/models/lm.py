@@ -47,7 +47,7 @@ class LanguageModel(nn.Module):
             for i, block in enumerate(self.blocks):
                 if block.mixer.name in ZOOLOGY_OUT_PROJ:
                     nn.init.normal_(block.mixer.out.weight, std=std)
-                if hasattr(block.mixer, "zoology_init"):  # the rest of a mixer's Zoology init (RWKV-4, Hyena)
+                if hasattr(block.mixer, "zoology_init"):  # the rest of a mixer's Zoology init (RWKV-4, Hyena, H3)
                     block.mixer.zoology_init(i)
         for block in self.blocks:  # a mixer with its own scheme (Mamba's) re-initialises its weights after that
             if hasattr(block.mixer, "init_weights"):

@@ -89,7 +89,7 @@ class RWKV4(nn.Module):
         self.time_mix_k = nn.Parameter(torch.empty(d))
         self.time_mix_v = nn.Parameter(torch.empty(d))
         self.time_mix_r = nn.Parameter(torch.empty(d))
-        self.init_layer(0)
+        self.zoology_init(0)
         self.key = nn.Linear(d, d, bias=False)
         self.value = nn.Linear(d, d, bias=False)
         self.receptance = nn.Linear(d, d, bias=False)
@@ -97,11 +97,12 @@ class RWKV4(nn.Module):
         log_impl(self.name, self.config.impl)
 
     @torch.no_grad()
-    def init_layer(self, layer_idx: int, n_layer: int = 12) -> None:
+    def zoology_init(self, layer_idx: int, n_layer: int = 12) -> None:
         """RWKV-4's per-layer init of the decays and mixes, as Zoology's RWKVTimeMixer draws it for layer
         `layer_idx` of `n_layer` (Zoology leaves RWKV-4's default of 12): with a = layer_idx / (n_layer - 1) and
         b = 1 - layer_idx / n_layer, decay speed -5 + 8·(c/(d-1))^(0.7 + 1.3a), μ_k = (c/d)^b,
-        μ_v = (c/d)^b + 0.3a, μ_r = (c/d)^(b/2). Layer 0 (a = 0, b = 1) is what the constructor sets."""
+        μ_v = (c/d)^b + 0.3a, μ_r = (c/d)^(b/2). The constructor sets layer 0's (a = 0, b = 1); with
+        model.init=zoology the LanguageModel calls it for every layer."""
         d = self.d_model
         c = torch.arange(d, dtype=torch.float32, device=self.time_decay.device)
         a, b = layer_idx / (n_layer - 1), 1.0 - layer_idx / n_layer
@@ -110,10 +111,6 @@ class RWKV4(nn.Module):
         self.time_mix_k.copy_(x**b)
         self.time_mix_v.copy_(x**b + 0.3 * a)
         self.time_mix_r.copy_(x ** (0.5 * b))
-
-    def zoology_init(self, layer_idx: int) -> None:
-        """Zoology's init of this mixer at layer `layer_idx` (model.init=zoology): RWKV-4's for that layer."""
-        self.init_layer(layer_idx)
 
     def _inputs(self, x: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [B, T, d], prev: [B, d] the input before x -> σ(r), k, v: [B, T, d]."""

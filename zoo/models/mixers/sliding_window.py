@@ -111,9 +111,8 @@ class SlidingWindowAttention(nn.Module):
         inv_freq = self._inv_freq.get(x.device)
         if inv_freq is None:  # apply_rotary's frequencies in fp32, made once per device (before any graph capture)
             inv_freq = self._inv_freq[x.device] = rotary_inv_freq(self.head_dim, x.device, torch.float32)
-        angles = state["pos"].to(torch.float32) * inv_freq  # [D/2], as apply_rotary computes them
-        if not self.rotary:
-            angles = angles * 0.0  # a rotation by 0: the kernel leaves q and k as they are
+        # [D/2], as apply_rotary computes them; without rotary a rotation by 0 leaves q and k as they are
+        angles = state["pos"].to(torch.float32) * inv_freq if self.rotary else torch.zeros_like(inv_freq)
         y = self._window_decode(self.qkv(x[:, 0]), state["k"], state["v"], state["pos"], angles.cos(), angles.sin(),
                                 state.get("start"))  # [B, d_model]
         state["pos"].add_(1)
