@@ -12,10 +12,11 @@ Shape B=8, H=16, K=16, V=64 (SDPA: head dim 64). Median times over CUDA events a
   `zoo_based::chunk_fwd` / `chunk_bwd`; the row records which kernels the compiled training step ran;
 - `fla_parallel_based`, `fla_fused_chunk_based` (where FLA is installed) and `sdpa_causal_d64`.
 
-Then the decode step at B ∈ {1, 64} (a CUDA graph of 16 steps, time per step). Ceilings are measured in the same
-process: copy bandwidth (device-to-device copy, bytes read + written) and the GEMM rate (8192³, random data); each
-row reports the fraction of both it reaches, counting the minimum bytes (inputs read once, outputs written once)
-and the FLOPs of kernels/based/README.md. The last line is JSON.
+At --profile-T, the device time of the training call per kernel (torch.profiler). Then the decode step at
+B ∈ {1, 64} (a CUDA graph of 16 steps, time per step). Ceilings are measured in the same process: copy bandwidth
+(device-to-device copy, bytes read + written) and the GEMM rate (8192³, random data); each row reports the fraction
+of both it reaches, counting the minimum bytes (inputs read once, outputs written once) and the FLOPs of
+kernels/based/README.md. The last line is JSON.
 """
 
 import argparse
@@ -137,6 +138,27 @@ def time_compiled(T, dt):
     return fwd, bench(lambda: compiled(q, k, v).backward(do), grad_to_none=[q, k, v]), ran
 
 
+def kernel_breakdown(T, dt):
+    """Device time per kernel of one eager forward+backward of `chunk_based` (torch.profiler, 20 calls), in ms per
+    call, largest first: where the training call's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v, do = inputs(T, dt)
+    for _ in range(3):
+        chunk_based(q, k, v)[0].backward(do)
+    torch.cuda.synchronize()
+    calls = 20
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            chunk_based(q, k, v)[0].backward(do)
+        torch.cuda.synchronize()
+    times = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            times[e.name] = times.get(e.name, 0.0) + e.device_time / 1e3 / calls
+    return sorted(times.items(), key=lambda kv: -kv[1])
+
+
 def decode_step_ms(batch, dt):
     g = torch.Generator(device="cuda").manual_seed(batch)
     kv = torch.randn(batch, H, E, V, device="cuda", generator=g)
@@ -159,6 +181,8 @@ def main():
     p.add_argument("--T", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--compile-T", type=int, nargs="*", default=[1024], help="lengths of the ours_compiled rows")
+    p.add_argument("--profile-T", type=int, nargs="*", default=[4096],
+                   help="lengths at which the training call's device time is broken down by kernel")
     args = p.parse_args()
     dt = DTYPES[args.dtype]
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -218,6 +242,13 @@ def main():
                         ratios[f"{base}/{mine}_{part}_T{T}"] = rows[(base, T)][f"{part}_ms"] / rows[(mine, T)][
                             f"{part}_ms"]
     result["ratios"] = ratios
+    result["kernels"] = {}
+    for T in args.profile_T:
+        breakdown = kernel_breakdown(T, dt)
+        result["kernels"][f"T{T}"] = {name: ms for name, ms in breakdown}
+        print(f"forward+backward at T={T}, device time per kernel:")
+        for name, ms in breakdown:
+            print(f"  {ms:8.4f} ms  {name[:90]}")
     print("decode (one step, CUDA graph):")
     result["decode"] = []
     for batch in (1, 64):
