@@ -90,3 +90,37 @@ def test_frontier_refuses_a_run_without_its_test_length_state():
     plot = runpy.run_path(str(REPO / "experiments" / "based_frontier" / "plot.py"), run_name="plot")
     with pytest.raises(ValueError, match="no state_size at its test length 1024"):
         plot["rows"]([_frontier_summary(["short_conv", "attention"], {"64": 10, "256": 40}, [64, 1024])])
+
+
+def test_learning_curve_has_one_row_per_evaluation():
+    """Training losses are averaged between evaluations; an evaluation with none before it gets None."""
+    from zoo.plot import learning_curve
+
+    metrics = [
+        {"epoch": 0, "step": 1, "train/loss": 4.0},
+        {"epoch": 0, "step": 2, "train/loss": 2.0},
+        {"epoch": 1, "step": 2, "valid/accuracy": 0.25, "valid/loss": 1.5},
+        {"epoch": 2, "step": 4, "valid/accuracy": 0.5, "valid/loss": 3.0},
+        {"epoch": 2, "step": 5, "train/loss": 0.5},
+    ]
+    assert learning_curve(metrics) == {"epoch": [1, 2], "step": [2, 4], "train_loss": [3.0, None],
+                                       "valid_loss": [1.5, 3.0], "valid_accuracy": [0.25, 0.5]}
+
+
+def test_collected_summary_holds_the_learning_curve(tmp_path):
+    """`collect` commits each run's curve: one row per epoch's evaluation, as its metrics.jsonl logged them."""
+    from zoo.plot import copy_summaries
+    from zoo.runs import RunDir
+
+    cfg, resolved = load_config([
+        "model=zoology_fig2/attention", "model.d_model=16", "data.vocab_size=64", f"data.train=[{SEG}]",
+        f"data.valid=[{SEG}]", f"data.test=[{SEG}]", "train.epochs=3", "train.progress=false", "train.log_every=1",
+        f"runs_root={tmp_path / 'runs'}", "experiment_name=e", f"data.cache_dir={tmp_path / 'cache'}",
+    ])
+    summary = train(cfg, resolved)
+    assert copy_summaries(tmp_path / "runs" / "e", tmp_path / "out") == 1
+    curve = json.loads((tmp_path / "out" / f"{summary['run']}.json").read_text())["curve"]
+    evals = [r for r in RunDir(tmp_path / "runs" / "e" / summary["run"]).read_metrics() if "valid/accuracy" in r]
+    assert curve["epoch"] == [r["epoch"] for r in evals] and len(evals) == 3
+    assert curve["valid_accuracy"] == [round(r["valid/accuracy"], 5) for r in evals]
+    assert all(loss is not None and loss > 0 for loss in curve["train_loss"])

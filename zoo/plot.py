@@ -215,11 +215,31 @@ def make_figures(root: str | Path, out: str | Path | None = None, title: str | N
     return record
 
 
+def learning_curve(metrics: list[dict[str, Any]]) -> dict[str, list]:
+    """A run's metrics.jsonl as one row per evaluation: the epoch, the step, valid accuracy and loss, and the mean of
+    the training losses logged since the previous evaluation (None where none was). Small enough to commit with the
+    summary, and what tells a run that never learned from one that memorised its training set (training loss
+    falling while validation loss rises)."""
+    curve: dict[str, list] = {"epoch": [], "step": [], "train_loss": [], "valid_loss": [], "valid_accuracy": []}
+    pending: list[float] = []
+    for record in metrics:
+        if "train/loss" in record:
+            pending.append(record["train/loss"])
+        if "valid/accuracy" in record:
+            curve["epoch"].append(record.get("epoch"))
+            curve["step"].append(record.get("step"))
+            curve["train_loss"].append(round(sum(pending) / len(pending), 5) if pending else None)
+            curve["valid_loss"].append(round(record["valid/loss"], 5) if "valid/loss" in record else None)
+            curve["valid_accuracy"].append(round(record["valid/accuracy"], 5))
+            pending = []
+    return curve
+
+
 def copy_summaries(runs_dir: str | Path, out: Path) -> int:
-    """Copy each finished run's summary.json, with its resolved model config under "model", to out/<run>.json
-    (the data a reproduction commits); returns the count. A summary already in `out` under another name for the
-    same run (`zoo.runs.summary_point_key`) is replaced, as one under the same name is: the runs dir holds the
-    newer result."""
+    """Copy each finished run's summary.json, with its resolved model config under "model" and its learning curve
+    under "curve" (`learning_curve`), to out/<run>.json (the data a reproduction commits); returns the count. A
+    summary already in `out` under another name for the same run (`zoo.runs.summary_point_key`) is replaced, as one
+    under the same name is: the runs dir holds the newer result."""
     import yaml
 
     out.mkdir(parents=True, exist_ok=True)
@@ -230,7 +250,7 @@ def copy_summaries(runs_dir: str | Path, out: Path) -> int:
             continue
         summary = run.read_summary()
         config = yaml.safe_load((run.path / "config.yaml").read_text()) or {}
-        record = summary | {"model": config.get("model", {})}
+        record = summary | {"model": config.get("model", {}), "curve": learning_curve(run.read_metrics())}
         target, key = out / f"{summary['run']}.json", summary_point_key(record)
         atomic_write_text(target, json.dumps(record, indent=1, sort_keys=True) + "\n")
         old = existing.get(key)
