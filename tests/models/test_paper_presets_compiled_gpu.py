@@ -4,6 +4,7 @@ parameter's gradient equal the eager ones. A kernel that torch.compile traces wr
 opaque op) shows here as a wrong gradient, before a sweep spends hours on it. Needs CUDA."""
 
 import glob
+import runpy
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,17 @@ PRESETS = sorted(
     p[len(str(REPO / "zoo/configs/model")) + 1 : -5] for p in glob.glob(str(REPO / "zoo/configs/model/*_fig2/*.yaml"))
 )
 # The GPU implementations that experiments/zoology_fig2 and experiments/based_frontier select.
+# The Zoology Fig. 2 sweep's exact settings from the L = 128 panel on (its ZOOLOGY_EXACT, model keys only, and
+# ZOOLOGY_EXACT_MIXER): Zoology's init, the final LayerNorm, Hyena's position features and H3's complex SSM.
+_FIG2 = runpy.run_path(str(REPO / "experiments/zoology_fig2/sweep.py"))
+EXACT = {
+    f"zoology_fig2/{mixer}": [
+        f"{k}={v}" for k, v in (_FIG2["ZOOLOGY_EXACT"] | _FIG2["ZOOLOGY_EXACT_MIXER"].get(mixer, {})).items()
+        if k.lstrip("+").startswith("model.")
+    ]
+    for mixer in _FIG2["MIXERS"]
+}
+CASES = [(name, []) for name in PRESETS] + [(name, overrides) for name, overrides in EXACT.items()]
 FAST_PATHS = {
     "mamba": ("mamba", "triton"),
     "rwkv": ("rwkv4", "triton"),
@@ -27,17 +39,17 @@ FAST_PATHS = {
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", PRESETS)
-def test_compiled_loss_and_gradients_equal_eager(name):
+@pytest.mark.parametrize("name, exact", CASES, ids=[name + ("+exact" if exact else "") for name, exact in CASES])
+def test_compiled_loss_and_gradients_equal_eager(name, exact):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     preset = name.split("/")[1]
-    extra = []
+    extra = list(exact)
     if preset in FAST_PATHS:
         mixer, impl = FAST_PATHS[preset]
         if impl == "fla":
             pytest.importorskip("fla")
-        extra = [f"+model.mixers.{mixer}.impl={impl}"]
+        extra.append(f"+model.mixers.{mixer}.impl={impl}")
     L, d, batch, n = 64, 64, 16, 4
     seg = f"{{seq_len: {L}, num_kv_pairs: {n}, num_examples: 8, batch_size: 8}}"
     splits = [f"data.{s}=[{seg}]" for s in ("train", "valid", "test")]
