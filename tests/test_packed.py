@@ -140,7 +140,8 @@ def test_early_stopped_member_leaves_the_others_as_standalone(tmp_path):
 
 
 def test_killed_pack_resumes_exactly(tmp_path, monkeypatch):
-    extra = ("model=based", "train.epochs=3", "train.early_stop=null")
+    # every evaluation checkpoints (share 1), so the kill below lands after epoch 2's checkpoints
+    extra = ("model=based", "train.epochs=3", "train.early_stop=null", "train.checkpoint_share=1")
     reference = packed(tmp_path, LRS[:2], *extra)
     ref_root = set_aside(tmp_path)
 

@@ -58,7 +58,8 @@ def stop_requests(stop_at: float):
 
 # Fields that change how a run is executed, not what it computes: left out of the run's identity.
 EXECUTION_KEYS = {
-    "train": ("resume", "overwrite", "progress", "device", "compile", "cuda_graph", "pack_lrs", "threads", "stop_at"),
+    "train": ("resume", "overwrite", "progress", "device", "compile", "cuda_graph", "pack_lrs", "threads", "stop_at",
+              "checkpoint_share"),
     "logger": None,
 }
 
@@ -204,6 +205,40 @@ def run_summary(
         "train_tokens_per_s": tokens / train_time if train_time > 0 else 0.0,
         "device": str(device),
     }
+
+
+class CheckpointClock:
+    """When the checkpoints after evaluations are due: at most `share` of the wall goes to writing them.
+
+    The first evaluation checkpoints; each later one does once the time since the last checkpoint ended is at least
+    that checkpoint's cost / share. So a run whose checkpoints are cheap against an epoch checkpoints after every
+    evaluation, and a wide pack whose checkpoints cost a large part of an epoch spaces them out: a kill -9 loses
+    at most about cost / share seconds of training. A run that finishes (early stop or its last epoch) writes its
+    final checkpoint whatever the clock says, and a stopped run (stop_at, SIGTERM) where it stops."""
+
+    def __init__(self, share: float, clock=time.perf_counter) -> None:
+        self.share, self.clock = share, clock
+        self.cost = 0.0  # seconds the last due checkpoint took (all members)
+        self.last = None  # when it ended
+
+    def due(self) -> bool:
+        if self.last is None or self.share >= 1:
+            due = True
+        else:
+            due = self.clock() - self.last >= self.cost / self.share
+        if due:
+            self.cost = 0.0
+        return due
+
+    @contextlib.contextmanager
+    def timed(self):
+        """Wrap each member's checkpoint of a due evaluation: their times add up to its cost."""
+        start = self.clock()
+        try:
+            yield
+        finally:
+            self.last = self.clock()
+            self.cost += self.last - start
 
 
 def train(cfg: Config, resolved_yaml: str | None = None) -> dict[str, Any]:
@@ -362,6 +397,7 @@ def _train_runs(members: list[Config], resolved: list[str | None] | None, must_s
             checkpoint_state(member, optimizer_state, scheduler_state, epoch, step, best[j], wall, tokens)
         )
 
+    saves = CheckpointClock(cfg.train.checkpoint_share)
     while epoch < cfg.train.epochs and live:
         loss_sum = torch.zeros(len(live), device=device)
         loss_n = 0
@@ -392,13 +428,19 @@ def _train_runs(members: list[Config], resolved: list[str | None] | None, must_s
         epoch += 1
         if epoch % cfg.train.eval_every == 0 or epoch == cfg.train.epochs:
             done = []
+            save = saves.due()
             for row, j in enumerate(live):
                 member = strategy.model_of(row)
                 metrics = evaluate(member, data["valid"], "valid", amp)
                 best[j] = max(best[j], metrics["valid/accuracy"])
                 trackers[j].log({"step": step, "epoch": epoch, **metrics})
-                checkpoint(row, j, member)
-                if is_stopped(metrics["valid/accuracy"]):
+                stopped = is_stopped(metrics["valid/accuracy"])
+                if save:
+                    with saves.timed():
+                        checkpoint(row, j, member)
+                elif stopped or epoch == cfg.train.epochs:
+                    checkpoint(row, j, member)  # a finished run keeps its final weights
+                if stopped:
                     finish(row, j, True)
                     done.append(row)
             bar.set_postfix(valid_acc=f"{max(best):.3f}", refresh=True)
