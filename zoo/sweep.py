@@ -22,6 +22,9 @@ What happens per run:
 - A run that raises writes `error.txt` (the traceback) into its run dir and is listed as failed; the
   others continue. The sweep's record goes to `<runs_root>/_sweeps/<sweep name>.json`, rewritten (atomically)
   after every job, so a sweep that is stopped keeps the record of what finished (unstarted runs: "pending").
+  Where nvidia-smi runs, the record also says how busy each GPU was (`gpus`: the mean share of time a kernel
+  ran, sampled every 2 s, and the peak memory; `GpuMonitor`), and the sweep's last line prints it: below 100%,
+  more workers would have found the GPU idle.
 
 Time-limited allocations (`--time-limit S`, or a SIGTERM from a scheduler or `timeout`): at S seconds every
 running run checkpoints where it is, mid-epoch included, and is recorded "pending" with `interrupted`; no new
@@ -376,6 +379,56 @@ class MPS:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
+class GpuMonitor:
+    """How busy the sweep kept its GPUs: `nvidia-smi` sampled every `interval_s` in a background process for the
+    pool's lifetime. `summary()` gives per GPU the mean of `utilization.gpu` (the share of the sample period in
+    which a kernel ran, so under CUDA MPS it says whether the GPU ever idled, not how full its SMs were) and the
+    peak memory used, for the sweep's record. Without nvidia-smi, or on the CPU, it records nothing."""
+
+    QUERY = ["--query-gpu=index,utilization.gpu,memory.used", "--format=csv,noheader,nounits"]
+
+    def __init__(self, device: str, interval_s: float = 2.0, exe: str = "nvidia-smi") -> None:
+        self.samples: dict[str, list[tuple[float, float]]] = {}
+        self.proc = self.thread = None
+        path = shutil.which(exe)
+        if device == "cpu" or path is None:
+            return
+        try:
+            self.proc = subprocess.Popen([path, *self.QUERY, f"-lms={max(100, int(interval_s * 1000))}"],
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            return
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                index, util, mem = (x.strip() for x in line.split(","))
+                self.samples.setdefault(index, []).append((float(util), float(mem)))
+            except ValueError:  # a header, a blank or "[N/A]": not a sample
+                continue
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+            self.thread.join(timeout=10)
+            self.proc = None
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """{gpu index: {"util_mean_pct", "mem_peak_mib", "samples"}}; empty when nothing was sampled."""
+        return {
+            index: {"util_mean_pct": round(sum(u for u, _ in rows) / len(rows), 1),
+                    "mem_peak_mib": max(m for _, m in rows), "samples": len(rows)}
+            for index, rows in sorted(self.samples.items()) if rows
+        }
+
+
 def job_cost(run: list[str]) -> float:
     """A rough cost of a run from its overrides alone (no config is composed): d_model x the longest training
     sequence x epochs. The pool starts the costliest jobs first, so the last to finish are short ones."""
@@ -483,12 +536,15 @@ def _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out: Pat
 
     results: list[dict[str, Any] | None] = [done.get(i) for i in range(len(runs))]
     t0 = time.perf_counter()
+    monitor: GpuMonitor | None = None
 
     def write_record() -> dict[str, Any]:
         rows = [r if r is not None else {"overrides": runs[i], "run_dir": None, "status": "pending"}
                 for i, r in enumerate(results)]
         counts = {s: sum(r["status"] == s for r in rows) for s in ("finished", "skipped", "failed", "pending")}
         record = {"sweep": name, "runs": rows, **counts, "wall_s": time.perf_counter() - t0}
+        if monitor is not None and monitor.summary():
+            record["gpus"] = monitor.summary()
         atomic_write_text(out, json.dumps(record, indent=1) + "\n")
         return record
 
@@ -499,47 +555,54 @@ def _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out: Pat
         jobs.sort(key=lambda job: -job_cost(runs[job[0]]))  # stable: ties keep the file's order
     elif order != "file":
         raise ValueError(f"order must be longest or file, got {order!r}")
-    if workers <= 1:
-        serial_extra = extra + ([f"train.device={device}"] if device != "auto" else [])
-        for job in jobs:
-            for i, result in zip(job, run_job([runs[i] for i in job], serial_extra)):
-                results[i] = result
-            bar.update(len(job))
-            write_record()
-            if any("interrupted" in results[i] for i in job):  # the time limit or a SIGTERM: start nothing more
-                break
-    else:
-        ctx = multiprocessing.get_context("spawn")
-        manager = ctx.Manager()
-        queue, stop = manager.Queue(), manager.Event()
-        for dev in devices_for(device, workers):
-            queue.put(dev)
-        threads = max(1, (os.cpu_count() or 1) // workers)
-        daemon, why = MPS.start(device, workers, mps)
-        log.info("zoo-sweep %s: %s", name, why)
-        print(f"zoo-sweep {name}: {why}", file=sys.stderr, flush=True)
-        try:
-            pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=(queue, threads))
-            with pool, _forward_sigterm(pool, stop) as futures:
-                futures.update({pool.submit(run_job, [runs[i] for i in job], extra, stop): job for job in jobs})
-                for future in as_completed(futures):
-                    job = futures[future]
-                    if future.cancelled():  # not started before a SIGTERM: still pending
-                        continue
-                    try:
-                        for i, result in zip(job, future.result()):
-                            results[i] = result
-                    except Exception as e:  # the worker process itself died
-                        for i in job:
-                            results[i] = {"overrides": runs[i], "run_dir": None, "status": "failed",
-                                          "error": repr(e)}
-                    bar.update(len(job))
-                    write_record()
-        finally:
-            if daemon is not None:
-                daemon.stop()
+    monitor = GpuMonitor(device)
+    try:
+        if workers <= 1:
+            serial_extra = extra + ([f"train.device={device}"] if device != "auto" else [])
+            for job in jobs:
+                for i, result in zip(job, run_job([runs[i] for i in job], serial_extra)):
+                    results[i] = result
+                bar.update(len(job))
+                write_record()
+                if any("interrupted" in results[i] for i in job):  # the time limit or a SIGTERM: start nothing more
+                    break
+        else:
+            ctx = multiprocessing.get_context("spawn")
+            manager = ctx.Manager()
+            queue, stop = manager.Queue(), manager.Event()
+            for dev in devices_for(device, workers):
+                queue.put(dev)
+            threads = max(1, (os.cpu_count() or 1) // workers)
+            daemon, why = MPS.start(device, workers, mps)
+            log.info("zoo-sweep %s: %s", name, why)
+            print(f"zoo-sweep {name}: {why}", file=sys.stderr, flush=True)
+            try:
+                pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=(queue, threads))
+                with pool, _forward_sigterm(pool, stop) as futures:
+                    futures.update({pool.submit(run_job, [runs[i] for i in job], extra, stop): job for job in jobs})
+                    for future in as_completed(futures):
+                        job = futures[future]
+                        if future.cancelled():  # not started before a SIGTERM: still pending
+                            continue
+                        try:
+                            for i, result in zip(job, future.result()):
+                                results[i] = result
+                        except Exception as e:  # the worker process itself died
+                            for i in job:
+                                results[i] = {"overrides": runs[i], "run_dir": None, "status": "failed",
+                                              "error": repr(e)}
+                        bar.update(len(job))
+                        write_record()
+            finally:
+                if daemon is not None:
+                    daemon.stop()
+    finally:
+        monitor.stop()
     bar.close()
     record = write_record()
+    for index, gpu in record.get("gpus", {}).items():
+        print(f"zoo-sweep {name}: GPU {index} ran kernels {gpu['util_mean_pct']:.0f}% of the time "
+              f"({gpu['samples']} samples), peak memory {gpu['mem_peak_mib'] / 1024:.1f} GiB", file=sys.stderr)
     record["path"] = str(out)
     return record
 
