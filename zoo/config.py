@@ -245,6 +245,11 @@ class TrainConfig:
     # Non-empty: train one run per learning rate here (optim.lr is replaced), packed into one vmapped model
     # in this process (zoo/steps.py). Each run lands in the run dir its unpacked config would use.
     pack_lrs: list[float] = field(default_factory=list)
+    # How a pack's members stop at early_stop. each: every member on its own, the others train on. first: once one
+    # member reaches it, the whole pack stops there, each other member finalised where it stands (its summary says
+    # `stopped_by_pack`). For grids that report each point's best lr: a member at early_stop already settles that
+    # point's best, and its siblings' further epochs cannot change it by more than 1 - early_stop.
+    pack_stop: str = "each"
     # Unix time (s) at which to stop: the run checkpoints where it is, mid-epoch included, and exits as
     # interrupted, to resume exactly there (train.resume=true). 0: no limit. SIGTERM stops a run the same way.
     # `zoo-sweep --time-limit` sets it for a time-limited allocation.
@@ -253,6 +258,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.eval_every < 1 or self.log_every < 1:
             raise ValueError("train.epochs, train.eval_every and train.log_every must be >= 1")
+        if self.pack_stop not in ("each", "first"):
+            raise ValueError(f"train.pack_stop must be each|first, got {self.pack_stop!r}")
         if not 0 < self.checkpoint_share <= 1:
             raise ValueError(f"train.checkpoint_share must be in (0, 1], got {self.checkpoint_share}")
         if any(not lr > 0 for lr in self.pack_lrs) or len(set(self.pack_lrs)) != len(self.pack_lrs):

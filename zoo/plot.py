@@ -282,6 +282,7 @@ def result_row(summary: dict[str, Any], mixer: str) -> dict[str, Any]:
         },
         "parameters": summary.get("parameters"),
         "stopped_early": summary.get("stopped_early"),
+        "stopped_by_pack": summary.get("stopped_by_pack", False),
         "run": summary["run"],
     }
 

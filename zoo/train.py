@@ -59,7 +59,7 @@ def stop_requests(stop_at: float):
 # Fields that change how a run is executed, not what it computes: left out of the run's identity.
 EXECUTION_KEYS = {
     "train": ("resume", "overwrite", "progress", "device", "compile", "cuda_graph", "pack_lrs", "threads", "stop_at",
-              "checkpoint_share"),
+              "checkpoint_share", "pack_stop"),
     "logger": None,
 }
 
@@ -348,8 +348,9 @@ def _train_runs(members: list[Config], resolved: list[str | None] | None, must_s
     t0 = time.perf_counter()
     epoch = start_epoch
 
-    def finish(row: int, j: int, stopped_early: bool) -> None:
-        """Evaluate member j (strategy row `row`) on valid and test and write its summary."""
+    def finish(row: int, j: int, stopped_early: bool, by_pack: bool = False) -> None:
+        """Evaluate member j (strategy row `row`) on valid and test and write its summary (by_pack: stopped
+        because a sibling reached early_stop, train.pack_stop=first)."""
         i = todo[j]
         member = strategy.model_of(row)
         train_time = wall_before + time.perf_counter() - t0
@@ -362,6 +363,8 @@ def _train_runs(members: list[Config], resolved: list[str | None] | None, must_s
         )
         if isinstance(strategy, PackedStep):
             summary["pack_size"] = n
+        if by_pack:
+            summary["stopped_by_pack"] = True
         runs[i].write_summary(summary)
         trackers[j].finish(summary)
         summaries[i] = summary
@@ -381,6 +384,11 @@ def _train_runs(members: list[Config], resolved: list[str | None] | None, must_s
         done = [row for row in range(n) if is_stopped(best[row])]
         for row in done:
             finish(row, live[row], True)
+        if done and cfg.train.pack_stop == "first":  # killed while the pack was being finalised
+            for row in range(n):
+                if row not in done:
+                    finish(row, live[row], False, by_pack=True)
+            done = list(range(n))
         if done:
             drop(done)
     desc = names[todo[0]] if n == 1 else f"pack of {n}"
@@ -443,6 +451,13 @@ def _train_runs(members: list[Config], resolved: list[str | None] | None, must_s
                 if stopped:
                     finish(row, j, True)
                     done.append(row)
+            if done and cfg.train.pack_stop == "first":  # a member settled the point: its siblings stop here too
+                for row, j in enumerate(live):
+                    if row not in done:
+                        if not (save or epoch == cfg.train.epochs):
+                            checkpoint(row, j, strategy.model_of(row))  # a finished run keeps its final weights
+                        finish(row, j, False, by_pack=True)
+                        done.append(row)
             bar.set_postfix(valid_acc=f"{max(best):.3f}", refresh=True)
             if done:
                 drop(done)

@@ -17,7 +17,9 @@ for every segment (180k examples an epoch); test 1k each of (64, 4), (64, 8), (6
 and stops early at 0.99 (Zoology stopped on its test set). 32 epochs, lr ∈ logspace(-3, -1.5, 4) = {1e-3,
 3.16e-3, 1e-2, 3.16e-2}, AdamW as Zoology runs it (wd 0.1 on every parameter, betas (0.9, 0.999), no gradient
 clipping), its per-epoch cosine to 0 with no warmup (`optim.schedule=cosine_epoch`, `optim.decay=all`); the
-presets take Zoology's init (`init: zoology`). 49 models × 4 lrs = 196 runs.
+presets take Zoology's init (`init: zoology`). 49 models × 4 lrs = 196 runs. Under `--pack-lrs` a model's four
+lrs are one pack that stops once one of them reaches 0.99 (`train.pack_stop=first`): that lr is the model's best
+up to 0.01, and the other three end where they stand (`stopped_by_pack` in their summaries and rows).
 
     zoo-sweep experiments/based_frontier/sweep.py --pack-lrs --runs-root runs
     python experiments/based_frontier/plot.py
@@ -122,6 +124,7 @@ def full_runs(epochs: int, lrs: list[float], experiment: str) -> list[dict]:
         "optim.decay": "all",
         "train.epochs": epochs,
         "train.early_stop": 0.99,
+        "train.pack_stop": "first",
         "experiment_name": experiment,
     }
     models = sorted(paper_models(), key=lambda m: (m["d"], MODELS.index(m["preset"])))

@@ -10,7 +10,11 @@ batch 512/512/256, 64 epochs, early stop at 0.99 valid accuracy; AdamW as Zoolog
 (0.9, 0.999), no gradient clipping), cosine to 0, no warmup; from the L=128 panel on, Zoology's per-epoch cosine,
 decay on every parameter and init exactly (`ZOOLOGY_EXACT`; the L=64 panel's runs predate those options). Each
 length is its own run (one panel).
-Learning rates are selected on validation (Zoology selected and stopped on test).
+Learning rates are selected on validation (Zoology selected and stopped on test). Under `--pack-lrs` a point's
+four lrs train as one pack that stops as soon as one of them reaches 0.99 (`train.pack_stop=first`): that lr is
+then the point's best up to 0.01, so the figure is the same, while the other three end where they stand
+(`stopped_by_pack` in their summaries and results.json rows: lower bounds, not 64-epoch runs). The L = 64 panel
+and L = 128 at d = 64 and 128 ran before it, every lr to its own end.
 
     ZOO_FIG2=L64 zoo-sweep experiments/zoology_fig2/sweep.py --pack-lrs --runs-root runs    # one panel (GPU)
     zoo-sweep experiments/zoology_fig2/sweep.py --pack-lrs --runs-root runs                 # all three panels
@@ -136,6 +140,7 @@ def panel_runs(panels: list[str], mixers: list[str], d_models: list[int], lrs: l
                             "optim.warmup_frac": 0.0,
                             "train.epochs": 64,
                             "train.early_stop": 0.99,
+                            "train.pack_stop": "first",
                             "experiment_name": "zoology_fig2",
                             **(exact | ZOOLOGY_EXACT_MIXER.get(mixer, {}) if exact else {}),
                         }
