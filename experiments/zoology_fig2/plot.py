@@ -12,17 +12,29 @@ a tracker) and writes
 - `accuracy_vs_d_model.png`: one panel per L, test accuracy of the best-lr run (chosen on validation) against
   d_model, one line per model, as in the paper's figure, over shaded bars of the paper's readings;
 - the table between the `comparison` markers of README.md: every reading of Fig. 2 in shared/REFERENCE.md §1
-  beside ours, "matches" (within 0.05 of the paper's range) or "differs".
+  beside ours, "matches" (within 0.05 of the paper's range) or "differs";
+- the table between the `points` markers: every point of the figure itself (`paper_points.json`: Zoology's Fig. 2
+  read marker by marker, five models, d_model 64–512) beside ours at the same (L, model, d_model), with the
+  difference. The figure draws those points as dashed lines.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from zoo.plot import build_reproduction, copy_summaries, mark_best_lr, markdown_table, reproduction_main, result_row
+from zoo.plot import (
+    build_reproduction,
+    copy_summaries,
+    fill_readme_block,
+    mark_best_lr,
+    markdown_table,
+    reproduction_main,
+    result_row,
+)
 from zoo.plot import load_summaries as _load_summaries
 from zoo.runs import atomic_savefig
 
@@ -80,6 +92,21 @@ COLUMNS = [  # the README table: (header, comparison entry key)
 D_MODELS = [64, 128, 256, 512]  # the grid's widths (sweep.py)
 LRS_PER_POINT = 4  # the grid's learning rates per (L, model, d_model)
 START, END = "<!-- comparison:start -->", "<!-- comparison:end -->"
+PAPER_POINTS = HERE / "paper_points.json"
+POINTS_START, POINTS_END = "<!-- points:start -->", "<!-- points:end -->"
+# A point read from a marker is good to about ±0.02, one read by eye behind another model's marker to about ±0.05:
+# "matches" allows that on top of TOLERANCE.
+READ_PRECISION = {"marker": 0.02, "eye": 0.05}
+POINT_COLUMNS = [
+    ("L", "L"),
+    ("model", "mixer"),
+    ("d_model", "d"),
+    ("paper (Fig. 2, read)", "paper"),
+    ("ours (best lr by valid, test)", "ours"),
+    ("ours − paper", "diff"),
+    ("runs finished", "runs"),
+    ("verdict", "verdict"),
+]
 
 
 def collect(runs_dir: Path, out: Path = SUMMARIES) -> int:
@@ -141,17 +168,53 @@ def comparison_table(entries: list[dict[str, Any]]) -> str:
     return markdown_table(COLUMNS, entries)
 
 
-def draw_readings(ax, L: int, colors: dict[str, str]) -> None:
+def paper_points(path: Path = PAPER_POINTS) -> dict[tuple[int, str, int], dict[str, Any]]:
+    """(L, model, d_model) -> {"accuracy", "read"} of Zoology's Fig. 2 (paper_points.json)."""
+    return {(p["L"], p["model"], p["d_model"]): p for p in json.loads(path.read_text())["points"]}
+
+
+def point_comparison(result_rows: list[dict[str, Any]], paper: dict | None = None) -> list[dict[str, Any]]:
+    """Every point of the paper's figure at a length our grid trains (or that has runs) beside our best-lr test
+    accuracy there: "matches" within TOLERANCE plus the point's read precision, "differs" beyond, "so far"
+    while the point's lrs have not all finished, "not run" without a run."""
+    paper = paper_points() if paper is None else paper
+    best = points(result_rows)
+    finished = defaultdict(int)
+    for r in result_rows:
+        finished[(r["seq_len"], r["mixer"], r["d_model"])] += 1
+    lengths = {64, 128, 256} | {r["seq_len"] for r in result_rows}  # the default grid's panels, and any run
+    order = {m: i for i, m in enumerate(ORDER)}
+    out = []
+    for (L, mixer, d), p in sorted(paper.items(), key=lambda kv: (kv[0][0], order[kv[0][1]], kv[0][2])):
+        if L not in lengths:
+            continue
+        text = f"{p['accuracy']:.2f}" if p["read"] == "marker" else f"≈{p['accuracy']:.2f}"
+        runs = finished[(L, mixer, d)]
+        entry = {"L": L, "mixer": mixer, "d": d, "paper": text, "ours": None, "diff": None,
+                 "runs": f"{runs}/{LRS_PER_POINT}", "verdict": "not run"}
+        row = best.get((L, mixer, d))
+        if row is not None:
+            diff = row["test_accuracy"] - p["accuracy"]
+            close = abs(diff) <= TOLERANCE + READ_PRECISION[p["read"]]
+            verdict = "matches" if close else ("ours higher" if diff > 0 else "ours lower")
+            if runs < LRS_PER_POINT:
+                verdict += " so far"
+            entry |= {"ours": row["test_accuracy"], "diff": f"{round(diff, 2) + 0.0:+.2f}", "verdict": verdict}
+        out.append(entry)
+    return out
+
+
+def draw_readings(ax, L: int, colors: dict[str, str], skip: set[str] = frozenset()) -> None:
     """The paper's readings of this panel behind our lines: a bar from the reading's low to its high end at each
-    of its d_models (grey where one reading covers every model but attention, else the model's colour), and
-    attention's every-d reading as a band across the panel."""
+    of its d_models (grey where one reading covers several models, else the model's colour), and attention's
+    every-d reading as a band across the panel. Models in `skip` (drawn from the figure's own points) get none."""
     shared: dict[tuple, int] = {}
-    for cL, _mixer, ds, _, low, high in CLAIMS:
-        if cL == L and ds is not None:
+    for cL, mixer, ds, _, low, high in CLAIMS:
+        if cL == L and ds is not None and mixer not in skip:
             shared[(tuple(ds), low, high)] = shared.get((tuple(ds), low, high), 0) + 1
     drawn = set()
     for cL, mixer, ds, _, low, high in CLAIMS:
-        if cL != L:
+        if cL != L or mixer in skip:
             continue
         if ds is None:
             ax.axhspan(low - 0.005, high + 0.005, color=colors[mixer], alpha=0.15, linewidth=0)
@@ -176,8 +239,15 @@ def plot(result_rows: list[dict[str, Any]], out: Path) -> Path:
     lengths = sorted({L for L, _, _ in best})
     colors = {m: f"C{i}" for i, m in enumerate(ORDER)}
     fig, axes = plt.subplots(1, len(lengths), figsize=(4 * len(lengths), 3.6), squeeze=False, sharey=True)
+    paper = paper_points()
     for ax, L in zip(axes[0], lengths):
-        draw_readings(ax, L, colors)
+        drawn = {m for (pL, m, _) in paper if pL == L}
+        draw_readings(ax, L, colors, skip=drawn)
+        for mixer in ORDER:
+            ds = sorted(d for (pL, m, d) in paper if pL == L and m == mixer)
+            if ds:
+                ax.plot(ds, [paper[(L, mixer, d)]["accuracy"] for d in ds], "x--", color=colors[mixer], alpha=0.55,
+                        linewidth=1, markersize=5)
         for mixer in ORDER:
             ds = sorted(d for (sl, m, d) in best if sl == L and m == mixer)
             if ds:
@@ -190,8 +260,12 @@ def plot(result_rows: list[dict[str, Any]], out: Path) -> Path:
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("MQAR test accuracy (best lr by valid)")
     handles, _ = axes[0][-1].get_legend_handles_labels()
-    paper = Patch(facecolor="0.5", alpha=0.25, label="paper's reading (grey: all but attention)")
-    axes[0][-1].legend(handles=[*handles, paper], fontsize=7)
+    from matplotlib.lines import Line2D
+
+    figure_points = Line2D([], [], color="0.4", marker="x", linestyle="--", linewidth=1,
+                           label="Zoology's Fig. 2, read (dashed)")
+    bars = Patch(facecolor="0.5", alpha=0.25, label="REFERENCE's reading (based, mamba)")
+    axes[0][-1].legend(handles=[*handles, figure_points, bars], fontsize=6)
     fig.tight_layout()
     path = out / "accuracy_vs_d_model.png"
     atomic_savefig(fig, path, dpi=130)
@@ -200,7 +274,11 @@ def plot(result_rows: list[dict[str, Any]], out: Path) -> Path:
 
 
 def build(summaries_dir: Path = SUMMARIES, out: Path = HERE) -> dict[str, Any]:
-    return build_reproduction(summaries_dir, out, rows, plot, comparison, comparison_table, (START, END))
+    record = build_reproduction(summaries_dir, out, rows, plot, comparison, comparison_table, (START, END))
+    result_rows = json.loads((out / "results.json").read_text())["rows"]
+    entries = point_comparison(result_rows)
+    fill_readme_block(out / "README.md", POINTS_START, POINTS_END, markdown_table(POINT_COLUMNS, entries))
+    return record | {"points": entries}
 
 
 def main(argv: list[str]) -> None:
