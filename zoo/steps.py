@@ -172,6 +172,24 @@ class _QueryLoss(nn.Module):
         return query_loss(self.lm, inputs, query_pos, query_labels)
 
 
+def _adamw_update(flat: torch.Tensor, g: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                  lrs: torch.Tensor, decay: torch.Tensor, lr_factor: float | torch.Tensor, t: int | torch.Tensor,
+                  beta1: float, beta2: float, eps: float, clip: torch.Tensor | None) -> None:
+    """AdamW on [N, P] rows in place (flat, exp_avg, exp_avg_sq), member n at lr lrs[n]·lr_factor, weight decay
+    `decay` [P] per parameter, gradients `g` scaled by `clip` [N, 1] first (None: unclipped). Out of place, then
+    one copy into each state tensor: what inductor fuses into a single pass over [N, P]."""
+    with torch.no_grad():
+        if clip is not None:
+            g = g * clip
+        lr = (lrs * lr_factor)[:, None]  # [N, 1]
+        m = exp_avg + (g - exp_avg) * (1 - beta1)  # exp_avg.lerp(g, 1 - beta1)
+        v = exp_avg_sq * beta2 + g * g * (1 - beta2)
+        denom = v.sqrt() / (1 - beta2**t) ** 0.5 + eps
+        flat.copy_(flat * (1 - lr * decay) - lr / (1 - beta1**t) * m / denom)
+        exp_avg.copy_(m)
+        exp_avg_sq.copy_(v)
+
+
 class PackedParams:
     """N members' parameters and AdamW moments as [N, P] tensors, and their vmapped loss and update."""
 
@@ -205,9 +223,12 @@ class PackedParams:
         # (the vmapped loss, one member's loss), eager and as the step runs them
         self._eager = vmap(self._member_loss, in_dims=(0, None, None, None), randomness="different"), self._member_loss
         self._compiled = self._eager
+        self._update = _adamw_update
         if compile_mode is not None:
             # static shapes: an epoch has at most two batch sizes per segment, each compiled once
             self._compiled = tuple(torch.compile(f, mode=compile_mode, dynamic=False) for f in self._eager)
+            # the update's dozen elementwise passes over [N, P] (most of P the embedding) as one or two kernels
+            self._update = torch.compile(_adamw_update, mode=compile_mode, dynamic=False)
 
     def __len__(self) -> int:
         return self.flat.shape[0]
@@ -281,22 +302,20 @@ class PackedParams:
 
     @torch.no_grad()
     def adamw_step(self, lr_factor: float | torch.Tensor, t: int | torch.Tensor) -> None:
-        """torch.optim.AdamW's update at step t (1-based) with lr = lrs·lr_factor, after clipping per member.
+        """torch.optim.AdamW's update at step t (1-based) with lr = lrs·lr_factor, after clipping per member;
+        compiled in a compiled pack.
 
         `lr_factor` and `t` may be 0-dim device tensors: then the update reads no host value, so a CUDA graph
         can capture it and replay it at every step (`PackedStep`)."""
         o = self.optim
         g = self.flat.grad  # [N, P]
+        clip = None
         if o.grad_clip > 0:
-            # torch.nn.utils.clip_grad_norm_, one norm per member.
+            # torch.nn.utils.clip_grad_norm_, one norm per member (a reduction, kept outside the compiled update)
             norm = torch.linalg.vector_norm(g, dim=1, keepdim=True)  # [N, 1]
-            g = g * (o.grad_clip / (norm + 1e-6)).clamp(max=1.0)
-        lr = (self.lrs * lr_factor)[:, None]  # [N, 1]
-        self.flat.mul_(1 - lr * self.decay)
-        self.exp_avg.lerp_(g, 1 - o.beta1)
-        self.exp_avg_sq.mul_(o.beta2).addcmul_(g, g, value=1 - o.beta2)
-        denom = (self.exp_avg_sq.sqrt() / (1 - o.beta2**t) ** 0.5).add_(o.eps)
-        self.flat.sub_(lr / (1 - o.beta1**t) * self.exp_avg / denom)
+            clip = (o.grad_clip / (norm + 1e-6)).clamp(max=1.0)
+        self._update(self.flat, g, self.exp_avg, self.exp_avg_sq, self.lrs, self.decay, lr_factor, t, o.beta1,
+                     o.beta2, o.eps, clip)
 
     def keep(self, rows: list[int]) -> None:
         """Drop every member not in `rows` (members that stopped early leave the pack)."""
