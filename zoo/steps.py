@@ -227,8 +227,10 @@ class PackedParams:
         if compile_mode is not None:
             # static shapes: an epoch has at most two batch sizes per segment, each compiled once
             self._compiled = tuple(torch.compile(f, mode=compile_mode, dynamic=False) for f in self._eager)
-            # the update's dozen elementwise passes over [N, P] (most of P the embedding) as one or two kernels
-            self._update = torch.compile(_adamw_update, mode=compile_mode, dynamic=False)
+            # the update's dozen elementwise passes over [N, P] (most of P the embedding) as one or two kernels;
+            # dynamic shapes, so a sweep worker training pack after pack, and a pack that shrinks as members stop,
+            # reuse one graph (dynamo's per-function cache would otherwise fill with every (N, P))
+            self._update = torch.compile(_adamw_update, mode=compile_mode, dynamic=True)
 
     def __len__(self) -> int:
         return self.flat.shape[0]
