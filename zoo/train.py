@@ -40,6 +40,27 @@ class Interrupted(Exception):
     included); train.resume=true continues it from there as if it had not stopped."""
 
 
+# Graphs one compiled run may keep per compiled function: one per (batch shape, segment, pack width). Dynamo's
+# default of 8 is below what a multi-segment mixture needs (the Based frontier trains 5 segments, each with a
+# short last batch), and past it the function silently runs eagerly.
+RECOMPILE_LIMIT = 64
+
+
+@contextlib.contextmanager
+def compile_scope(compiling: bool):
+    """While a run that compiles trains: an empty torch.compile cache to start from, and room for RECOMPILE_LIMIT
+    graphs per function. A process that trains run after run (a zoo-sweep worker, a joblib launcher's worker)
+    would otherwise fill dynamo's per-function cache with the graphs of earlier runs, whose models are gone: in
+    one such process the fourth compiled pack already ran eagerly (experiments/LOG.md, 2026-12-06). Compiled
+    kernels stay in inductor's on-disk cache, so a run of a shape seen before still compiles fast."""
+    if not compiling:
+        yield
+        return
+    torch.compiler.reset()
+    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        yield
+
+
 @contextlib.contextmanager
 def stop_requests(stop_at: float):
     """A callable that says whether the run must stop now: train.stop_at passed (0: never) or a SIGTERM arrived.
@@ -260,7 +281,7 @@ def train_runs(members: list[Config], resolved: list[str | None] | None = None) 
     `resolved`: each member's resolved YAML for its config.yaml (default: the dataclass tree as YAML).
     Interrupted: train.stop_at passed or a SIGTERM arrived; every live member was checkpointed where it stood.
     """
-    with stop_requests(members[0].train.stop_at) as must_stop:
+    with stop_requests(members[0].train.stop_at) as must_stop, compile_scope(members[0].train.compile):
         return _train_runs(members, resolved, must_stop)
 
 
