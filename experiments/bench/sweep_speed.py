@@ -103,7 +103,17 @@ def time_step(run: list[str], steps: int, device: torch.device, compiled: bool =
               pack_lrs: list[float] | None = None) -> dict:
     """One training step of `run`'s config, timed: plain, compiled (train.compile=true) or, with `pack_lrs`, as
     the vmapped pack of those lrs that `zoo-sweep --pack-lrs` trains (CUDA-graphed on CUDA, as with
-    train.cuda_graph=true). The times are of the whole step, every member's included."""
+    train.cuda_graph=true). The times are of the whole step, every member's included. Each config compiles in a
+    clean cache, as a run does (`zoo.train.compile_scope`): one process timing config after config would otherwise
+    fill dynamo's per-function cache and time the later configs eagerly."""
+    from zoo.train import compile_scope
+
+    with compile_scope(compiled):
+        return _time_step(run, steps, device, compiled, pack_lrs)
+
+
+def _time_step(run: list[str], steps: int, device: torch.device, compiled: bool, pack_lrs: list[float] | None
+               ) -> dict:
     from zoo.device import autocast
     from zoo.models import LanguageModel
     from zoo.steps import PackedStep, PlainStep, pack_members
