@@ -57,7 +57,9 @@ def compile_scope(compiling: bool):
         yield
         return
     torch.compiler.reset()
-    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.7: the old name
+    with config.patch(**{name: RECOMPILE_LIMIT}):
         yield
 
 
