@@ -18,7 +18,8 @@ def fake_smi(tmp_path: Path, lines: list[str]) -> Path:
     bin_dir.mkdir(exist_ok=True)
     exe = bin_dir / "nvidia-smi"
     body = "".join(f"echo '{line}'\n" for line in lines)
-    exe.write_text(f"#!/bin/sh\necho $$ > {tmp_path / 'smi.pid'}\n{body}exec sleep 600\n")
+    exe.write_text(f"#!/bin/sh\necho $$ > {tmp_path / 'smi.pid'}\necho \"$@\" > {tmp_path / 'smi.args'}\n{body}"
+                   "exec sleep 600\n")
     exe.chmod(0o755)
     return bin_dir
 
@@ -48,6 +49,8 @@ def test_samples_are_averaged_per_gpu(tmp_path, monkeypatch):
         "1": {"util_mean_pct": 100.0, "mem_peak_mib": 2000.0, "samples": 1},
     }
     assert not alive(int((tmp_path / "smi.pid").read_text()))
+    args = (tmp_path / "smi.args").read_text().split()
+    assert args == ["--query-gpu=index,utilization.gpu,memory.used", "--format=csv,noheader,nounits", "--loop-ms=2000"]
 
 
 def test_nothing_is_sampled_on_the_cpu(tmp_path, monkeypatch):

@@ -394,7 +394,7 @@ class GpuMonitor:
         if device == "cpu" or path is None:
             return
         try:
-            self.proc = subprocess.Popen([path, *self.QUERY, f"-lms={max(100, int(interval_s * 1000))}"],
+            self.proc = subprocess.Popen([path, *self.QUERY, f"--loop-ms={max(100, int(interval_s * 1000))}"],
                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         except OSError:
             return
