@@ -78,7 +78,9 @@ class OnlyFirst(CheckpointClock):
         return due
 
 
-def test_skipped_checkpoints_still_leave_the_final_weights(tmp_path, monkeypatch):
+@pytest.fixture
+def saved_epochs(monkeypatch):
+    """The epoch of every checkpoint written, in order, under a clock where only the first evaluation is due."""
     saved = []
     original = RunDir.save_checkpoint
 
@@ -88,21 +90,18 @@ def test_skipped_checkpoints_still_leave_the_final_weights(tmp_path, monkeypatch
 
     monkeypatch.setattr(RunDir, "save_checkpoint", recording)
     monkeypatch.setattr("zoo.train.CheckpointClock", OnlyFirst)
+    return saved
+
+
+def test_skipped_checkpoints_still_leave_the_final_weights(tmp_path, saved_epochs):
     cfg, resolved = load_config([*QUICK, f"runs_root={tmp_path}", "train.epochs=4"])
     summary = train(cfg, resolved)
-    assert saved == [1, 4]  # the first evaluation, then the finished run's final weights
+    assert saved_epochs == [1, 4]  # the first evaluation, then the finished run's final weights
     ckpt = RunDir(tmp_path / "default" / run_name(cfg)).load_checkpoint()
     assert ckpt["step"] == summary["steps"] and ckpt["epoch"] == 4
 
 
-def test_run_that_stops_early_keeps_its_final_weights(tmp_path, monkeypatch):
-    saved = []
-    original = RunDir.save_checkpoint
-
-    def recording(self, state):
-        saved.append(state["epoch"])
-        original(self, state)
-
+def test_run_that_stops_early_keeps_its_final_weights(tmp_path, monkeypatch, saved_epochs):
     calls = []
 
     def evaluate(model, segments, split, amp):  # below early_stop at the first evaluation, above it after
@@ -110,11 +109,9 @@ def test_run_that_stops_early_keeps_its_final_weights(tmp_path, monkeypatch):
         accuracy = 0.1 if len(calls) == 1 else 0.6
         return {f"{split}/accuracy": accuracy, f"{split}/loss": 1.0}
 
-    monkeypatch.setattr(RunDir, "save_checkpoint", recording)
-    monkeypatch.setattr("zoo.train.CheckpointClock", OnlyFirst)
     monkeypatch.setattr("zoo.train.evaluate", evaluate)
     cfg, resolved = load_config([*QUICK, f"runs_root={tmp_path}", "train.epochs=6", "train.early_stop=0.5"])
     summary = train(cfg, resolved)
     assert summary["stopped_early"] and summary["epochs"] == 2
-    assert saved == [1, 2]  # the first evaluation, then the weights it stopped with (an evaluation not due)
+    assert saved_epochs == [1, 2]  # the first evaluation, then the weights it stopped with (an evaluation not due)
     assert RunDir(tmp_path / "default" / run_name(cfg)).load_checkpoint()["step"] == summary["steps"]

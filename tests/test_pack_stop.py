@@ -3,10 +3,11 @@ finalised where it stands with its final weights and `stopped_by_pack` in its su
 default) lets them train on. CPU, a pack of two tiny runs, validation accuracy scripted per member."""
 
 import pytest
+from test_checkpoint_clock import OnlyFirst
 
 from zoo.runs import RunDir
 from zoo.steps import PackedStep, pack_members
-from zoo.train import CheckpointClock, load_config, run_name, train_runs
+from zoo.train import load_config, run_name, train_runs
 
 TINY = [
     "model=based", "model.d_model=16", "data.vocab_size=64", "train.progress=false", "train.epochs=4",
@@ -16,11 +17,6 @@ TINY = [
     "data.test=[{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:32}]",
 ]
 LRS = [1e-3, 1e-2]
-
-
-class OnlyFirst(CheckpointClock):
-    def due(self) -> bool:
-        return self.last is None
 
 
 def train_pack(tmp_path, monkeypatch, pack_stop: str):

@@ -326,8 +326,9 @@ def markdown_table(columns: list[tuple[str, str]], entries: list[dict[str, Any]]
 def build_reproduction(summaries_dir: Path, out: Path, rows, plot, comparison, table, markers: tuple[str, str]
                        ) -> dict[str, Any]:
     """A reproduction's build step: its committed summaries -> results.json, its figure and the comparison block
-    between `markers` in its README.md. `rows`, `plot`, `comparison` and `table` are the experiment's own:
-    summaries -> result rows, (rows, out) -> the figure's path, rows -> entries, entries -> a markdown table."""
+    between `markers` in its README.md; the record it returns holds the rows too, for a further block. `rows`,
+    `plot`, `comparison` and `table` are the experiment's own: summaries -> result rows, (rows, out) -> the figure's
+    path, rows -> entries, entries -> a markdown table."""
     from zoo.runs import atomic_write_text
 
     summaries = load_summaries(summaries_dir)
@@ -338,7 +339,7 @@ def build_reproduction(summaries_dir: Path, out: Path, rows, plot, comparison, t
     figure = plot(result_rows, out)
     entries = comparison(result_rows)
     fill_readme_block(out / "README.md", *markers, table(entries))
-    return {"runs": len(result_rows), "figure": figure.name, "comparison": entries}
+    return {"runs": len(result_rows), "rows": result_rows, "figure": figure.name, "comparison": entries}
 
 
 def reproduction_main(argv: list[str], summaries_dir: Path, collect, build) -> None:

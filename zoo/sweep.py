@@ -422,10 +422,11 @@ class GpuMonitor:
 
     def summary(self) -> dict[str, dict[str, float]]:
         """{gpu index: {"util_mean_pct", "mem_peak_mib", "samples"}}; empty when nothing was sampled."""
+        snapshot = {index: list(rows) for index, rows in list(self.samples.items())}  # the reader thread appends
         return {
             index: {"util_mean_pct": round(sum(u for u, _ in rows) / len(rows), 1),
                     "mem_peak_mib": max(m for _, m in rows), "samples": len(rows)}
-            for index, rows in sorted(self.samples.items()) if rows
+            for index, rows in sorted(snapshot.items()) if rows
         }
 
 
@@ -536,15 +537,15 @@ def _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out: Pat
 
     results: list[dict[str, Any] | None] = [done.get(i) for i in range(len(runs))]
     t0 = time.perf_counter()
-    monitor: GpuMonitor | None = None
 
     def write_record() -> dict[str, Any]:
         rows = [r if r is not None else {"overrides": runs[i], "run_dir": None, "status": "pending"}
                 for i, r in enumerate(results)]
         counts = {s: sum(r["status"] == s for r in rows) for s in ("finished", "skipped", "failed", "pending")}
         record = {"sweep": name, "runs": rows, **counts, "wall_s": time.perf_counter() - t0}
-        if monitor is not None and monitor.summary():
-            record["gpus"] = monitor.summary()
+        gpus = monitor.summary()
+        if gpus:
+            record["gpus"] = gpus
         atomic_write_text(out, json.dumps(record, indent=1) + "\n")
         return record
 

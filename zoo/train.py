@@ -457,7 +457,8 @@ def _train_runs(members: list[Config], resolved: list[str | None] | None, must_s
                 log.info("stopped at epoch %d, step %d (checkpointed: train.resume=true continues)", epoch, step)
                 raise Interrupted(f"stopped at epoch {epoch}, step {step}")
         epoch += 1
-        if epoch % cfg.train.eval_every == 0 or epoch == cfg.train.epochs:
+        last = epoch == cfg.train.epochs
+        if epoch % cfg.train.eval_every == 0 or last:
             done = []
             save = saves.due()
             for row, j in enumerate(live):
@@ -469,7 +470,7 @@ def _train_runs(members: list[Config], resolved: list[str | None] | None, must_s
                 if save:
                     with saves.timed():
                         checkpoint(row, j, member)
-                elif stopped or epoch == cfg.train.epochs:
+                elif stopped or last:
                     checkpoint(row, j, member)  # a finished run keeps its final weights
                 if stopped:
                     finish(row, j, True)
@@ -477,7 +478,7 @@ def _train_runs(members: list[Config], resolved: list[str | None] | None, must_s
             if done and cfg.train.pack_stop == "first":  # a member settled the point: its siblings stop here too
                 for row, j in enumerate(live):
                     if row not in done:
-                        if not (save or epoch == cfg.train.epochs):
+                        if not (save or last):  # not checkpointed above
                             checkpoint(row, j, strategy.model_of(row))  # a finished run keeps its final weights
                         finish(row, j, False, by_pack=True)
                         done.append(row)

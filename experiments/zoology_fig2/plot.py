@@ -275,8 +275,7 @@ def plot(result_rows: list[dict[str, Any]], out: Path) -> Path:
 
 def build(summaries_dir: Path = SUMMARIES, out: Path = HERE) -> dict[str, Any]:
     record = build_reproduction(summaries_dir, out, rows, plot, comparison, comparison_table, (START, END))
-    result_rows = json.loads((out / "results.json").read_text())["rows"]
-    entries = point_comparison(result_rows)
+    entries = point_comparison(record["rows"])
     fill_readme_block(out / "README.md", POINTS_START, POINTS_END, markdown_table(POINT_COLUMNS, entries))
     return record | {"points": entries}
 
