@@ -13,7 +13,9 @@
    model's training step in this process, with the device synchronised: wall ms per step and the device's own
    kernel time per step (torch.profiler), eager, (with --compiled) compiled, and (with --packed) as the
    vmapped, CUDA-graphed pack of its 4 lrs that `zoo-sweep --pack-lrs` trains (compiled too, with both flags).
-   A run is charged the cheapest: a pack's step divided among its members.
+   A run is charged the cheapest: a pack's step divided among its members. With `--top N` (CUDA) each config
+   also lists the N kernels that took most of its last timed step's device time, to say where that time goes:
+   `ZOO_FIG2=L256 D=512 python experiments/bench/sweep_speed.py --skip-probe --compiled --packed --top 12`.
 3. The grid estimate: sum over the grid's runs of steps per epoch x epochs x the step's device time, which
    is what the GPU must execute when enough runs share it under MPS to hide their hosts' launch time. Runs
    are charged the full `train.epochs` (no early stop), so the figure is an upper bound. With `--epochs-from
@@ -100,20 +102,21 @@ def shrink(run: list[str], examples: int) -> list[str]:
 
 
 def time_step(run: list[str], steps: int, device: torch.device, compiled: bool = False,
-              pack_lrs: list[float] | None = None) -> dict:
+              pack_lrs: list[float] | None = None, top: int = 0) -> dict:
     """One training step of `run`'s config, timed: plain, compiled (train.compile=true) or, with `pack_lrs`, as
     the vmapped pack of those lrs that `zoo-sweep --pack-lrs` trains (CUDA-graphed on CUDA, as with
     train.cuda_graph=true). The times are of the whole step, every member's included. Each config compiles in a
     clean cache, as a run does (`zoo.train.compile_scope`): one process timing config after config would otherwise
-    fill dynamo's per-function cache and time the later configs eagerly."""
+    fill dynamo's per-function cache and time the later configs eagerly. With `top` (on CUDA) the result also
+    holds the step's `top` kernels by device time, ms per step weighted as `device_ms` is."""
     from zoo.train import compile_scope
 
     with compile_scope(compiled):
-        return _time_step(run, steps, device, compiled, pack_lrs)
+        return _time_step(run, steps, device, compiled, pack_lrs, top)
 
 
-def _time_step(run: list[str], steps: int, device: torch.device, compiled: bool, pack_lrs: list[float] | None
-               ) -> dict:
+def _time_step(run: list[str], steps: int, device: torch.device, compiled: bool, pack_lrs: list[float] | None,
+               top: int = 0) -> dict:
     from zoo.device import autocast
     from zoo.models import LanguageModel
     from zoo.steps import PackedStep, PlainStep, pack_members
@@ -136,6 +139,7 @@ def _time_step(run: list[str], steps: int, device: torch.device, compiled: bool,
     # every train segment's step (its own L and batch), weighted by the steps it takes an epoch
     weights = [math.ceil(s.num_examples / s.batch_size) / steps_per_epoch for s in full.data.train]
     wall_ms = device_ms = warm_s = 0.0
+    kernels: dict[str, list[float]] = {}  # name -> [ms per step (weighted), calls per step]
     for seg, w in zip(segments, weights):
         idx = torch.arange(min(seg.batch_size, len(seg)), device=device)
         t = time.perf_counter()
@@ -156,12 +160,29 @@ def _time_step(run: list[str], steps: int, device: torch.device, compiled: bool,
                 for _ in range(3):
                     strategy.step(seg, idx, 0)
                 sync()
-            seg_device = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / 3
+            events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+            seg_device = sum(e.self_device_time_total for e in events) / 1e3 / 3
+            for e in events:
+                k = kernels.setdefault(e.key, [0.0, 0.0])
+                k[0] += w * e.self_device_time_total / 1e3 / 3
+                k[1] += w * e.count / 3
         wall_ms += w * seg_wall
         device_ms += w * seg_device
-    return {"wall_ms": wall_ms, "device_ms": device_ms, "warmup_s": warm_s, "steps_per_epoch": steps_per_epoch,
-            "epochs": full.train.epochs, "mixer": "+".join(dict.fromkeys(full.model.layers())),
-            "d_model": full.model.d_model, "seq_len": max(s.seq_len for s in full.data.train)}
+    out = {"wall_ms": wall_ms, "device_ms": device_ms, "warmup_s": warm_s, "steps_per_epoch": steps_per_epoch,
+           "epochs": full.train.epochs, "mixer": "+".join(dict.fromkeys(full.model.layers())),
+           "d_model": full.model.d_model, "seq_len": max(s.seq_len for s in full.data.train)}
+    if top and device.type == "cuda":
+        ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
+        out["top_kernels"] = [{"kernel": name, "ms": ms, "calls": calls} for name, (ms, calls) in ranked]
+    return out
+
+
+def print_kernels(label: str, timed: dict) -> None:
+    """The `top_kernels` of one timed step, under a header naming the step."""
+    print(f"   {label}: {timed['device_ms']:.3f} ms device per step; top kernels:")
+    for k in timed.get("top_kernels", []):
+        share = k["ms"] / timed["device_ms"] if timed["device_ms"] else math.nan
+        print(f"   {k['ms']:8.3f} ms {share:6.1%} x{k['calls']:<6.1f} {k['kernel'][:96]}")
 
 
 def run_step_ms(row: dict) -> float:
@@ -220,6 +241,8 @@ def main() -> None:
     p.add_argument("--packed", action="store_true",
                    help="also time each grid config's 4 lrs as one vmapped, CUDA-graphed pack (zoo-sweep --pack-lrs)")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--top", type=int, default=0,
+                   help="CUDA: print each config's N costliest kernels per step (of its last timed variant)")
     p.add_argument("--tiny", action="store_true", help="the grid's tiny form (ZOO_FIG2=tiny), for a CPU smoke run")
     p.add_argument("--grid", choices=sorted(GRIDS), default="zoology_fig2",
                    help="the sweep whose configs are timed (based_frontier: the Based Fig. 2 grid)")
@@ -275,9 +298,11 @@ def main() -> None:
         for key in keys:
             run = groups[key][0]
             try:
-                row = time_step(run, args.steps, device)
+                row = time_step(run, args.steps, device, top=args.top)
+                last = ("eager", row)
                 if args.compiled:
-                    c = time_step(run, args.steps, device, compiled=True)
+                    c = time_step(run, args.steps, device, compiled=True, top=args.top)
+                    last = ("compiled", c)
                     row |= {"compiled_wall_ms": c["wall_ms"], "compiled_device_ms": c["device_ms"],
                             "compile_s": c["warmup_s"]}
                 if args.packed:
@@ -285,11 +310,13 @@ def main() -> None:
 
                     lrs = [float(o.split("=", 1)[1]) for r in groups[key] for o in r if o.startswith("optim.lr=")]
                     try:
-                        c = time_step(run, args.steps, device, pack_lrs=lrs)
+                        c = time_step(run, args.steps, device, pack_lrs=lrs, top=args.top)
+                        last = (f"pack of {len(lrs)}", c)
                         row |= {"packed_wall_ms": c["wall_ms"], "packed_device_ms": c["device_ms"],
                                 "pack_size": len(lrs)}
                         if args.compiled:
-                            c = time_step(run, args.steps, device, compiled=True, pack_lrs=lrs)
+                            c = time_step(run, args.steps, device, compiled=True, pack_lrs=lrs, top=args.top)
+                            last = (f"compiled pack of {len(lrs)}", c)
                             row |= {"packed_compiled_wall_ms": c["wall_ms"],
                                     "packed_compiled_device_ms": c["device_ms"]}
                     except PackError as e:  # zoo-sweep trains such a group unpacked: so does the estimate
@@ -307,6 +334,10 @@ def main() -> None:
                   + (f" {row.get('packed_wall_ms', math.nan):9.3f} {row.get('packed_device_ms', math.nan):9.3f}"
                      if args.packed else "")
                   + f" {row['epoch_s']:8.2f}")
+            if args.top and "top_kernels" in last[1]:
+                print_kernels(last[0], last[1])
+                row["top_kernels"] = {"step": last[0], "device_ms": last[1]["device_ms"],
+                                      "kernels": last[1]["top_kernels"]}
         out["configs"] = rows
         ok = [r for r in rows if "error" not in r]
         if ok and len(ok) == len(groups):
