@@ -59,3 +59,33 @@ def test_upper_bound_charges_every_run_the_full_epochs():
 )
 def test_a_run_is_charged_its_cheapest_step(extra, want):
     assert bench().run_step_ms({"device_ms": 3.0} | extra) == want
+
+
+def test_flop_floor_charges_every_run_its_full_epochs_at_the_rate():
+    rows = [r | {"epoch_tflop": t} for r, t in zip(ROWS, (3.0, 1.5))]
+    assert bench().flop_floor(rows, 100.0) == pytest.approx((4 * 64 * 3.0 + 4 * 64 * 1.5) / 100.0)
+
+
+def test_example_gflop_is_per_example_and_counts_the_backward():
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from zoo.eval import query_loss
+    from zoo.models import LanguageModel
+    from zoo.train import load_config, load_split
+
+    b = bench()
+    runs, _ = b.grid_configs(tiny=True)
+    cfg, _ = load_config(b.shrink(runs[0], 8) + ["data.cache=false"])
+    segments = load_split(cfg, "train", torch.device("cpu"))
+    torch.manual_seed(0)
+    two, four = (b.example_gflop(cfg, segments, torch.device("cpu"), examples=n) for n in (2, 4))
+    assert two == pytest.approx(four, rel=1e-6)
+    # a matmul's backward costs twice its forward: forward + backward is at least 3x the forward alone (the
+    # convolutions' and linear attention's backward here cost more than that)
+    seg = segments[0]
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        query_loss(LanguageModel(cfg.model), seg.inputs[:4], seg.query_pos[:4], seg.query_labels[:4])
+    forward = counter.get_total_flops() / 4 / 1e9
+    assert 2.9 < four / forward < 4.5

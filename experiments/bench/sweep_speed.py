@@ -16,6 +16,10 @@
    A run is charged the cheapest: a pack's step divided among its members. With `--top N` (CUDA) each config
    also lists the N kernels that took most of its last timed step's device time, to say where that time goes:
    `ZOO_FIG2=L256 D=512 python experiments/bench/sweep_speed.py --skip-probe --compiled --packed --top 12`.
+   Each config also has its FLOPs per training example (torch's FlopCounterMode: what its matmuls,
+   convolutions and attention cost; Triton kernels it cannot see count 0) and the TFLOP/s its cheapest step
+   reaches. On CUDA the bench measures the bf16 GEMM rate and prints the grid's FLOP floor: every run's FLOPs at
+   full epochs at that rate (`grid_flop_floor_s`), the time that only early stopping can beat.
 3. The grid estimate: sum over the grid's runs of steps per epoch x epochs x the step's device time, which
    is what the GPU must execute when enough runs share it under MPS to hide their hosts' launch time. Runs
    are charged the full `train.epochs` (no early stop), so the figure is an upper bound. With `--epochs-from
@@ -168,13 +172,57 @@ def _time_step(run: list[str], steps: int, device: torch.device, compiled: bool,
                 k[1] += w * e.count / 3
         wall_ms += w * seg_wall
         device_ms += w * seg_device
+    gflop = example_gflop(cfg, segments, device) if not (compiled or pack_lrs) else math.nan
     out = {"wall_ms": wall_ms, "device_ms": device_ms, "warmup_s": warm_s, "steps_per_epoch": steps_per_epoch,
            "epochs": full.train.epochs, "mixer": "+".join(dict.fromkeys(full.model.layers())),
-           "d_model": full.model.d_model, "seq_len": max(s.seq_len for s in full.data.train)}
+           "d_model": full.model.d_model, "seq_len": max(s.seq_len for s in full.data.train),
+           "gflop_per_example": gflop,
+           "epoch_tflop": gflop * sum(s.num_examples for s in full.data.train) / 1e3}
     if top and device.type == "cuda":
         ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
         out["top_kernels"] = [{"kernel": name, "ms": ms, "calls": calls} for name, (ms, calls) in ranked]
     return out
+
+
+def example_gflop(cfg, segments, device: torch.device, examples: int = 8) -> float:
+    """GFLOP of one training example's forward and backward (the loss at its queries), as torch's FlopCounterMode
+    counts them (matmuls, convolutions, SDPA; a Triton kernel it cannot see counts 0), averaged over the train
+    segments in proportion to their examples. Counted on a fresh model with `examples` examples per segment."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from zoo.eval import query_loss
+    from zoo.models import LanguageModel
+
+    model = LanguageModel(cfg.model).to(device)
+    total = sum(s.num_examples for s in cfg.data.train)
+    gflop = 0.0
+    for seg, spec in zip(segments, cfg.data.train):
+        n = min(examples, len(seg))
+        counter = FlopCounterMode(display=False)
+        with counter:
+            query_loss(model, seg.inputs[:n], seg.query_pos[:n], seg.query_labels[:n]).backward()
+        gflop += counter.get_total_flops() / n / 1e9 * spec.num_examples / total
+    return gflop
+
+
+def gemm_tflops(device: torch.device, n: int = 8192, reps: int = 20) -> float:
+    """Measured bf16 GEMM rate of the device (TFLOP/s): the FLOP floor's yardstick."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * n**3 * reps / (time.perf_counter() - t) / 1e12
+
+
+def flop_floor(rows: list[dict], tflops: float) -> float:
+    """Seconds the grid's FLOPs take at `tflops`, every run at its full `train.epochs`: the time no scheduling
+    or fusion can beat without early stopping (runs x epochs x an epoch's TFLOP / rate)."""
+    return sum(r["runs"] * r["epochs"] * r["epoch_tflop"] for r in rows) / tflops
 
 
 def print_kernels(label: str, timed: dict) -> None:
@@ -294,7 +342,7 @@ def main() -> None:
         keys = list(groups)[: args.max_configs or None]
         print(f"\n{'mixer':28s} {'L':>5s} {'d':>5s} {'ms/step':>9s} {'device ms':>9s}"
               + (f" {'compiled':>9s} {'c device':>9s}" if args.compiled else "")
-              + (f" {'packed':>9s} {'p device':>9s}" if args.packed else "") + f" {'epoch s':>8s}")
+              + (f" {'packed':>9s} {'p device':>9s}" if args.packed else "") + f" {'epoch s':>8s} {'TFLOP/s':>8s}")
         for key in keys:
             run = groups[key][0]
             try:
@@ -326,6 +374,7 @@ def main() -> None:
                 rows.append({"overrides": run, "error": f"{type(e).__name__}: {e}"})
                 continue
             row["epoch_s"] = run_step_ms(row) * row["steps_per_epoch"] / 1e3
+            row["achieved_tflops"] = row["epoch_tflop"] / row["epoch_s"]  # at the run's cheapest step
             row["runs"] = len(groups[key])
             rows.append(row)
             print(f"{row['mixer']:28s} {row['seq_len']:5d} {row['d_model']:5d} {row['wall_ms']:9.3f} "
@@ -333,7 +382,7 @@ def main() -> None:
                   + (f" {row['compiled_wall_ms']:9.3f} {row['compiled_device_ms']:9.3f}" if args.compiled else "")
                   + (f" {row.get('packed_wall_ms', math.nan):9.3f} {row.get('packed_device_ms', math.nan):9.3f}"
                      if args.packed else "")
-                  + f" {row['epoch_s']:8.2f}")
+                  + f" {row['epoch_s']:8.2f} {row['achieved_tflops']:8.1f}")
             if args.top and "top_kernels" in last[1]:
                 print_kernels(last[0], last[1])
                 row["top_kernels"] = {"step": last[0], "device_ms": last[1]["device_ms"],
@@ -350,6 +399,12 @@ def main() -> None:
             if args.epochs_from:
                 out |= measured_estimate(ok, args.epochs_from)
                 print_measured(out, total)
+            if device.type == "cuda":
+                out["gemm_tflops"] = gemm_tflops(device)
+                out["grid_flop_floor_s"] = flop_floor(ok, out["gemm_tflops"])
+                pflop = sum(r["runs"] * r["epochs"] * r["epoch_tflop"] for r in ok) / 1e3
+                print(f"FLOP floor: {out['grid_flop_floor_s']:.0f} s ({pflop:.0f} PFLOP at full epochs, at the "
+                      f"measured bf16 GEMM rate of {out['gemm_tflops']:.0f} TFLOP/s)")
         else:
             print(f"\nno grid estimate: {len(groups) - len(ok)} of {len(groups)} configs were not timed")
     out["baseline_probe16_s_landed"] = BASELINE_PROBE_S
