@@ -164,6 +164,22 @@ def test_zoology_init_gives_each_rwkv4_layer_zoologys_values():
     torch.testing.assert_close(second.time_mix_r.data, (c / d) ** (0.5 * b))
 
 
+def test_zoology_init_leaves_rwkv4_projections_at_torch_default():
+    """Zoology's scripted RWKVTimeMixer hides its Linears from its normal(0.02) init: U(±1/√d), std 1/√(3d)."""
+    d = 256
+    default, zoology = (_model(init, ("rwkv4",), d=d) for init in ("default", "zoology"))
+    for name in ("key", "value", "receptance", "output"):
+        for mixers, want in (((b.mixer for b in default.blocks), 0.02), ((b.mixer for b in zoology.blocks), None)):
+            for m in mixers:
+                w = getattr(m, name).weight
+                if want is None:
+                    assert w.abs().max() <= 1 / math.sqrt(d)
+                    want_std = 1 / math.sqrt(3 * d)
+                else:
+                    want_std = want
+                assert w.std().item() == pytest.approx(want_std, rel=0.05), name
+
+
 def test_final_norm_sets_the_norm_before_the_head_alone():
     from zoo.models.hf import ZooConfig
 

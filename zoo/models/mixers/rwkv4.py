@@ -28,6 +28,10 @@ What is unusual here:
   μ_r = (c/d)^0.5, the values RWKV-4 gives layer 0. A mixer does not know its layer, so every layer starts
   there; with `model.init=zoology` the LanguageModel calls `zoology_init(i)`, which gives layer i Zoology's
   values (its layer 1 starts from slightly different decays and mixes).
+- Under `model.init=zoology` the four projections (key, value, receptance, output) keep PyTorch's default
+  Linear init, U(±1/√d), not the LanguageModel's N(0, 0.02): Zoology's RWKVTimeMixer is a torch.jit.ScriptModule,
+  so its Linear children are scripted modules that its `_init_weights` (an `isinstance(m, nn.Linear)` test) and
+  its `out_proj` rescaling both pass over, and RWKV-4's own `init_rwkv` is never called.
 """
 
 from __future__ import annotations
@@ -89,7 +93,7 @@ class RWKV4(nn.Module):
         self.time_mix_k = nn.Parameter(torch.empty(d))
         self.time_mix_v = nn.Parameter(torch.empty(d))
         self.time_mix_r = nn.Parameter(torch.empty(d))
-        self.zoology_init(0)
+        self._time_init(0)
         self.key = nn.Linear(d, d, bias=False)
         self.value = nn.Linear(d, d, bias=False)
         self.receptance = nn.Linear(d, d, bias=False)
@@ -98,11 +102,18 @@ class RWKV4(nn.Module):
 
     @torch.no_grad()
     def zoology_init(self, layer_idx: int, n_layer: int = 12) -> None:
+        """Zoology's init of layer `layer_idx`: its decays and mixes (`_time_init`), and PyTorch's default init
+        for the four projections, which Zoology's weight init does not reach (module docstring)."""
+        self._time_init(layer_idx, n_layer)
+        for linear in (self.key, self.value, self.receptance, self.output):
+            linear.reset_parameters()
+
+    @torch.no_grad()
+    def _time_init(self, layer_idx: int, n_layer: int = 12) -> None:
         """RWKV-4's per-layer init of the decays and mixes, as Zoology's RWKVTimeMixer draws it for layer
         `layer_idx` of `n_layer` (Zoology leaves RWKV-4's default of 12): with a = layer_idx / (n_layer - 1) and
         b = 1 - layer_idx / n_layer, decay speed -5 + 8·(c/(d-1))^(0.7 + 1.3a), μ_k = (c/d)^b,
-        μ_v = (c/d)^b + 0.3a, μ_r = (c/d)^(b/2). The constructor sets layer 0's (a = 0, b = 1); with
-        model.init=zoology the LanguageModel calls it for every layer."""
+        μ_v = (c/d)^b + 0.3a, μ_r = (c/d)^(b/2). The constructor sets layer 0's (a = 0, b = 1)."""
         d = self.d_model
         c = torch.arange(d, dtype=torch.float32, device=self.time_decay.device)
         a, b = layer_idx / (n_layer - 1), 1.0 - layer_idx / n_layer
