@@ -274,3 +274,23 @@ def test_h3_zoology_shift_skip_and_init():
         w = block.mixer.shift_weight
         assert w.abs().max() <= 1 / 4 and w.abs().max() > 0.2  # U(±1/√16), Zoology's SSKernelShift C
         assert block.mixer.shift_skip.std() > 0.5  # its ssm_k_D ~ N(0, 1)
+
+
+@pytest.mark.parametrize("at", ["init", "trained"])
+def test_h3_zoology_shift_filter_is_b_correlated_with_the_taps(at):
+    """ssm=zoology: Zoology's shift SSM filters k with h[l] = Σ_n B_n C_{n+l} (B trainable, e₁ at init, so h = C)."""
+    from zoo.models.mixers import MIXERS
+
+    d, k = 6, 5
+    h3 = MIXERS["h3"](d, d_state=4, shift_size=k, head_dim=2, ssm="zoology").double()
+    assert h3.shift_b.requires_grad and h3.shift_b.shape == (d, k)
+    if at == "trained":
+        with torch.no_grad():
+            h3.shift_b.normal_()
+    c_lag = h3.shift_weight.detach().flip(1)  # c_lag[:, l]: the tap on the input l steps back
+    b = h3.shift_b.detach()
+    h = torch.stack([sum(b[:, n] * c_lag[:, n + lag] for n in range(k - lag)) for lag in range(k)], dim=1)
+    torch.testing.assert_close(h3._shift_filter().detach(), h.flip(1))
+    x = torch.randn(2, 7, d, dtype=torch.float64, requires_grad=True)
+    h3(x).sum().backward()
+    assert h3.shift_b.grad is not None and h3.shift_b.grad.abs().sum() > 0

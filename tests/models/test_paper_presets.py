@@ -184,7 +184,8 @@ BASED_FIG2 = {
     "hyena": (["hyena", "hyena"], [], lambda d: zoology_lm(d, [hyena_params(d, zoology_positions_L=1024)] * 2),
               lambda d: 2 * (d * 1024 + 3 * d * 2)),
     "h3": (["h3", "h3"], ["model.mixers.h3.d_state=4", "model.mixers.h3.shift_size=4"],
-           lambda d: zoology_lm(d, [h3_params(d, 4, 4) + d] * 2),  # ssm=zoology: the same count + the shift's skip
+           # ssm=zoology: the same count + the shift's skip (d) and its B (d·shift_size)
+           lambda d: zoology_lm(d, [h3_params(d, 4, 4) + d + d * 4] * 2),
            lambda d: 2 * (2 * d * 4 + d * 3)),
     "gla": (["short_conv", "gla"], [], None, None),
     "gated_deltanet": (["short_conv", "gated_deltanet"], [], None, None),

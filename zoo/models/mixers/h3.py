@@ -12,7 +12,9 @@ with A_n = n + 1 and Δ per head. `ssm="zoology"` runs Zoology's SSKernel instea
 complex modes A_m = -1/2 + iπm (the real part kept negative as -exp(·)), B_m = 1, C_m complex normal,
 s_t = dA ⊙ s_{t-1} + dB·u_t with dA = (1 + ΔA/2)/(1 - ΔA/2), dB = B·Δ/(1 - ΔA/2),
 out_t = 2·Re(Σ_m C_m s_{t,m}) + D·u_t, its state the modes' real and imaginary parts side by side (d_state reals,
-as many as the real modes); and the shift gets Zoology's separate skip weight, k' = shift(k) + ssm_k_D ⊙ k.
+as many as the real modes); and the shift is Zoology's shift SSM: its filter the correlation of a trainable B
+(started at e₁) with the taps C, h[l] = Σ_n B_n C_{n+l} (h = C at init; the product changes how it trains), plus
+its separate skip weight, k' = shift(k) + ssm_k_D ⊙ k.
 
 With `head_dim` p > 1 (Zoology Fig. 2 uses p = 2) the d channels form H = d/p heads: every head's p×p outer products
 k'_h v_hᵀ each run through that head's SSM, and the head's output is q_hᵀ · SSM(k'_h v_hᵀ). With p = 1 (the default)
@@ -113,19 +115,27 @@ class H3(nn.Module):
             self.B = nn.Parameter(torch.stack([torch.ones(H, M), torch.zeros(H, M)], dim=-1))  # [H, M, 2]
             self.C = nn.Parameter(torch.randn(H, M, 2) / math.sqrt(2))  # [H, M, 2]: torch.randn(cfloat)
             self.shift_skip = nn.Parameter(torch.randn(d))
+            self.shift_b = nn.Parameter(torch.zeros(d, k))  # [d, k]: the shift SSM's B, e₁ per channel
+            with torch.no_grad():
+                self.shift_b[:, 0] = 1.0
         else:
             self.log_A = nn.Parameter(torch.log(torch.arange(1, N + 1, dtype=torch.float32)).repeat(H, 1))  # [H, N]
             self.B = nn.Parameter(torch.ones(H, N))
             self.C = nn.Parameter(torch.randn(H, N) / math.sqrt(N))
             self.shift_skip = None
+            self.shift_b = None
         self.D = nn.Parameter(torch.randn(H))
         self.out = nn.Linear(d, d)
 
     @torch.no_grad()
     def zoology_init(self, layer_idx: int) -> None:
-        """Zoology's shift SSM starts its kernel C of d_state taps at torch.nn.Conv1d's init, U(±1/√taps)."""
+        """Zoology's shift SSM starts its kernel C of d_state taps at torch.nn.Conv1d's init, U(±1/√taps), and
+        its B at e₁."""
         bound = 1 / math.sqrt(self.config.shift_size)
         self.shift_weight.uniform_(-bound, bound)
+        if self.shift_b is not None:
+            self.shift_b.zero_()
+            self.shift_b[:, 0] = 1.0
 
     def _complex_terms(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """ssm=zoology, bilinear: dA = (1 + ΔA/2)/(1 - ΔA/2), dB = B·Δ/(1 - ΔA/2) and C, complex [H, M] each,
@@ -147,13 +157,27 @@ class H3(nn.Module):
         """log a = -Δ·A per head: [H, N], in `dtype`."""
         return -(torch.exp(self.log_dt.to(dtype))[:, None] * torch.exp(self.log_A.to(dtype)))  # [H, N]
 
+    def _shift_filter(self) -> torch.Tensor:
+        """The shift's taps [d, k] in explicit_causal_conv's order (the last multiplies the current input): the
+        learned taps, or with ssm=zoology their correlation with B, h[l] = Σ_n B_n C_{n+l} for C = the taps in lag
+        order, computed as Zoology does (FFTs of length 2k, in fp32 or wider)."""
+        if self.shift_b is None:
+            return self.shift_weight
+        k = self.config.shift_size
+        dtype = torch.promote_types(self.shift_weight.dtype, torch.float32)
+        with torch.autocast(device_type=self.shift_weight.device.type, enabled=False):
+            c_lag = self.shift_weight.to(dtype).flip(1)  # [d, k]: c_lag[:, l] multiplies the input l steps back
+            spectrum = torch.fft.rfft(self.shift_b.to(dtype), n=2 * k).conj() * torch.fft.rfft(c_lag, n=2 * k)
+            h = torch.fft.irfft(spectrum, n=2 * k)[:, :k]  # [d, k] by lag
+        return h.flip(1).to(self.shift_weight.dtype)
+
     def _qkv(
         self, x: torch.Tensor, history: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """x: [B, T, d], history: [B, k-1, d] past k or None (zeros, and no new history wanted) -> q, shift(k), v
         [B, T, d] each and the new shift history [B, k-1, d] (None without one)."""
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # [B, T, d] each
-        k_shift = explicit_causal_conv(k, self.shift_weight, history)  # [B, T, d]
+        k_shift = explicit_causal_conv(k, self._shift_filter(), history)  # [B, T, d]
         if self.shift_skip is not None:
             k_shift = k_shift + self.shift_skip.to(k.dtype) * k
         new_history = None if history is None else torch.cat([history.to(k.dtype), k], dim=1)[:, k.shape[1] :]
