@@ -8,6 +8,8 @@ Arms (all evaluated on the same questions, `cartridges/eval.py`):
     ss                         self-study: the teacher's top-k distribution on the same conversations
     am, ss_am (with --arms)    the document's KV compacted to p tokens by attention matching, untrained
                                (cartridges/compact.py); self-study starting from it
+    ss_half_frozen (--arms)    self-study with the cartridge's first p/2 tokens frozen at the prefix's KV: the
+                               truncated context's first half kept as it is, the rest trained
 
 The self-study data: chunks of 64-512 tokens, fact-stating seed prompts (question, quiz, extraction, recall),
 --conversations of them. Every trained arm shares the rest (`TRAINING`): --steps steps of 4 packed rows of
@@ -52,13 +54,24 @@ RECIPE_SEEDS = ["question", "quiz", "extraction", "recall"]
 # cartridges-distill settings every trained arm shares
 TRAINING = ["lr=2e-2", "lr_schedule=cosine", "num_frozen=0"]
 # arm -> its own overrides of cartridges-distill, in training order (baselines first); ss_am (self-study from the
-# attention-matching cartridge) runs only when --arms names it
+# attention-matching cartridge) and ss_half_frozen run only when --arms names them
 ARMS = {
     "ntp": ["method=ntp", "init=first_tokens"],
     "hard_labels": ["method=hard_labels", "init=first_tokens"],
     "ss": ["method=self_study", "init=first_tokens"],
     "ss_am": ["method=self_study", "init=attention_matching"],
+    "ss_half_frozen": ["method=self_study", "init=first_tokens"],
 }
+# arm -> the share of its p tokens kept frozen at their init (the others freeze none, TRAINING's num_frozen=0).
+# ss_half_frozen asks whether self-study loses what the truncated prefix answers by overwriting it: on the 4.6K
+# Quellmere document `ss` answered 2 of the 11 questions inside the first p tokens, truncation 8.
+FROZEN_SHARE = {"ss_half_frozen": 0.5}
+
+
+def training(arm: str, size: int) -> list[str]:
+    """TRAINING for one arm of p = `size` tokens: its num_frozen from FROZEN_SHARE."""
+    frozen = int(size * FROZEN_SHARE.get(arm, 0.0))
+    return [o if not o.startswith("num_frozen=") else f"num_frozen={frozen}" for o in TRAINING]
 DEFAULT_ARMS = ["ntp", "hard_labels", "ss"]
 # arms built without training: am, the document's KV compacted to p tokens by attention matching
 # (cartridges/compact.py), the cheap baseline and the initialiser of ss_am
@@ -222,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
                 f"steps={s['steps']}", f"pack_len={s['pack_len']}", f"batch_size={s['batch_size']}",
                 f"corpus.min_tokens={s['chunks'][0]}", f"corpus.max_tokens={s['chunks'][1]}",
                 f"log_every={max(1, s['steps'] // 8)}", f"checkpoint_every={max(1, s['steps'] // 4)}",
-                f"resume={(target / distill.CHECKPOINT).is_file()}", *TRAINING, *lever,
+                f"resume={(target / distill.CHECKPOINT).is_file()}", *training(arm, arm_size), *lever,
             ])  # fmt: skip
             timed(f"distill/{arm}", lambda cfg=cfg: distill.distill(cfg, model, tokenizer))
         cartridges[arm] = target / "cartridge.safetensors"

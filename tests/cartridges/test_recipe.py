@@ -139,3 +139,19 @@ def test_more_sizes_train_self_study_at_each_size_beside_its_truncation(tmp_path
     assert rows[f"ss_p{q}"]["kv_tokens"] == q and rows["ss"]["kv_tokens"] == final["p"]
     assert rows[f"ss_p{q}"]["method"] == "self_study" and rows[f"ss_p{q}"]["lever"][-1] == f"num_tokens={q}"
     assert final["targets"]["best_self_study_arm"] == "ss"
+
+
+def test_smoke_half_frozen_arm_keeps_the_prefix_half(tmp_path):
+    """--arms ss_half_frozen: self-study with the first p/2 tokens frozen at the prefix's KV (its file records
+    first-tokens init and num_frozen = p // 2; `ss` beside it freezes none)."""
+    from cartridges.format import read_header
+    from experiments.cartridges_recipe import run
+
+    final = run.main(["--smoke", "--out", str(tmp_path), "--arms", "ss", "ss_half_frozen"])
+    p = final["p"]
+    rows = {r["arm"]: r for r in final["rows"]}
+    assert rows["ss_half_frozen"]["kv_tokens"] == p and rows["ss_half_frozen"]["method"] == "self_study"
+    header = read_header(tmp_path / "c_ss_half_frozen" / "cartridge.safetensors")
+    training = header["training_config"]["distill"]
+    assert (training["init"], training["num_frozen"], header["num_frozen"]) == ("first_tokens", p // 2, p // 2)
+    assert read_header(tmp_path / "c_ss" / "cartridge.safetensors")["num_frozen"] == 0
