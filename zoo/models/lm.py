@@ -132,7 +132,8 @@ class LanguageModel(nn.Module):
 
 
 # Mixers whose output projection Zoology names `out_proj`, the name its init rescales (MHA, Hyena, SlidingAttn;
-# Based's is `proj_o`, H3's `output_linear`, RWKV's `output`, so theirs keep 0.02).
+# Based's is `proj_o` and H3's `output_linear`, so theirs keep 0.02; RWKV-4's `zoology_init` resets its four
+# projections to PyTorch's init, which Zoology's scripted RWKV mixer keeps).
 ZOOLOGY_OUT_PROJ = ("attention", "hyena", "sliding_window")
 
 
