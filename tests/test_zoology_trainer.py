@@ -180,6 +180,35 @@ def test_zoology_init_leaves_rwkv4_projections_at_torch_default():
                 assert w.std().item() == pytest.approx(want_std, rel=0.05), name
 
 
+def test_tanh_mlp_is_zoologys_2023_state_mixer():
+    """mlp=tanh: fc2(tanh(fc1(x))) of width 4d with biases, after its own norm and residual; model.init=zoology
+    draws fc2 at 0.02/sqrt(2 n_layers) like `out_proj`, fc1 at 0.02, biases at 0."""
+    d = 256
+    cfg = ModelConfig(d_model=d, vocab_size=64, pattern=["attention"], mlp="tanh", init="zoology")
+    torch.manual_seed(0)
+    model = LanguageModel(cfg)
+    plain = LanguageModel(ModelConfig(d_model=d, vocab_size=64, pattern=["attention"], mlp="none", init="zoology"))
+    assert model.num_parameters() - plain.num_parameters() == 2 * (d * 4 * d + 4 * d + 4 * d * d + d + 2 * d)
+    mlp = model.blocks[1].mlp
+    assert mlp.fc2.weight.std().item() == pytest.approx(0.02 / 2, rel=0.05)
+    assert mlp.fc1.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert torch.count_nonzero(mlp.fc1.bias) == 0 and torch.count_nonzero(mlp.fc2.bias) == 0
+    x = torch.randn(3, d)
+    torch.testing.assert_close(mlp(x), mlp.fc2(torch.tanh(mlp.fc1(x))))
+
+
+def test_rwkv4_init_layers_sets_the_schedule_zoology_init_follows():
+    """init_layers=2 (the published figure's launch): layer 1 takes a = 1, b = 1/2."""
+    d = 64
+    c = torch.arange(d, dtype=torch.float32)
+    cfg = ModelConfig(d_model=d, vocab_size=64, pattern=["rwkv4"], init="zoology", mixers={"rwkv4": {"init_layers": 2}})
+    second = LanguageModel(cfg).blocks[1].mixer
+    torch.testing.assert_close(second.time_decay.data, -5 + 8 * (c / (d - 1)) ** 2.0)
+    torch.testing.assert_close(second.time_mix_k.data, (c / d) ** 0.5)
+    torch.testing.assert_close(second.time_mix_v.data, (c / d) ** 0.5 + 0.3)
+    torch.testing.assert_close(second.time_mix_r.data, (c / d) ** 0.25)
+
+
 def test_final_norm_sets_the_norm_before_the_head_alone():
     from zoo.models.hf import ZooConfig
 

@@ -31,8 +31,9 @@ class ModelConfig:
     n_layers: int = 2
     pattern: list[str] = field(default_factory=lambda: ["base_conv", "based"])
     mixers: dict[str, dict[str, Any]] = field(default_factory=dict)
-    mlp: str = "none"  # none | swiglu | gelu | identity (Zoology's state_mixer=Identity: x + norm(x))
-    mlp_hidden: int = 0  # 0: 2·d_model for swiglu, 4·d_model for gelu
+    # none | swiglu | gelu | tanh (Zoology's 2023 hard-wired MLP) | identity (its state_mixer=Identity: x + norm(x))
+    mlp: str = "none"
+    mlp_hidden: int = 0  # 0: 2·d_model for swiglu, 4·d_model for gelu and tanh
     norm: str = "layernorm"  # layernorm | rmsnorm
     final_norm: str = ""  # the norm before the head: "" (the blocks' `norm`) | layernorm | rmsnorm
     tie_embeddings: bool = True
@@ -47,8 +48,8 @@ class ModelConfig:
             raise ValueError(f"model.d_model and model.n_layers must be >= 1, got {self.d_model}, {self.n_layers}")
         if not self.pattern:
             raise ValueError("model.pattern must list at least one mixer")
-        if self.mlp not in ("none", "swiglu", "gelu", "identity"):
-            raise ValueError(f"model.mlp must be one of none|swiglu|gelu|identity, got {self.mlp!r}")
+        if self.mlp not in ("none", "swiglu", "gelu", "tanh", "identity"):
+            raise ValueError(f"model.mlp must be one of none|swiglu|gelu|tanh|identity, got {self.mlp!r}")
         if self.norm not in ("layernorm", "rmsnorm"):
             raise ValueError(f"model.norm must be one of layernorm|rmsnorm, got {self.norm!r}")
         if self.final_norm not in ("", "layernorm", "rmsnorm"):

@@ -18,6 +18,7 @@ VARIANTS = {
     "swiglu-rmsnorm-tied": dict(mlp="swiglu", norm="rmsnorm", tie_embeddings=True),
     "gelu-layernorm-untied": dict(mlp="gelu", norm="layernorm", tie_embeddings=False),
     "nomlp": dict(mlp="none"),
+    "tanh-layernorm-tied": dict(mlp="tanh", norm="layernorm", tie_embeddings=True),
 }
 
 

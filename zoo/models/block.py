@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MLPS = ("none", "swiglu", "gelu", "identity")
+MLPS = ("none", "swiglu", "gelu", "tanh", "identity")
 NORMS = ("layernorm", "rmsnorm")
 
 
@@ -59,11 +59,26 @@ class GeluMLP(nn.Module):
         return self.down(F.gelu(self.up(x)))
 
 
+class TanhMLP(nn.Module):
+    """fc2(tanh(fc1(x))) with biases: [..., d] -> [..., d], hidden 4·d by default. Zoology's TransformerBlock
+    hard-wired this state mixer until November 2023, so the runs behind its published Fig. 2 for attention,
+    Hyena and RWKV have it (experiments/zoology_fig2/README.md); `model.init=zoology` rescales `fc2` as Zoology
+    does."""
+
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, hidden)
+        self.fc2 = nn.Linear(hidden, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
 class Block(nn.Module):
     """norm -> mixer -> residual -> norm -> mlp -> residual, on [B, T, d_model].
 
-    mixer: a module of the mixer protocol; mlp: none | swiglu | gelu | identity; mlp_hidden: 0 picks 2·d
-    (swiglu) or 4·d (gelu); norm: layernorm | rmsnorm. forward/step/init_state/state_size pass the mixer's
+    mixer: a module of the mixer protocol; mlp: none | swiglu | gelu | tanh | identity; mlp_hidden: 0 picks 2·d
+    (swiglu) or 4·d (gelu, tanh); norm: layernorm | rmsnorm. forward/step/init_state/state_size pass the mixer's
     state through.
 
     `identity` is Zoology's block with `state_mixer=Identity` (its Fig. 2 models): the MLP is the identity but
@@ -83,6 +98,8 @@ class Block(nn.Module):
             self.mlp = SwiGLU(d_model, mlp_hidden or 2 * d_model)
         elif mlp == "gelu":
             self.mlp = GeluMLP(d_model, mlp_hidden or 4 * d_model)
+        elif mlp == "tanh":
+            self.mlp = TanhMLP(d_model, mlp_hidden or 4 * d_model)
         elif mlp == "identity":
             self.mlp = nn.Identity()
         else:

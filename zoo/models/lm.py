@@ -17,7 +17,7 @@ from torch import nn
 
 from kernels.launch import is_capturing
 from zoo.config import ModelConfig
-from zoo.models.block import Block, make_norm
+from zoo.models.block import Block, TanhMLP, make_norm
 from zoo.models.mixers import MIXERS
 
 
@@ -47,6 +47,8 @@ class LanguageModel(nn.Module):
             for i, block in enumerate(self.blocks):
                 if block.mixer.name in ZOOLOGY_OUT_PROJ:
                     nn.init.normal_(block.mixer.out.weight, std=std)
+                if isinstance(block.mlp, TanhMLP):  # its `fc2`, the other name Zoology's init rescales
+                    nn.init.normal_(block.mlp.fc2.weight, std=std)
                 if hasattr(block.mixer, "zoology_init"):  # the rest of a mixer's Zoology init (RWKV-4, Hyena, H3)
                     block.mixer.zoology_init(i)
         for block in self.blocks:  # a mixer with its own scheme (Mamba's) re-initialises its weights after that

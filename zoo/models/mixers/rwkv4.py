@@ -65,9 +65,13 @@ class RWKV4Config:
     # T/chunk small steps
     chunk_size: int = 8
     impl: str = "naive"  # naive (PyTorch: the chunked form) | triton (kernels/rwkv4: the recurrence, one launch)
+    # the layer count RWKV-4's per-layer init schedule assumes (`zoology_init`): Zoology's configs leave RWKV-4's
+    # default of 12; the launch behind Zoology's published Fig. 2 passed the model's 2
+    init_layers: int = 12
 
     def validate(self, d_model: int) -> None:
         check_int("rwkv4: chunk_size", self.chunk_size, minimum=1)
+        check_int("rwkv4: init_layers", self.init_layers, minimum=2)
         check_choice("rwkv4: impl", self.impl, ("naive", "triton"))
 
 
@@ -101,10 +105,10 @@ class RWKV4(nn.Module):
         log_impl(self.name, self.config.impl)
 
     @torch.no_grad()
-    def zoology_init(self, layer_idx: int, n_layer: int = 12) -> None:
-        """Zoology's init of layer `layer_idx`: its decays and mixes (`_time_init`), and PyTorch's default init
-        for the four projections, which Zoology's weight init does not reach (module docstring)."""
-        self._time_init(layer_idx, n_layer)
+    def zoology_init(self, layer_idx: int) -> None:
+        """Zoology's init of layer `layer_idx`: its decays and mixes (`_time_init` at `init_layers`), and PyTorch's
+        default init for the four projections, which Zoology's weight init does not reach (module docstring)."""
+        self._time_init(layer_idx, self.config.init_layers)
         for linear in (self.key, self.value, self.receptance, self.output):
             linear.reset_parameters()
 
