@@ -47,6 +47,20 @@ def test_plot_step_writes_results_figure_and_readme(tmp_path, experiment, preset
     assert "| verdict |" in block
 
 
+def test_fig2_collect_refuses_the_launched_models_runs(tmp_path):
+    """ZOO_FIG2_MODELS=launched runs (experiment zoology_fig2_launched) stay out of the config figure's summaries."""
+    cfg, resolved = load_config([
+        "model=zoology_fig2/attention", "model.d_model=16", "model.mlp=tanh", "data.vocab_size=64",
+        f"data.train=[{SEG}]", f"data.valid=[{SEG}]", f"data.test=[{SEG}]", "train.epochs=1", "train.progress=false",
+        f"runs_root={tmp_path / 'runs'}", "experiment_name=zoology_fig2_launched", f"data.cache_dir={tmp_path / 'c'}",
+    ])
+    train(cfg, resolved)
+    plot = runpy.run_path(str(REPO / "experiments" / "zoology_fig2" / "plot.py"), run_name="plot")
+    with pytest.raises(SystemExit, match="launched models"):
+        plot["collect"](tmp_path / "runs" / "zoology_fig2_launched", tmp_path / "summaries")
+    assert not (tmp_path / "summaries").exists()
+
+
 def test_collect_keeps_one_summary_per_run_across_renames(tmp_path):
     """A run collected again under another name (its hash changed with the code) replaces its earlier summary
     instead of adding a second row; a run of another lr is kept beside it."""

@@ -279,6 +279,39 @@ def test_fig2_selectors_pick_their_runs(name, monkeypatch):
         assert sorted(o for r in runs for o in r if o.startswith("optim.lr=")) == ["optim.lr=0.0001", "optim.lr=0.01"]
 
 
+@pytest.mark.parametrize(
+    ("mixer", "layers", "mlp", "batch"),
+    [("attention", ["attention"] * 2, "tanh", 256), ("rwkv", ["rwkv4"] * 2, "tanh", 1024),
+     ("hyena", ["hyena"] * 2, "tanh", 1024), ("h3", ["h3"] * 4, "none", 1024),
+     ("base_conv", ["short_conv", "short_conv", "long_conv", "long_conv"] * 2, "none", 1024)],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_fig2_launched_models_are_the_published_figures(mixer, layers, mlp, batch, monkeypatch):
+    """ZOO_FIG2_MODELS=launched: the models and trainer of the runs behind Zoology's published Fig. 2."""
+    from zoo.train import load_config
+
+    monkeypatch.setenv("ZOO_FIG2", "L128")
+    monkeypatch.setenv("ZOO_FIG2_MODELS", "launched")
+    monkeypatch.setenv("MIXERS", f"{mixer},based,mamba")  # Based and Mamba are not in that figure
+    monkeypatch.setenv("D", "64")
+    runs = load_sweep(Path(__file__).resolve().parents[1] / "experiments/zoology_fig2/sweep.py")
+    assert len(runs) == 4
+    cfg, _ = load_config([o for o in runs[0] if not o.startswith("+model.mixers.rwkv4.impl")])
+    assert (cfg.model.layers(), cfg.model.mlp, cfg.data.train[0].batch_size) == (layers, mlp, batch)
+    assert (cfg.optim.weight_decay, cfg.optim.decay, cfg.optim.schedule, cfg.model.init) == (
+        0.01, "all", "cosine_epoch", "zoology")
+    assert cfg.experiment_name == "zoology_fig2_launched"
+    if mixer == "rwkv":
+        assert cfg.model.mixers["rwkv4"]["init_layers"] == 2
+
+
+def test_fig2_models_selector_refuses_unknown_values(monkeypatch):
+    monkeypatch.setenv("ZOO_FIG2", "L64")
+    monkeypatch.setenv("ZOO_FIG2_MODELS", "published")
+    with pytest.raises(ValueError, match="ZOO_FIG2_MODELS must be config or launched"):
+        load_sweep(Path(__file__).resolve().parents[1] / "experiments/zoology_fig2/sweep.py")
+
+
 def test_fig2_lrs_off_the_grid_is_refused(monkeypatch):
     monkeypatch.setenv("ZOO_FIG2", "L64")
     monkeypatch.setenv("LRS", "3e-3")

@@ -25,6 +25,13 @@ Selectors (environment variables, all optional):
   optional (512, 64) panel, batch 128) or `tiny`.
 - `MIXERS`: a comma list of preset names (e.g. `attention,base_conv`); `D`: a comma list of d_models; `LRS`: a
   comma list of learning rates of the grid (e.g. `1e-4,1e-2`), matched within 1%.
+- `ZOO_FIG2_MODELS`: `config` (default: the models above, as Zoology's Fig. 2 config defines them) or `launched`:
+  the models the runs behind Zoology's published figure trained (experiments/zoology_fig2/README.md, "What the
+  published figure ran"): attention, Hyena and RWKV with the tanh MLP of width 4d in every block (RWKV-4's init
+  schedule over 2 layers), BaseConv as 8 gated convolutions, H3 as 4 layers; each at its launch's batch size,
+  weight decay 0.01 on every parameter, Zoology's per-epoch cosine and init; experiment zoology_fig2_launched.
+  Two deviations from those launches, for GPU time: the early stop at 0.99 and bf16 autocast stay (the launches
+  ran 64 epochs in fp32; `train.early_stop=null train.precision=fp32` on the command line restores both).
 Runs come cheapest and most informative first: panel by panel from L=64, each panel from the narrowest
 d_model, and within one d the models that stop early or train fastest first (attention, based, base_conv,
 rwkv, hyena, h3, mamba).
@@ -101,6 +108,20 @@ ZOOLOGY_EXACT_MIXER = {"hyena": {"+model.mixers.hyena.positions": "zoology", "mo
                        "h3": {"+model.mixers.h3.ssm": "zoology"}}
 PANELS_BEFORE_EXACT = {"L64"}
 
+# ZOO_FIG2_MODELS=launched: preset -> (its overrides, batch at L <= 128, batch at L = 256), from the commits nearest
+# each launch behind the published figure (the README's table); Based and Mamba are not in that figure.
+LAUNCHED = {
+    "attention": ({"model.mlp": "tanh"}, 256, 256),
+    "base_conv": ({"model.n_layers": 8, "model.pattern": ["short_conv", "short_conv", "long_conv", "long_conv"],
+                   "model.mlp": "none"}, 1024, 1024),
+    "rwkv": ({"model.mlp": "tanh", "+model.mixers.rwkv4.init_layers": 2}, 1024, 1024),
+    "hyena": ({"model.mlp": "tanh"}, 1024, 1024),
+    "h3": ({"model.n_layers": 4, "model.mlp": "none"}, 1024, 256),
+}
+# ... and the trainer of those launches: AdamW's default weight decay (0.01) on every parameter, the per-epoch cosine
+LAUNCHED_TRAINER = {"optim.weight_decay": 0.01, "optim.decay": "all", "optim.schedule": "cosine_epoch",
+                    "model.init": "zoology", "experiment_name": "zoology_fig2_launched"}
+
 # Presets whose recurrence runs as a Triton kernel on the GPU: preset -> its mixer's name.
 TRITON_MIXERS = {"mamba": "mamba", "rwkv": "rwkv4"}
 
@@ -112,12 +133,26 @@ def gpu_overrides(mixer: str) -> dict:
     return {f"+model.mixers.{TRITON_MIXERS[mixer]}.impl": "triton"} if mixer in TRITON_MIXERS else {}
 
 
-def panel_runs(panels: list[str], mixers: list[str], d_models: list[int], lrs: list[float] = LRS) -> list[dict]:
+def launched_runs(panels: list[str], mixers: list[str], d_models: list[int], lrs: list[float]) -> list[dict]:
+    """The config's runs turned into the launched models (LAUNCHED): their overrides, batch and trainer."""
+    runs = []
+    for run in panel_runs(panels, [m for m in mixers if m in LAUNCHED], d_models, lrs, exact_always=True):
+        mixer = run["model"].removeprefix("zoology_fig2/")
+        overrides, small, large = LAUNCHED[mixer]
+        L = run["data.train"][0]["seq_len"]
+        batch = small if L <= 128 else large if L == 256 else 128  # every launch: 128 at L = 512
+        data = {k: [seg | {"batch_size": batch} for seg in run[k]] for k in ("data.train", "data.valid", "data.test")}
+        runs.append(run | overrides | data | LAUNCHED_TRAINER)
+    return runs
+
+
+def panel_runs(panels: list[str], mixers: list[str], d_models: list[int], lrs: list[float] = LRS,
+               exact_always: bool = False) -> list[dict]:
     runs = []
     for panel in panels:
         L, n, batch = PANELS[panel]
         seg = {"seq_len": L, "num_kv_pairs": n, "batch_size": batch}
-        exact = {} if panel in PANELS_BEFORE_EXACT else ZOOLOGY_EXACT
+        exact = ZOOLOGY_EXACT if exact_always or panel not in PANELS_BEFORE_EXACT else {}
         data = {
             "data.vocab_size": 8192,
             "data.train": [seg | {"num_examples": 100_000}],
@@ -195,4 +230,8 @@ def sweep() -> list[dict]:
     unknown = [p for p in panels if p not in PANELS]
     if unknown or not panels:
         raise ValueError(f"ZOO_FIG2 must be full, tiny or a comma list of {','.join(PANELS)}, got {grid!r}")
-    return panel_runs(panels, _selected_mixers(), _selected_d_models(), _selected_lrs())
+    models = os.environ.get("ZOO_FIG2_MODELS", "config").strip()
+    if models not in ("config", "launched"):
+        raise ValueError(f"ZOO_FIG2_MODELS must be config or launched, got {models!r}")
+    build = launched_runs if models == "launched" else panel_runs
+    return build(panels, _selected_mixers(), _selected_d_models(), _selected_lrs())
