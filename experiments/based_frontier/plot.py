@@ -13,17 +13,29 @@ config.yaml) to `summaries/<run>.json`; commit those. The build step reads `summ
 - `accuracy_vs_state.png`: test accuracy of every (model, d_model, dial) point at its best lr (chosen on
   validation) against its state in bytes, one series per model, and the frontier over all of them;
 - the table between the `comparison` markers of README.md: the paper's readings (shared/REFERENCE.md §1) beside
-  ours, "matches" or "differs".
+  ours, "matches" or "differs";
+- the table between the `points` markers: every marker of the paper's figure itself (`paper_points.json`, read
+  from Zoology's copy of it) beside our best-lr point of the same model at the nearest state, within 2^±0.15 B.
+  The figure draws the paper's markers as open circles.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
 from typing import Any
 
-from zoo.plot import build_reproduction, copy_summaries, mark_best_lr, markdown_table, reproduction_main, result_row
+from zoo.plot import (
+    build_reproduction,
+    copy_summaries,
+    fill_readme_block,
+    mark_best_lr,
+    markdown_table,
+    reproduction_main,
+    result_row,
+)
 from zoo.plot import load_summaries as _load_summaries
 from zoo.runs import atomic_savefig
 
@@ -51,6 +63,19 @@ COLUMNS = [  # the README table: (header, comparison entry key)
     ("verdict", "verdict"),
 ]
 START, END = "<!-- comparison:start -->", "<!-- comparison:end -->"
+PAPER_POINTS = HERE / "paper_points.json"
+POINTS_START, POINTS_END = "<!-- points:start -->", "<!-- points:end -->"
+STATE_MATCH = 0.15  # log2 bytes: our point and the paper's marker are "at the same state" within this
+READ_PRECISION = 0.01  # the markers' accuracy as read from the image
+POINT_COLUMNS = [
+    ("model", "mixer"),
+    ("paper state", "paper_state"),
+    ("paper", "paper"),
+    ("ours (state, run)", "ours_at"),
+    ("ours", "ours"),
+    ("ours − paper", "diff"),
+    ("verdict", "verdict"),
+]
 
 
 def collect(runs_dir: Path, out: Path = SUMMARIES) -> int:
@@ -149,6 +174,40 @@ def comparison_table(entries: list[dict[str, Any]]) -> str:
     return markdown_table(COLUMNS, entries)
 
 
+def paper_points(path: Path = PAPER_POINTS) -> list[dict[str, Any]]:
+    """The markers of Based Fig. 2: {"model", "log2_bytes", "accuracy"} each (paper_points.json)."""
+    return json.loads(path.read_text())["points"]
+
+
+def point_comparison(result_rows: list[dict[str, Any]], paper: list[dict[str, Any]] | None = None
+                     ) -> list[dict[str, Any]]:
+    """Every marker of the paper's figure beside our best-lr point of its model nearest in state: "matches"
+    within TOLERANCE + READ_PRECISION, else "ours higher"/"ours lower"; "no point at this state" when our nearest is
+    more than STATE_MATCH (log2 bytes) away, "not run" when the model has no run."""
+    paper = paper_points() if paper is None else paper
+    pts = points(result_rows)
+    order = {m: i for i, m in enumerate(ORDER)}
+    out = []
+    for p in sorted(paper, key=lambda p: (order.get(p["model"], len(order)), p["log2_bytes"], p["accuracy"])):
+        entry = {"mixer": p["model"], "paper_state": f"2^{p['log2_bytes']:.2f}", "paper": f"{p['accuracy']:.2f}",
+                 "ours_at": None, "ours": None, "diff": None, "verdict": "not run"}
+        mine = _of(pts, p["model"])
+        if mine:
+            near = min(mine, key=lambda q: abs(math.log2(q["state_bytes"]) - p["log2_bytes"]))
+            gap = math.log2(near["state_bytes"]) - p["log2_bytes"]
+            dial = f", {near['dial']}" if near["dial"] is not None else ""
+            entry["ours_at"] = f"2^{math.log2(near['state_bytes']):.2f} (d {near['d_model']}{dial})"
+            if abs(gap) > STATE_MATCH:
+                entry["verdict"] = "no point at this state"
+            else:
+                diff = near["test_accuracy"] - p["accuracy"]
+                close = abs(round(diff, 3)) <= TOLERANCE + READ_PRECISION
+                entry |= {"ours": near["test_accuracy"], "diff": f"{round(diff, 2) + 0.0:+.2f}",
+                          "verdict": "matches" if close else ("ours higher" if diff > 0 else "ours lower")}
+        out.append(entry)
+    return out
+
+
 def frontier(pts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The points no point of smaller or equal state beats: ascending state, rising accuracy."""
     out, top = [], -math.inf
@@ -166,11 +225,18 @@ def plot(result_rows: list[dict[str, Any]], out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     pts = points(result_rows)
+    paper = paper_points()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for mixer in ORDER:
+    for i, mixer in enumerate(ORDER):
+        color = f"C{i}"
         ps = sorted(_of(pts, mixer), key=lambda p: p["state_bytes"])
         if ps:
-            ax.plot([p["state_bytes"] for p in ps], [p["test_accuracy"] for p in ps], "o", label=mixer, alpha=0.8)
+            ax.plot([p["state_bytes"] for p in ps], [p["test_accuracy"] for p in ps], "o", color=color, label=mixer,
+                    alpha=0.8)
+        theirs = [p for p in paper if p["model"] == mixer]
+        if theirs and ps:  # the paper's markers of the models we ran, open circles in the same colour
+            ax.plot([2 ** p["log2_bytes"] for p in theirs], [p["accuracy"] for p in theirs], "o", color=color,
+                    markerfacecolor="none", markersize=8, alpha=0.7, label=f"{mixer} (paper)")
     front = frontier(pts)
     if front:
         ax.step([p["state_bytes"] for p in front], [p["test_accuracy"] for p in front], "k--", where="post",
@@ -191,7 +257,10 @@ def plot(result_rows: list[dict[str, Any]], out: Path) -> Path:
 
 
 def build(summaries_dir: Path = SUMMARIES, out: Path = HERE) -> dict[str, Any]:
-    return build_reproduction(summaries_dir, out, rows, plot, comparison, comparison_table, (START, END))
+    record = build_reproduction(summaries_dir, out, rows, plot, comparison, comparison_table, (START, END))
+    entries = point_comparison(record["rows"])
+    fill_readme_block(out / "README.md", POINTS_START, POINTS_END, markdown_table(POINT_COLUMNS, entries))
+    return record | {"points": entries}
 
 
 def main(argv: list[str]) -> None:
