@@ -41,6 +41,7 @@ CASES = [
     ("short_conv-k1", "short_conv", {"kernel_size": 1}),
     ("long_conv", "long_conv", {}),
     ("long_conv-h4b3", "long_conv", {"filter_hidden": 4, "num_bands": 3}),
+    ("long_conv-explicit", "long_conv", {"filter": "explicit"}),
     ("rwkv4-c8", "rwkv4", {}),
     ("rwkv4-c16", "rwkv4", {"chunk_size": 16}),
     ("rwkv4-c5", "rwkv4", {"chunk_size": 5}),
@@ -257,6 +258,7 @@ BAD_OPTIONS = [
     ("short_conv-k0", "short_conv", {"kernel_size": 0}, "kernel_size must be >= 1"),
     ("long_conv-bands", "long_conv", {"num_bands": 0}, "num_bands must be >= 1"),
     ("long_conv-len", "long_conv", {"max_seq_len": 0}, "max_seq_len must be >= 1"),
+    ("long_conv-filter", "long_conv", {"filter": "mlp"}, "filter must be implicit or explicit, got 'mlp'"),
     ("rwkv4-chunk", "rwkv4", {"chunk_size": 0}, "chunk_size must be >= 1"),
     ("rwkv4-impl", "rwkv4", {"impl": "torch"}, "naive|triton"),
     ("attention-dropout", "attention", {"dropout": 1.0}, r"dropout must be a number in \[0, 1\)"),
@@ -416,6 +418,28 @@ def test_long_conv_matches_a_direct_sum_and_reaches_every_lag():
     xi = x.clone().requires_grad_()
     (grad,) = torch.autograd.grad(mixer(xi)[:, T - 1].sum(), xi)
     assert grad[:, 0].abs().sum() > 0
+
+
+def test_long_conv_explicit_filter_is_zoologys_free_taps():
+    """filter=explicit: h is the taps parameter itself ([max_seq_len, d], the only filter parameter), drawn
+    N(0, 1) as Zoology's LongConvolution draws it, left so by the model's init; the convolution then equals the
+    direct sum with those taps."""
+    from zoo.models.lm import _init_weights
+
+    T = 24
+    mixer = build(("", "long_conv", {"filter": "explicit"}), max_seq_len=T)
+    filter_params = dict(mixer.filter.named_parameters())
+    assert list(filter_params) == ["taps"] and filter_params["taps"].shape == (T, D_MODEL)
+    wide = MIXERS["long_conv"](256, max_seq_len=512, filter="explicit")
+    before = wide.filter.taps.detach().clone()
+    wide.apply(_init_weights)
+    assert torch.equal(wide.filter.taps, before)
+    assert abs(before.std().item() - 1.0) < 0.01 and abs(before.mean().item()) < 0.01
+    x = inputs(2, T)
+    h = mixer.filter(T)
+    assert h.data_ptr() == mixer.filter.taps.data_ptr()
+    conv = torch.stack([sum(h[t - s] * x[:, s] for s in range(t + 1)) for t in range(T)], dim=1)
+    torch.testing.assert_close(mixer(x), (conv + x) * mixer.projection(x) + x, rtol=1e-10, atol=1e-12)
 
 
 def test_long_conv_longer_than_its_filter_raises():

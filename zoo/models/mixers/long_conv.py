@@ -2,13 +2,17 @@
 
     y = (h ∗ u + u) ⊙ Linear(d → d)(u) + u         h: one causal filter per channel, as long as the sequence
 
-The filter is implicit: h[t, c] = MLP(z_t)[c], with z_t = [t / (max_seq_len - 1), cos(2π f_b t / max_seq_len),
--sin(2π f_b t / max_seq_len)] over `num_bands` frequencies f_b = linspace(1e-4, num_bands - 1, num_bands) and
-the MLP Linear(1 + 2·num_bands → filter_hidden), ReLU, Linear(filter_hidden → d). This is the Zoology Fig. 2
-setting (d_emb 3, hidden 16): with one band of frequency 1e-4 the features are nearly [t, 1, 0], so the filter
-is a ReLU network of the position alone. The `+ u` inside the gate is the convolution's skip term with a fixed
-weight of 1, as in Zoology's FFT convolution. The convolution runs through `causal_conv` (a Toeplitz matmul up
-to DIRECT_MAX_T positions, an FFT of length 2T beyond).
+The filter is implicit by default (`filter: implicit`): h[t, c] = MLP(z_t)[c], with z_t = [t / (max_seq_len - 1),
+cos(2π f_b t / max_seq_len), -sin(2π f_b t / max_seq_len)] over `num_bands` frequencies
+f_b = linspace(1e-4, num_bands - 1, num_bands) and the MLP Linear(1 + 2·num_bands → filter_hidden), ReLU,
+Linear(filter_hidden → d). This is the Zoology Fig. 2 setting (d_emb 3, hidden 16): with one band of frequency
+1e-4 the features are nearly [t, 1, 0], so the filter is a ReLU network of the position alone.
+`filter: explicit` makes every tap h[t, c] a parameter of its own, drawn N(0, 1): Zoology's `LongConvolution`,
+the filter its BaseConv used until commit 8486daf (2023-10-29), which the launch behind the published Fig. 2's
+BaseConv points may have run (experiments/zoology_fig2/README.md); d·max_seq_len parameters instead of the MLP's.
+The `+ u` inside the gate is the convolution's skip term with a fixed weight of 1, as in Zoology's FFT
+convolution. The convolution runs through `causal_conv` (a Toeplitz matmul up to DIRECT_MAX_T positions, an FFT
+of length 2T beyond).
 
 With the sequence length of Zoology's configs (`max_seq_len` = L, its `l_max`) the filter spans every lag a
 sequence can reach: a key L - 1 tokens back still reaches the query, which a k = 3 short convolution cannot.
@@ -42,11 +46,14 @@ class LongConvConfig:
     max_seq_len: int = 2048  # filter length and rows of the decode buffer (Zoology's l_max)
     filter_hidden: int = 16  # width of the filter MLP (Zoology's d_hidden)
     num_bands: int = 1  # sin/cos pairs of the filter's position features (Zoology's (d_emb - 1) / 2)
+    filter: str = "implicit"  # implicit: the position MLP above; explicit: one N(0, 1) parameter per tap
 
     def validate(self, d_model: int) -> None:
         check_int("long_conv: max_seq_len", self.max_seq_len, minimum=1)
         check_int("long_conv: filter_hidden", self.filter_hidden, minimum=1)
         check_int("long_conv: num_bands", self.num_bands, minimum=1)
+        if self.filter not in ("implicit", "explicit"):
+            raise ValueError(f"long_conv: filter must be implicit or explicit, got {self.filter!r}")
 
 
 class PositionFilter(nn.Module):
@@ -70,8 +77,21 @@ class PositionFilter(nn.Module):
         return self.mlp(self.features[:length].to(dtype))  # [T, C]
 
 
+class FreeFilter(nn.Module):
+    """h[t, c] for t = 0..T-1: a parameter per tap, [max_seq_len, channels] drawn N(0, 1) as Zoology's
+    `LongConvolution` draws its [channels, l_max] filter (the model's init leaves it alone: it is no Linear)."""
+
+    def __init__(self, channels: int, config: LongConvConfig) -> None:
+        super().__init__()
+        self.taps = nn.Parameter(torch.randn(config.max_seq_len, channels))
+
+    def forward(self, length: int) -> torch.Tensor:
+        """-> h: [length, channels] in the parameters' dtype (length <= max_seq_len)."""
+        return self.taps[:length]
+
+
 class LongConv(nn.Module):
-    """Gated implicit long convolution: [B, T, d_model] -> [B, T, d_model].
+    """Gated long convolution: [B, T, d_model] -> [B, T, d_model].
 
     State: {"u": [B, max_seq_len, d] every past input of the convolution, "pos": [] int64 tokens seen}.
     """
@@ -84,7 +104,7 @@ class LongConv(nn.Module):
         self.config = make_config(self.name, self.Config, d_model, options)
         self.d_model = d_model
         self.projection = nn.Linear(d_model, d_model)
-        self.filter = PositionFilter(d_model, self.config)
+        self.filter = (PositionFilter if self.config.filter == "implicit" else FreeFilter)(d_model, self.config)
 
     def _gate(self, u: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
         """(conv + u) ⊙ projection(u) + u on [..., d]."""
