@@ -138,3 +138,33 @@ def test_collected_summary_holds_the_learning_curve(tmp_path):
     assert curve["epoch"] == [r["epoch"] for r in evals] and len(evals) == 3
     assert curve["valid_accuracy"] == [round(r["valid/accuracy"], 5) for r in evals]
     assert all(loss is not None and loss > 0 for loss in curve["train_loss"])
+
+
+def _launched_summary(directory: Path, run: str, layers: list[str], lr: float, valid: float, test: float) -> None:
+    (directory / run).mkdir(parents=True)
+    (directory / run / "summary.json").write_text(json.dumps({
+        "run": run, "layers": layers, "d_model": 64, "state_bytes_seq_len": 128, "lr": lr, "epochs": 64,
+        "state_bytes_fp32": 1, "valid/accuracy": valid, "test/accuracy": test}))
+
+
+def test_fig2_launched_points_map_the_launched_stacks_to_their_presets(tmp_path):
+    """The launched models' check runs become figure markers: BaseConv's 8-layer stack is base_conv and H3's 4
+    layers h3, each at its best lr by valid (reporting test); a stack of another kind is refused."""
+    plot = runpy.run_path(str(REPO / "experiments" / "zoology_fig2" / "plot.py"), run_name="plot")
+    stack = ["short_conv", "short_conv", "long_conv", "long_conv"] * 2
+    _launched_summary(tmp_path, "bc-a", stack, 1e-2, valid=0.48, test=0.47)
+    _launched_summary(tmp_path, "bc-b", stack, 1e-3, valid=0.10, test=0.52)
+    _launched_summary(tmp_path, "h3-a", ["h3"] * 4, 1e-2, valid=0.3, test=0.31)
+    (tmp_path / "cut").mkdir()  # a run cut before its end: no summary, left out
+    got = plot["launched_points"](tmp_path)
+    assert set(got) == {(128, "base_conv", 64), (128, "h3", 64)}
+    assert got[(128, "base_conv", 64)]["test_accuracy"] == 0.47
+    _launched_summary(tmp_path, "odd", ["short_conv", "based"], 1e-2, valid=0.9, test=0.9)
+    with pytest.raises(ValueError, match="not one of the launched models'"):
+        plot["launched_points"](tmp_path)
+
+
+def test_fig2_committed_launched_checks_are_read():
+    """The committed checks hold the launched BaseConv at L = 64, d = 512 (it stopped at 0.99)."""
+    plot = runpy.run_path(str(REPO / "experiments" / "zoology_fig2" / "plot.py"), run_name="plot")
+    assert plot["launched_points"]()[(64, "base_conv", 512)]["test_accuracy"] > 0.98

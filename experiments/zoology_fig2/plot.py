@@ -16,6 +16,10 @@ a tracker) and writes
 - the table between the `points` markers: every point of the figure itself (`paper_points.json`: Zoology's Fig. 2
   read marker by marker, five models, d_model 64–512) beside ours at the same (L, model, d_model), with the
   difference. The figure draws those points as dashed lines.
+
+The figure also marks, as open diamonds, the models the launches behind Zoology's published figure trained
+(`checks/launched_models/`: `ZOO_FIG2_MODELS=launched` runs, best lr by valid, test accuracy), which are not the
+config's models and stay out of results.json and the tables.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import json
 import sys
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +55,16 @@ PRESETS = {
     ("short_conv", "based"): "based",
     ("mamba", "mamba"): "mamba",
 }
+# Layer kinds (in order of first appearance) of each launched model (experiments/zoology_fig2/sweep.py's LAUNCHED)
+# -> the preset it stands in for: BaseConv's 8-layer stack, H3's 4 layers, the others 2 layers as the config's.
+LAUNCHED_PRESETS = {
+    ("attention",): "attention",
+    ("short_conv", "long_conv"): "base_conv",
+    ("hyena",): "hyena",
+    ("h3",): "h3",
+    ("rwkv4",): "rwkv",
+}
+LAUNCHED_CHECKS = HERE / "checks" / "launched_models"
 ORDER = ["attention", "based", "base_conv", "rwkv", "hyena", "h3", "mamba"]
 GATED_CONVS = ["base_conv", "hyena", "h3"]
 OTHERS = [m for m in ORDER if m != "attention"]
@@ -136,6 +151,20 @@ def rows(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     mark_best_lr(out, ("mixer", "d_model", "seq_len"))
     order = {m: i for i, m in enumerate(ORDER)}
     return sorted(out, key=lambda r: (r["seq_len"], order.get(r["mixer"], len(order)), r["d_model"], r["lr"]))
+
+
+def launched_points(directory: Path = LAUNCHED_CHECKS) -> dict[tuple[int, str, int], dict[str, Any]]:
+    """(seq_len, preset, d_model) -> the best-lr row (by valid) of the launched models' finished runs under
+    directory/<run>/summary.json (runs cut before their end have no summary and are left out)."""
+    summaries = [json.loads(p.read_text()) for p in sorted(Path(directory).glob("*/summary.json"))]
+    out = []
+    for s in summaries:
+        kinds = tuple(dict.fromkeys(s["layers"]))
+        if kinds not in LAUNCHED_PRESETS:
+            raise ValueError(f"plot.py: {s['run']} has layers {kinds}, not one of the launched models'")
+        out.append(result_row(s, LAUNCHED_PRESETS[kinds]))
+    mark_best_lr(out, ("mixer", "d_model", "seq_len"))
+    return points(out)
 
 
 def points(result_rows: list[dict[str, Any]]) -> dict[tuple[int, str, int], dict[str, Any]]:
@@ -235,7 +264,8 @@ def draw_readings(ax, L: int, colors: dict[str, str], skip: set[str] = frozenset
                             alpha=0.25 if grey else 0.35, linewidth=0)
 
 
-def plot(result_rows: list[dict[str, Any]], out: Path) -> Path:
+def plot(result_rows: list[dict[str, Any]], out: Path, launched: dict | None = None) -> Path:
+    """The figure; `launched`: `launched_points`' map, drawn as open diamonds (none: nothing drawn)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -260,19 +290,29 @@ def plot(result_rows: list[dict[str, Any]], out: Path) -> Path:
             if ds:
                 ax.plot(ds, [best[(L, mixer, d)]["test_accuracy"] for d in ds], "o-", label=mixer, alpha=0.85,
                         color=colors[mixer])
+        for (pL, mixer, d), row in (launched or {}).items():
+            if pL == L:
+                ax.plot([d], [row["test_accuracy"]], "D", color=colors[mixer], fillstyle="none", markersize=7,
+                        markeredgewidth=1.5)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("d_model")
         ax.set_title(f"L = {L}")
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("MQAR test accuracy (best lr by valid)")
-    handles, _ = axes[0][-1].get_legend_handles_labels()
+    by_label = {}  # every model drawn in any panel, in ORDER
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            by_label.setdefault(label, handle)
+    handles = [by_label[m] for m in ORDER if m in by_label]
     from matplotlib.lines import Line2D
 
     figure_points = Line2D([], [], color="0.4", marker="x", linestyle="--", linewidth=1,
                            label="Zoology's Fig. 2, read (dashed)")
     bars = Patch(facecolor="0.5", alpha=0.25, label="REFERENCE's reading (based, mamba)")
-    axes[0][-1].legend(handles=[*handles, figure_points, bars], fontsize=6)
+    extra = [Line2D([], [], color="0.4", marker="D", fillstyle="none", linestyle="none",
+                    label="the launched model (checks/)")] if launched else []
+    axes[0][-1].legend(handles=[*handles, figure_points, *extra, bars], fontsize=6)
     fig.tight_layout()
     path = out / "accuracy_vs_d_model.png"
     atomic_savefig(fig, path, dpi=130)
@@ -280,8 +320,10 @@ def plot(result_rows: list[dict[str, Any]], out: Path) -> Path:
     return path
 
 
-def build(summaries_dir: Path = SUMMARIES, out: Path = HERE) -> dict[str, Any]:
-    record = build_reproduction(summaries_dir, out, rows, plot, comparison, comparison_table, (START, END))
+def build(summaries_dir: Path = SUMMARIES, out: Path = HERE, launched_dir: Path = LAUNCHED_CHECKS) -> dict[str, Any]:
+    launched = launched_points(launched_dir)
+    record = build_reproduction(summaries_dir, out, rows, partial(plot, launched=launched), comparison,
+                                comparison_table, (START, END))
     entries = point_comparison(record["rows"])
     fill_readme_block(out / "README.md", POINTS_START, POINTS_END, markdown_table(POINT_COLUMNS, entries))
     return record | {"points": entries}
