@@ -58,3 +58,13 @@ def test_unfinished_and_missing_points():
     assert got[(256, 64)]["verdict"] == "not run" and got[(256, 64)]["ours"] is None
     assert (512, 64) not in got  # the optional L = 512 panel is listed once it has runs
     assert (512, 64) in entries([row(512, "hyena", 64, 0.0)])
+
+
+def test_every_committed_difference_names_its_cause_or_check():
+    """Each point and reading where the committed runs differ from the paper carries, in the README's tables, the
+    cause found or the check that would settle it; matching points carry none."""
+    rows = PLOT["rows"](PLOT["load_summaries"]())
+    for entry in PLOT["point_comparison"](rows) + PLOT["comparison"](rows):
+        differs = entry["verdict"].startswith(("ours lower", "ours higher", "differs"))
+        where = f"L={entry['L']} {entry['mixer']} {entry['d']}: {entry['verdict']}"
+        assert bool(entry["cause"]) == differs, where

@@ -12,7 +12,8 @@ a tracker) and writes
 - `accuracy_vs_d_model.png`: one panel per L, test accuracy of the best-lr run (chosen on validation) against
   d_model, one line per model, as in the paper's figure, over shaded bars of the paper's readings;
 - the table between the `comparison` markers of README.md: every reading of Fig. 2 in shared/REFERENCE.md §1
-  beside ours, "matches" (within 0.05 of the paper's range) or "differs";
+  beside ours, "matches" (within 0.05 of the paper's range) or "differs", each difference with its cause or the
+  check that would settle it (`CAUSES`);
 - the table between the `points` markers: every point of the figure itself (`paper_points.json`: Zoology's Fig. 2
   read marker by marker, five models, d_model 64–512) beside ours at the same (L, model, d_model), with the
   difference. The figure draws those points as dashed lines.
@@ -95,6 +96,23 @@ CLAIMS = (
     ]
 )
 TOLERANCE = 0.05
+# For every point where ours differs from the paper: the cause found, or the check that would settle it (the
+# README's sections "One finished reading differs" and "What the published figure ran" give the evidence).
+LAUNCHED_CHECK = "check: the launched model here (`ZOO_FIG2_MODELS=launched MIXERS={} D={}`)"
+CAUSES = {
+    (64, "base_conv", 64): "candidate: the figure's BaseConv is the launched 8-layer stack; "
+                           + LAUNCHED_CHECK.format("base_conv", 64),
+    (64, "base_conv", 512): "found: the figure's model is the launched 8-layer stack, 0.989 here "
+                            "(checks/launched_models/); the config's memorises",
+    (64, "rwkv", 64): "candidate: the launched RWKV-4 (0.221 against the figure's 0.17 at L = 128); "
+                      + LAUNCHED_CHECK.format("rwkv", 64),
+    (64, "hyena", 128): "candidate: the launched Hyena (tanh MLP, batch 1024); " + LAUNCHED_CHECK.format("hyena", 128),
+    (64, "hyena", 256): "candidate: the launched Hyena (tanh MLP, batch 1024); " + LAUNCHED_CHECK.format("hyena", 256),
+    (128, "base_conv", 64): "the launched 8-layer stack gives 0.482 (checks/launched_models/); check: its explicit "
+                            "filter, and seeds 1 and 2 at lr 1e-2 (README)",
+    (128, "base_conv", 128): "candidate: the launched 8-layer stack; " + LAUNCHED_CHECK.format("base_conv", 128),
+    (128, "hyena", 64): "candidate: the launched Hyena (tanh MLP, batch 1024); " + LAUNCHED_CHECK.format("hyena", 64),
+}
 COLUMNS = [  # the README table: (header, comparison entry key)
     ("L", "L"),
     ("model", "mixer"),
@@ -103,6 +121,7 @@ COLUMNS = [  # the README table: (header, comparison entry key)
     ("ours (best lr by valid, test)", "ours"),
     ("runs finished", "runs"),
     ("verdict", "verdict"),
+    ("cause, or the check that settles it", "cause"),
 ]
 D_MODELS = [64, 128, 256, 512]  # the grid's widths (sweep.py)
 LRS_PER_POINT = 4  # the grid's learning rates per (L, model, d_model)
@@ -121,6 +140,7 @@ POINT_COLUMNS = [
     ("ours − paper", "diff"),
     ("runs finished", "runs"),
     ("verdict", "verdict"),
+    ("cause, or the check that settles it", "cause"),
 ]
 
 
@@ -195,8 +215,10 @@ def comparison(result_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if runs < LRS_PER_POINT * len(chosen):
                 verdict += " so far"
         d_text = "every d" if ds is None else "d=" + "/".join(map(str, ds))
+        differs = verdict.startswith("differs")
+        cause = CAUSES.get((L, mixer, min(found, key=lambda r: r["test_accuracy"])["d_model"]), "") if differs else ""
         out.append({"L": L, "mixer": mixer, "d": d_text, "paper": text, "ours": ours, "verdict": verdict,
-                    "runs": f"{runs}/{LRS_PER_POINT * len(chosen)}"})
+                    "runs": f"{runs}/{LRS_PER_POINT * len(chosen)}", "cause": cause})
     return out
 
 
@@ -227,7 +249,7 @@ def point_comparison(result_rows: list[dict[str, Any]], paper: dict | None = Non
         text = f"{p['accuracy']:.2f}" if p["read"] == "marker" else f"≈{p['accuracy']:.2f}"
         runs = finished[(L, mixer, d)]
         entry = {"L": L, "mixer": mixer, "d": d, "paper": text, "ours": None, "diff": None,
-                 "runs": f"{runs}/{LRS_PER_POINT}", "verdict": "not run"}
+                 "runs": f"{runs}/{LRS_PER_POINT}", "verdict": "not run", "cause": ""}
         row = best.get((L, mixer, d))
         if row is not None:
             diff = row["test_accuracy"] - p["accuracy"]
@@ -235,7 +257,8 @@ def point_comparison(result_rows: list[dict[str, Any]], paper: dict | None = Non
             verdict = "matches" if close else ("ours higher" if diff > 0 else "ours lower")
             if runs < LRS_PER_POINT:
                 verdict += " so far"
-            entry |= {"ours": row["test_accuracy"], "diff": f"{round(diff, 2) + 0.0:+.2f}", "verdict": verdict}
+            entry |= {"ours": row["test_accuracy"], "diff": f"{round(diff, 2) + 0.0:+.2f}", "verdict": verdict,
+                      "cause": "" if close else CAUSES.get((L, mixer, d), "")}
         out.append(entry)
     return out
 
