@@ -40,3 +40,12 @@ PAPER = [{"model": "based", "log2_bytes": 13.5, "accuracy": 0.71}]
 def test_each_marker_meets_our_nearest_point_of_its_model(rows, verdict):
     (entry,) = PLOT["point_comparison"](rows, PAPER)
     assert entry["verdict"] == verdict
+
+
+def test_every_committed_difference_names_its_cause_or_check():
+    """Each marker where the committed runs differ from the figure carries the cause found or the check that would
+    settle it in the README's table; matching markers carry none."""
+    rows = PLOT["rows"](PLOT["load_summaries"]())
+    for entry in PLOT["point_comparison"](rows):
+        differs = entry["verdict"] in ("ours lower", "ours higher")
+        assert bool(entry["cause"]) == differs, f"{entry['mixer']} at {entry['paper_state']}: {entry['verdict']}"

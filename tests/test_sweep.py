@@ -303,6 +303,9 @@ def test_fig2_launched_models_are_the_published_figures(mixer, layers, mlp, batc
     assert cfg.experiment_name == "zoology_fig2_launched"
     if mixer == "rwkv":
         assert cfg.model.mixers["rwkv4"]["init_layers"] == 2
+    lrs = [float(o.removeprefix("optim.lr=")) for run in runs for o in run if o.startswith("optim.lr=")]
+    # the H3 launch at L >= 128 swept logspace(-3.3, -2, 4); the others the grid's logspace(-4, -2, 4)
+    assert lrs == ([5.012e-4, 1.359e-3, 3.687e-3, 1e-2] if mixer == "h3" else [1e-4, 4.642e-4, 2.154e-3, 1e-2])
 
 
 def test_fig2_models_selector_refuses_unknown_values(monkeypatch):

@@ -75,7 +75,14 @@ POINT_COLUMNS = [
     ("ours", "ours"),
     ("ours − paper", "diff"),
     ("verdict", "verdict"),
+    ("cause, or the check that settles it", "cause"),
 ]
+# For every marker where ours differs: the cause found, or the check that would settle it, by (model, the
+# marker's log2 bytes to two places). The README's "Where ours stands" gives the evidence.
+CAUSES = {
+    ("based", "16.48"): "candidate: another Based of the figure's wider grid at this state (our d = 48, f = 24 "
+                        "gives 0.894 at 2^15.97); check: the config's commented-out d = 256 and f = 32, 64 runs",
+}
 
 
 def collect(runs_dir: Path, out: Path = SUMMARIES) -> int:
@@ -190,7 +197,7 @@ def point_comparison(result_rows: list[dict[str, Any]], paper: list[dict[str, An
     out = []
     for p in sorted(paper, key=lambda p: (order.get(p["model"], len(order)), p["log2_bytes"], p["accuracy"])):
         entry = {"mixer": p["model"], "paper_state": f"2^{p['log2_bytes']:.2f}", "paper": f"{p['accuracy']:.2f}",
-                 "ours_at": None, "ours": None, "diff": None, "verdict": "not run"}
+                 "ours_at": None, "ours": None, "diff": None, "verdict": "not run", "cause": ""}
         mine = _of(pts, p["model"])
         if mine:
             near = min(mine, key=lambda q: abs(math.log2(q["state_bytes"]) - p["log2_bytes"]))
@@ -203,7 +210,8 @@ def point_comparison(result_rows: list[dict[str, Any]], paper: list[dict[str, An
                 diff = near["test_accuracy"] - p["accuracy"]
                 close = abs(round(diff, 3)) <= TOLERANCE + READ_PRECISION
                 entry |= {"ours": near["test_accuracy"], "diff": f"{round(diff, 2) + 0.0:+.2f}",
-                          "verdict": "matches" if close else ("ours higher" if diff > 0 else "ours lower")}
+                          "verdict": "matches" if close else ("ours higher" if diff > 0 else "ours lower"),
+                          "cause": "" if close else CAUSES.get((p["model"], f"{p['log2_bytes']:.2f}"), "")}
         out.append(entry)
     return out
 

@@ -118,6 +118,9 @@ LAUNCHED = {
     "hyena": ({"model.mlp": "tanh"}, 1024, 1024),
     "h3": ({"model.n_layers": 4, "model.mlp": "none"}, 1024, 256),
 }
+# The H3 launch of 2023-11-12 (L = 128, 256, 512) swept lr over logspace(-3.3, -2, 4) (commit 174d6cc), the others
+# the grid's: the i-th lr of the grid (or of LRS) becomes the i-th of these for H3 at L >= 128.
+LAUNCHED_H3_LRS = [float(f"{10 ** (-3.3 + 1.3 * i / 3):.4g}") for i in range(4)]
 # ... and the trainer of those launches: AdamW's default weight decay (0.01) on every parameter, the per-epoch cosine
 LAUNCHED_TRAINER = {"optim.weight_decay": 0.01, "optim.decay": "all", "optim.schedule": "cosine_epoch",
                     "model.init": "zoology", "experiment_name": "zoology_fig2_launched"}
@@ -134,7 +137,8 @@ def gpu_overrides(mixer: str) -> dict:
 
 
 def launched_runs(panels: list[str], mixers: list[str], d_models: list[int], lrs: list[float]) -> list[dict]:
-    """The config's runs turned into the launched models (LAUNCHED): their overrides, batch and trainer."""
+    """The config's runs turned into the launched models (LAUNCHED): their overrides, batch, trainer and (H3 at
+    L >= 128) lrs."""
     runs = []
     for run in panel_runs(panels, [m for m in mixers if m in LAUNCHED], d_models, lrs, exact_always=True):
         mixer = run["model"].removeprefix("zoology_fig2/")
@@ -142,6 +146,8 @@ def launched_runs(panels: list[str], mixers: list[str], d_models: list[int], lrs
         L = run["data.train"][0]["seq_len"]
         batch = small if L <= 128 else large if L == 256 else 128  # every launch: 128 at L = 512
         data = {k: [seg | {"batch_size": batch} for seg in run[k]] for k in ("data.train", "data.valid", "data.test")}
+        if mixer == "h3" and L >= 128:
+            data["optim.lr"] = dict(zip(LRS, LAUNCHED_H3_LRS))[run["optim.lr"]]
         runs.append(run | overrides | data | LAUNCHED_TRAINER)
     return runs
 
