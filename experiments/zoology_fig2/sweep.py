@@ -9,7 +9,8 @@ lr ∈ logspace(-4, -2, 4): 7·4·4·3 = 336 runs. 2 layers, no MLP, 100k train 
 batch 512/512/256, 64 epochs, early stop at 0.99 valid accuracy; AdamW as Zoology runs it (wd 0.1, betas
 (0.9, 0.999), no gradient clipping), cosine to 0, no warmup; from the L=128 panel on, Zoology's per-epoch cosine,
 decay on every parameter and init exactly (`ZOOLOGY_EXACT`; the L=64 panel's runs predate those options). Each
-length is its own run (one panel).
+length is its own run (one panel). The data keep our MQAR's random query order, where Zoology queries the j-th
+context key at its j-th slot draw (the README says what that changes: almost nothing in key-to-query distance).
 Learning rates are selected on validation (Zoology selected and stopped on test). Under `--pack-lrs` a point's
 four lrs train as one pack that stops as soon as one of them reaches 0.99 (`train.pack_stop=first`): that lr is
 then the point's best up to 0.01, so the figure is the same, while the other three end where they stand

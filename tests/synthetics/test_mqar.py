@@ -174,6 +174,7 @@ BAD_CONFIGS = {
     "float-seq_len": (dict(seq_len=256.0), "seq_len must be an int"),
     "bool-examples": (dict(num_examples=True), "num_examples must be an int"),
     "str-filler-flag": (dict(random_non_queries="yes"), "random_non_queries must be a bool"),
+    "query-order": (dict(query_order="sorted"), "query_order must be random or zoology, got 'sorted'"),
 }
 
 
@@ -305,6 +306,45 @@ def test_query_order_is_independent_of_context_order():
         assert abs(slots[:, j].mean() - overall) < 5 * se, j
     before = (slots[:, 0] < slots[:, 1]).mean()
     assert abs(before - 0.5) < 5 * math.sqrt(0.25 / len(slots))
+
+
+def exact_order_probs(probs: np.ndarray, n: int) -> dict[tuple, float]:
+    """P(draw sequence) under successive sampling without replacement ∝ probs, for every ordered n-tuple."""
+    out = {}
+    for order in itertools.permutations(range(len(probs)), n):
+        p, left = 1.0, 1.0
+        for s in order:
+            p *= probs[s] / left
+            left -= probs[s]
+        out[order] = p
+    return out
+
+
+@pytest.mark.parametrize("gen", ["fast", "reference"])
+def test_zoology_query_order_is_the_draw_order(gen):
+    """query_order=zoology, L=18, n=3 (6 slots, 120 draw sequences): the slots of context keys 1, 2, 3 are a
+    successive draw without replacement in draw order, against the exact probability of every sequence."""
+    cfg = MQARConfig(vocab_size=64, seq_len=18, num_kv_pairs=3, num_examples=20_000, query_order="zoology")
+    exact = exact_order_probs(query_slot_probs(cfg.num_slots, cfg.power_a), 3)
+    seqs = sorted(exact)
+    index = {q: i for i, q in enumerate(seqs)}
+    counts = np.zeros(len(seqs))
+    for row in map(tuple, parse(GENERATORS[gen](cfg, 4), cfg)["slot_of_key"]):
+        counts[index[row]] += 1
+    assert chi2(counts, np.array([exact[q] for q in seqs])) < chi2_limit(len(seqs) - 1)
+
+
+def test_zoology_query_order_puts_early_keys_early_at_L128():
+    """query_order=zoology at L=128, n=8: the mean slot rises from the first context key to the last (≈11 to
+    ≈17), as Zoology's generator (the reference's legacy `choice`, in draw order) has it."""
+    cfg = MQARConfig(seq_len=128, num_kv_pairs=8, num_examples=20_000, query_order="zoology")
+    fast = parse(generate_mqar(cfg, 3), cfg)["slot_of_key"].astype(float)  # [N, n]
+    ref_cfg = MQARConfig(seq_len=128, num_kv_pairs=8, num_examples=4000, query_order="zoology")
+    ref = parse(generate_mqar_reference(ref_cfg, 3), ref_cfg)["slot_of_key"].astype(float)
+    for j in range(cfg.num_kv_pairs):
+        se = math.hypot(fast[:, j].std() / math.sqrt(len(fast)), ref[:, j].std() / math.sqrt(len(ref)))
+        assert abs(fast[:, j].mean() - ref[:, j].mean()) < 5 * se, j
+    assert fast[:, 0].mean() < 12.5 and fast[:, -1].mean() > 15.5
 
 
 # Distribution: keys, values, permutations

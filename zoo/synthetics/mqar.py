@@ -13,8 +13,11 @@ never an input). The n slots are drawn without replacement with probability ∝ 
 a = power_a, so most queries sit soon after the context.
 
 What is unusual here:
-- Query order is a uniform random permutation of context order. (Zoology pairs the j-th context key with
-  the j-th slot draw, so early context keys tend to be queried early.)
+- Query order (`query_order`): "random" (the default) queries the keys in a uniformly random permutation of
+  context order; "zoology" queries the j-th context key at the j-th slot of the successive draw, as Zoology's
+  generator does, so early context keys tend to take the likelier, earlier slots (at L=128, n=8 the first key's
+  mean slot is about 11, the last's about 17). The key-to-query distances differ little between the two
+  (experiments/zoology_fig2/README.md).
 - Every random choice, random filler included, comes from PCG64 streams spawned from `seed` (one per chunk
   of rows), cut from raw 64-bit words: the same (config, seed) gives the same tensors on any machine and
   with any number of threads. (The slot probabilities go through floating-point pow; a last-bit difference
@@ -45,6 +48,7 @@ class MQARConfig:
     power_a: float = 0.01
     random_non_queries: bool = False
     num_passes: int = 1
+    query_order: str = "random"  # random | zoology (module docstring)
 
     @property
     def context_len(self) -> int:
@@ -70,6 +74,8 @@ class MQARConfig:
                 raise ValueError(f"mqar.{name} must be an int, got {value!r}")
         if not isinstance(self.random_non_queries, bool):
             raise ValueError(f"mqar.random_non_queries must be a bool, got {self.random_non_queries!r}")
+        if self.query_order not in ("random", "zoology"):
+            raise ValueError(f"mqar.query_order must be random or zoology, got {self.query_order!r}")
         a = self.power_a
         if isinstance(a, bool) or not isinstance(a, (int, float)) or not (0 < a < math.inf):
             raise ValueError(f"mqar.power_a must be a finite number > 0, got {a!r}")
@@ -128,10 +134,13 @@ def _fill_rows(
     R, L, n, V, C = len(inputs), cfg.seq_len, cfg.num_kv_pairs, cfg.vocab_size, cfg.context_len
     pairs_kv = _distinct_per_row(rng, R, n, (1, V // 2), (V // 2, V))  # [R, 2n]
     keys, values = pairs_kv[:, :n], pairs_kv[:, n:]  # [R, n] each
-    slots = _sample_slots(rng, R, n, sampler)  # [R, n], ascending
-    perm = _random_permutations(rng, R, n)  # [R, n]
-    # Context key j is queried at the perm[j]-th smallest slot of its row, input position C + 2·slot.
-    query_pos = slots.reshape(-1)[perm + np.arange(0, R * n, n)[:, None]]  # [R, n]
+    if cfg.query_order == "zoology":
+        query_pos = _slots_in_draw_order(rng, R, n, sampler.probs)  # [R, n]: key j at the j-th draw
+    else:
+        slots = _sample_slots(rng, R, n, sampler)  # [R, n], ascending
+        perm = _random_permutations(rng, R, n)  # [R, n]
+        # Context key j is queried at the perm[j]-th smallest slot of its row, input position C + 2·slot.
+        query_pos = slots.reshape(-1)[perm + np.arange(0, R * n, n)[:, None]]  # [R, n]
     query_pos *= 2
     query_pos += C
     pairs = np.empty((R, 2 * n), dtype=keys.dtype)
@@ -165,7 +174,8 @@ def generate_mqar_reference(cfg: MQARConfig, seed: int) -> Segment:
     """The same distribution as `generate_mqar`, one example at a time with `RandomState.choice`.
 
     Written the way Zoology's generator works (legacy `choice` per example for keys, values and the slots
-    drawn without replacement ∝ weights), plus the seeded filler and the random query order.
+    drawn without replacement ∝ weights, the j-th key at the j-th draw), plus the seeded filler and, by default, the
+    random query order.
     """
     cfg.validate()
     _check_seed(seed)
@@ -181,7 +191,9 @@ def generate_mqar_reference(cfg: MQARConfig, seed: int) -> Segment:
     for i in range(N):
         keys = rs.choice(key_space, n, replace=False)
         values = rs.choice(value_space, n, replace=False)
-        slots = rs.choice(space, n, replace=False, p=probs)[rs.permutation(n)]
+        slots = rs.choice(space, n, replace=False, p=probs)  # in draw order
+        if cfg.query_order == "random":
+            slots = slots[rs.permutation(n)]
         x = np.zeros(L + 1, dtype=np.int64)
         y = np.full(L + 1, IGNORE_INDEX, dtype=np.int64)
         pairs = np.empty(2 * n, dtype=np.int64)
@@ -332,6 +344,26 @@ class _SlotSampler:
             u = (top[fix].astype(np.uint64) << self.low_bits) | rest
             out[fix] = np.searchsorted(self.bounds, u, side="right")
         return out
+
+
+def _slots_in_draw_order(rng: np.random.Generator, rows: int, n: int, probs: np.ndarray) -> np.ndarray:
+    """[rows, n] int64: per row, n slots drawn without replacement ∝ probs, in the order of successive sampling.
+
+    An exponential race: slot g finishes at E_g / probs[g] (E_g ~ Exponential(1)), and the first n to finish, in
+    finishing order, are a successive draw without replacement in draw order. Rows go in blocks of a bounded
+    number of race times.
+    """
+    space = len(probs)
+    out = np.empty((rows, n), dtype=np.int64)
+    block = max(1, (1 << 22) // space)
+    for r0 in range(0, rows, block):
+        r1 = min(rows, r0 + block)
+        raw = _raw_chunks(rng, (r1 - r0) * space, 64).reshape(r1 - r0, space)
+        # Exponential(1) times from 53-bit uniforms in (0, 1), scaled by 1/probs.
+        race = -np.log((raw >> np.uint64(11)).astype(np.float64) * 2.0**-53 + 2.0**-54) / probs  # [b, space]
+        first = np.argpartition(race, n - 1, axis=1)[:, :n] if n < space else np.tile(np.arange(space), (r1 - r0, 1))
+        out[r0:r1] = np.take_along_axis(first, np.argsort(np.take_along_axis(race, first, 1), axis=1), 1)
+    return out
 
 
 @functools.lru_cache(maxsize=64)
