@@ -2,6 +2,7 @@
 figure's models and axis ranges, and each marker is paired with our nearest point of its model by state."""
 
 import json
+import math
 import runpy
 from pathlib import Path
 
@@ -21,7 +22,8 @@ def test_markers_are_the_figures_models_within_its_axes():
 
 
 def row(mixer, state_bytes, test, d=64, dial=8, best=True):
-    return {"mixer": mixer, "state_bytes": state_bytes, "test_accuracy": test, "d_model": d, "dial": dial,
+    return {"mixer": mixer, "state_bytes": state_bytes, "paper_state_bytes": state_bytes, "test_accuracy": test,
+            "d_model": d, "dial": dial,
             "best_lr_by_valid": best}
 
 
@@ -42,10 +44,35 @@ def test_each_marker_meets_our_nearest_point_of_its_model(rows, verdict):
     assert entry["verdict"] == verdict
 
 
-def test_every_committed_difference_names_its_cause_or_check():
-    """Each marker where the committed runs differ from the figure carries the cause found or the check that would
-    settle it in the README's table; matching markers carry none."""
-    rows = PLOT["rows"](PLOT["load_summaries"]())
+@pytest.mark.parametrize("where", ["summaries", "checks"])
+def test_every_committed_difference_names_its_cause_or_check(where):
+    """Each marker where the committed runs (the grid's, and the earlier data setting's in checks/) differ from the
+    figure carries the cause found or the check that would settle it in the README's table; matching markers carry
+    none."""
+    directory = PLOT["SUMMARIES"] if where == "summaries" else PLOT["CHECKS"] / "summaries"
+    rows = PLOT["rows"](PLOT["load_summaries"](directory))
+    if where == "checks":
+        assert rows
     for entry in PLOT["point_comparison"](rows):
         differs = entry["verdict"] in ("ours lower", "ours higher")
         assert bool(entry["cause"]) == differs, f"{entry['mixer']} at {entry['paper_state']}: {entry['verdict']}"
+
+
+@pytest.mark.parametrize(("mixer", "layers", "d", "dial", "marker"), [
+    ("attention", ["short_conv", "attention"], 64, None, 19.00),
+    ("based", ["short_conv", "based"], 64, 8, 13.50),
+    ("sliding_window", ["short_conv", "sliding_window"], 128, 9, 12.97),
+    ("mamba", ["mamba", "mamba"], 64, 8, 12.97),
+    ("hyena", ["hyena", "hyena"], 64, None, 19.00),
+    ("h3", ["h3", "h3"], 64, 16, 12.97),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_paper_state_rule_lands_on_the_figures_markers(mixer, layers, d, dial, marker):
+    """The state as the code behind the figure counts it, at L = 1,024, of a small configuration of each model
+    lands on one of that model's markers (within 2^0.05 B), where the exact decode state misses some by 2^0.3 to
+    2^1.5 (the BaseConv layer, Mamba's conv window, H3's shift register, the window's w + 1 slots)."""
+    summary = {"d_model": d, "layers": layers, "model": {"mixers": {"mamba": {"expand": 2}}}}
+    got = math.log2(PLOT["paper_state_bytes"](summary, mixer, dial, 1024))
+    markers = [p["log2_bytes"] for p in json.loads((HERE / "paper_points.json").read_text())["points"]
+               if p["model"] == mixer]
+    assert min(markers, key=lambda m: abs(m - got)) == marker
+    assert abs(got - marker) < 0.05

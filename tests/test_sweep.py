@@ -106,6 +106,20 @@ def test_repo_sweep_files_compose(capsys):
     assert len(cfg.train.pack_lrs) == 4
 
 
+def test_frontier_data_are_the_configs(monkeypatch):
+    """Based Fig. 2's config: random filler in every segment (its MQARConfigs keep Zoology's default
+    random_non_queries=True) and Zoology's fixed batch order."""
+    from zoo.train import load_config
+
+    monkeypatch.setenv("MODELS", "based")
+    monkeypatch.setenv("D", "48")
+    runs = load_sweep(Path(__file__).resolve().parents[1] / "experiments/based_frontier/sweep.py")
+    cfg, _ = load_config(runs[0])
+    assert cfg.train.batch_order == "fixed"
+    for split in ("train", "valid", "test"):
+        assert all(seg.random_non_queries for seg in getattr(cfg.data, split)), split
+
+
 def test_frontier_keeps_only_improvements():
     runs = [
         {

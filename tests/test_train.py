@@ -93,6 +93,44 @@ def test_epoch_plan_covers_each_example_once_and_never_mixes_lengths():
     assert [i.tolist() for _, i in plan] != [i.tolist() for _, i in epoch_plan(segs, seed=0, epoch=1)]
 
 
+def test_fixed_batch_order_is_zoologys_dataloader():
+    """train.batch_order=fixed: segment after segment in config order, each one's batches in example order (the
+    last one short), the same plan every epoch, whatever the seed."""
+    segs = []
+    for L, n in ((32, 70), (64, 50)):
+        seg = generate(MQARConfig(vocab_size=128, seq_len=L, num_kv_pairs=4, num_examples=n), seed=L)
+        segs.append(QuerySegment.from_segment(seg, batch_size=16, device=torch.device("cpu")))
+    plan = epoch_plan(segs, seed=0, epoch=0, order="fixed")
+    assert [s for s, _ in plan] == [0] * 5 + [1] * 4
+    assert torch.equal(torch.cat([i for s, i in plan if s == 0]), torch.arange(70))
+    assert torch.equal(torch.cat([i for s, i in plan if s == 1]), torch.arange(50))
+    assert [len(i) for _, i in plan] == [16, 16, 16, 16, 6, 16, 16, 16, 2]
+    again = epoch_plan(segs, seed=3, epoch=7, order="fixed")
+    assert [(s, i.tolist()) for s, i in again] == [(s, i.tolist()) for s, i in plan]
+
+
+def test_training_takes_its_batch_order(tmp_path, monkeypatch):
+    """A run with train.batch_order=fixed trains on the fixed plan (the loop passes the option through)."""
+    import zoo.train as train_module
+
+    seen = []
+    real = train_module.epoch_plan
+
+    def recording(segments, seed, epoch, order="shuffle"):
+        seen.append(order)
+        return real(segments, seed, epoch, order)
+
+    monkeypatch.setattr(train_module, "epoch_plan", recording)
+    cfg, resolved = quick(tmp_path, "train.epochs=2", "train.batch_order=fixed")
+    train(cfg, resolved)
+    assert seen and set(seen) == {"fixed"}
+
+
+def test_batch_order_must_be_known(tmp_path):
+    with pytest.raises(ValueError, match="train.batch_order must be shuffle|fixed, got 'sorted'"):
+        quick(tmp_path, "train.batch_order=sorted")
+
+
 def test_resume_after_kill_matches_uninterrupted_run(tmp_path):
     epochs = 8
     ref_cfg, resolved = quick(tmp_path / "ref", f"train.epochs={epochs}")

@@ -229,6 +229,10 @@ class TrainConfig:
     # SIGTERM) checkpoints where it stops whatever this says.
     checkpoint_share: float = 0.05
     seed: int = 0
+    # The batches of an epoch. shuffle: every epoch its own seeded order, examples and segments mixed (a batch
+    # still holds one segment). fixed: Zoology's DataLoader (shuffle=False), every epoch the same, the segments in
+    # config order and each one's batches in example order.
+    batch_order: str = "shuffle"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
     compile: bool = False
@@ -259,6 +263,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.eval_every < 1 or self.log_every < 1:
             raise ValueError("train.epochs, train.eval_every and train.log_every must be >= 1")
+        if self.batch_order not in ("shuffle", "fixed"):
+            raise ValueError(f"train.batch_order must be shuffle|fixed, got {self.batch_order!r}")
         if self.pack_stop not in ("each", "first"):
             raise ValueError(f"train.pack_stop must be each|first, got {self.pack_stop!r}")
         if not 0 < self.checkpoint_share <= 1:
@@ -352,6 +358,10 @@ class PretrainTrainConfig:
     ckpt_every: int = 0  # 0: checkpoint at each evaluation
     parallel: str = "ddp"  # ddp | fsdp (FSDP2 fully_shard): used under torchrun with more than one process
     seed: int = 0
+    # The batches of an epoch. shuffle: every epoch its own seeded order, examples and segments mixed (a batch
+    # still holds one segment). fixed: Zoology's DataLoader (shuffle=False), every epoch the same, the segments in
+    # config order and each one's batches in example order.
+    batch_order: str = "shuffle"
     device: str = "auto"  # auto | cpu | cuda | cuda:N (under torchrun: cuda:LOCAL_RANK)
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
     compile: bool = False

@@ -323,16 +323,17 @@ def markdown_table(columns: list[tuple[str, str]], entries: list[dict[str, Any]]
     return "\n".join(lines)
 
 
-def build_reproduction(summaries_dir: Path, out: Path, rows, plot, comparison, table, markers: tuple[str, str]
-                       ) -> dict[str, Any]:
+def build_reproduction(summaries_dir: Path, out: Path, rows, plot, comparison, table, markers: tuple[str, str],
+                       allow_empty: bool = False) -> dict[str, Any]:
     """A reproduction's build step: its committed summaries -> results.json, its figure and the comparison block
     between `markers` in its README.md; the record it returns holds the rows too, for a further block. `rows`,
     `plot`, `comparison` and `table` are the experiment's own: summaries -> result rows, (rows, out) -> the figure's
-    path, rows -> entries, entries -> a markdown table."""
+    path, rows -> entries, entries -> a markdown table. `allow_empty`: a reproduction with no run yet still builds
+    (empty rows, every reading "not run") instead of stopping."""
     from zoo.runs import atomic_write_text
 
-    summaries = load_summaries(summaries_dir)
-    if not summaries:
+    summaries = load_summaries(summaries_dir) if Path(summaries_dir).is_dir() else []
+    if not summaries and not allow_empty:
         raise SystemExit(f"no summaries in {summaries_dir}: run `plot.py collect <runs dir>` first")
     result_rows = rows(summaries)
     atomic_write_text(out / "results.json", json.dumps({"rows": result_rows}, indent=1) + "\n")

@@ -113,11 +113,17 @@ def load_split(cfg: Config, split: str, device: torch.device) -> list[QuerySegme
     return segments
 
 
-def epoch_plan(segments: list[QuerySegment], seed: int, epoch: int) -> list[tuple[int, torch.Tensor]]:
-    """The batches of one epoch as (segment index, example indices), in a seeded random order.
+def epoch_plan(
+    segments: list[QuerySegment], seed: int, epoch: int, order: str = "shuffle"
+) -> list[tuple[int, torch.Tensor]]:
+    """The batches of one epoch as (segment index, example indices): in a seeded random order (`order`
+    "shuffle"), or ("fixed", Zoology's) segment after segment, each one's batches in example order, every epoch.
 
     A function of (seed, epoch) alone, so a resumed run replays exactly the batches it would have seen.
     """
+    if order == "fixed":
+        return [(s, torch.arange(i, min(i + seg.batch_size, len(seg))))
+                for s, seg in enumerate(segments) for i in range(0, len(seg), seg.batch_size)]
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     batches = []
     for s, seg in enumerate(segments):
@@ -127,10 +133,10 @@ def epoch_plan(segments: list[QuerySegment], seed: int, epoch: int) -> list[tupl
     return [batches[i] for i in order]
 
 
-def epoch_batches(segments: list[QuerySegment], seed: int, epoch: int, device: torch.device):
+def epoch_batches(segments: list[QuerySegment], seed: int, epoch: int, device: torch.device, order: str = "shuffle"):
     """(segment, example indices on `device`) per batch of `epoch_plan`, after one host-to-device copy of the
     whole epoch's indices: no transfer inside the step loop."""
-    plan = epoch_plan(segments, seed, epoch)
+    plan = epoch_plan(segments, seed, epoch, order)
     flat = torch.cat([idx for _, idx in plan]).to(device, non_blocking=True)
     start = 0
     for s, idx in plan:
@@ -433,7 +439,7 @@ def _train_runs(members: list[Config], resolved: list[str | None] | None, must_s
         loss_sum = torch.zeros(len(live), device=device)
         loss_n = 0
         # a run resumed mid-epoch skips the batches of the epoch it trained on (each epoch's order is fixed)
-        batches = epoch_batches(data["train"], cfg.train.seed, epoch, device)
+        batches = epoch_batches(data["train"], cfg.train.seed, epoch, device, cfg.train.batch_order)
         for seg, idx in itertools.islice(batches, step - epoch * steps_per_epoch, None):
             losses = strategy.step(seg, idx, step)  # [N]
             step += 1

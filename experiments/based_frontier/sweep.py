@@ -12,7 +12,9 @@ Models (presets `zoo/configs/model/based_fig2/*.yaml`; each header says where ou
 - Extra rows beyond the paper: Hybrid[BaseConv k=3, GLA] and Hybrid[BaseConv k=3, Gated DeltaNet], d ∈ {64, 128,
   256}, 1 head.
 Data: Zoology's standard mixture, (L, n) = (64, 4) 100k, (128, 8) 20k, (256, 16/32/64) 20k each, batch 256
-for every segment (180k examples an epoch); test 1k each of (64, 4), (64, 8), (64, 16), (128, 32), (256, 64),
+for every segment (180k examples an epoch), random filler tokens (the config leaves `random_non_queries` at its
+default, True), the batches in Zoology's fixed order (segment after segment, the same every epoch:
+`train.batch_order=fixed`); test 1k each of (64, 4), (64, 8), (64, 16), (128, 32), (256, 64),
 (512, 128), (1024, 256); a validation split of the same (L, n) list, drawn from its own seeds, selects the lr
 and stops early at 0.99 (Zoology stopped on its test set). 32 epochs, lr ∈ logspace(-3, -1.5, 4) = {1e-3,
 3.16e-3, 1e-2, 3.16e-2}, AdamW as Zoology runs it (wd 0.1 on every parameter, betas (0.9, 0.999), no gradient
@@ -93,11 +95,14 @@ def impl_overrides(preset: str, gpu: bool) -> dict:
 
 
 def _segments(pairs, num_examples: int | None) -> list[dict]:
+    """The config's MQAR segments: its `MQARConfig`s leave `random_non_queries` at Zoology's default, True, so
+    every position that is neither context nor query holds a random token (seeded here)."""
     def batch(L: int) -> int:
         return 256 if L <= 256 else 65536 // L
 
     return [
-        {"seq_len": L, "num_kv_pairs": n, "num_examples": num_examples or k[0], "batch_size": batch(L)}
+        {"seq_len": L, "num_kv_pairs": n, "num_examples": num_examples or k[0], "batch_size": batch(L),
+         "random_non_queries": True}
         for L, n, *k in pairs
     ]
 
@@ -125,6 +130,7 @@ def full_runs(epochs: int, lrs: list[float], experiment: str) -> list[dict]:
         "train.epochs": epochs,
         "train.early_stop": 0.99,
         "train.pack_stop": "first",
+        "train.batch_order": "fixed",  # Zoology's DataLoader: segment after segment, the same every epoch
         "experiment_name": experiment,
     }
     models = sorted(paper_models(), key=lambda m: (m["d"], MODELS.index(m["preset"])))
