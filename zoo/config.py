@@ -36,6 +36,7 @@ class ModelConfig:
     mlp_hidden: int = 0  # 0: 2·d_model for swiglu, 4·d_model for gelu and tanh
     norm: str = "layernorm"  # layernorm | rmsnorm
     final_norm: str = ""  # the norm before the head: "" (the blocks' `norm`) | layernorm | rmsnorm
+    rms_eps: float | None = None  # the RMSNorms' eps; None: torch's default, the dtype's machine epsilon
     tie_embeddings: bool = True
     max_position_embeddings: int = 0  # rows of a learned absolute position table added to the embeddings; 0: none
     embed_dropout: float = 0.0  # dropout on the embeddings while training
@@ -52,6 +53,8 @@ class ModelConfig:
             raise ValueError(f"model.mlp must be one of none|swiglu|gelu|tanh|identity, got {self.mlp!r}")
         if self.norm not in ("layernorm", "rmsnorm"):
             raise ValueError(f"model.norm must be one of layernorm|rmsnorm, got {self.norm!r}")
+        if self.rms_eps is not None and not self.rms_eps > 0:
+            raise ValueError(f"model.rms_eps must be > 0 or null, got {self.rms_eps}")
         if self.final_norm not in ("", "layernorm", "rmsnorm"):
             raise ValueError(f"model.final_norm must be empty (as model.norm) or one of layernorm|rmsnorm, "
                              f"got {self.final_norm!r}")

@@ -234,3 +234,22 @@ def test_hf_config_refuses_position_tables_and_keeps_dropout():
         ZooConfig.from_model_config(cfg)
     cfg, _ = preset("zoology_fig2/based", 16)
     assert ZooConfig.from_model_config(cfg).model_config() == cfg
+
+
+@pytest.mark.parametrize(("name", "eps"), [("based_fig2/mamba", 1e-5), ("based_fig2/mamba2", 1e-5),
+                                           ("zoology_fig2/mamba", None)])
+def test_mamba_block_norms_take_the_presets_rms_eps(name, eps):
+    """Zoology's Mamba and Mamba-2 blocks normalise with RMSNorm at eps 1e-5, which the frontier's presets set;
+    Zoology Fig. 2's preset keeps torch's default, as its runs trained (its header says so). The eps survives the
+    transformers config."""
+    from zoo.models.hf import ZooConfig
+
+    cfg, model = preset(name, 64)
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.RMSNorm)]
+    assert norms and all(m.eps == eps for m in norms)
+    assert ZooConfig.from_model_config(cfg).model_config().rms_eps == eps
+
+
+def test_rms_eps_must_be_positive():
+    with pytest.raises(ValueError, match="model.rms_eps must be > 0 or null, got 0.0"):
+        preset("based_fig2/mamba", 16, "model.rms_eps=0.0")

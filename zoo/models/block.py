@@ -25,12 +25,13 @@ class LayerNorm(nn.LayerNorm):
         return (y * self.weight + self.bias).to(y.dtype) if self.elementwise_affine else y
 
 
-def make_norm(kind: str, d_model: int) -> nn.Module:
-    """LayerNorm or RMSNorm over the last dim."""
+def make_norm(kind: str, d_model: int, rms_eps: float | None = None) -> nn.Module:
+    """LayerNorm (eps 1e-5) or RMSNorm over the last dim; `rms_eps`: the RMSNorm's eps (None: torch's default,
+    the dtype's machine epsilon)."""
     if kind == "layernorm":
         return LayerNorm(d_model)
     if kind == "rmsnorm":
-        return nn.RMSNorm(d_model)
+        return nn.RMSNorm(d_model, eps=rms_eps)
     raise ValueError(f"norm must be one of {'|'.join(NORMS)}, got {kind!r}")
 
 
@@ -78,22 +79,24 @@ class Block(nn.Module):
     """norm -> mixer -> residual -> norm -> mlp -> residual, on [B, T, d_model].
 
     mixer: a module of the mixer protocol; mlp: none | swiglu | gelu | tanh | identity; mlp_hidden: 0 picks 2·d
-    (swiglu) or 4·d (gelu, tanh); norm: layernorm | rmsnorm. forward/step/init_state/state_size pass the mixer's
+    (swiglu) or 4·d (gelu, tanh); norm: layernorm | rmsnorm (`rms_eps` its eps, None: torch's default).
+    forward/step/init_state/state_size pass the mixer's
     state through.
 
     `identity` is Zoology's block with `state_mixer=Identity` (its Fig. 2 models): the MLP is the identity but
     its norm and residual remain, so the block ends with x + norm(x).
     """
 
-    def __init__(self, d_model: int, mixer: nn.Module, mlp: str = "none", mlp_hidden: int = 0, norm: str = "layernorm"):
+    def __init__(self, d_model: int, mixer: nn.Module, mlp: str = "none", mlp_hidden: int = 0, norm: str = "layernorm",
+                 rms_eps: float | None = None):
         super().__init__()
         if mlp not in MLPS:
             raise ValueError(f"mlp must be one of {'|'.join(MLPS)}, got {mlp!r}")
         if mlp_hidden < 0:
             raise ValueError(f"mlp_hidden must be >= 0, got {mlp_hidden}")
-        self.mixer_norm = make_norm(norm, d_model)
+        self.mixer_norm = make_norm(norm, d_model, rms_eps)
         self.mixer = mixer
-        self.mlp_norm = make_norm(norm, d_model) if mlp != "none" else None
+        self.mlp_norm = make_norm(norm, d_model, rms_eps) if mlp != "none" else None
         if mlp == "swiglu":
             self.mlp = SwiGLU(d_model, mlp_hidden or 2 * d_model)
         elif mlp == "gelu":

@@ -71,6 +71,7 @@ class ZooConfig(PretrainedConfig):
     mlp_hidden: int = 0
     norm: str = "rmsnorm"
     final_norm: str = ""
+    rms_eps: float | None = None
     tie_word_embeddings: bool = True
     embed_dropout: float = 0.0
     use_cache: bool = True
@@ -93,6 +94,7 @@ class ZooConfig(PretrainedConfig):
             mlp_hidden=self.mlp_hidden,
             norm=self.norm,
             final_norm=self.final_norm,
+            rms_eps=self.rms_eps,
             tie_embeddings=self.tie_word_embeddings,
             embed_dropout=self.embed_dropout,
         )
@@ -114,6 +116,7 @@ class ZooConfig(PretrainedConfig):
             mlp_hidden=model_config.mlp_hidden,
             norm=model_config.norm,
             final_norm=model_config.final_norm,
+            rms_eps=model_config.rms_eps,
             tie_word_embeddings=model_config.tie_embeddings,
             embed_dropout=model_config.embed_dropout,
             **kwargs,

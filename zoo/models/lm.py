@@ -36,10 +36,11 @@ class LanguageModel(nn.Module):
         self.position = nn.Embedding(self.max_positions, d) if self.max_positions else None
         self.embed_dropout = nn.Dropout(config.embed_dropout) if config.embed_dropout else None
         self.blocks = nn.ModuleList(
-            Block(d, MIXERS[name](d, **config.mixers.get(name, {})), config.mlp, config.mlp_hidden, config.norm)
+            Block(d, MIXERS[name](d, **config.mixers.get(name, {})), config.mlp, config.mlp_hidden, config.norm,
+                  config.rms_eps)
             for name in config.layers()
         )
-        self.norm = make_norm(config.final_norm or config.norm, d)
+        self.norm = make_norm(config.final_norm or config.norm, d, config.rms_eps)
         self.head = nn.Linear(d, config.vocab_size, bias=False)
         self.apply(partial(_init_weights, zero_conv_bias=config.init == "default"))
         if config.init == "zoology":
