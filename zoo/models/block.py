@@ -80,8 +80,7 @@ class Block(nn.Module):
 
     mixer: a module of the mixer protocol; mlp: none | swiglu | gelu | tanh | identity; mlp_hidden: 0 picks 2·d
     (swiglu) or 4·d (gelu, tanh); norm: layernorm | rmsnorm (`rms_eps` its eps, None: torch's default).
-    forward/step/init_state/state_size pass the mixer's
-    state through.
+    forward/step/init_state/state_size pass the mixer's state through.
 
     `identity` is Zoology's block with `state_mixer=Identity` (its Fig. 2 models): the MLP is the identity but
     its norm and residual remain, so the block ends with x + norm(x).
