@@ -353,6 +353,30 @@ def test_a_fresh_runs_root_skips_the_committed_summaries(tmp_path, pack_lrs):
     assert [p.name for p in (tmp_path / "b" / "t").iterdir()] == [Path(record["runs"][3]["run_dir"]).name]
 
 
+def test_committed_summary_of_other_data_is_not_skipped(tmp_path, capsys):
+    """A committed summary records its data, optimiser and training settings: a sweep whose run has the same point
+    but other data (random filler) or another batch order trains it; the same settings skip it; a summary from
+    before summaries held their settings skips on its point alone."""
+    import json
+
+    from zoo.plot import copy_summaries
+    from zoo.sweep import committed_runs
+
+    extra = TINY + ["experiment_name=t", f"data.cache_dir={tmp_path / 'cache'}"]
+    run_sweep(GRID[:1], "t", workers=1, device="cpu", extra=extra, runs_root=str(tmp_path / "a"))
+    committed = tmp_path / "summaries"
+    assert copy_summaries(tmp_path / "a" / "t", committed) == 1
+    (path,) = committed.glob("*.json")
+    assert set(json.loads(path.read_text())["setup"]) == {"data", "optim", "train"}
+    assert list(committed_runs(GRID[:1], extra, [str(committed)])) == [0]
+    assert committed_runs(GRID[:1], extra + ["train.batch_order=fixed"], [str(committed)]) == {}
+    assert "trained otherwise" in capsys.readouterr().err
+    record = json.loads(path.read_text())
+    del record["setup"]
+    path.write_text(json.dumps(record))
+    assert list(committed_runs(GRID[:1], extra + ["train.batch_order=fixed"], [str(committed)])) == [0]
+
+
 def test_skip_summaries_needs_a_directory(tmp_path):
     with pytest.raises(SystemExit, match="no such directory"):
         run_sweep(GRID[:1], "t", device="cpu", extra=TINY, runs_root=str(tmp_path),

@@ -236,11 +236,15 @@ def learning_curve(metrics: list[dict[str, Any]]) -> dict[str, list]:
 
 
 def copy_summaries(runs_dir: str | Path, out: Path) -> int:
-    """Copy each finished run's summary.json, with its resolved model config under "model" and its learning curve
-    under "curve" (`learning_curve`), to out/<run>.json (the data a reproduction commits); returns the count. A
-    summary already in `out` under another name for the same run (`zoo.runs.summary_point_key`) is replaced, as one
-    under the same name is: the runs dir holds the newer result."""
+    """Copy each finished run's summary.json, with its resolved model config under "model", its data, optimiser
+    and training settings under "setup" (`zoo.runs.training_setup`) and its learning curve under "curve"
+    (`learning_curve`), to out/<run>.json (the data a reproduction commits); returns the count. A summary already
+    in `out` under another name for the same run (`zoo.runs.summary_point_key`) is replaced, as one under the same
+    name is: the runs dir holds the newer result."""
     import yaml
+
+    from zoo.runs import training_setup
+    from zoo.train import EXECUTION_KEYS
 
     out.mkdir(parents=True, exist_ok=True)
     existing = {summary_point_key(json.loads(p.read_text())): p for p in sorted(out.glob("*.json"))}
@@ -250,7 +254,8 @@ def copy_summaries(runs_dir: str | Path, out: Path) -> int:
             continue
         summary = run.read_summary()
         config = yaml.safe_load((run.path / "config.yaml").read_text()) or {}
-        record = summary | {"model": config.get("model", {}), "curve": learning_curve(run.read_metrics())}
+        record = summary | {"model": config.get("model", {}), "setup": training_setup(config, EXECUTION_KEYS["train"]),
+                            "curve": learning_curve(run.read_metrics())}
         target, key = out / f"{summary['run']}.json", summary_point_key(record)
         atomic_write_text(target, json.dumps(record, indent=1, sort_keys=True) + "\n")
         old = existing.get(key)

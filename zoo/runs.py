@@ -178,6 +178,19 @@ def run_identity(tree: dict[str, Any], train_control) -> dict[str, Any]:
     return out
 
 
+# Data fields that say where the segments are cached, not what they are.
+DATA_CACHE = ("cache", "cache_dir")
+
+
+def training_setup(tree: dict[str, Any], train_control) -> dict[str, Any]:
+    """What a run trains on and how, beyond its point (`point_key`): its data (without where they are cached), its
+    optimiser and its training fields but the run-control ones (`run_identity`). A committed summary holds it
+    (`zoo.plot.copy_summaries`), so a sweep skips a run for it only when the two trained alike."""
+    identity = run_identity(tree, train_control)
+    data = {k: v for k, v in (identity.get("data") or {}).items() if k not in DATA_CACHE}
+    return {"data": data, "optim": identity.get("optim") or {}, "train": identity.get("train") or {}}
+
+
 @functools.cache
 def _model_defaults() -> dict[str, Any]:
     import dataclasses

@@ -501,19 +501,22 @@ def run_sweep(
 
 def committed_runs(runs: list[list[str]], extra: list[str], directories: list[str]) -> dict[int, dict[str, Any]]:
     """{index: skipped record} of the runs whose point (`zoo.runs.config_point_key`) has a summary in one of
-    `directories`. A run whose config does not compose is left to the sweep, which records why."""
+    `directories`, trained alike: a summary that records its data, optimiser and training settings
+    (`zoo.runs.training_setup`) must record the run's; one collected before summaries held them matches on its
+    point alone. A run whose config does not compose is left to the sweep, which records why."""
     import yaml
 
-    from zoo.runs import config_point_key, summary_point_key
-    from zoo.train import ConfigError, load_config
+    from zoo.runs import config_point_key, summary_point_key, training_setup
+    from zoo.train import EXECUTION_KEYS, ConfigError, load_config
 
-    have: dict[str, Path] = {}
+    have: dict[str, tuple[Path, dict | None]] = {}
     for directory in directories:
         if not Path(directory).is_dir():
             raise SystemExit(f"zoo-sweep: --skip-summaries {directory}: no such directory")
         for path in sorted(Path(directory).glob("*.json")):
             try:
-                have[summary_point_key(json.loads(path.read_text()))] = path
+                record = json.loads(path.read_text())
+                have[summary_point_key(record)] = path, record.get("setup")
             except (KeyError, ValueError, TypeError):
                 continue  # not a run's summary
     done = {}
@@ -522,9 +525,15 @@ def committed_runs(runs: list[list[str]], extra: list[str], directories: list[st
             _, resolved = load_config(run + extra)
         except ConfigError:
             continue
-        path = have.get(config_point_key(yaml.safe_load(resolved)))
-        if path is not None:
-            done[i] = {"overrides": run, "run_dir": None, "status": "skipped", "summary": str(path)}
+        tree = yaml.safe_load(resolved)
+        path, setup = have.get(config_point_key(tree), (None, None))
+        if path is None:
+            continue
+        if setup is not None and setup != training_setup(tree, EXECUTION_KEYS["train"]):
+            print(f"zoo-sweep: {path.name} is this run's point trained otherwise (data, optimiser or training "
+                  "settings); the run is not skipped", file=sys.stderr)
+            continue
+        done[i] = {"overrides": run, "run_dir": None, "status": "skipped", "summary": str(path)}
     return done
 
 
