@@ -68,7 +68,14 @@ COLUMNS = [  # the README table: (header, comparison entry key)
     ("paper (Based Fig. 2)", "paper"),
     ("ours (best lr by valid, test)", "ours"),
     ("verdict", "verdict"),
+    ("cause, or the check that settles it", "cause"),
 ]
+# For a reading where ours differs: the cause found, or the check that would settle it, by (model, where).
+CLAIM_CAUSES = {
+    ("mamba", "best over d, d_state"): "the reading is of the figure's markers at 2^17–2^19 B, beyond the config's "
+                                       "grid (d ≤ 256, d_state ≤ 24: at most 2^17.58 B); the markers below 2^17.6 "
+                                       "B (≤ 0.82) are the ones the grid can meet",
+}
 START, END = "<!-- comparison:start -->", "<!-- comparison:end -->"
 PAPER_POINTS = HERE / "paper_points.json"
 POINTS_START, POINTS_END = "<!-- points:start -->", "<!-- points:end -->"
@@ -184,11 +191,13 @@ def comparison(result_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     def claim(mixer: str, where: str, paper: str, found: list[dict[str, Any]], measure, ok) -> None:
         if not found:
-            out.append({"mixer": mixer, "where": where, "paper": paper, "ours": None, "verdict": "not run"})
+            out.append({"mixer": mixer, "where": where, "paper": paper, "ours": None, "verdict": "not run",
+                        "cause": ""})
             return
         ours = measure(found)
-        out.append({"mixer": mixer, "where": where, "paper": paper, "ours": ours, "verdict": "matches" if ok(ours)
-                    else "differs"})
+        verdict = "matches" if ok(ours) else "differs"
+        cause = CLAIM_CAUSES.get((mixer, where), "") if verdict == "differs" else ""
+        out.append({"mixer": mixer, "where": where, "paper": paper, "ours": ours, "verdict": verdict, "cause": cause})
 
     def best(ps):
         return max(p["test_accuracy"] for p in ps)
