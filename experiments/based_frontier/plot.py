@@ -73,8 +73,8 @@ COLUMNS = [  # the README table: (header, comparison entry key)
 # For a reading where ours differs: the cause found, or the check that would settle it, by (model, where).
 CLAIM_CAUSES = {
     ("mamba", "best over d, d_state"): "the reading is of the figure's markers at 2^17–2^19 B, beyond the config's "
-                                       "grid (d ≤ 256, d_state ≤ 24: at most 2^17.58 B); the markers below 2^17.6 "
-                                       "B (≤ 0.82) are the ones the grid can meet",
+                                       "grid (d ≤ 256, d_state ≤ 24: at most 2^16.58 B); the 11 markers the grid "
+                                       "can meet reach at most 0.82",
 }
 START, END = "<!-- comparison:start -->", "<!-- comparison:end -->"
 PAPER_POINTS = HERE / "paper_points.json"
