@@ -3,6 +3,7 @@ README's comparison table.
 
     python experiments/based_frontier/plot.py collect runs/based_frontier   # copy finished runs' summaries here
     python experiments/based_frontier/plot.py                               # build everything from summaries/
+    python experiments/based_frontier/plot.py checks                        # the same for checks/zero_filler_shuffled
 
 `collect` copies every finished run below a runs dir (its summary.json, plus the `model` section of its
 config.yaml) to `summaries/<run>.json`; commit those. The build step reads `summaries/` (and, for the figure,
@@ -325,6 +326,10 @@ def build(summaries_dir: Path = SUMMARIES, out: Path = HERE, checks_dir: Path | 
 
 
 def main(argv: list[str]) -> None:
+    if argv == ["checks"]:  # the earlier data setting's own results.json, figure and tables
+        record = build(CHECKS / "summaries", CHECKS, checks_dir=None)
+        print(f"{record['runs']} runs -> {CHECKS.relative_to(HERE)}: results.json, {record['figure']}, README tables")
+        return
     reproduction_main(argv, SUMMARIES, collect, build)
 
 
