@@ -147,8 +147,10 @@ def full_runs(epochs: int, lrs: list[float], experiment: str) -> list[dict]:
 
 
 def tiny_runs() -> list[dict]:
-    """The CPU smoke grid: every preset at d ∈ {16, 32}, L = 64 (n = 4, 8), one lr, 1k examples, 6 epochs."""
-    segs = [{"seq_len": 64, "num_kv_pairs": n, "num_examples": 1000, "batch_size": 64} for n in (4, 8)]
+    """The CPU smoke grid: every preset at d ∈ {16, 32}, L = 64 (n = 4, 8), one lr, 1k examples, 6 epochs, with the
+    full grid's random filler and fixed batch order."""
+    segs = [{"seq_len": 64, "num_kv_pairs": n, "num_examples": 1000, "batch_size": 64, "random_non_queries": True}
+            for n in (4, 8)]
     evals = [s | {"num_examples": 200} for s in segs]
     common = {
         "data.vocab_size": 8192,
@@ -160,6 +162,7 @@ def tiny_runs() -> list[dict]:
         "optim.warmup_frac": 0.0,
         "train.epochs": 6,
         "train.early_stop": 0.99,
+        "train.batch_order": "fixed",
         "experiment_name": "based_frontier_tiny",
     }
     dials = {
