@@ -25,7 +25,7 @@ SEED_PROMPT_TYPES = (
     "recall",
 )
 METHODS = ("self_study", "hard_labels", "ntp")
-INITS = ("first_tokens", "corpus_tokens", "random", "peft", "attention_matching")
+INITS = ("first_tokens", "truncated_context", "corpus_tokens", "random", "peft", "attention_matching")
 LR_SCHEDULES = ("constant", "cosine")
 
 
@@ -115,7 +115,8 @@ class DistillConfig:
     method: str = "self_study"  # self_study (top-k KL) | hard_labels | ntp
     num_tokens: int = 256  # p, cartridge size
     num_frozen: int = 1
-    init: str = "first_tokens"  # first_tokens | corpus_tokens | random | peft | attention_matching (cartridges/init.py)
+    # first_tokens | truncated_context | corpus_tokens | random | peft | attention_matching (cartridges/init.py)
+    init: str = "first_tokens"
     peft_adapter: str = ""  # init=peft: a PEFT CARTRIDGE adapter directory to start from
     save_peft: bool = False  # also write <output>/peft_adapter/, the result as a PEFT adapter
     heldout_fraction: float = 0.05  # conversations held out of training, for the logged held-out KL

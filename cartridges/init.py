@@ -2,6 +2,9 @@
 
 - `first_tokens`: the model's KV of the first p tokens of the corpus in context (chat header, then the
   document's start). The paper's best initialisation.
+- `truncated_context`: the model's KV of the truncated-context baseline itself (`cartridges.eval.truncated_context`):
+  the document's start as a closed user message of at most p tokens, where `first_tokens` stops mid-document, so a
+  trained cartridge starts exactly at the baseline it is compared with.
 - `corpus_tokens`: the same chat header, then p tokens drawn at random places of the whole corpus (kept in
   corpus order): real corpus KV that is not concentrated on the document's start.
 - `random`: N(0, 1) keys and values, the sink (first `num_frozen` tokens) the model's KV of the BOS token.
@@ -48,10 +51,15 @@ def corpus_context(cfg: DistillConfig, tokenizer, corpus: Corpus) -> list[int]:
 
 
 def init_ids(cfg: DistillConfig, tokenizer, corpus: Corpus) -> list[int]:
-    """The p token ids whose KV starts a `first_tokens` or `corpus_tokens` cartridge."""
+    """The token ids whose KV starts a `first_tokens`, `truncated_context` (at most p of them) or `corpus_tokens`
+    cartridge."""
     ctx = corpus_context(cfg, tokenizer, corpus)
     if cfg.init == "first_tokens":
         return ctx[: cfg.num_tokens]
+    if cfg.init == "truncated_context":
+        from cartridges.eval import truncated_context
+
+        return truncated_context(tokenizer, corpus, cfg.num_tokens)
     head = ctx[: min(header_length(tokenizer), cfg.num_tokens)]
     pool = [t for doc in corpus.tokens for t in doc]
     rng = random.Random(f"{cfg.seed}:corpus_tokens")

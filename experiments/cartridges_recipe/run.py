@@ -10,12 +10,15 @@ Arms (all evaluated on the same questions, `cartridges/eval.py`):
                                (cartridges/compact.py); self-study starting from it
     ss_half_frozen (--arms)    self-study with the cartridge's first p/2 tokens frozen at the prefix's KV: the
                                truncated context's first half kept as it is, the rest trained
+    ss_closed (--arms)         self-study from the truncated context's own KV (a closed message of at most p
+                               tokens), where the others start from the context's first p tokens, cut mid-document
 
-The self-study data: chunks of 64-512 tokens, fact-stating seed prompts (question, quiz, extraction, recall),
---conversations of them. Every trained arm shares the rest (`TRAINING`): --steps steps of 4 packed rows of
-2,048 tokens, Adam lr 2e-2 decayed along a cosine to 0, initialised from the KV of the first p tokens, no frozen
-token. They are trained in the order above, baselines first, so a --time-limit that stops the run early never
-leaves self-study without the baselines it is judged against.
+The self-study data: chunks of 64-512 tokens, fact-stating seed prompts (question, quiz, extraction, recall;
+--seeds picks others), answers of at most --answer-tokens tokens, --conversations of them. Every trained arm shares
+the rest (`TRAINING`): --steps steps of 4 packed rows of 2,048 tokens, Adam lr 2e-2 decayed along a cosine to 0,
+initialised from the KV of the first p tokens, no frozen token. They are trained in the order above, baselines
+first, so a --time-limit that stops the run early never leaves self-study without the baselines it is judged
+against.
 
 Layout of `--out` (every stage is skipped when its output exists; self-study and distillation resume from their
 shards and checkpoints, so re-running the same command continues an interrupted run):
@@ -24,6 +27,7 @@ shards and checkpoints, so re-running the same command continues an interrupted 
     eval/                      results.json, answers.jsonl (with in_prefix per answer)
     results.json, recipe.png   plot.py: one row per arm, and the figure
     timings.json               seconds per stage
+    recipe_settings.json       the run's settings: a run with other ones stops rather than reuse these outputs
 
     python -m experiments.cartridges_recipe.run --out runs/cartridges_recipe --model /path/SmolLM2.gguf
     python -m experiments.cartridges_recipe.run --smoke --out /tmp/recipe_smoke      # tiny Llama, CPU, seconds
@@ -43,6 +47,7 @@ import shutil
 import time
 from pathlib import Path
 
+from cartridges.config import SEED_PROMPT_TYPES
 from zoo.runs import atomic_write_text
 
 HERE = Path(__file__).resolve().parent
@@ -54,13 +59,15 @@ RECIPE_SEEDS = ["question", "quiz", "extraction", "recall"]
 # cartridges-distill settings every trained arm shares
 TRAINING = ["lr=2e-2", "lr_schedule=cosine", "num_frozen=0"]
 # arm -> its own overrides of cartridges-distill, in training order (baselines first); ss_am (self-study from the
-# attention-matching cartridge) and ss_half_frozen run only when --arms names them
+# attention-matching cartridge), ss_half_frozen and ss_closed (self-study from the truncated-context baseline's own
+# KV, a closed message, where first_tokens stops mid-document) run only when --arms names them
 ARMS = {
     "ntp": ["method=ntp", "init=first_tokens"],
     "hard_labels": ["method=hard_labels", "init=first_tokens"],
     "ss": ["method=self_study", "init=first_tokens"],
     "ss_am": ["method=self_study", "init=attention_matching"],
     "ss_half_frozen": ["method=self_study", "init=first_tokens"],
+    "ss_closed": ["method=self_study", "init=truncated_context"],
 }
 # arm -> the share of its p tokens kept frozen at their init (the others freeze none, TRAINING's num_frozen=0).
 # ss_half_frozen asks whether self-study loses what the truncated prefix answers by overwriting it: on the 4.6K
@@ -105,13 +112,29 @@ def smoke_document(out: Path) -> tuple[Path, Path]:
 
 
 def settings(args) -> dict:
-    """Counts and sizes: the H200 defaults, or the CPU smoke run's."""
+    """Counts and sizes: the H200 defaults, or the CPU smoke run's; the seed prompts either way."""
     if args.smoke:
         return dict(conversations=16, steps=4, pack_len=256, batch_size=1, synth_batch=8, user_tokens=8,
-                    answer_tokens=8, chunks=(32, 128), max_new_tokens=4, eval_batch=8, top_logprobs=5)  # fmt: skip
+                    answer_tokens=8, chunks=(32, 128), max_new_tokens=4, eval_batch=8, top_logprobs=5,
+                    seeds=args.seeds)  # fmt: skip
     return dict(conversations=args.conversations, steps=args.steps, pack_len=2048, batch_size=4,
-                synth_batch=args.synth_batch, user_tokens=64, answer_tokens=160, chunks=(64, 512),
-                max_new_tokens=32, eval_batch=128, top_logprobs=20)  # fmt: skip
+                synth_batch=args.synth_batch, user_tokens=64, answer_tokens=args.answer_tokens, chunks=(64, 512),
+                max_new_tokens=32, eval_batch=128, top_logprobs=20, seeds=args.seeds)  # fmt: skip
+
+
+def check_settings(out: Path, record: dict) -> None:
+    """One run's settings per --out: the first run writes them to recipe_settings.json; a later one with other
+    settings (another document, seeds, answer length, count of conversations or steps) stops with a one-line error,
+    since its synthesis and trained arms would be taken for the earlier run's."""
+    path = out / "recipe_settings.json"
+    if path.is_file():
+        before = json.loads(path.read_text())
+        if before != record:
+            changed = sorted(k for k in set(before) | set(record) if before.get(k) != record.get(k))
+            raise SystemExit(f"{out}: holds a run with other settings ({', '.join(changed)}); give this one its own "
+                             "--out")
+        return
+    atomic_write_text(path, json.dumps(record, indent=1))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -131,6 +154,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--arms", nargs="+", choices=sorted([*ARMS, *UNTRAINED_ARMS]), default=DEFAULT_ARMS,
                    help="trained arms (ss_am: self-study from the am cartridge) and am, the untrained compaction")
     p.add_argument("--conversations", type=int, default=4096)
+    p.add_argument("--seeds", nargs="+", default=RECIPE_SEEDS, choices=sorted(SEED_PROMPT_TYPES),
+                   help="the seed prompt kinds of the self-study conversations (default: the recipe's)")
+    p.add_argument("--answer-tokens", type=int, default=160, help="the longest answer a conversation's turn holds")
     p.add_argument("--steps", type=int, default=480, help="steps of every trained arm")
     p.add_argument("--synth-batch", type=int, default=512)
     p.add_argument("--size-ratio", type=int, default=14, help="p = context tokens // this")
@@ -166,6 +192,9 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     s = settings(args)
+    check_settings(out, {"document": "smoke" if args.smoke else args.document, "seeds": list(s["seeds"]),
+                         "answer_tokens": s["answer_tokens"], "conversations": s["conversations"],
+                         "steps": s["steps"]})
     model_name = TINY_MODEL if args.smoke else resolve_model(args.model)
     device = resolve_device("cpu" if args.smoke else args.device)
     doc, qa = smoke_document(out) if args.smoke else DOCUMENTS[args.document]
@@ -197,7 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
             cfg, _ = load_config("synthesize", [
                 *common, f"corpus.path={doc}", f"output={target}", f"num_conversations={s['conversations']}",
                 f"corpus.min_tokens={chunks[0]}", f"corpus.max_tokens={chunks[1]}",
-                f"seed_prompt_types=[{','.join(RECIPE_SEEDS)}]", f"max_user_tokens={s['user_tokens']}",
+                f"seed_prompt_types=[{','.join(s['seeds'])}]", f"max_user_tokens={s['user_tokens']}",
                 f"max_answer_tokens={s['answer_tokens']}", f"batch_size={s['synth_batch']}",
                 f"top_logprobs={s['top_logprobs']}", "conversations_per_chunk=4",
             ])  # fmt: skip

@@ -151,3 +151,27 @@ def test_queries_after_the_cartridge_read_it_at_icl_distances(model, ids):
         after = queries_at(p)[g * groups:(g + 1) * groups] @ cartridge.keys()[0, g].T
         torch.testing.assert_close(after, queries_at(N)[g * groups:(g + 1) * groups] @ new_keys.T,
                                    rtol=1e-3, atol=1e-3)
+
+
+def test_distill_can_start_from_the_truncated_context(tmp_path):
+    """init=truncated_context: the cartridge is the model's KV of the truncated-context baseline's own ids (a closed
+    message of at most p tokens), where first_tokens holds the context's first p ids, cut mid-document."""
+    from cartridges.config import load_config
+    from cartridges.corpus import Corpus, context_ids
+    from cartridges.eval import truncated_context
+    from cartridges.init import init_cartridge, init_ids
+    from zoo.pretrained import load_model
+
+    model, tokenizer = load_model("tiny-llama")
+    doc = tmp_path / "doc.md"
+    doc.write_text("The ferry Marrow Lark crosses the Pell estuary four times a day since 1904. " * 4)
+    overrides = ["model=tiny-llama", f"corpus.path={doc}", "method=ntp", "num_tokens=80", "corpus.min_tokens=32",
+                 "corpus.max_tokens=64", f"output={tmp_path / 'out'}"]
+    cfg, _ = load_config("distill", [*overrides, "init=truncated_context"])
+    corpus = Corpus.from_path(doc, tokenizer, cfg.corpus.min_tokens, cfg.corpus.max_tokens, cfg.corpus.text_field)
+    ids = truncated_context(tokenizer, corpus, 80)
+    assert init_ids(cfg, tokenizer, corpus) == ids and len(ids) <= 80
+    first, _ = load_config("distill", [*overrides, "init=first_tokens"])
+    assert init_ids(first, tokenizer, corpus) == context_ids(tokenizer, corpus.full_text())[:80] != ids
+    start = init_cartridge(cfg, model, tokenizer, corpus, torch.device("cpu"))
+    assert start.info.init_method == "truncated_context" and start.num_tokens == len(ids)

@@ -155,3 +155,20 @@ def test_smoke_half_frozen_arm_keeps_the_prefix_half(tmp_path):
     training = header["training_config"]["distill"]
     assert (training["init"], training["num_frozen"], header["num_frozen"]) == ("first_tokens", p // 2, p // 2)
     assert read_header(tmp_path / "c_ss" / "cartridge.safetensors")["num_frozen"] == 0
+
+
+def test_smoke_closed_arm_and_seed_choice(tmp_path):
+    """--arms ss_closed trains self-study from the truncated context's own KV; --seeds picks the conversations'
+    seed kinds; a second run with other settings in the same --out stops with a one-line error."""
+    from cartridges.format import read_header
+    from experiments.cartridges_recipe import run
+
+    final = run.main(["--smoke", "--out", str(tmp_path), "--arms", "ss_closed", "--seeds", "question", "quiz"])
+    rows = {r["arm"]: r for r in final["rows"]}
+    assert rows["ss_closed"]["method"] == "self_study" and rows["ss_closed"]["kv_tokens"] <= final["p"]
+    header = read_header(tmp_path / "c_ss_closed" / "cartridge.safetensors")
+    assert header["training_config"]["distill"]["init"] == "truncated_context"
+    synth = json.loads((tmp_path / "synth_recipe" / "summary.json").read_text())
+    assert set(synth["conversations_by_seed_type"]) == {"question", "quiz"}
+    with pytest.raises(SystemExit, match=r"holds a run with other settings \(seeds\)"):
+        run.main(["--smoke", "--out", str(tmp_path), "--arms", "ss_closed"])
