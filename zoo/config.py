@@ -361,10 +361,6 @@ class PretrainTrainConfig:
     ckpt_every: int = 0  # 0: checkpoint at each evaluation
     parallel: str = "ddp"  # ddp | fsdp (FSDP2 fully_shard): used under torchrun with more than one process
     seed: int = 0
-    # The batches of an epoch. shuffle: every epoch its own seeded order, examples and segments mixed (a batch
-    # still holds one segment). fixed: Zoology's DataLoader (shuffle=False), every epoch the same, the segments in
-    # config order and each one's batches in example order.
-    batch_order: str = "shuffle"
     device: str = "auto"  # auto | cpu | cuda | cuda:N (under torchrun: cuda:LOCAL_RANK)
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
     compile: bool = False
