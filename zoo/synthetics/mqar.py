@@ -346,21 +346,25 @@ class _SlotSampler:
         return out
 
 
+def _race_times(rng: np.random.Generator, rows: int, probs: np.ndarray) -> np.ndarray:
+    """[rows, len(probs)] float64: Exponential(1) times from 53-bit uniforms in (0, 1), slot g's scaled by
+    1/probs[g]; the slots in finishing order are a successive draw without replacement ∝ probs."""
+    raw = _raw_chunks(rng, rows * len(probs), 64).reshape(rows, len(probs))
+    return -np.log((raw >> np.uint64(11)).astype(np.float64) * 2.0**-53 + 2.0**-54) / probs
+
+
 def _slots_in_draw_order(rng: np.random.Generator, rows: int, n: int, probs: np.ndarray) -> np.ndarray:
     """[rows, n] int64: per row, n slots drawn without replacement ∝ probs, in the order of successive sampling.
 
-    An exponential race: slot g finishes at E_g / probs[g] (E_g ~ Exponential(1)), and the first n to finish, in
-    finishing order, are a successive draw without replacement in draw order. Rows go in blocks of a bounded
-    number of race times.
+    An exponential race (`_race_times`): the first n slots to finish, in finishing order, are a successive draw
+    without replacement in draw order. Rows go in blocks of a bounded number of race times.
     """
     space = len(probs)
     out = np.empty((rows, n), dtype=np.int64)
     block = max(1, (1 << 22) // space)
     for r0 in range(0, rows, block):
         r1 = min(rows, r0 + block)
-        raw = _raw_chunks(rng, (r1 - r0) * space, 64).reshape(r1 - r0, space)
-        # Exponential(1) times from 53-bit uniforms in (0, 1), scaled by 1/probs.
-        race = -np.log((raw >> np.uint64(11)).astype(np.float64) * 2.0**-53 + 2.0**-54) / probs  # [b, space]
+        race = _race_times(rng, r1 - r0, probs)  # [b, space]
         first = np.argpartition(race, n - 1, axis=1)[:, :n] if n < space else np.tile(np.arange(space), (r1 - r0, 1))
         out[r0:r1] = np.take_along_axis(first, np.argsort(np.take_along_axis(race, first, 1), axis=1), 1)
     return out
@@ -418,9 +422,7 @@ def _sample_slots(
         count[active] += missing - hits
         active = active[count[active] < n]
     if active.size:
-        race = _raw_chunks(rng, active.size * space, 64).reshape(active.size, space)
-        # Exponential(1) times from 53-bit uniforms in (0, 1), scaled by 1/probs: earliest first wins.
-        race = -np.log((race >> np.uint64(11)).astype(np.float64) * 2.0**-53 + 2.0**-54) / probs  # [A, space]
+        race = _race_times(rng, active.size, probs)  # [A, space]: earliest first wins
         race[taken[active]] = np.inf
         missing = n - count[active]
         m = int(missing.max())
