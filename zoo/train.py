@@ -129,8 +129,8 @@ def epoch_plan(
     for s, seg in enumerate(segments):
         perm = torch.randperm(len(seg), generator=g)
         batches += [(s, perm[i : i + seg.batch_size]) for i in range(0, len(seg), seg.batch_size)]
-    order = torch.randperm(len(batches), generator=g).tolist()
-    return [batches[i] for i in order]
+    shuffled = torch.randperm(len(batches), generator=g).tolist()
+    return [batches[i] for i in shuffled]
 
 
 def epoch_batches(segments: list[QuerySegment], seed: int, epoch: int, device: torch.device, order: str = "shuffle"):
