@@ -99,10 +99,20 @@ def test_mps_off_and_a_caller_daemon_start_nothing(monkeypatch):
     assert daemon is None and "--mps off" in why
 
 
-def test_a_pool_sweep_logs_why_mps_is_not_used(tmp_path, capfd):
+@pytest.mark.parametrize("workers,device", [(2, "cpu"), (1, "cpu"), (1, "auto")],
+                         ids=["pool", "serial", "serial-auto"])
+def test_every_sweep_says_once_why_mps_is_not_used(tmp_path, capfd, caplog, workers, device):
     extra = TINY + ["experiment_name=m", "train.epochs=1", f"data.cache_dir={tmp_path / 'cache'}"]
-    run_sweep(GRID[:2], "m", workers=2, device="cpu", extra=extra, runs_root=str(tmp_path))
-    assert "CUDA MPS not used (2 worker(s) on cpu: nothing shares a GPU)" in capfd.readouterr().err
+    with caplog.at_level("INFO", logger="zoo.sweep"):
+        run_sweep(GRID[:2], "m", workers=workers, device=device, extra=extra, runs_root=str(tmp_path))
+    line = f"zoo-sweep m: CUDA MPS not used ({workers} worker(s) on {device}: nothing shares a GPU)"
+    assert capfd.readouterr().err.count(line) == 1
+    assert sum("CUDA MPS" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_multirun_says_why_mps_is_not_used():
+    assert MPS.multirun_reason({}).startswith("CUDA MPS not used (zoo-train -m starts no daemon")
+    assert "set up by the caller" in MPS.multirun_reason({"CUDA_MPS_PIPE_DIRECTORY": "/tmp/elsewhere"})
 
 
 def test_the_costliest_jobs_start_first():
