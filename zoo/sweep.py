@@ -48,7 +48,8 @@ subset of a grid. Each shard writes its own record (`<sweep name>.shard-I-of-N.j
 Packing (`--pack-lrs`): runs whose overrides differ only in `optim.lr=` form one job, trained as one vmapped
 pack in one process (zoo/steps.py); each still gets the run dir, files and `run_name` of its unpacked
 config, so packed and unpacked sweeps skip each other's finished runs. A group that cannot pack (an FLA impl,
-members killed at different checkpoints) runs one run at a time, and its records say why.
+members killed at different checkpoints) runs one run at a time, and its records say why; so does a pack that
+fails in training, whose unfinished members then train again one at a time from their checkpoints.
 
 Parallelism: a process pool (stdlib `concurrent.futures`, spawn) of `--workers` processes. Each worker owns
 one device for its lifetime: worker i gets GPU i mod (number of GPUs), so with workers = runs_per_gpu·GPUs
@@ -229,7 +230,7 @@ def run_pack(runs: list[list[str]], extra: list[str]) -> list[dict[str, Any]]:
     """Runs that differ only in optim.lr, trained as one pack; never raises (failures are returned).
 
     Finished runs are skipped and failed configs reported, as in `run_one`; the rest train together, or one at
-    a time when they cannot pack (the reason goes into each record as `unpacked`).
+    a time when they cannot pack or the pack fails in training (the reason goes into each record as `unpacked`).
     """
     from zoo.runs import RunDir
     from zoo.steps import PackError
@@ -272,12 +273,19 @@ def run_pack(runs: list[list[str]], extra: list[str]) -> list[dict[str, Any]]:
             record |= {"status": "finished", "packed": len(members)} if done else {"status": "pending",
                                                                                     "interrupted": str(e)}
         return records
-    except Exception as e:  # the whole pack failed: every member is recorded as failed; the sweep goes on
+    except Exception as e:
+        # One member's failure (a divergence, a kernel error) stops the whole pack. The members that finished
+        # (an early stop) stay finished; the rest train again one at a time, resuming from the pack's
+        # checkpoints, so the failing run is recorded failed (its own error.txt) and the others finish.
+        why = f"the pack failed ({error_line(e)}); its runs trained one at a time"
+        log.warning("zoo-sweep: %s", why)
         for record in todo:
-            path = Path(record["run_dir"])
-            path.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(path / "error.txt", traceback.format_exc())
-            record |= {"status": "failed", "error": error_line(e)}
+            run = RunDir(record["run_dir"])
+            if run.is_finished():
+                accuracy = run.read_summary().get("valid/accuracy")
+                record |= {"status": "finished", "valid/accuracy": accuracy, "packed": len(members)}
+            else:
+                record |= run_one(record["overrides"], extra) | {"unpacked": why}
         return records
     for record, summary in zip(todo, summaries):
         (Path(record["run_dir"]) / "error.txt").unlink(missing_ok=True)
