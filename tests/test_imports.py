@@ -3,6 +3,9 @@
 - nothing in zoo or kernels imports cartridges (cartridges builds on zoo, never the other way round);
 - the module-level imports of zoo, kernels and cartridges form no cycle, and within each package none form one
   even counting the imports deferred into functions.
+
+Importing `a.b.c` runs `a/__init__.py` and `a/b/__init__.py` first, so an import counts as importing every
+package above the module too. Imports under `if TYPE_CHECKING:` never run and are not counted.
 """
 
 import ast
@@ -23,11 +26,28 @@ def modules() -> dict[str, Path]:
     return {module_name(p): p for pkg in PACKAGES for p in sorted((REPO / pkg).rglob("*.py"))}
 
 
+def _type_checking_only(node: ast.AST) -> bool:
+    test = getattr(node, "test", None) if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _walk_runtime(node: ast.AST):
+    """ast.walk, less the bodies of `if TYPE_CHECKING:` (their `else` still runs)."""
+    yield node
+    for child in ast.iter_child_nodes(node):
+        if _type_checking_only(child):
+            yield from (n for c in child.orelse for n in _walk_runtime(c))
+        else:
+            yield from _walk_runtime(child)
+
+
 def imported(path: Path, module: str, top_level_only: bool) -> set[str]:
-    """The modules of our packages that `path` imports (the longest existing module name of each import)."""
+    """The modules of our packages that `path` imports: the longest existing module name of each import, and the
+    packages above it (whose __init__ runs first)."""
     known = modules()
     tree = ast.parse(path.read_text())
-    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    nodes = tree.body if top_level_only else list(_walk_runtime(tree))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out = set()
     for node in nodes:
@@ -44,9 +64,23 @@ def imported(path: Path, module: str, top_level_only: bool) -> set[str]:
         for name in names:
             while name and name not in known:
                 name = name.rpartition(".")[0]
-            if name and name.split(".")[0] in PACKAGES and name != module:
-                out.add(name)
+            while name and name.split(".")[0] in PACKAGES:
+                if name != module:
+                    out.add(name)
+                name = name.rpartition(".")[0]
     return out
+
+
+def test_an_import_counts_the_packages_above_it():
+    deps = imported(REPO / "zoo" / "config.py", "zoo.config", top_level_only=False)
+    assert {"zoo.models.mixers", "zoo.models", "zoo"} <= deps
+
+
+def test_type_checking_imports_are_not_counted(tmp_path):
+    path = tmp_path / "typed.py"
+    path.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from zoo.config import ModelConfig\n"
+                    "else:\n    import zoo.runs\n")
+    assert imported(path, "zoo.typed", top_level_only=False) == {"zoo.runs", "zoo"}
 
 
 @pytest.mark.parametrize("package", ["zoo", "kernels"])

@@ -19,6 +19,7 @@ def multirun(tmp_path: Path, *overrides: str) -> list[str]:
     cmd = [sys.executable, "-m", "zoo.cli", "zoo-train", "-m", *TINY, f"runs_root={tmp_path / 'runs'}", *overrides]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stderr.count("zoo-train -m: CUDA MPS not used (") == 1, proc.stderr[-3000:]  # once, not per job
     return sorted(line for line in proc.stdout.splitlines() if line.startswith("zoo-train -m: job"))
 
 

@@ -102,11 +102,19 @@ def test_bash_command_exists(command):
     assert prog in SCRIPTS, f"{prog} is not an installed command (pyproject [project.scripts])"
     if prog == "zoo-train":
         overrides = [a for a in argv[1:] if a not in ("--cfg", "--help")]
-        if "-m" in overrides:
-            return
         from zoo.train import load_config
 
-        load_config(overrides)  # a ConfigError fails the test
+        if "-m" not in overrides:
+            load_config(overrides)  # a ConfigError fails the test
+            return
+        # a multirun: every job of Hydra's sweep composes (the launcher's own overrides aside)
+        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        parsed = OverridesParser.create().parse_overrides([o for o in overrides if o != "-m"])
+        jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+        for job in jobs:
+            load_config([o for o in job if not o.startswith(("hydra/", "hydra."))])
 
 
 def test_readme_names_no_missing_paths():

@@ -76,6 +76,42 @@ def test_a_failing_member_of_a_pack_is_recorded_and_the_others_train_packed(tmp_
     assert [record["runs"][i].get("packed") for i in (0, 2)] == [2, 2]
 
 
+def test_a_member_failing_in_training_fails_alone_and_the_others_finish(tmp_path, monkeypatch):
+    """A pack whose member raises in its second epoch (a divergence) is retried one run at a time, from the pack's
+    checkpoints: that run is recorded failed with its error.txt, and the others finish, equal to the same runs
+    trained alone."""
+    from zoo import steps
+
+    bad = 0.005
+
+    def failing(step_fn):
+        def step(self, seg, idx, step):
+            members = [self.members[i] for i in self.live] if hasattr(self, "members") else [self.cfg]
+            if step >= 3 and any(m.optim.lr == bad for m in members):
+                raise FloatingPointError(f"lr={bad} diverged at step {step}")
+            return step_fn(self, seg, idx, step)
+        return step
+
+    for cls in (steps.PlainStep, steps.PackedStep):
+        monkeypatch.setattr(cls, "step", failing(cls.step))
+    runs = [["model=based", f"optim.lr={lr}"] for lr in ("1e-3", str(bad), "1e-2")]
+    extra = TINY + ["experiment_name=f", f"data.cache_dir={tmp_path / 'cache'}"]
+    record = run_sweep(runs, "f", workers=1, device="cpu", extra=extra, runs_root=str(tmp_path / "packed"),
+                       pack_lrs=True)
+    assert [r["status"] for r in record["runs"]] == ["finished", "failed", "finished"]
+    assert record["runs"][1]["error"] == f"FloatingPointError: lr={bad} diverged at step 3"
+    assert "diverged" in (Path(record["runs"][1]["run_dir"]) / "error.txt").read_text()
+    assert all("the pack failed (FloatingPointError" in r["unpacked"] for r in record["runs"])
+    alone = run_sweep([runs[0], runs[2]], "f", workers=1, device="cpu", extra=extra, runs_root=str(tmp_path / "alone"))
+    for retried, single in zip((record["runs"][0], record["runs"][2]), alone["runs"]):
+        a, b = RunDir(retried["run_dir"]).read_summary(), RunDir(single["run_dir"]).read_summary()
+        for key in ("valid/accuracy", "test/accuracy", "steps", "epochs"):
+            assert a[key] == pytest.approx(b[key], abs=1e-6), key
+        rows = [[json.loads(line) for line in (Path(r["run_dir"]) / "metrics.jsonl").open()] for r in (retried, single)]
+        losses = [[row["train/loss"] for row in rs if "train/loss" in row] for rs in rows]
+        assert len(losses[0]) == 4 and losses[0] == pytest.approx(losses[1], rel=1e-5)  # 2 packed steps, then 2 alone
+
+
 @pytest.mark.parametrize(
     "device,workers,which,reason",
     [("cpu", 4, "/bin/true", "nothing shares a GPU"), ("cuda", 1, "/bin/true", "nothing shares a GPU"),
@@ -99,10 +135,20 @@ def test_mps_off_and_a_caller_daemon_start_nothing(monkeypatch):
     assert daemon is None and "--mps off" in why
 
 
-def test_a_pool_sweep_logs_why_mps_is_not_used(tmp_path, capfd):
+@pytest.mark.parametrize("workers,device", [(2, "cpu"), (1, "cpu"), (1, "auto")],
+                         ids=["pool", "serial", "serial-auto"])
+def test_every_sweep_says_once_why_mps_is_not_used(tmp_path, capfd, caplog, workers, device):
     extra = TINY + ["experiment_name=m", "train.epochs=1", f"data.cache_dir={tmp_path / 'cache'}"]
-    run_sweep(GRID[:2], "m", workers=2, device="cpu", extra=extra, runs_root=str(tmp_path))
-    assert "CUDA MPS not used (2 worker(s) on cpu: nothing shares a GPU)" in capfd.readouterr().err
+    with caplog.at_level("INFO", logger="zoo.sweep"):
+        run_sweep(GRID[:2], "m", workers=workers, device=device, extra=extra, runs_root=str(tmp_path))
+    line = f"zoo-sweep m: CUDA MPS not used ({workers} worker(s) on {device}: nothing shares a GPU)"
+    assert capfd.readouterr().err.count(line) == 1
+    assert sum("CUDA MPS" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_multirun_says_why_mps_is_not_used():
+    assert MPS.multirun_reason({}).startswith("CUDA MPS not used (zoo-train -m starts no daemon")
+    assert "set up by the caller" in MPS.multirun_reason({"CUDA_MPS_PIPE_DIRECTORY": "/tmp/elsewhere"})
 
 
 def test_the_costliest_jobs_start_first():

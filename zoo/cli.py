@@ -108,8 +108,10 @@ def multirun(args: list[str]) -> None:
 
     from zoo.config import register_configs
     from zoo.paths import config_dir
+    from zoo.sweep import MPS
 
     register_configs()
+    print(f"zoo-train -m: {MPS.multirun_reason()}", file=sys.stderr, flush=True)
 
     @hydra.main(config_path=str(config_dir()), config_name="train", version_base="1.3")
     def task(_node) -> dict:

@@ -48,11 +48,14 @@ subset of a grid. Each shard writes its own record (`<sweep name>.shard-I-of-N.j
 Packing (`--pack-lrs`): runs whose overrides differ only in `optim.lr=` form one job, trained as one vmapped
 pack in one process (zoo/steps.py); each still gets the run dir, files and `run_name` of its unpacked
 config, so packed and unpacked sweeps skip each other's finished runs. A group that cannot pack (an FLA impl,
-members killed at different checkpoints) runs one run at a time, and its records say why.
+members killed at different checkpoints) runs one run at a time, and its records say why; so does a pack that
+fails in training, whose unfinished members then train again one at a time from their checkpoints.
 
 Parallelism: a process pool (stdlib `concurrent.futures`, spawn) of `--workers` processes. Each worker owns
 one device for its lifetime: worker i gets GPU i mod (number of GPUs), so with workers = runs_per_gpu·GPUs
-several runs share every GPU and all GPUs are used. The same skip/resume/record semantics are available through
+several runs share every GPU and all GPUs are used. Every sweep says once (stderr and log) whether CUDA MPS runs
+the kernels of workers sharing a GPU concurrently, and why not (`MPS.start`); serial sweeps and `zoo-train -m`
+too. Runs never share one process's CUDA streams. The same skip/resume/record semantics are available through
 Hydra's own sweeper and launchers: `zoo-train -m model=based,attention optim.lr=1e-3,3e-3
 hydra/launcher=joblib hydra.launcher.n_jobs=8` (joblib locally; job i on GPU i mod count), or on a cluster
 `hydra/launcher=submitit_slurm` (hydra-submitit-launcher) or `hydra/launcher=ray` (hydra-ray-launcher);
@@ -227,7 +230,7 @@ def run_pack(runs: list[list[str]], extra: list[str]) -> list[dict[str, Any]]:
     """Runs that differ only in optim.lr, trained as one pack; never raises (failures are returned).
 
     Finished runs are skipped and failed configs reported, as in `run_one`; the rest train together, or one at
-    a time when they cannot pack (the reason goes into each record as `unpacked`).
+    a time when they cannot pack or the pack fails in training (the reason goes into each record as `unpacked`).
     """
     from zoo.runs import RunDir
     from zoo.steps import PackError
@@ -270,12 +273,19 @@ def run_pack(runs: list[list[str]], extra: list[str]) -> list[dict[str, Any]]:
             record |= {"status": "finished", "packed": len(members)} if done else {"status": "pending",
                                                                                     "interrupted": str(e)}
         return records
-    except Exception as e:  # the whole pack failed: every member is recorded as failed; the sweep goes on
+    except Exception as e:
+        # One member's failure (a divergence, a kernel error) stops the whole pack. The members that finished
+        # (an early stop) stay finished; the rest train again one at a time, resuming from the pack's
+        # checkpoints, so the failing run is recorded failed (its own error.txt) and the others finish.
+        why = f"the pack failed ({error_line(e)}); its runs trained one at a time"
+        log.warning("zoo-sweep: %s", why)
         for record in todo:
-            path = Path(record["run_dir"])
-            path.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(path / "error.txt", traceback.format_exc())
-            record |= {"status": "failed", "error": error_line(e)}
+            run = RunDir(record["run_dir"])
+            if run.is_finished():
+                accuracy = run.read_summary().get("valid/accuracy")
+                record |= {"status": "finished", "valid/accuracy": accuracy, "packed": len(members)}
+            else:
+                record |= run_one(record["overrides"], extra) | {"unpacked": why}
         return records
     for record, summary in zip(todo, summaries):
         (Path(record["run_dir"]) / "error.txt").unlink(missing_ok=True)
@@ -357,7 +367,8 @@ class MPS:
         if reason is not None:
             if mode == "on":
                 raise SystemExit(f"zoo-sweep: --mps on, but CUDA MPS cannot be used: {reason}")
-            return None, f"CUDA MPS not used ({reason}); runs sharing a GPU time-slice it"
+            shared = workers > 1 and device != "cpu"
+            return None, f"CUDA MPS not used ({reason})" + ("; runs sharing a GPU time-slice it" if shared else "")
         daemon = cls(shutil.which(MPS_CONTROL), Path(tempfile.mkdtemp(prefix="zoo-mps-")))
         for d in daemon.env.values():
             Path(d).mkdir(parents=True, exist_ok=True)
@@ -370,6 +381,14 @@ class MPS:
             return None, f"CUDA MPS not used ({MPS_CONTROL} -d failed: {why})"
         os.environ.update(daemon.env)
         return daemon, f"CUDA MPS started for this sweep ({daemon.env['CUDA_MPS_PIPE_DIRECTORY']})"
+
+    @staticmethod
+    def multirun_reason(environ=os.environ) -> str:
+        """The line of `zoo-train -m`, whose jobs Hydra's launcher starts: it starts no daemon itself."""
+        if environ.get("CUDA_MPS_PIPE_DIRECTORY"):
+            return f"CUDA MPS set up by the caller (CUDA_MPS_PIPE_DIRECTORY={environ['CUDA_MPS_PIPE_DIRECTORY']})"
+        return (f"CUDA MPS not used (zoo-train -m starts no daemon: Hydra's launcher starts the jobs; run "
+                f"`{MPS_CONTROL} -d` first, or use zoo-sweep); jobs sharing a GPU time-slice it")
 
     def stop(self) -> None:
         subprocess.run([self.exe], input="quit\n", env=os.environ | self.env, capture_output=True, text=True,
@@ -568,6 +587,8 @@ def _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out: Pat
     monitor = GpuMonitor(device)
     try:
         if workers <= 1:
+            _, why = MPS.start(device, 1, mps)  # one run at a time: never starts a daemon
+            _say(name, why)
             serial_extra = extra + ([f"train.device={device}"] if device != "auto" else [])
             for job in jobs:
                 for i, result in zip(job, run_job([runs[i] for i in job], serial_extra)):
@@ -584,8 +605,7 @@ def _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out: Pat
                 queue.put(dev)
             threads = max(1, (os.cpu_count() or 1) // workers)
             daemon, why = MPS.start(device, workers, mps)
-            log.info("zoo-sweep %s: %s", name, why)
-            print(f"zoo-sweep {name}: {why}", file=sys.stderr, flush=True)
+            _say(name, why)
             try:
                 pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=(queue, threads))
                 with pool, _forward_sigterm(pool, stop) as futures:
@@ -615,6 +635,12 @@ def _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out: Pat
               f"({gpu['samples']} samples), peak memory {gpu['mem_peak_mib'] / 1024:.1f} GiB", file=sys.stderr)
     record["path"] = str(out)
     return record
+
+
+def _say(name: str, line: str) -> None:
+    """A line of the sweep (whether CUDA MPS is used, and why not) to its log and its stderr."""
+    log.info("zoo-sweep %s: %s", name, line)
+    print(f"zoo-sweep {name}: {line}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

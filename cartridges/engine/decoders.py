@@ -34,10 +34,6 @@ def round_up(n: int, quantum: int) -> int:
     return -(-n // quantum) * quantum
 
 
-class GraphCheckError(RuntimeError):
-    """A captured decode step disagreed with the same step run eagerly."""
-
-
 class SharedDecoder:
     """Decoding over a SharedPrefixCache with fixed shapes: static input buffers (`tokens`, `positions`) and one
     step function, `_step`, run eagerly or captured once as a CUDA graph and replayed.
@@ -123,19 +119,13 @@ class SharedDecoder:
     def capture(self) -> torch.Tensor:
         """Capture `_step` as a CUDA graph at the current state; returns this step's logits (from a replay).
 
-        The step is first run eagerly on a side stream (the warm-up that capture needs); a replay then computes
-        the same step again and must agree with it, else `GraphCheckError`. Neither moves a counter, so the
-        cache ends as one eager step would leave it.
+        The step is first run eagerly on a side stream (the warm-up that capture needs); the helper's eager check
+        then replays the same step and must find the same logits, else `zoo.graphs.GraphCheckError`. No run of
+        the step moves a counter, so the cache ends as one eager step would leave it.
         """
         graph = StaticGraph(self._step, (), warmup=1, device=self.tokens.device, capture_error_mode="thread_local",
-                            name="the shared-prefix decode step")
-        eager = graph.warmup_outputs.clone()
+                            name="the shared-prefix decode step", check=True)
         logits = graph()
-        # the same kernels on the same inputs: equal up to library-level nondeterminism
-        tolerance = 1e-3 * float(eager.abs().max()) + 1e-5
-        diff = float((logits - eager).abs().max())
-        if not diff <= tolerance:
-            raise GraphCheckError(f"the replayed decode step differs from eager by {diff:.3g} (> {tolerance:.3g})")
         self.graph, self.logits = graph, logits
         return logits
 

@@ -27,6 +27,12 @@
    each finished run the epochs it took and the others the mean of their config's finished runs (the full
    `train.epochs` where none finished): `grid_estimate_measured_s`.
    `--from-json FILE --epochs-from DIR` recomputes both from a committed result, without a device.
+4. The grid as it ran: `--grid-from PATH...` (runs roots, their `_sweeps/` folders, or sweep record files
+   `<runs_root>/_sweeps/<sweep name>[.shard-I-of-N].json`, as zoo-sweep writes them) sums the records' walls into
+   `grid_wall_s`, counts the distinct runs that finished in them (`grid_runs`; runs found finished, "skipped",
+   are counted apart) and sets `grid_sharded` when more than one record went in; no device. A record holds only
+   the last call of its sweep name, so the earlier calls of a chain of time-limited jobs count only where their
+   records were kept (copied aside) and passed too.
 
 Prints tables, then one JSON line (committed as experiments/bench/results/sweep_speed.json).
 """
@@ -279,6 +285,58 @@ def print_measured(est: dict, upper: float | None) -> None:
         print(f"  {mixer:28s} {seconds:10.0f} s")
 
 
+def sweep_records(paths: list[str]) -> list[Path]:
+    """The sweep record files under `paths`: a .json file itself; a directory's `_sweeps/*.json` when it has a
+    `_sweeps/` folder (a runs root), else its own `*.json` (a `_sweeps/` folder or a folder of kept records)."""
+    found: dict[Path, None] = {}
+    for p in map(Path, paths):
+        if p.is_file():
+            found[p.resolve()] = None
+        elif p.is_dir():
+            directory = p / "_sweeps" if (p / "_sweeps").is_dir() else p
+            found.update(dict.fromkeys(sorted(q.resolve() for q in directory.glob("*.json"))))
+        else:
+            raise SystemExit(f"sweep_speed: --grid-from {p}: no such file or directory")
+    return list(found)
+
+
+# a run's best state over the records: finished beats skipped (finished earlier) beats failed beats pending
+STATUS_RANK = {"finished": 3, "skipped": 2, "failed": 1, "pending": 0}
+
+
+def grid_from_records(paths: list[Path]) -> dict:
+    """The grid's wall and runs from zoo-sweep records (`zoo.sweep._run_jobs` writes them: {"sweep", "runs":
+    [{"overrides", "run_dir", "status", ...}], "wall_s", ...}): walls summed, runs counted once each, by run dir
+    (by overrides where a run has none), at their best status over the records."""
+    rows, best = [], {}
+    for path in paths:
+        record = json.loads(path.read_text())
+        if not isinstance(record, dict) or "runs" not in record or "wall_s" not in record:
+            raise SystemExit(f"sweep_speed: {path} is not a zoo-sweep record (no runs and wall_s)")
+        counts = dict.fromkeys(STATUS_RANK, 0)
+        for run in record["runs"]:
+            counts[run["status"]] += 1
+            key = run.get("run_dir") or " ".join(run["overrides"])
+            if STATUS_RANK[run["status"]] >= STATUS_RANK[best.get(key, "pending")]:
+                best[key] = run["status"]
+        rows.append({"record": path.name, "sweep": record.get("sweep", path.stem), "wall_s": record["wall_s"],
+                     **counts})
+    status = {s: sum(v == s for v in best.values()) for s in STATUS_RANK}
+    return {"grid_wall_s": sum(r["wall_s"] for r in rows), "grid_runs": status["finished"],
+            "grid_sharded": len(rows) > 1, "grid_runs_listed": len(best), "grid_runs_skipped": status["skipped"],
+            "grid_runs_failed": status["failed"], "grid_runs_pending": status["pending"], "grid_records": rows}
+
+
+def print_grid(out: dict) -> None:
+    print(f"{'sweep record':44s} {'wall s':>9s} {'finished':>8s} {'skipped':>8s} {'failed':>7s} {'pending':>8s}")
+    for r in out["grid_records"]:
+        print(f"{r['record'][:44]:44s} {r['wall_s']:9.1f} {r['finished']:8d} {r['skipped']:8d} {r['failed']:7d} "
+              f"{r['pending']:8d}")
+    print(f"{'grid (distinct runs)':44s} {out['grid_wall_s']:9.1f} {out['grid_runs']:8d} "
+          f"{out['grid_runs_skipped']:8d} {out['grid_runs_failed']:7d} {out['grid_runs_pending']:8d}"
+          f"   sharded: {str(out['grid_sharded']).lower()}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", nargs="*", default=DEFAULT_VARIANTS,
@@ -299,7 +357,15 @@ def main() -> None:
     p.add_argument("--epochs-from", nargs="*", default=[], metavar="DIR",
                    help="finished runs' summaries: also estimate the grid with their measured epochs")
     p.add_argument("--from-json", metavar="FILE", help="recompute the estimates from this bench's JSON (no device)")
+    p.add_argument("--grid-from", nargs="+", default=[], metavar="PATH",
+                   help="runs roots, _sweeps/ folders or zoo-sweep record files: sum them into grid_wall_s, "
+                   "grid_runs and grid_sharded (no device)")
     args = p.parse_args()
+    if args.grid_from:
+        out = grid_from_records(sweep_records(args.grid_from))
+        print_grid(out)
+        print(json.dumps(out))
+        return
     if args.from_json:
         out = json.loads(Path(args.from_json).read_text().strip().splitlines()[-1])
         out["grid_estimate_s"] = upper_estimate(out["configs"])

@@ -270,8 +270,9 @@ class DecodeGraph:
     """One decode step (`LanguageModel.step`) captured in a CUDA graph over a ZooCache's state tensors.
 
     The graph reads the token ids from a static buffer and updates the state in place; `__call__` copies the
-    ids in, replays and returns a copy of the logits [B, vocab]. The capture's warm-up steps are undone (the
-    state is restored from a snapshot), so capturing does not advance the real state.
+    ids in, replays and returns a copy of the logits [B, vocab]. The capture's warm-up steps and its eager check
+    (one replay compared with the first warm-up step, `zoo.graphs.GraphCheckError` on a mismatch) are undone
+    (the state is restored from a snapshot), so capturing does not advance the real state.
     """
 
     def __init__(self, model: LanguageModel, cache: ZooCache) -> None:
@@ -292,7 +293,7 @@ class DecodeGraph:
 
         ids = torch.zeros(cache.batch_size, dtype=torch.long, device=device)
         self.graph = StaticGraph(lambda ids: model.step(ids, states), (ids,), snapshot=snapshot, restore=restore,
-                                 name="the decode step")
+                                 name="the decode step", check=True)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         return self.graph(ids).clone()  # [B, vocab]

@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from kernels.launch import is_capturing
-from zoo.config import ModelConfig
 from zoo.models.block import Block, TanhMLP, make_norm
 from zoo.models.mixers import MIXERS
+
+if TYPE_CHECKING:
+    # only a type here: zoo.config imports zoo.models.mixers (so zoo.models) to check a ModelConfig's mixers
+    from zoo.config import ModelConfig
 
 
 class LanguageModel(nn.Module):

@@ -1,0 +1,96 @@
+"""experiments/bench/sweep_speed.py --grid-from: the grid's wall and runs summed from zoo-sweep's shard records."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "experiments" / "bench" / "sweep_speed.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("sweep_speed_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def record(name: str, wall_s: float, runs: list[tuple[str, str]]) -> dict:
+    """A zoo-sweep record (zoo.sweep._run_jobs's format): (run dir or "" for none, status) per run."""
+    rows = [{"overrides": [f"run={d or i}"], "run_dir": d or None, "status": s} for i, (d, s) in enumerate(runs)]
+    counts = {s: sum(r["status"] == s for r in rows) for s in ("finished", "skipped", "failed", "pending")}
+    return {"sweep": name, "runs": rows, **counts, "wall_s": wall_s}
+
+
+def write(root: Path, *records: dict) -> Path:
+    (root / "_sweeps" / "compile_cache").mkdir(parents=True)
+    for r in records:
+        (root / "_sweeps" / f"{r['sweep']}.json").write_text(json.dumps(r))
+    return root
+
+
+def grid(bench, *paths) -> dict:
+    return bench.grid_from_records(bench.sweep_records([str(p) for p in paths]))
+
+
+def test_shards_are_summed(bench, tmp_path):
+    root = write(tmp_path, record("fig2.shard-0-of-2", 100.0, [("a", "finished"), ("b", "finished")]),
+                 record("fig2.shard-1-of-2", 50.5, [("c", "finished"), ("d", "failed"), ("e", "pending")]))
+    out = grid(bench, root)
+    assert (out["grid_wall_s"], out["grid_runs"], out["grid_sharded"]) == (150.5, 3, True)
+    assert (out["grid_runs_listed"], out["grid_runs_failed"], out["grid_runs_pending"]) == (5, 1, 1)
+
+
+def test_one_record_is_not_sharded(bench, tmp_path):
+    out = grid(bench, write(tmp_path, record("fig2", 42.0, [("a", "finished"), ("b", "skipped")])))
+    assert (out["grid_wall_s"], out["grid_runs"], out["grid_sharded"], out["grid_runs_skipped"]) == (42.0, 1, False, 1)
+
+
+def test_a_run_in_several_records_counts_once_at_its_best(bench, tmp_path):
+    """A chain's kept records: a run pending at the first job's limit and finished by the second, then skipped
+    by a third; a run without a run dir (skipped by --skip-summaries) is told apart by its overrides."""
+    first = record("fig2.call1", 500.0, [("a", "pending"), ("b", "finished"), ("", "skipped")])
+    second = record("fig2.call2", 200.0, [("a", "finished"), ("b", "skipped"), ("", "skipped")])
+    third = record("fig2.call3", 1.0, [("a", "skipped"), ("b", "skipped")])
+    out = grid(bench, write(tmp_path, first, second, third))
+    assert (out["grid_wall_s"], out["grid_runs"], out["grid_runs_listed"], out["grid_runs_skipped"]) == (
+        701.0, 2, 3, 1)
+
+
+def test_record_files_and_sweeps_folders_are_taken_as_given(bench, tmp_path):
+    root = write(tmp_path, record("x", 1.0, [("a", "finished")]), record("y", 2.0, [("b", "finished")]))
+    assert grid(bench, root / "_sweeps" / "x.json")["grid_wall_s"] == 1.0
+    assert grid(bench, root / "_sweeps", root / "_sweeps" / "x.json")["grid_wall_s"] == 3.0  # x once
+
+
+def test_what_is_no_record_is_refused(bench, tmp_path):
+    (tmp_path / "summary.json").write_text(json.dumps({"valid/accuracy": 1.0}))
+    with pytest.raises(SystemExit, match="not a zoo-sweep record"):
+        grid(bench, tmp_path)
+    with pytest.raises(SystemExit, match="no such file"):
+        grid(bench, tmp_path / "missing")
+
+
+def test_the_records_of_a_real_sharded_sweep(bench, tmp_path, monkeypatch, capsys):
+    """Two shards run by zoo-sweep on CPU; the bench's last line is the JSON of their sums."""
+    from zoo.sweep import run_sweep, shard
+
+    tiny = ["model.d_model=16", "data.vocab_size=64", "train.epochs=1", "train.early_stop=null",
+            "data.train=[{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:32}]",
+            "data.valid=[{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:32}]",
+            "data.test=[{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:32}]",
+            "experiment_name=g", f"data.cache_dir={tmp_path / 'cache'}"]
+    runs = [[f"model={m}", f"optim.lr={lr}"] for m in ("based", "attention") for lr in ("1e-3", "1e-2")]
+    records = [run_sweep(shard(runs, f"{i}/2"), f"g.shard-{i}-of-2", device="cpu", extra=tiny,
+                         runs_root=str(tmp_path / "runs")) for i in range(2)]
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "argv", ["sweep_speed.py", "--grid-from", str(tmp_path / "runs")])
+    bench.main()
+    lines = capsys.readouterr().out.strip().splitlines()
+    out = json.loads(lines[-1])
+    assert out["grid_wall_s"] == pytest.approx(sum(r["wall_s"] for r in records))
+    assert (out["grid_runs"], out["grid_sharded"]) == (4, True)
+    assert lines[0].startswith("sweep record") and any(line.startswith("g.shard-1-of-2.json") for line in lines)
