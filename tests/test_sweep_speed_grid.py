@@ -94,3 +94,44 @@ def test_the_records_of_a_real_sharded_sweep(bench, tmp_path, monkeypatch, capsy
     assert out["grid_wall_s"] == pytest.approx(sum(r["wall_s"] for r in records))
     assert (out["grid_runs"], out["grid_sharded"]) == (4, True)
     assert lines[0].startswith("sweep record") and any(line.startswith("g.shard-1-of-2.json") for line in lines)
+
+
+def test_a_chain_of_calls_counts_every_call(bench, tmp_path):
+    """One sweep name called three times on one runs root (a chain of limited jobs): its record lists the calls,
+    and the grid's wall is their sum, not the last call's."""
+    chained = record("fig2", 5.0, [("a", "finished"), ("b", "finished")])
+    chained["calls"] = [{"started": None, "wall_s": 500.0}, {"started": None, "wall_s": 200.0},
+                        {"started": None, "wall_s": 5.0}]
+    out = grid(bench, write(tmp_path, chained))
+    assert (out["grid_wall_s"], out["grid_runs"], out["grid_sharded"]) == (705.0, 2, True)
+    assert out["grid_records"][0]["calls"] == 3
+
+
+def test_a_sweep_record_keeps_its_earlier_calls(tmp_path):
+    """zoo-sweep called twice under one name: the second call's record lists both calls (the second finds the
+    first's runs done), and `calls_wall_s` is their sum."""
+    from zoo.sweep import run_sweep
+
+    tiny = ["model.d_model=16", "data.vocab_size=64", "train.epochs=1", "train.early_stop=null",
+            "data.train=[{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:32}]",
+            "data.valid=[{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:32}]",
+            "data.test=[{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:32}]",
+            "experiment_name=g", f"data.cache_dir={tmp_path / 'cache'}"]
+    runs = [["model=attention", "optim.lr=1e-3"]]
+    first = run_sweep(runs, "chain", device="cpu", extra=tiny, runs_root=str(tmp_path / "runs"))
+    second = run_sweep(runs, "chain", device="cpu", extra=tiny, runs_root=str(tmp_path / "runs"))
+    assert len(first["calls"]) == 1 and len(second["calls"]) == 2
+    assert second["calls"][0]["wall_s"] == first["wall_s"] and second["calls"][0]["finished"] == 1
+    assert second["calls_wall_s"] == pytest.approx(first["wall_s"] + second["wall_s"])
+
+
+def test_a_record_from_before_calls_counts_as_one_call(tmp_path):
+    from zoo.sweep import earlier_calls
+
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(record("old", 12.5, [("a", "finished"), ("b", "pending")])))
+    assert earlier_calls(path) == [{"started": None, "wall_s": 12.5, "finished": 1, "skipped": 0, "failed": 0,
+                                    "pending": 1}]
+    assert earlier_calls(tmp_path / "missing.json") == []
+    (tmp_path / "torn.json").write_text("{")
+    assert earlier_calls(tmp_path / "torn.json") == []

@@ -22,6 +22,8 @@ What happens per run:
 - A run that raises writes `error.txt` (the traceback) into its run dir and is listed as failed; the
   others continue. The sweep's record goes to `<runs_root>/_sweeps/<sweep name>.json`, rewritten (atomically)
   after every job, so a sweep that is stopped keeps the record of what finished (unstarted runs: "pending").
+  A later call of the same sweep name keeps the earlier calls' walls and counts in the record's `calls` (their
+  sum: `calls_wall_s`), so a chain of time-limited jobs leaves one record of the whole grid.
   Where nvidia-smi runs, the record also says how busy each GPU was (`gpus`: the mean share of time a kernel
   ran, sampled every 2 s, and the peak memory; `GpuMonitor`), and the sweep's last line prints it: below 100%,
   more workers would have found the GPU idle.
@@ -556,6 +558,22 @@ def committed_runs(runs: list[list[str]], extra: list[str], directories: list[st
     return done
 
 
+def earlier_calls(path: Path) -> list[dict[str, Any]]:
+    """The calls an existing record at `path` lists (each: started, wall_s and its run counts), so a sweep run as a
+    chain of time-limited jobs keeps every job's wall in its one record; [] where there is none. A record written
+    before records listed their calls counts as one call."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(record, dict) or "wall_s" not in record:
+        return []
+    if isinstance(record.get("calls"), list):
+        return record["calls"]
+    counts = {s: record.get(s, 0) for s in ("finished", "skipped", "failed", "pending")}
+    return [{"started": None, "wall_s": record["wall_s"], **counts}]
+
+
 def _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out: Path, done: dict) -> dict[str, Any]:
     """run_sweep's jobs, serially or in the pool, with the record (`out`) rewritten after each; `done`: records
     of runs already skipped."""
@@ -565,12 +583,17 @@ def _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out: Pat
 
     results: list[dict[str, Any] | None] = [done.get(i) for i in range(len(runs))]
     t0 = time.perf_counter()
+    earlier = earlier_calls(out)
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
     def write_record() -> dict[str, Any]:
         rows = [r if r is not None else {"overrides": runs[i], "run_dir": None, "status": "pending"}
                 for i, r in enumerate(results)]
         counts = {s: sum(r["status"] == s for r in rows) for s in ("finished", "skipped", "failed", "pending")}
-        record = {"sweep": name, "runs": rows, **counts, "wall_s": time.perf_counter() - t0}
+        wall = time.perf_counter() - t0
+        calls = [*earlier, {"started": started, "wall_s": wall, **counts}]
+        record = {"sweep": name, "runs": rows, **counts, "wall_s": wall, "calls": calls,
+                  "calls_wall_s": sum(c["wall_s"] for c in calls)}
         gpus = monitor.summary()
         if gpus:
             record["gpus"] = gpus

@@ -30,9 +30,8 @@
 4. The grid as it ran: `--grid-from PATH...` (runs roots, their `_sweeps/` folders, or sweep record files
    `<runs_root>/_sweeps/<sweep name>[.shard-I-of-N].json`, as zoo-sweep writes them) sums the records' walls into
    `grid_wall_s`, counts the distinct runs that finished in them (`grid_runs`; runs found finished, "skipped",
-   are counted apart) and sets `grid_sharded` when more than one record went in; no device. A record holds only
-   the last call of its sweep name, so the earlier calls of a chain of time-limited jobs count only where their
-   records were kept (copied aside) and passed too.
+   are counted apart) and sets `grid_sharded` when more than one call went in; no device. A record lists every
+   call of its sweep name (`calls`: a chain of time-limited jobs on one runs root), and each call's wall counts.
 
 Prints tables, then one JSON line (committed as experiments/bench/results/sweep_speed.json).
 """
@@ -306,8 +305,10 @@ STATUS_RANK = {"finished": 3, "skipped": 2, "failed": 1, "pending": 0}
 
 def grid_from_records(paths: list[Path]) -> dict:
     """The grid's wall and runs from zoo-sweep records (`zoo.sweep._run_jobs` writes them: {"sweep", "runs":
-    [{"overrides", "run_dir", "status", ...}], "wall_s", ...}): walls summed, runs counted once each, by run dir
-    (by overrides where a run has none), at their best status over the records."""
+    [{"overrides", "run_dir", "status", ...}], "wall_s", "calls": [{"wall_s", ...}], ...}): the walls of every
+    call summed (a record without `calls` is one call of `wall_s`), runs counted once each, by run dir (by
+    overrides where a run has none), at their best status over the records (a record's runs are as its last call
+    left them)."""
     rows, best = [], {}
     for path in paths:
         record = json.loads(path.read_text())
@@ -319,20 +320,23 @@ def grid_from_records(paths: list[Path]) -> dict:
             key = run.get("run_dir") or " ".join(run["overrides"])
             if STATUS_RANK[run["status"]] >= STATUS_RANK[best.get(key, "pending")]:
                 best[key] = run["status"]
-        rows.append({"record": path.name, "sweep": record.get("sweep", path.stem), "wall_s": record["wall_s"],
-                     **counts})
+        calls = record.get("calls") or [{"wall_s": record["wall_s"]}]
+        rows.append({"record": path.name, "sweep": record.get("sweep", path.stem),
+                     "wall_s": sum(c["wall_s"] for c in calls), "calls": len(calls), **counts})
     status = {s: sum(v == s for v in best.values()) for s in STATUS_RANK}
     return {"grid_wall_s": sum(r["wall_s"] for r in rows), "grid_runs": status["finished"],
-            "grid_sharded": len(rows) > 1, "grid_runs_listed": len(best), "grid_runs_skipped": status["skipped"],
+            "grid_sharded": sum(r["calls"] for r in rows) > 1, "grid_runs_listed": len(best),
+            "grid_runs_skipped": status["skipped"],
             "grid_runs_failed": status["failed"], "grid_runs_pending": status["pending"], "grid_records": rows}
 
 
 def print_grid(out: dict) -> None:
-    print(f"{'sweep record':44s} {'wall s':>9s} {'finished':>8s} {'skipped':>8s} {'failed':>7s} {'pending':>8s}")
+    print(f"{'sweep record':44s} {'calls':>5s} {'wall s':>9s} {'finished':>8s} {'skipped':>8s} {'failed':>7s} "
+          f"{'pending':>8s}")
     for r in out["grid_records"]:
-        print(f"{r['record'][:44]:44s} {r['wall_s']:9.1f} {r['finished']:8d} {r['skipped']:8d} {r['failed']:7d} "
-              f"{r['pending']:8d}")
-    print(f"{'grid (distinct runs)':44s} {out['grid_wall_s']:9.1f} {out['grid_runs']:8d} "
+        print(f"{r['record'][:44]:44s} {r['calls']:5d} {r['wall_s']:9.1f} {r['finished']:8d} {r['skipped']:8d} "
+              f"{r['failed']:7d} {r['pending']:8d}")
+    print(f"{'grid (distinct runs)':44s} {'':5s} {out['grid_wall_s']:9.1f} {out['grid_runs']:8d} "
           f"{out['grid_runs_skipped']:8d} {out['grid_runs_failed']:7d} {out['grid_runs_pending']:8d}"
           f"   sharded: {str(out['grid_sharded']).lower()}")
 
