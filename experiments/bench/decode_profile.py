@@ -5,8 +5,11 @@ a `record_function` label around each part, so every kernel (aten or Triton) is 
 launched it. The parts are the embedding, each mixer kind, the norms, the MLPs and the head (final norm +
 vocabulary projection). For each part:
 - device time per step (on the CPU: CPU time), and the kernels it launches;
-- bytes: a lower bound on its memory traffic, its weights read once plus its layers' recurrent state read and
-  written (the activations, [B, d] per layer, are small beside both at the batches that matter);
+- bytes: a lower bound on its memory traffic, its weights read once plus the recurrent state its layers read and
+  write, by `zoo.models.mixers.step_state_nbytes` (the model that experiments/bench/generation.py's GB/s uses
+  too): Based's kv and k_sum and the BaseConv tails read and written whole, the sliding window's ring read whole
+  and one slot of it (k and v) written. The activations, [B, d] per layer, are small beside both at the batches
+  that matter;
 - FLOPs: 2 · weight parameters · batch, the matmuls (the mixers' state updates are elementwise and
   memory-bound, so they count as bytes, not FLOPs);
 - the fraction of the copy bandwidth and of the dense-GEMM rate, both measured in the same process.
@@ -17,10 +20,11 @@ kernels without the launches, so the table also gives the graph replay's time pe
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
+
+from zoo.models.mixers import step_state_nbytes
 
 try:  # run as a script's sibling (experiments/bench on sys.path) or as a module
     from timing import median_ms
@@ -30,12 +34,6 @@ except ImportError:
 
 def weight_bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
-
-
-def _state_bytes(state: Any) -> int:
-    if isinstance(state, dict):
-        return sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
-    return 0
 
 
 def _labelled_step(lm, ids: torch.Tensor, states: list) -> torch.Tensor:
@@ -53,23 +51,24 @@ def _labelled_step(lm, ids: torch.Tensor, states: list) -> torch.Tensor:
         return lm.logits(lm.norm(x))
 
 
-def part_budget(lm, states: list, batch: int) -> dict[str, dict[str, float]]:
-    """Per part: layers, the bytes it must move at least and its matmul FLOPs (see the module docstring)."""
+def part_budget(lm, batch: int, seq_len: int) -> dict[str, dict[str, float]]:
+    """Per part: layers, the bytes it must move at least and its matmul FLOPs (see the module docstring), for a
+    step at `batch` sequences whose states hold seq_len tokens."""
     parts: dict[str, dict[str, float]] = defaultdict(lambda: {"layers": 0, "bytes": 0.0, "flops": 0.0})
 
     def add(name: str, module: torch.nn.Module, state_bytes: int = 0, matmul_params: int | None = None) -> None:
         p = parts[name]
         p["layers"] += 1
-        p["bytes"] += weight_bytes(module) + 2 * state_bytes
+        p["bytes"] += weight_bytes(module) + state_bytes
         params = sum(q.numel() for q in module.parameters() if q.dim() >= 2) if matmul_params is None else matmul_params
         p["flops"] += 2 * params * batch
 
     emb = lm.embedding
     parts["part:embedding"]["layers"] = 1
     parts["part:embedding"]["bytes"] += batch * emb.weight.shape[1] * emb.weight.element_size()  # rows gathered
-    for block, state in zip(lm.blocks, states):
+    for block in lm.blocks:
         add("part:norm", block.mixer_norm, matmul_params=0)
-        add(f"part:mixer {block.mixer.name}", block.mixer, _state_bytes(state))
+        add(f"part:mixer {block.mixer.name}", block.mixer, batch * sum(step_state_nbytes(block.mixer, seq_len)))
         add("part:mlp", torch.nn.ModuleList([m for m in (block.mlp_norm, block.mlp) if m is not None]))
     add("part:head", torch.nn.ModuleList([lm.norm, lm.head]))  # a tied head reads the embedding matrix whole
     return dict(parts)
@@ -83,11 +82,13 @@ def gemm_rate(device: torch.device, dtype: torch.dtype) -> float:
     return 2 * n**3 / (median_ms(lambda: a @ b, device, 10 if device.type == "cuda" else 3) / 1e3)
 
 
-def profile_decode(lm, states: list, ids: torch.Tensor, copy_bw: float, gemm: float, steps: int = 3) -> dict:
-    """Profile `steps` eager decode steps from `states` (advanced in place) -> {"parts": [...], totals}."""
+def profile_decode(lm, states: list, ids: torch.Tensor, copy_bw: float, gemm: float, seq_len: int,
+                   steps: int = 3) -> dict:
+    """Profile `steps` eager decode steps from `states` (advanced in place; they hold seq_len tokens)
+    -> {"parts": [...], totals}."""
     cuda = ids.is_cuda
     batch = ids.shape[0]
-    budget = part_budget(lm, states, batch)
+    budget = part_budget(lm, batch, seq_len)
     with torch.no_grad():
         expected = lm.step(ids, [None if s is None else {k: t.clone() for k, t in s.items()} for s in states])
         got = _labelled_step(lm, ids, [None if s is None else {k: t.clone() for k, t in s.items()} for s in states])

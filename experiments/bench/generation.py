@@ -22,8 +22,11 @@ For each batch size of --batches (by default ×4 from 1), until the model runs o
 - prefill: median time of one forward over the prompt batch that fills the cache (CUDA events);
 - decode: generated tokens/s = batch·gen / (generate time − prefill time), after a warm-up generate that
   compiles and captures what it needs (excluded);
-- GB/s: the bytes one decode step must read at least (weights + recurrent state or KV cache) over the time
-  per step, against the copy bandwidth measured in the same process.
+- GB/s: the bytes one decode step must move at least over the time per step, against the copy bandwidth measured
+  in the same process: the weights read once, plus each sequence's state at the mean length, prompt + gen/2
+  (`decode_state_bytes`: Based's kv, k_sum and conv tails read and written, its window rings read whole and one
+  slot written, by `LanguageModel.step_state_nbytes`, the decode profile's byte model too; Llama's KV cache read
+  and one position written).
 After the Based batches, before the baseline, `--profile-batch` (1,024; tiny: 2) profiles one Based decode step
 part by part (experiments/bench/decode_profile.py): time, bytes, FLOPs and their fractions of the copy bandwidth
 and of the GEMM rate, beside the CUDA-graph step's time.
@@ -145,23 +148,15 @@ def copy_bandwidth(device: torch.device, timer: Timer) -> float:
 
 
 def decode_state_bytes(kind: str, model, batch: int, length: int) -> int:
-    """Bytes of recurrent state (Based: its kv and k_sum as stored, ring buffers, conv) or KV cache read per decode
-    step."""
+    """Bytes of recurrent state or KV cache that one decode step moves at least, once each of `batch` sequences
+    holds `length` tokens. Based: `LanguageModel.step_state_nbytes`, the decode profile's model too (its kv and
+    k_sum as stored and the conv tails read and written, the window rings read whole and one slot written).
+    Llama: its KV cache read at `length` positions and written at one."""
     if kind == "based":
-        lm = model.model
-        based = sum(b.mixer.state_nbytes(length, model.dtype) for b in lm.blocks if b.mixer.name == "based")
-        rest = sum(b.state_size(length) for b in lm.blocks if b.mixer.name != "based")
-        return batch * (based + model.dtype.itemsize * rest)
+        return batch * sum(model.model.step_state_nbytes(length).values())
     c = model.config
-    return (
-        batch
-        * 2
-        * c.num_hidden_layers
-        * length
-        * c.num_key_value_heads
-        * (c.hidden_size // c.num_attention_heads)
-        * (model.dtype.itemsize)
-    )
+    per_position = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads)
+    return batch * per_position * (length + 1) * model.dtype.itemsize
 
 
 def generate_kwargs(kind: str, gen: int, prompt: int) -> dict:
@@ -289,7 +284,8 @@ def decode_profile(based, args, timer: Timer, device, dtype, bandwidth: float) -
                     based(nxt, cache=cache, use_cache=True)
                 steps = 20
                 graph_ms = 1e3 * timer(lambda: [based(nxt, cache=cache, use_cache=True) for _ in range(steps)]) / steps
-            result = profile_decode(based.model, cache.states, nxt[:, 0], bandwidth, gemm_rate(device, dtype))
+            result = profile_decode(based.model, cache.states, nxt[:, 0], bandwidth, gemm_rate(device, dtype),
+                                    seq_len=args.prompt)
     except (torch.cuda.OutOfMemoryError, RuntimeError) as err:
         if not is_oom(err):
             raise
