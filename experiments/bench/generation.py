@@ -34,6 +34,9 @@ The last line is JSON: every row, each model's best decode throughput (`based_to
 `decode_ratio_best` (target ≥ 24×, the Based paper's claim against FlashAttention-2), `decode_frac_copy_bw`
 (Based's best decode row's GB/s over the copy bandwidth; target ≥ 0.7), prefill at batch 1 and at the largest
 batch both models ran, and the decode profile.
+`graph_eager_check` (`--graph-check-batch`, 4; CUDA only): after the profile, greedy `--gen` tokens from that many
+prompts through the CUDA-graph decode and through the eager one, untimed; `equal`, and the first generated position
+where any row differs.
 
 `--based-state-dtype bf16` stores Based's kv in bf16 (the mixer option `state_dtype`; k_sum stays fp32), about
 halving a decode step's state traffic, and measures what that costs against the fp32 state. At each Based batch, a
@@ -296,6 +299,33 @@ def decode_profile(based, args, timer: Timer, device, dtype, bandwidth: float) -
     return result
 
 
+def graph_eager_check(based, args, device) -> dict | None:
+    """Greedy `--gen` tokens for `--graph-check-batch` random prompts through the CUDA-graph decode and through the
+    eager one (untimed): do they agree token for token? None on the CPU (no graph) or with the check off."""
+    batch = args.graph_check_batch
+    if not batch or device.type != "cuda" or not based.config.decode_cuda_graph:
+        return None
+    g = torch.Generator(device="cpu").manual_seed(batch + 1)
+    ids = torch.randint(1, based.config.vocab_size, (batch, args.prompt), generator=g).to(device)
+    kwargs = generate_kwargs("based", args.gen, args.prompt)
+    start = time.perf_counter()
+    with torch.no_grad():
+        graph = based.generate(ids, **kwargs)[:, args.prompt:]  # [B, gen]
+        based.config.decode_cuda_graph = False
+        try:
+            eager = based.generate(ids, **kwargs)[:, args.prompt:]  # [B, gen]
+        finally:
+            based.config.decode_cuda_graph = True
+    same = graph == eager  # [B, gen]
+    first = None if bool(same.all()) else int((~same).any(0).int().argmax())
+    result = {"batch": batch, "generated": args.gen, "equal": first is None, "first_divergence": first,
+              "seconds": time.perf_counter() - start}
+    print(f"graph vs eager decode, batch {batch}, {args.gen} greedy tokens: "
+          + ("equal" if first is None else f"differ from generated position {first}")
+          + f" ({result['seconds']:.0f} s)", flush=True)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="CPU-sized models and lengths (a smoke run)")
@@ -314,6 +344,8 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=0.0, help="per model: start no batch after this (0: none)")
     parser.add_argument("--profile-batch", type=int, default=None,
                         help="profile one Based decode step at this batch (1024; tiny: 2; 0: no profile)")
+    parser.add_argument("--graph-check-batch", type=int, default=4,
+                        help="compare greedy tokens of the CUDA-graph and eager Based decode at this batch (0: off)")
     parser.add_argument("--based-state-dtype", choices=("fp32", "bf16"), default="fp32",
                         help="Based's decode-state kv storage; bf16 also measures its cost against fp32 (see above)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -365,6 +397,7 @@ def main() -> None:
     del reference
     # The profile needs Based only: it runs before the baseline, so a call cut short still has it.
     profile = decode_profile(based, args, timer, device, dtype, bandwidth) if args.profile_batch else None
+    graph_check = graph_eager_check(based, args, device)
     rows += sweep("llama", llama, args, timer, device)
     best_row = {k: max((r for r in rows if r["model"] == k), key=lambda r: r["decode_tokens_per_s"], default=None)
                 for k in ("based", "llama")}
@@ -393,6 +426,7 @@ def main() -> None:
         "prefill_batch_common": common[-1] if common else None,
         "prefill_ms_common": at_common,
         "prefill_ratio_common": at_common["llama"] / at_common["based"] if at_common else None,
+        "graph_eager_check": graph_check,
         "target_ratio": 24.0,
         "based_state_dtype": args.based_state_dtype,
     }
