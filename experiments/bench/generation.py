@@ -32,8 +32,14 @@ part by part (experiments/bench/decode_profile.py): time, bytes, FLOPs and their
 and of the GEMM rate, beside the CUDA-graph step's time.
 The last line is JSON: every row, each model's best decode throughput (`based_tok_s`, `llama_tok_s`), the ratio
 `decode_ratio_best` (target ≥ 24×, the Based paper's claim against FlashAttention-2), `decode_frac_copy_bw`
-(Based's best decode row's GB/s over the copy bandwidth; target ≥ 0.7), prefill at batch 1 and at the largest
-batch both models ran, and the decode profile.
+(Based's best decode row's GB/s over the copy bandwidth; target ≥ 0.7), the decode profile, and prefill three ways:
+- `prefill_ms_batch1`, `prefill_ratio_batch1`: both models at batch 1 (Llama's ms over Based's; > 1: Based is
+  faster), the latency of one prompt;
+- `prefill_ms_common`, `prefill_ratio_common`: both at `prefill_batch_common`, the largest batch both ran, the same
+  work for each;
+- `based_prefill_ms_best`, `llama_prefill_ms_best` (at `based_prefill_batch_best`, `llama_prefill_batch_best`):
+  each model at its own best decode batch, the prefill that the headline decode rate pays for; their batches
+  differ, so `prefill_ratio_best_per_seq` compares time per sequence (Llama's ms / batch over Based's).
 `graph_eager_check` (`--graph-check-batch`, 4; CUDA only): after the profile, greedy `--gen` tokens from that many
 prompts through the CUDA-graph decode and through the eager one, untimed; `equal`, and the first generated position
 where any row differs.
@@ -299,6 +305,13 @@ def decode_profile(based, args, timer: Timer, device, dtype, bandwidth: float) -
     return result
 
 
+def prefill_ratio_per_seq(based: dict | None, llama: dict | None) -> float | None:
+    """Llama's prefill time per sequence over Based's, each row at its own batch (> 1: Based prefills faster)."""
+    if not based or not llama:
+        return None
+    return (llama["prefill_ms"] / llama["batch"]) / (based["prefill_ms"] / based["batch"])
+
+
 def graph_eager_check(based, args, device) -> dict | None:
     """Greedy `--gen` tokens for `--graph-check-batch` random prompts through the CUDA-graph decode and through the
     eager one (untimed): do they agree token for token? None on the CPU (no graph) or with the check off."""
@@ -426,6 +439,11 @@ def main() -> None:
         "prefill_batch_common": common[-1] if common else None,
         "prefill_ms_common": at_common,
         "prefill_ratio_common": at_common["llama"] / at_common["based"] if at_common else None,
+        "based_prefill_batch_best": best_row["based"]["batch"] if best_row["based"] else None,
+        "based_prefill_ms_best": best_row["based"]["prefill_ms"] if best_row["based"] else None,
+        "llama_prefill_batch_best": best_row["llama"]["batch"] if best_row["llama"] else None,
+        "llama_prefill_ms_best": best_row["llama"]["prefill_ms"] if best_row["llama"] else None,
+        "prefill_ratio_best_per_seq": prefill_ratio_per_seq(best_row["based"], best_row["llama"]),
         "graph_eager_check": graph_check,
         "target_ratio": 24.0,
         "based_state_dtype": args.based_state_dtype,
@@ -440,6 +458,13 @@ def main() -> None:
         f"best decode: based {best['based']:,.0f} tok/s, llama {best['llama']:,.0f} tok/s, "
         f"ratio {result['decode_ratio_best'] or float('nan'):.2f}x (target 24x)"
     )
+    if result["prefill_ratio_best_per_seq"] is not None:
+        print(
+            f"prefill at each model's best decode batch: based {result['based_prefill_ms_best']:,.1f} ms at "
+            f"{result['based_prefill_batch_best']}, llama {result['llama_prefill_ms_best']:,.1f} ms at "
+            f"{result['llama_prefill_batch_best']}; per sequence, llama / based = "
+            f"{result['prefill_ratio_best_per_seq']:.2f}"
+        )
     print(json.dumps(result))
 
 

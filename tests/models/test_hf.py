@@ -307,6 +307,11 @@ def test_generation_benchmark_runs_tiny_on_cpu():
     assert abs(last["params"]["based"] - last["params"]["llama"]) / last["params"]["based"] < 0.15
     assert last["based_tok_s"] > 0 and last["llama_tok_s"] > 0 and last["decode_frac_copy_bw"] > 0
     assert last["prefill_ratio_batch1"] > 0 and last["prefill_batch_common"] == 2
+    for kind in ("based", "llama"):
+        best = max((r for r in last["rows"] if r["model"] == kind), key=lambda r: r["decode_tokens_per_s"])
+        assert (last[f"{kind}_prefill_batch_best"], last[f"{kind}_prefill_ms_best"]) == (best["batch"],
+                                                                                      best["prefill_ms"])
+    assert last["prefill_ratio_best_per_seq"] > 0
     assert last["graph_eager_check"] is None  # no CUDA graph on the CPU
     profile = last["decode_profile"]
     parts = {r["part"]: r for r in profile["parts"]}
