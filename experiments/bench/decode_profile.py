@@ -15,6 +15,10 @@ vocabulary projection). For each part:
 - the fraction of the copy bandwidth and of the dense-GEMM rate, both measured in the same process.
 The eager step launches every kernel from Python; the CUDA-graph step that generation runs replays the same
 kernels without the launches, so the table also gives the graph replay's time per step for comparison.
+
+Beside the parts, `kernels` lists the step's `TOP_KERNELS` costliest kernels from the profiler's key averages (on
+the CPU, where there are none, the costliest ops by self CPU time): name, calls and device time per step, and share
+of the device time of all kernels. A kernel that several parts launch (an elementwise aten kernel) is one row.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from zoo.models.mixers import step_state_nbytes
@@ -30,6 +35,9 @@ try:  # run as a script's sibling (experiments/bench on sys.path) or as a module
     from timing import median_ms
 except ImportError:
     from experiments.bench.timing import median_ms
+
+
+TOP_KERNELS = 15  # rows of the per-kernel table
 
 
 def weight_bytes(module: torch.nn.Module) -> int:
@@ -136,6 +144,8 @@ def profile_decode(lm, states: list, ids: torch.Tensor, copy_bw: float, gemm: fl
     return {
         "batch": batch,
         "parts": rows,
+        "kernels": top_kernels(prof.key_averages(), cuda, steps),
+        "kernels_are_device": cuda,
         "eager_step_ms": total_ms,
         "unattributed_device_ms": all_ms - total_ms if cuda else None,
         "step_MB": total_bytes / 1e6,
@@ -143,6 +153,18 @@ def profile_decode(lm, states: list, ids: torch.Tensor, copy_bw: float, gemm: fl
         "copy_GB_per_s": copy_bw / 1e9,
         "gemm_TFLOP_per_s": gemm / 1e12,
     }
+
+
+def top_kernels(averages, cuda: bool, steps: int, n: int = TOP_KERNELS) -> list[dict]:
+    """The `n` kernels (CPU: ops) with the most self time: name, calls and ms per step, share of all of them."""
+    if cuda:
+        timed = [(e.key, e.count, e.self_device_time_total) for e in averages if e.device_type == DeviceType.CUDA]
+    else:  # self time, so an op's callees are not counted twice; the part labels are not ops
+        timed = [(e.key, e.count, e.self_cpu_time_total) for e in averages if not e.key.startswith("part:")]
+    total = sum(us for _, _, us in timed)
+    timed.sort(key=lambda row: -row[2])
+    return [{"name": name, "calls_per_step": count / steps, "ms": us / steps / 1e3,
+             "share": us / total if total else 0.0} for name, count, us in timed[:n]]
 
 
 def _device_children(event):
@@ -172,3 +194,9 @@ def print_profile(result: dict, graph_ms: float | None) -> None:
     if graph_ms is not None:
         line += f"; CUDA-graph step {graph_ms:.3f} ms ({result['step_MB'] / 1e3 / (graph_ms / 1e3):.0f} GB/s)"
     print(line)
+    what = "kernels (device time)" if result["kernels_are_device"] else "ops (self CPU time; no device kernels)"
+    print(f"\nthe step's {len(result['kernels'])} costliest {what}, per step:")
+    print(f"{'calls':>6s} {'ms':>8s} {'share':>6s}  name")
+    for k in result["kernels"]:
+        name = k["name"] if len(k["name"]) <= 90 else k["name"][:87] + "..."
+        print(f"{k['calls_per_step']:6.0f} {k['ms']:8.3f} {100 * k['share']:5.1f}%  {name}")

@@ -319,3 +319,8 @@ def test_generation_benchmark_runs_tiny_on_cpu():
     assert {"embedding", "norm", "mlp", "head", "mixer based", "mixer sliding_window", "mixer base_conv"} <= set(parts)
     assert all(r["ms"] > 0 and r["MB"] > 0 for name, r in parts.items() if name != "embedding")
     assert sum(r["layers"] for name, r in parts.items() if name.startswith("mixer")) == parts["norm"]["layers"]
+    kernels = profile["kernels"]  # on the CPU: the costliest aten ops
+    assert 0 < len(kernels) <= 15 and not profile["kernels_are_device"]
+    assert all(k["name"].startswith("aten::") and k["calls_per_step"] > 0 for k in kernels)
+    assert [k["ms"] for k in kernels] == sorted((k["ms"] for k in kernels), reverse=True)
+    assert 0 < sum(k["share"] for k in kernels) <= 1 + 1e-9
