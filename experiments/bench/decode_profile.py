@@ -5,22 +5,31 @@ a `record_function` label around each part, so every kernel (aten or Triton) is 
 launched it. The parts are the embedding, each mixer kind, the norms, the MLPs and the head (final norm +
 vocabulary projection). For each part:
 - device time per step (on the CPU: CPU time), and the kernels it launches;
-- bytes: a lower bound on its memory traffic, its weights read once plus its layers' recurrent state read and
-  written (the activations, [B, d] per layer, are small beside both at the batches that matter);
+- bytes: a lower bound on its memory traffic, its weights read once plus the recurrent state its layers read and
+  write, by `zoo.models.mixers.step_state_nbytes` (the model that experiments/bench/generation.py's GB/s uses
+  too): Based's kv and k_sum and the BaseConv tails read and written whole, the sliding window's ring read whole
+  and one slot of it (k and v) written. The activations, [B, d] per layer, are small beside both at the batches
+  that matter;
 - FLOPs: 2 · weight parameters · batch, the matmuls (the mixers' state updates are elementwise and
   memory-bound, so they count as bytes, not FLOPs);
 - the fraction of the copy bandwidth and of the dense-GEMM rate, both measured in the same process.
 The eager step launches every kernel from Python; the CUDA-graph step that generation runs replays the same
 kernels without the launches, so the table also gives the graph replay's time per step for comparison.
+
+Beside the parts, `kernels` lists the step's `TOP_KERNELS` costliest kernels from the profiler's key averages (on
+the CPU, where there are none, the costliest ops by self CPU time): name, calls and device time per step, and share
+of the device time of all kernels. A kernel that several parts launch (an elementwise aten kernel) is one row.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
+
+from zoo.models.mixers import step_state_nbytes
 
 try:  # run as a script's sibling (experiments/bench on sys.path) or as a module
     from timing import median_ms
@@ -28,14 +37,11 @@ except ImportError:
     from experiments.bench.timing import median_ms
 
 
+TOP_KERNELS = 15  # rows of the per-kernel table
+
+
 def weight_bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
-
-
-def _state_bytes(state: Any) -> int:
-    if isinstance(state, dict):
-        return sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
-    return 0
 
 
 def _labelled_step(lm, ids: torch.Tensor, states: list) -> torch.Tensor:
@@ -53,23 +59,24 @@ def _labelled_step(lm, ids: torch.Tensor, states: list) -> torch.Tensor:
         return lm.logits(lm.norm(x))
 
 
-def part_budget(lm, states: list, batch: int) -> dict[str, dict[str, float]]:
-    """Per part: layers, the bytes it must move at least and its matmul FLOPs (see the module docstring)."""
+def part_budget(lm, batch: int, seq_len: int) -> dict[str, dict[str, float]]:
+    """Per part: layers, the bytes it must move at least and its matmul FLOPs (see the module docstring), for a
+    step at `batch` sequences whose states hold seq_len tokens."""
     parts: dict[str, dict[str, float]] = defaultdict(lambda: {"layers": 0, "bytes": 0.0, "flops": 0.0})
 
     def add(name: str, module: torch.nn.Module, state_bytes: int = 0, matmul_params: int | None = None) -> None:
         p = parts[name]
         p["layers"] += 1
-        p["bytes"] += weight_bytes(module) + 2 * state_bytes
+        p["bytes"] += weight_bytes(module) + state_bytes
         params = sum(q.numel() for q in module.parameters() if q.dim() >= 2) if matmul_params is None else matmul_params
         p["flops"] += 2 * params * batch
 
     emb = lm.embedding
     parts["part:embedding"]["layers"] = 1
     parts["part:embedding"]["bytes"] += batch * emb.weight.shape[1] * emb.weight.element_size()  # rows gathered
-    for block, state in zip(lm.blocks, states):
+    for block in lm.blocks:
         add("part:norm", block.mixer_norm, matmul_params=0)
-        add(f"part:mixer {block.mixer.name}", block.mixer, _state_bytes(state))
+        add(f"part:mixer {block.mixer.name}", block.mixer, batch * sum(step_state_nbytes(block.mixer, seq_len)))
         add("part:mlp", torch.nn.ModuleList([m for m in (block.mlp_norm, block.mlp) if m is not None]))
     add("part:head", torch.nn.ModuleList([lm.norm, lm.head]))  # a tied head reads the embedding matrix whole
     return dict(parts)
@@ -83,11 +90,13 @@ def gemm_rate(device: torch.device, dtype: torch.dtype) -> float:
     return 2 * n**3 / (median_ms(lambda: a @ b, device, 10 if device.type == "cuda" else 3) / 1e3)
 
 
-def profile_decode(lm, states: list, ids: torch.Tensor, copy_bw: float, gemm: float, steps: int = 3) -> dict:
-    """Profile `steps` eager decode steps from `states` (advanced in place) -> {"parts": [...], totals}."""
+def profile_decode(lm, states: list, ids: torch.Tensor, copy_bw: float, gemm: float, seq_len: int,
+                   steps: int = 3) -> dict:
+    """Profile `steps` eager decode steps from `states` (advanced in place; they hold seq_len tokens)
+    -> {"parts": [...], totals}."""
     cuda = ids.is_cuda
     batch = ids.shape[0]
-    budget = part_budget(lm, states, batch)
+    budget = part_budget(lm, batch, seq_len)
     with torch.no_grad():
         expected = lm.step(ids, [None if s is None else {k: t.clone() for k, t in s.items()} for s in states])
         got = _labelled_step(lm, ids, [None if s is None else {k: t.clone() for k, t in s.items()} for s in states])
@@ -135,6 +144,8 @@ def profile_decode(lm, states: list, ids: torch.Tensor, copy_bw: float, gemm: fl
     return {
         "batch": batch,
         "parts": rows,
+        "kernels": top_kernels(prof.key_averages(), cuda, steps),
+        "kernels_are_device": cuda,
         "eager_step_ms": total_ms,
         "unattributed_device_ms": all_ms - total_ms if cuda else None,
         "step_MB": total_bytes / 1e6,
@@ -142,6 +153,18 @@ def profile_decode(lm, states: list, ids: torch.Tensor, copy_bw: float, gemm: fl
         "copy_GB_per_s": copy_bw / 1e9,
         "gemm_TFLOP_per_s": gemm / 1e12,
     }
+
+
+def top_kernels(averages, cuda: bool, steps: int, n: int = TOP_KERNELS) -> list[dict]:
+    """The `n` kernels (CPU: ops) with the most self time: name, calls and ms per step, share of all of them."""
+    if cuda:
+        timed = [(e.key, e.count, e.self_device_time_total) for e in averages if e.device_type == DeviceType.CUDA]
+    else:  # self time, so an op's callees are not counted twice; the part labels are not ops
+        timed = [(e.key, e.count, e.self_cpu_time_total) for e in averages if not e.key.startswith("part:")]
+    total = sum(us for _, _, us in timed)
+    timed.sort(key=lambda row: -row[2])
+    return [{"name": name, "calls_per_step": count / steps, "ms": us / steps / 1e3,
+             "share": us / total if total else 0.0} for name, count, us in timed[:n]]
 
 
 def _device_children(event):
@@ -171,3 +194,9 @@ def print_profile(result: dict, graph_ms: float | None) -> None:
     if graph_ms is not None:
         line += f"; CUDA-graph step {graph_ms:.3f} ms ({result['step_MB'] / 1e3 / (graph_ms / 1e3):.0f} GB/s)"
     print(line)
+    what = "kernels (device time)" if result["kernels_are_device"] else "ops (self CPU time; no device kernels)"
+    print(f"\nthe step's {len(result['kernels'])} costliest {what}, per step:")
+    print(f"{'calls':>6s} {'ms':>8s} {'share':>6s}  name")
+    for k in result["kernels"]:
+        name = k["name"] if len(k["name"]) <= 90 else k["name"][:87] + "..."
+        print(f"{k['calls_per_step']:6.0f} {k['ms']:8.3f} {100 * k['share']:5.1f}%  {name}")

@@ -22,15 +22,27 @@ For each batch size of --batches (by default ×4 from 1), until the model runs o
 - prefill: median time of one forward over the prompt batch that fills the cache (CUDA events);
 - decode: generated tokens/s = batch·gen / (generate time − prefill time), after a warm-up generate that
   compiles and captures what it needs (excluded);
-- GB/s: the bytes one decode step must read at least (weights + recurrent state or KV cache) over the time
-  per step, against the copy bandwidth measured in the same process.
+- GB/s: the bytes one decode step must move at least over the time per step, against the copy bandwidth measured
+  in the same process: the weights read once, plus each sequence's state at the mean length, prompt + gen/2
+  (`decode_state_bytes`: Based's kv, k_sum and conv tails read and written, its window rings read whole and one
+  slot written, by `LanguageModel.step_state_nbytes`, the decode profile's byte model too; Llama's KV cache read
+  and one position written).
 After the Based batches, before the baseline, `--profile-batch` (1,024; tiny: 2) profiles one Based decode step
 part by part (experiments/bench/decode_profile.py): time, bytes, FLOPs and their fractions of the copy bandwidth
 and of the GEMM rate, beside the CUDA-graph step's time.
 The last line is JSON: every row, each model's best decode throughput (`based_tok_s`, `llama_tok_s`), the ratio
 `decode_ratio_best` (target ≥ 24×, the Based paper's claim against FlashAttention-2), `decode_frac_copy_bw`
-(Based's best decode row's GB/s over the copy bandwidth; target ≥ 0.7), prefill at batch 1 and at the largest
-batch both models ran, and the decode profile.
+(Based's best decode row's GB/s over the copy bandwidth; target ≥ 0.7), the decode profile, and prefill three ways:
+- `prefill_ms_batch1`, `prefill_ratio_batch1`: both models at batch 1 (Llama's ms over Based's; > 1: Based is
+  faster), the latency of one prompt;
+- `prefill_ms_common`, `prefill_ratio_common`: both at `prefill_batch_common`, the largest batch both ran, the same
+  work for each;
+- `based_prefill_ms_best`, `llama_prefill_ms_best` (at `based_prefill_batch_best`, `llama_prefill_batch_best`):
+  each model at its own best decode batch, the prefill that the headline decode rate pays for; their batches
+  differ, so `prefill_ratio_best_per_seq` compares time per sequence (Llama's ms / batch over Based's).
+`graph_eager_check` (`--graph-check-batch`, 4; CUDA only): after the profile, greedy `--gen` tokens from that many
+prompts through the CUDA-graph decode and through the eager one, untimed; `equal`, and the first generated position
+where any row differs.
 
 `--based-state-dtype bf16` stores Based's kv in bf16 (the mixer option `state_dtype`; k_sum stays fp32), about
 halving a decode step's state traffic, and measures what that costs against the fp32 state. At each Based batch, a
@@ -145,23 +157,15 @@ def copy_bandwidth(device: torch.device, timer: Timer) -> float:
 
 
 def decode_state_bytes(kind: str, model, batch: int, length: int) -> int:
-    """Bytes of recurrent state (Based: its kv and k_sum as stored, ring buffers, conv) or KV cache read per decode
-    step."""
+    """Bytes of recurrent state or KV cache that one decode step moves at least, once each of `batch` sequences
+    holds `length` tokens. Based: `LanguageModel.step_state_nbytes`, the decode profile's model too (its kv and
+    k_sum as stored and the conv tails read and written, the window rings read whole and one slot written).
+    Llama: its KV cache read at `length` positions and written at one."""
     if kind == "based":
-        lm = model.model
-        based = sum(b.mixer.state_nbytes(length, model.dtype) for b in lm.blocks if b.mixer.name == "based")
-        rest = sum(b.state_size(length) for b in lm.blocks if b.mixer.name != "based")
-        return batch * (based + model.dtype.itemsize * rest)
+        return batch * sum(model.model.step_state_nbytes(length).values())
     c = model.config
-    return (
-        batch
-        * 2
-        * c.num_hidden_layers
-        * length
-        * c.num_key_value_heads
-        * (c.hidden_size // c.num_attention_heads)
-        * (model.dtype.itemsize)
-    )
+    per_position = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads)
+    return batch * per_position * (length + 1) * model.dtype.itemsize
 
 
 def generate_kwargs(kind: str, gen: int, prompt: int) -> dict:
@@ -289,7 +293,8 @@ def decode_profile(based, args, timer: Timer, device, dtype, bandwidth: float) -
                     based(nxt, cache=cache, use_cache=True)
                 steps = 20
                 graph_ms = 1e3 * timer(lambda: [based(nxt, cache=cache, use_cache=True) for _ in range(steps)]) / steps
-            result = profile_decode(based.model, cache.states, nxt[:, 0], bandwidth, gemm_rate(device, dtype))
+            result = profile_decode(based.model, cache.states, nxt[:, 0], bandwidth, gemm_rate(device, dtype),
+                                    seq_len=args.prompt)
     except (torch.cuda.OutOfMemoryError, RuntimeError) as err:
         if not is_oom(err):
             raise
@@ -297,6 +302,40 @@ def decode_profile(based, args, timer: Timer, device, dtype, bandwidth: float) -
         return None
     result["graph_step_ms"] = graph_ms
     print_profile(result, graph_ms)
+    return result
+
+
+def prefill_ratio_per_seq(based: dict | None, llama: dict | None) -> float | None:
+    """Llama's prefill time per sequence over Based's, each row at its own batch (> 1: Based prefills faster)."""
+    if not based or not llama:
+        return None
+    return (llama["prefill_ms"] / llama["batch"]) / (based["prefill_ms"] / based["batch"])
+
+
+def graph_eager_check(based, args, device) -> dict | None:
+    """Greedy `--gen` tokens for `--graph-check-batch` random prompts through the CUDA-graph decode and through the
+    eager one (untimed): do they agree token for token? None on the CPU (no graph) or with the check off."""
+    batch = args.graph_check_batch
+    if not batch or device.type != "cuda" or not based.config.decode_cuda_graph:
+        return None
+    g = torch.Generator(device="cpu").manual_seed(batch + 1)
+    ids = torch.randint(1, based.config.vocab_size, (batch, args.prompt), generator=g).to(device)
+    kwargs = generate_kwargs("based", args.gen, args.prompt)
+    start = time.perf_counter()
+    with torch.no_grad():
+        graph = based.generate(ids, **kwargs)[:, args.prompt:]  # [B, gen]
+        based.config.decode_cuda_graph = False
+        try:
+            eager = based.generate(ids, **kwargs)[:, args.prompt:]  # [B, gen]
+        finally:
+            based.config.decode_cuda_graph = True
+    same = graph == eager  # [B, gen]
+    first = None if bool(same.all()) else int((~same).any(0).int().argmax())
+    result = {"batch": batch, "generated": args.gen, "equal": first is None, "first_divergence": first,
+              "seconds": time.perf_counter() - start}
+    print(f"graph vs eager decode, batch {batch}, {args.gen} greedy tokens: "
+          + ("equal" if first is None else f"differ from generated position {first}")
+          + f" ({result['seconds']:.0f} s)", flush=True)
     return result
 
 
@@ -318,6 +357,8 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=0.0, help="per model: start no batch after this (0: none)")
     parser.add_argument("--profile-batch", type=int, default=None,
                         help="profile one Based decode step at this batch (1024; tiny: 2; 0: no profile)")
+    parser.add_argument("--graph-check-batch", type=int, default=4,
+                        help="compare greedy tokens of the CUDA-graph and eager Based decode at this batch (0: off)")
     parser.add_argument("--based-state-dtype", choices=("fp32", "bf16"), default="fp32",
                         help="Based's decode-state kv storage; bf16 also measures its cost against fp32 (see above)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -369,6 +410,7 @@ def main() -> None:
     del reference
     # The profile needs Based only: it runs before the baseline, so a call cut short still has it.
     profile = decode_profile(based, args, timer, device, dtype, bandwidth) if args.profile_batch else None
+    graph_check = graph_eager_check(based, args, device)
     rows += sweep("llama", llama, args, timer, device)
     best_row = {k: max((r for r in rows if r["model"] == k), key=lambda r: r["decode_tokens_per_s"], default=None)
                 for k in ("based", "llama")}
@@ -397,6 +439,12 @@ def main() -> None:
         "prefill_batch_common": common[-1] if common else None,
         "prefill_ms_common": at_common,
         "prefill_ratio_common": at_common["llama"] / at_common["based"] if at_common else None,
+        "based_prefill_batch_best": best_row["based"]["batch"] if best_row["based"] else None,
+        "based_prefill_ms_best": best_row["based"]["prefill_ms"] if best_row["based"] else None,
+        "llama_prefill_batch_best": best_row["llama"]["batch"] if best_row["llama"] else None,
+        "llama_prefill_ms_best": best_row["llama"]["prefill_ms"] if best_row["llama"] else None,
+        "prefill_ratio_best_per_seq": prefill_ratio_per_seq(best_row["based"], best_row["llama"]),
+        "graph_eager_check": graph_check,
         "target_ratio": 24.0,
         "based_state_dtype": args.based_state_dtype,
     }
@@ -410,6 +458,13 @@ def main() -> None:
         f"best decode: based {best['based']:,.0f} tok/s, llama {best['llama']:,.0f} tok/s, "
         f"ratio {result['decode_ratio_best'] or float('nan'):.2f}x (target 24x)"
     )
+    if result["prefill_ratio_best_per_seq"] is not None:
+        print(
+            f"prefill at each model's best decode batch: based {result['based_prefill_ms_best']:,.1f} ms at "
+            f"{result['based_prefill_batch_best']}, llama {result['llama_prefill_ms_best']:,.1f} ms at "
+            f"{result['llama_prefill_batch_best']}; per sequence, llama / based = "
+            f"{result['prefill_ratio_best_per_seq']:.2f}"
+        )
     print(json.dumps(result))
 
 

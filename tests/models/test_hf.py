@@ -260,16 +260,46 @@ def test_cuda_graph_decode_matches_eager():
         torch.testing.assert_close(s_graph, s_eager)
 
 
+@pytest.mark.gpu
+def test_cuda_graph_decode_matches_eager_over_1024_tokens_with_triton_kernels():
+    """The bench's decode path (experiments/bench/generation.py): bf16, Based and the window on their Triton kernels,
+    a CUDA graph per step. 1,024 greedy tokens equal the eager path's, token for token: a state the graph advanced
+    differently at any step would change every later token."""
+    torch.manual_seed(0)
+    mixers = {"based": {"feature_dim": 16, "num_heads": 2, "impl": "triton"},
+              "sliding_window": {"window": 64, "num_heads": 2, "impl": "triton"}}
+    model = ZooForCausalLM(ZooConfig(vocab_size=512, d_model=128, mixers=mixers)).cuda().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)  # as tiny(): greedy tokens depend on the context
+    model.to(torch.bfloat16)
+    prompt = torch.randint(0, 512, (4, 32), device="cuda")
+    kwargs = {"max_new_tokens": 1024, "min_new_tokens": 1024, "do_sample": False, "pad_token_id": 0}
+    model.config.decode_cuda_graph = False
+    eager = model.generate(prompt, **kwargs)
+    model.config.decode_cuda_graph = True
+    graph = model.generate(prompt, **kwargs, return_dict_in_generate=True)
+    assert getattr(graph, CACHE_KEY).decode_graph is not None
+    assert graph.sequences.shape == (4, 32 + 1024)
+    assert torch.equal(graph.sequences, eager)
+    assert eager[:, 32:].unique().numel() > 50  # not a loop of a few tokens: the state keeps steering the argmax
+
+
 @pytest.mark.slow  # a subprocess that imports torch and transformers and builds two models
 def test_generation_benchmark_runs_tiny_on_cpu():
     import json
+    import os
     import subprocess
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "experiments" / "bench" / "generation.py"
+    root = Path(__file__).resolve().parents[2]
+    script = root / "experiments" / "bench" / "generation.py"
     cmd = [sys.executable, str(script), "--tiny", "--device", "cpu", "--prompt", "8", "--gen", "4"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    # the script's own directory comes first on its path; this checkout's packages next, before any installed copy
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     last = json.loads(result.stdout.strip().splitlines()[-1])
     assert {r["model"] for r in last["rows"]} == {"based", "llama"}
@@ -277,9 +307,20 @@ def test_generation_benchmark_runs_tiny_on_cpu():
     assert abs(last["params"]["based"] - last["params"]["llama"]) / last["params"]["based"] < 0.15
     assert last["based_tok_s"] > 0 and last["llama_tok_s"] > 0 and last["decode_frac_copy_bw"] > 0
     assert last["prefill_ratio_batch1"] > 0 and last["prefill_batch_common"] == 2
+    for kind in ("based", "llama"):
+        best = max((r for r in last["rows"] if r["model"] == kind), key=lambda r: r["decode_tokens_per_s"])
+        assert (last[f"{kind}_prefill_batch_best"], last[f"{kind}_prefill_ms_best"]) == (best["batch"],
+                                                                                      best["prefill_ms"])
+    assert last["prefill_ratio_best_per_seq"] > 0
+    assert last["graph_eager_check"] is None  # no CUDA graph on the CPU
     profile = last["decode_profile"]
     parts = {r["part"]: r for r in profile["parts"]}
     # based_tiny: every layer kind of based_1b, each part charged its own time and bytes
     assert {"embedding", "norm", "mlp", "head", "mixer based", "mixer sliding_window", "mixer base_conv"} <= set(parts)
     assert all(r["ms"] > 0 and r["MB"] > 0 for name, r in parts.items() if name != "embedding")
     assert sum(r["layers"] for name, r in parts.items() if name.startswith("mixer")) == parts["norm"]["layers"]
+    kernels = profile["kernels"]  # on the CPU: the costliest aten ops
+    assert 0 < len(kernels) <= 15 and not profile["kernels_are_device"]
+    assert all(k["name"].startswith("aten::") and k["calls_per_step"] > 0 for k in kernels)
+    assert [k["ms"] for k in kernels] == sorted((k["ms"] for k in kernels), reverse=True)
+    assert 0 < sum(k["share"] for k in kernels) <= 1 + 1e-9

@@ -17,7 +17,7 @@ from torch import nn
 
 from kernels.launch import is_capturing
 from zoo.models.block import Block, TanhMLP, make_norm
-from zoo.models.mixers import MIXERS
+from zoo.models.mixers import MIXERS, step_state_nbytes
 
 if TYPE_CHECKING:
     # only a type here: zoo.config imports zoo.models.mixers (so zoo.models) to check a ModelConfig's mixers
@@ -131,6 +131,14 @@ class LanguageModel(nn.Module):
     def state_size(self, seq_len: int) -> int:
         """Recurrent-state elements per sequence after seq_len tokens, summed over layers."""
         return sum(block.state_size(seq_len) for block in self.blocks)
+
+    def step_state_nbytes(self, seq_len: int) -> dict[str, int]:
+        """Mixer name -> bytes of recurrent state one decode step reads plus writes per sequence, summed over the
+        layers of that mixer, once the state holds seq_len tokens (`zoo.models.mixers.step_state_nbytes`)."""
+        out: dict[str, int] = {}
+        for block in self.blocks:
+            out[block.mixer.name] = out.get(block.mixer.name, 0) + sum(step_state_nbytes(block.mixer, seq_len))
+        return out
 
     def num_parameters(self) -> int:
         """Parameter count, tied weights counted once."""

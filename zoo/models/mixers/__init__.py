@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from zoo.models.mixers._common import make_config
 from zoo.models.mixers.attention import Attention
 from zoo.models.mixers.base_conv import BaseConv
@@ -54,6 +56,33 @@ def check_mixer_options(name: str, d_model: int, options: dict[str, Any]) -> Non
     make_config(name, MIXERS[name].Config, d_model, dict(options))
 
 
+def step_state_nbytes(mixer: torch.nn.Module, seq_len: int) -> tuple[int, int]:
+    """(read, written): bytes of one sequence's recurrent state that one decode step moves at least, once the state
+    holds seq_len tokens, for the state `mixer.init_state` allocates (its dtypes: Based's fp32 or bf16 kv).
+
+    A state tensor is read whole and written whole (Based's kv and k_sum, the BaseConv tail, every other mixer's
+    recurrent state), except the tensors a mixer names in its `slot_state`: position-indexed buffers
+    [B, slots, ...] (the sliding window's ring, attention's KV cache, the long convolutions' input history), of
+    which a step reads the slots that hold tokens, min(seq_len, slots), and writes one. Integer tensors
+    (positions) are bookkeeping and count nothing. Weights are read once a step for the whole batch, not per
+    sequence, so they are not here.
+    """
+    state = mixer.init_state(1, device="meta")
+    read = written = 0
+    for key, t in (state or {}).items():
+        if not t.is_floating_point():
+            continue
+        nbytes = t.numel() * t.element_size()
+        if key in getattr(mixer, "slot_state", ()):
+            slots = t.shape[1]
+            read += nbytes * min(seq_len, slots) // slots
+            written += nbytes // slots
+        else:
+            read += nbytes
+            written += nbytes
+    return read, written
+
+
 __all__ = [
     "GLA",
     "H3",
@@ -73,4 +102,5 @@ __all__ = [
     "ShortConv",
     "SlidingWindowAttention",
     "check_mixer_options",
+    "step_state_nbytes",
 ]

@@ -77,6 +77,7 @@ class Attention(nn.Module):
 
     Config = AttentionConfig
     name = "attention"
+    slot_state = ("k", "v")  # [B, slots, H, D]: a step reads the filled slots and writes one (step_state_nbytes)
 
     def __init__(self, d_model: int, **options) -> None:
         super().__init__()

@@ -133,6 +133,7 @@ class Hyena(nn.Module):
 
     Config = HyenaConfig
     name = "hyena"
+    slot_state = ("z",)  # [B, slots, d]: a step reads the filled slots and writes one (step_state_nbytes)
 
     def __init__(self, d_model: int, **options) -> None:
         super().__init__()

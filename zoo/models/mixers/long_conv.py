@@ -98,6 +98,7 @@ class LongConv(nn.Module):
 
     Config = LongConvConfig
     name = "long_conv"
+    slot_state = ("u",)  # [B, slots, d]: a step reads the filled slots and writes one (step_state_nbytes)
 
     def __init__(self, d_model: int, **options) -> None:
         super().__init__()

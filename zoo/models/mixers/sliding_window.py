@@ -84,6 +84,7 @@ class SlidingWindowAttention(nn.Module):
     Config = SlidingWindowConfig
     name = "sliding_window"
     vmap_impls = ("naive", "triton")  # training is the PyTorch forward under either: zoo/steps.py packs both
+    slot_state = ("k", "v")  # [B, slots, H, D]: a step reads the slots and writes one (step_state_nbytes)
 
     def __init__(self, d_model: int, **options) -> None:
         super().__init__()
