@@ -132,6 +132,7 @@ class StaticGraph:
         torch.cuda.current_stream(device).wait_stream(side)
         if restore is not None:
             restore(saved)
+        saved = None  # freed before the check's snapshot: a decode state may take most of the GPU's memory
         torch.cuda.set_rng_state(rng, device)
         if before_capture is not None:
             before_capture()
