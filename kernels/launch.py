@@ -14,9 +14,9 @@ integer width (ints), bools and None by value, every keyword (constexprs, num_wa
 device. A key seen for the first time goes through `kernel[grid]` (which compiles if need be) and keeps the
 compiled kernel it returns; later calls with that key launch it directly on the current stream (so CUDA-graph
 capture works). The JIT path is taken whenever the direct one could differ: the interpreter (TRITON_INTERPRET=1),
-tensors off CUDA, torch.compile tracing (which must see Triton launches), a launch hook set (Triton's profiling),
-Triton before 3.6 (`direct_launch_supported`), or ZOO_FAST_LAUNCH=0 in the environment (read once at import; for
-debugging).
+tensors off CUDA, torch.compile tracing (which must see Triton launches), a launch hook set (Triton's profiling;
+setting one is also how to send every launch through the JIT path when debugging), or Triton before 3.6
+(`direct_launch_supported`).
 """
 
 import functools
@@ -68,7 +68,6 @@ def next_power_of_2(n: int) -> int:
     return n if n <= 1 else 1 << (n - 1).bit_length()
 
 
-_FAST = os.environ.get("ZOO_FAST_LAUNCH", "1") != "0"  # ZOO_FAST_LAUNCH=0: every launch through Triton's JIT path
 _INT32 = (-(2**31), 2**31)
 _launchers: dict = {}  # kernel -> {key: (compiled kernel, plan)}, or None where the direct path is not available
 
@@ -122,7 +121,7 @@ def _plan(kernel, args: tuple, kwargs: dict) -> list:
 def _direct_ok(args: tuple) -> bool:
     """Whether this launch may skip Triton's JIT path (see the module docstring; torch.compile is checked first).
     The interpreter (TRITON_INTERPRET=1) runs on CPU tensors, so the first argument being on CUDA rules it out."""
-    if not (_FAST and args and isinstance(args[0], torch.Tensor) and args[0].is_cuda):
+    if not (args and isinstance(args[0], torch.Tensor) and args[0].is_cuda):
         return False
     triton = _triton()
     if not direct_launch_supported(triton.__version__):
