@@ -1,5 +1,6 @@
 """Host-side helpers for launching the Triton kernels: where they can run, whether a backward will follow
-(`grad_needed`), integers for launch shapes, and `launch`, a cheaper way through Triton's launcher.
+(`grad_needed`), integers for launch shapes, a device's SM count (`sm_count`), and `launch`, a cheaper way through
+Triton's launcher.
 
 `triton.cdiv` and `triton.next_power_of_2` are Triton constexpr functions: called from Python each one unwraps its
 arguments first, a few microseconds per call, and a Based forward+backward computes some forty such values. These
@@ -56,6 +57,19 @@ def grad_needed(*tensors: torch.Tensor | None) -> bool:
     forward must keep what the backward reads. Inside torch.func.vmap, ask on the unwrapped tensors of the op's
     vmap rule: a batched tensor's requires_grad reads False."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+# SMs assumed off CUDA (the interpreter runs programs one by one): an H100's or H200's, so that the CPU tests plan
+# launches, e.g. the fused forward's segments, as those GPUs do
+HOPPER_SMS = 132
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """The number of SMs of `device`, asked of the driver once per device; HOPPER_SMS off CUDA."""
+    if device.type != "cuda":
+        return HOPPER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def cdiv(a: int, b: int) -> int:

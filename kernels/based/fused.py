@@ -16,7 +16,7 @@ from kernels.based.primitives import (
     forward_dot,
     symmetrise_order2,
 )
-from kernels.launch import cdiv, launch, next_power_of_2
+from kernels.launch import cdiv, launch, next_power_of_2, sm_count
 
 
 @triton.jit
@@ -397,16 +397,16 @@ def _pair_rows(BK: int) -> bool:
     return BK <= 16
 
 
-# Segments run in parallel while the programs are fewer than TARGET_PROGRAMS (an H200's SMs), each of at least
-# MIN_SEGMENT_CHUNKS chunks: beyond that the extra state pass and prefix sum cost more than shorter chains gain.
-TARGET_PROGRAMS = 132
+# Segments run in parallel while the programs are fewer than the device's SMs, each of at least MIN_SEGMENT_CHUNKS
+# chunks: beyond that the extra state pass and prefix sum cost more than shorter chains gain.
 MIN_SEGMENT_CHUNKS = 8
 
 
-def segment_tokens(T: int, programs: int, BC: int) -> int:
-    """Tokens per segment of the forward (a multiple of BC; ≥ T: one segment)."""
+def segment_tokens(T: int, programs: int, BC: int, sms: int) -> int:
+    """Tokens per segment of the forward (a multiple of BC; ≥ T: one segment) for `programs` programs a segment on a
+    device of `sms` SMs."""
     n_chunks = cdiv(T, BC)
-    segments = min(cdiv(TARGET_PROGRAMS, programs), n_chunks // MIN_SEGMENT_CHUNKS)
+    segments = min(cdiv(sms, programs), n_chunks // MIN_SEGMENT_CHUNKS)
     if segments <= 1:
         return n_chunks * BC
     return cdiv(n_chunks, segments) * BC
@@ -424,7 +424,7 @@ def forward(q, k, v, hv0, hz0, scale: float, output_final_state: bool, normalize
     den = torch.empty(B, T, H, device=q.device, dtype=torch.float32) if normalize else None
     meta = dict(H=H, K=K, V=V, BK=BK, BV=BV, BC=BC, NORMALIZE=normalize, DOT=forward_dot(q.dtype, K),
                 PAIR_ROWS=_pair_rows(BK), num_warps=num_warps, num_stages=num_stages)
-    SEG = segment_tokens(T, NV * B * H, BC)
+    SEG = segment_tokens(T, NV * B * H, BC, sm_count(q.device))
     NS = cdiv(T, SEG)
     if NS == 1:
         hvT = torch.empty(B, H, F, V, device=q.device, dtype=torch.float32) if output_final_state else None
