@@ -1,5 +1,6 @@
 """Host-side helpers for launching the Triton kernels: where they can run, whether a backward will follow
-(`grad_needed`), integers for launch shapes, and `launch`, a cheaper way through Triton's launcher.
+(`grad_needed`), integers for launch shapes, a device's SM count (`sm_count`), and `launch`, a cheaper way through
+Triton's launcher.
 
 `triton.cdiv` and `triton.next_power_of_2` are Triton constexpr functions: called from Python each one unwraps its
 arguments first, a few microseconds per call, and a Based forward+backward computes some forty such values. These
@@ -14,9 +15,9 @@ integer width (ints), bools and None by value, every keyword (constexprs, num_wa
 device. A key seen for the first time goes through `kernel[grid]` (which compiles if need be) and keeps the
 compiled kernel it returns; later calls with that key launch it directly on the current stream (so CUDA-graph
 capture works). The JIT path is taken whenever the direct one could differ: the interpreter (TRITON_INTERPRET=1),
-tensors off CUDA, torch.compile tracing (which must see Triton launches), a launch hook set (Triton's profiling),
-Triton before 3.6 (`direct_launch_supported`), or ZOO_FAST_LAUNCH=0 in the environment (read once at import; for
-debugging).
+tensors off CUDA, torch.compile tracing (which must see Triton launches), a launch hook set (Triton's profiling;
+setting one is also how to send every launch through the JIT path when debugging), or Triton before 3.6
+(`direct_launch_supported`).
 """
 
 import functools
@@ -58,6 +59,19 @@ def grad_needed(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+# SMs assumed off CUDA (the interpreter runs programs one by one): an H100's or H200's, so that the CPU tests plan
+# launches, e.g. the fused forward's segments, as those GPUs do
+HOPPER_SMS = 132
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """The number of SMs of `device`, asked of the driver once per device; HOPPER_SMS off CUDA."""
+    if device.type != "cuda":
+        return HOPPER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def cdiv(a: int, b: int) -> int:
     """⌈a / b⌉ for ints, b > 0."""
     return -(-a // b)
@@ -68,7 +82,6 @@ def next_power_of_2(n: int) -> int:
     return n if n <= 1 else 1 << (n - 1).bit_length()
 
 
-_FAST = os.environ.get("ZOO_FAST_LAUNCH", "1") != "0"  # ZOO_FAST_LAUNCH=0: every launch through Triton's JIT path
 _INT32 = (-(2**31), 2**31)
 _launchers: dict = {}  # kernel -> {key: (compiled kernel, plan)}, or None where the direct path is not available
 
@@ -122,7 +135,7 @@ def _plan(kernel, args: tuple, kwargs: dict) -> list:
 def _direct_ok(args: tuple) -> bool:
     """Whether this launch may skip Triton's JIT path (see the module docstring; torch.compile is checked first).
     The interpreter (TRITON_INTERPRET=1) runs on CPU tensors, so the first argument being on CUDA rules it out."""
-    if not (_FAST and args and isinstance(args[0], torch.Tensor) and args[0].is_cuda):
+    if not (args and isinstance(args[0], torch.Tensor) and args[0].is_cuda):
         return False
     triton = _triton()
     if not direct_launch_supported(triton.__version__):

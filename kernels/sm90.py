@@ -3,7 +3,7 @@ of it: dot instructions (wgmma vs mma.sync), layout conversions and shared-memor
 TTGIR), and registers and spills (ptxas). The GPU-free half of kernel work: a change that spills or lowers its dots
 to mma.sync where it meant wgmma shows here before it is timed, and an unchanged PTX proves a refactor harmless.
 
-    python -m kernels.sm90 [--kernel fwd|dq|dkv] [--mode 5] [--bv 32] [--bc 64] [--warps 4] [--states]
+    python -m kernels.sm90 [--kernel fwd|dq|dkv] [--k2-rows] [--bv 32] [--bc 64] [--warps 4] [--states]
         [--maxnreg 168]
 
 Uses the ptxas that ships with Triton (ptxas-blackwell where the bundled ptxas is older than the PTX Triton emits).
@@ -30,15 +30,15 @@ KERNELS = {
 }
 
 
-def compile_kernel(kind: str, mode: int, BV: int, BC: int, warps: int, stages: int = 2, states: bool = False,
+def compile_kernel(kind: str, pair_rows: bool, BV: int, BC: int, warps: int, stages: int = 2, states: bool = False,
                    maxnreg: int | None = None, scale_dtype: str = "fp32", dot: int = 2):
     """Compile one of KERNELS for sm_90a at H=16, K=16, V=64, normalised; `states` turns on the state inputs and
-    outputs (their loads and stores compiled too); mode: the fused kernels' order-2 layout (EXPAND, 5 or 0); maxnreg:
-    a register cap per thread; scale_dtype: the scalar type of `scale` ("fp64" is what torch.compile's inductor
-    passes for a Python float); dot: the kernels' DOT (primitives.DOT_*: 2 for bf16 inputs, 4 for fp16 inputs; any
-    other compiles for fp32 inputs, every tensor fp32)."""
+    outputs (their loads and stores compiled too); pair_rows: the fused kernels' order-2 layout (PAIR_ROWS; False:
+    the K² rows); maxnreg: a register cap per thread; scale_dtype: the scalar type of `scale` ("fp64" is what
+    torch.compile's inductor passes for a Python float); dot: the kernels' DOT (primitives.DOT_*: 2 for bf16 inputs,
+    4 for fp16 inputs; any other compiles for fp32 inputs, every tensor fp32)."""
     fn, bf16 = KERNELS[kind]
-    const = dict(H=16, K=16, V=64, BK=16, BV=BV, BC=BC, NORMALIZE=True, DOT=dot, EXPAND=mode, STATE_ONLY=False,
+    const = dict(H=16, K=16, V=64, BK=16, BV=BV, BC=BC, NORMALIZE=True, DOT=dot, PAIR_ROWS=pair_rows, STATE_ONLY=False,
                  USE_H0=states, STORE_HT=states, USE_DHT=states, STORE_DH0=states)
     sig = {}
     for name in fn.arg_names:
@@ -58,9 +58,9 @@ def compile_kernel(kind: str, mode: int, BV: int, BC: int, warps: int, stages: i
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def compile_gluon_forward(states: int = 0):
+def compile_gluon_forward(states: bool = False):
     """kernels/based/gluon.py's forward for sm_90a at H=16 (its default partition of 4 warps and two producers of
-    4): `states` 0, the inference forward, or 2, storing every second chunk's state for the Gluon backward (and
+    4): `states` False, the inference forward, or True, storing every second chunk's state for the Gluon backward (and
     taking the state in and out)."""
     import torch
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -81,7 +81,7 @@ def compile_gluon_forward(states: int = 0):
     fn = gluon._gluon_fwd_kernel
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*")}
     src = GluonASTSource(fn, sig, constexprs={
-        "H": 16, "USE_H0": bool(states), "STORE_HT": bool(states), "STORE_STATES": int(states), "NSLOT": 2,
+        "H": 16, "USE_H0": states, "STORE_HT": states, "STORE_STATES": states, "NSLOT": 2,
         "PRODUCER_REGS": gluon.PRODUCER_REGS}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
@@ -130,17 +130,17 @@ def ptxas_report(ptx: str) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kernel", choices=sorted(KERNELS), default="fwd")
-    p.add_argument("--mode", type=int, default=5, help="the fused kernels' order-2 layout: 5 (pairs) or 0 (K²)")
+    p.add_argument("--k2-rows", action="store_true", help="the fused kernels' order 2 as K² rows (default: pairs)")
     p.add_argument("--bv", type=int, default=32)
     p.add_argument("--bc", type=int, default=64)
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--states", action="store_true", help="with the state inputs and outputs")
     p.add_argument("--maxnreg", type=int, default=None, help="register cap per thread")
     args = p.parse_args()
-    k = compile_kernel(args.kernel, args.mode, args.bv, args.bc, args.warps, states=args.states,
+    k = compile_kernel(args.kernel, not args.k2_rows, args.bv, args.bc, args.warps, states=args.states,
                        maxnreg=args.maxnreg)
     ttgir = k.asm["ttgir"]
-    print(f"{args.kernel} mode {args.mode} BV={args.bv} BC={args.bc} warps={args.warps}: "
+    print(f"{args.kernel} {'K² rows' if args.k2_rows else 'pair rows'} BV={args.bv} BC={args.bc} warps={args.warps}: "
           f"wgmma {ttgir.count('ttng.warp_group_dot ')}, "
           f"mma.sync/fma dots {len(re.findall(r'= tt[.]dot ', ttgir))}, "
           f"layout conversions {ttgir.count('ttg.convert_layout')}, "

@@ -174,7 +174,7 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
         else:
             ones_s.store(gl.full([8, C_], 1.0, gl.bfloat16, LV))
         fence_async_shared()
-        if STORE_STATES == 2:
+        if STORE_STATES:
             zs += i_bh.to(gl.int64) * gl.cdiv(T, 2 * C_) * (NB * 64)
         if NARROW:  # z as M = Σ [k, 1]ᵀ k [64, 16] (rows 0-15: Σ k kᵀ, row 16: Σ k; the count apart, n0 + start)
             if USE_H0:
@@ -223,7 +223,7 @@ def _producer(q, k, z0, zT, zs, i_bh, T, scale, H: gl.constexpr, USE_H0: gl.cons
                 mbarrier.arrive(zready.index(slot))
             # the next chunk's keys, after this chunk's fences (each waits for the loads in flight)
             nk16 = gl.load(k + t16 * (H * K_) + c16, mask=t16 < T, other=0.0)
-            if STORE_STATES == 2:  # every second chunk's, in this kernel's rows
+            if STORE_STATES:  # every second chunk's, in this kernel's rows
                 if c % 2 == 0:
                     zc = zs + (c // 2) * (NB * 64)
                     gl.store(zc + r8 + c8 * 0, Z0, mask=c8 == 0)
@@ -374,7 +374,7 @@ def _consumer(o, den_out, h0, hT, hs, hs_desc, v_desc, i_bh, T, H: gl.constexpr,
                             is_async=True)
         num = warpgroup_mma(gl.convert_layout(S2.to(gl.bfloat16), OP64), psi2_s.index(slot).permute((1, 0)), num,
                             is_async=True)
-        if STORE_STATES == 2:  # in this kernel's rows, every second chunk's: what `gluon_backward` reads
+        if STORE_STATES:  # in this kernel's rows, every second chunk's: what `gluon_backward` reads
             if c % 2 == 0:  # Sᵀ as the MMAs hold it, through shared memory and a TMA store (hs: [B·H·NQ·V, 192])
                 tma.store_wait(0)  # the copies of two chunks ago have left the buffers
                 _barrier()
@@ -418,7 +418,7 @@ def _consumer(o, den_out, h0, hT, hs, hs_desc, v_desc, i_bh, T, H: gl.constexpr,
         S0, S1, S2 = warpgroup_mma_wait(0, deps=[S0, S1, S2])
         _barrier()
         mbarrier.arrive(free.index(slot))
-    if STORE_STATES == 2:
+    if STORE_STATES:
         tma.store_wait(0)
     if STORE_HT:
         hT += i_bh.to(gl.int64) * (NR * V_)
@@ -432,7 +432,7 @@ def _gluon_fwd_kernel(q, k, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, T, 
                       USE_H0: gl.constexpr, STORE_HT: gl.constexpr, STORE_STATES: gl.constexpr, NSLOT: gl.constexpr,
                       PRODUCER_REGS: gl.constexpr):
     """One program per sequence. h0/hT [B·H, NR, V], z0/zT [B·H, NR] fp32 in `feature_rows` order: NR = 160 narrow
-    (STORE_STATES = 0, inference; z0/zT Taylor-order [B·H, 273]), 192 wide. STORE_STATES = 2 (training) also writes
+    (inference; z0/zT Taylor-order [B·H, 273]), 192 wide (STORE_STATES, training), which also writes
     den [B, T, H], zs [B·H, NQ, 192] and by TMA hs [B·H, NQ, V, 192] (NQ = ⌈T/128⌉, transposed)."""
     i_bh = gl.program_id(0)
     ok, ov, od = _offsets(i_bh, T, H)
@@ -441,7 +441,7 @@ def _gluon_fwd_kernel(q, k, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, T, 
     o += ov
     if STORE_STATES:
         den += od
-    NARROW: gl.constexpr = STORE_STATES == 0
+    NARROW: gl.constexpr = not STORE_STATES
     W2: gl.constexpr = 32 if NARROW else 64
     slr2: gl.constexpr = gl.NVMMASharedLayout.get_default_for([K_, W2], gl.bfloat16)
     slw2: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, W2], gl.bfloat16)
@@ -479,7 +479,7 @@ def _gluon_fwd_kernel(q, k, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, T, 
     # [k, 1, 0…] [C, 64] (narrow only), in four [C, 16] tiles one after another (32-byte swizzle): the first is x_s
     kt_s = gl.allocate_shared_memory(gl.bfloat16, [C_ if NARROW else 8, 64],
                                      gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2))
-    hst_s = gl.allocate_shared_memory(gl.bfloat16, [NB if STORE_STATES == 2 else 1, V_, 64], SL64)  # states out
+    hst_s = gl.allocate_shared_memory(gl.bfloat16, [NB if STORE_STATES else 1, V_, 64], SL64)  # states out
     o_s = gl.allocate_shared_memory(gl.bfloat16, [C_ if NARROW else 8, V_], SL64)  # the output tile [t, v] (narrow)
     ready = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NSLOT, 1], mbarrier.MBarrierLayout())
@@ -575,7 +575,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, hv0
     hs_desc = _states_descriptor(hs if store_states else None, q.device)
     v_desc = TensorDescriptor.from_tensor(v.view(B, T, H * V), [1, 64, 64], _V_LAYOUT)
     launch(_gluon_fwd_kernel, (B * H,), q, k, o, h0, z0, hT, zT, hs, hs_desc, v_desc, zs, den, T, scale, H,
-           USE_H0=hv0 is not None, STORE_HT=output_final_state, STORE_STATES=2 if store_states else 0, NSLOT=2,
+           USE_H0=hv0 is not None, STORE_HT=output_final_state, STORE_STATES=store_states, NSLOT=2,
            PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     hvT, hzT = from_kernel_rows(hT, zT, B, H) if output_final_state else (None, None)
     return (o, den, hvT, hzT, hs, zs) if store_states else (o, None, hvT, hzT, None, None)

@@ -41,7 +41,7 @@ from kernels.based.gluon import (
     feature_rows,
 )
 from kernels.based.primitives import invert_rows, scatter_rows
-from kernels.launch import launch
+from kernels.launch import launch, sm_count
 
 # cp.async to shared memory: renamed after Triton 3.6 (the H200's)
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
@@ -546,11 +546,6 @@ DQ_PROGRAMS_PER_SM = 2
 
 
 @functools.cache
-def _sm_count(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@functools.cache
 def _constants(device):
     """The factor matrices on `device`, made once."""
     return factor_matrices(device).contiguous()
@@ -589,7 +584,7 @@ def backward(q, k, v, o, do, den, hs, zs, scale, dhvT=None, dhzT=None, need_dh0=
     if need_dh0:
         dh0 = torch.empty(B * H, 192, V, device=q.device, dtype=torch.float32)
         dz0 = torch.empty(B * H, 192, device=q.device, dtype=torch.float32)
-    grid = min(-(-T // DQ_CHUNK) * B * H, DQ_PROGRAMS_PER_SM * _sm_count(q.device))
+    grid = min(-(-T // DQ_CHUNK) * B * H, DQ_PROGRAMS_PER_SM * sm_count(q.device))
     g = torch.empty_like(do)  # dO/den, bf16, and −(dO·o)/den, fp32: written by dq's kernel, read by the walk
     e = torch.empty_like(den)
     launch(_dq_kernel, (grid,), q, k, v, do, o, den, hs, zs, mats, dq, g, e, T, scale, B * H, H, num_warps=4)

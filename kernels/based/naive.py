@@ -25,7 +25,7 @@ def taylor_feature_map(x: torch.Tensor) -> torch.Tensor:
     i, j = torch.triu_indices(f, f, offset=1, device=x.device)
     diag = x * x / (math.sqrt(2.0) * math.sqrt(f))  # [..., f]
     # index_select, not x[..., i]: its backward is an index_add, where advanced indexing's is a sorting
-    # index_put (a tenth of a Fig. 2 training step on the H200 when profiled)
+    # index_put, slow on the GPU (experiments/LOG.md has the profile)
     off = x.index_select(-1, i) * x.index_select(-1, j) / math.sqrt(f)  # [..., f(f-1)/2]
     return torch.cat([torch.ones_like(x[..., :1]), x / f**0.25, diag, off], dim=-1)
 

@@ -82,3 +82,18 @@ def test_chunk_based_passes_its_choice_to_the_kernels(sm90, expected, monkeypatc
     with pytest.raises(Chosen) as chosen:
         ops.chunk_based(q, k, v)
     assert str(chosen.value) == expected
+
+
+@pytest.mark.parametrize(("sms", "segments"), [(132, 16), (16, 8), (2, 1)])
+def test_fused_forward_segments_follow_the_device_sm_count(sms, segments, monkeypatch):
+    """The fused forward splits a few long sequences into segments while its programs are fewer than the SMs of q's
+    device (`launch.sm_count`): B·H = 2, one V block, 128 chunks of 32. Launches are recorded, not run."""
+    from kernels.based import fused
+
+    grids = []
+    monkeypatch.setattr(fused, "sm_count", lambda device: sms if device == q.device else None)
+    monkeypatch.setattr(fused, "launch", lambda kernel, grid, *args, **kwargs: grids.append(grid))
+    q, k = (torch.randn(1, 4096, 2, 16) for _ in range(2))
+    v = torch.randn(1, 4096, 2, 32)
+    fused.forward(q, k, v, None, None, 0.25, False, True)
+    assert {g[1] for g in grids} == {segments}  # the grid's segment axis, in every launch

@@ -65,13 +65,13 @@ def test_direct_launch_equals_the_jit_path_gpu(monkeypatch):
     fn = forced("fused")
     case = Case(B=2, T=1000, H=2, K=16, V=64)
     inputs = make_inputs(case, "cuda")
-    direct, stream = [], L._stream
+    direct, stream, direct_ok = [], L._stream, L._direct_ok
     monkeypatch.setattr(L, "_stream", lambda device: direct.append(device) or stream(device))
-    monkeypatch.setattr(L, "_FAST", False)
+    monkeypatch.setattr(L, "_direct_ok", lambda args: False)  # every launch through Triton's JIT path
     ref_out, ref_grad, cot = run(fn, inputs, case, torch.bfloat16)
     assert not direct
     reference = ref_out + list(ref_grad)
-    monkeypatch.setattr(L, "_FAST", True)
+    monkeypatch.setattr(L, "_direct_ok", direct_ok)
     for _ in range(2):
         out, grad, _ = run(fn, inputs, case, torch.bfloat16, cot)
         for name, a, r in zip(("o", "kv", "k_sum", "dq", "dk", "dv", "dkv0", "dk_sum0"), out + list(grad), reference):
@@ -98,11 +98,11 @@ def test_direct_launch_decode_equals_the_jit_path_gpu(monkeypatch):
 
     case = Case(B=2, T=6, H=2, K=16, V=64)
     q, k, v, kv0, ks0 = (x.detach() for x in make_inputs(case, "cuda"))
-    direct, stream = [], L._stream
+    direct, stream, direct_ok = [], L._stream, L._direct_ok
     monkeypatch.setattr(L, "_stream", lambda device: direct.append(device) or stream(device))
     results = []
     for fast in (False, True):
-        monkeypatch.setattr(L, "_FAST", fast)
+        monkeypatch.setattr(L, "_direct_ok", direct_ok if fast else lambda args: False)
         kv, ks = kv0.float().clone(), ks0.float().clone()
         outs = [fused_recurrent_based(q[:, t].bfloat16(), k[:, t].bfloat16(), v[:, t].bfloat16(), (kv, ks))
                 for t in range(case.T)]

@@ -19,6 +19,7 @@ from kernels.based import (
     naive_parallel_based,
     naive_recurrent_based,
 )
+from kernels.launch import sm_count
 from kernels.testing import CPU_T, assert_close, rel_error
 
 
@@ -53,7 +54,7 @@ def test_segmented_forward_matches_naive(case):
     every gradient."""
     from kernels.based import fused
 
-    assert fused.segment_tokens(case.T, 1, 32) == 256
+    assert fused.segment_tokens(case.T, 1, 32, sm_count(torch.device("cpu"))) == 256
     with nan_empty():
         check_against_naive(chunk_based, case, torch.float32, "cpu")
 

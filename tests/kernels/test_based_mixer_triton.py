@@ -1,7 +1,8 @@
 """Based(impl="triton") against Based(impl="naive") with the same weights: forward, prefill with a state, decode.
 
-On the CPU this check runs under the Triton interpreter in interpreted_based.py (launched by
-test_based_interpreter.py); here it runs on a CUDA GPU (skipped without one).
+On the CPU the same check runs under the Triton interpreter as
+tests/kernels/test_based_interpreted.py::test_mixer_triton_matches_naive; here it runs on a CUDA GPU (skipped
+without one).
 """
 
 import pytest

@@ -158,3 +158,25 @@ def test_direct_path_only_on_triton_versions_whose_launcher_takes_every_paramete
     assert direct_launch_supported("3.6.0") and direct_launch_supported("3.9.0") and direct_launch_supported("4.0.1")
     assert not direct_launch_supported("3.2.0") and not direct_launch_supported("3.5.1")
     assert not direct_launch_supported("nightly")
+
+
+def test_sm_count_asks_the_driver_once_per_device(monkeypatch):
+    """`sm_count`: a CUDA device's SMs from its properties, asked once per device; off CUDA (the interpreter) an
+    H100's or H200's 132."""
+    import torch
+
+    from kernels import launch as L
+
+    class Props:
+        multi_processor_count = 78
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: asked.append(device) or Props)
+    L.sm_count.cache_clear()
+    try:
+        assert L.sm_count(torch.device("cuda", 1)) == 78
+        assert L.sm_count(torch.device("cuda", 1)) == 78
+        assert asked == [torch.device("cuda", 1)]
+        assert L.sm_count(torch.device("cpu")) == L.HOPPER_SMS == 132
+    finally:
+        L.sm_count.cache_clear()

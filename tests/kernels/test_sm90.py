@@ -24,7 +24,7 @@ def _registers(kernel) -> int:
 def _fused(kind: str, dtype: torch.dtype, **kwargs):
     BK, BV, BC, warps, stages = fused._config(16, 64, dtype, "fwd" if kind == "fwd" else "bwd")
     dot = primitives.forward_dot(dtype) if kind == "fwd" else primitives.backward_dot(dtype)
-    return compile_kernel(kind, fused._expand(BK), BV, BC, warps, stages, states=True, dot=dot, **kwargs)
+    return compile_kernel(kind, fused._pair_rows(BK), BV, BC, warps, stages, states=True, dot=dot, **kwargs)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])

@@ -16,9 +16,9 @@ class LayerNorm(nn.LayerNorm):
     """nn.LayerNorm with the affine part as plain ops: normalize, then ·weight + bias.
 
     Same parameters, state dict and values; only the backward differs: PyTorch's fused kernel reduces the
-    weight and bias gradients over the rows with a kernel that is slow for narrow rows on the GPU (d = 128 over
-    B·L = 65k rows: a quarter of a Fig. 2 training step on the H200, experiments/LOG.md); as a multiply-add they
-    are ordinary sum reductions."""
+    weight and bias gradients over the rows with a kernel that is slow for narrow rows on the GPU (e.g. d = 128
+    over a Fig. 2 batch's B·L = 65k rows; experiments/LOG.md has the profile); as a multiply-add they are ordinary
+    sum reductions."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.layer_norm(x, self.normalized_shape, None, None, self.eps)

@@ -122,9 +122,8 @@ class MatrixStateMixer(nn.Module):
         if self.impl == "fla":
             require_triton_device(x, self.name, self.impl)
             # Under autocast the projections come out bf16 but norms and sigmoids fp32; FLA's chunk kernels
-            # dot tensors built from k and beta against v and need one dtype (gated DeltaNet failed to compile
-            # on the H200 with fp32 k and bf16 v). The log-decays (g, RWKV's w) keep theirs: FLA accumulates them
-            # in fp32.
+            # dot tensors built from k and beta against v and need one dtype (gated DeltaNet's does not compile
+            # with fp32 k and bf16 v). The log-decays (g, RWKV's w) keep theirs: FLA accumulates them in fp32.
             inp = {key: t if key in ("g", "w") else t.to(inp["v"].dtype) for key, t in inp.items()}
             initial = None if state is None else state["S"]
             o, final = self._fla(inp, initial, recurrent)

@@ -12,13 +12,14 @@ What is unusual here:
   inclusive prefix scan of the pairs (decay, input) in log2(chunk) doubling steps (Hillis-Steele:
   (a, b)∘(a', b') = (a·a', a·b' + b)), exact, no division, every token at once; across chunks the state is
   carried one chunk at a time: T/chunk + log2(chunk) sequential steps instead of T, at log2(chunk)× the memory
-  traffic. The tests hold it to the loop. Not the default: on the CPU it is 2-4× slower than the loop
-  (`experiments/bench/mamba_scan.py --small`), and on the H200 0.8-1.3× the loop's speed.
+  traffic. The tests hold it to the loop. Not the default: it is slower than the loop on the CPU and about as
+  fast on a GPU (`experiments/bench/mamba_scan.py`; timings in kernels/selective_scan/README.md and
+  experiments/LOG.md).
 - `impl="triton"` runs the scan as one Triton kernel per direction (kernels/selective_scan: one program per
   sequence and block of channels, the [BD, N] state in registers; the forward stores every h_t for the
   backward). CUDA tensors, or CPU under TRITON_INTERPRET=1; fp32 inside (the scan runs outside autocast). Its
   custom op has a vmap rule (the members' sequences one after another, each with its own A), so such runs pack.
-  On the H200 it is 13-20× the loop, forward+backward (kernels/selective_scan/README.md).
+  It is an order of magnitude faster than the loop on a GPU, forward+backward (kernels/selective_scan/README.md).
 - Initialisation: Gu & Dao's for the SSM: Δ = softplus(dt_bias) log-uniform over [dt_min, dt_max], the Δ
   projection's weight U(±dt_rank^-0.5), A_log = log(1..N) in every channel (S4D-real), D = 1. The Δ projection is
   two plain parameters (`dt_weight`, `dt_bias`), not an nn.Linear, so that the LanguageModel's init of every

@@ -154,8 +154,8 @@ class SlidingWindowAttention(nn.Module):
         slots = torch.arange(w, device=x.device)  # [w]
         if T == 1:
             # Decoding: write the token into its slot first; the ring then holds exactly the window ending at the
-            # token, so attention reads the ring in place instead of a [ring ; token] copy (the copy of every
-            # layer's window was a third of a Based-1B decode step at batch 1,024 on the H200).
+            # token, so attention reads the ring in place. A [ring ; token] copy would move every layer's whole
+            # window of keys and values on every step, a large share of a large-batch decode step.
             ring_k.index_copy_(1, torch.remainder(pos, w)[None], k.to(ring_k.dtype))
             ring_v.index_copy_(1, torch.remainder(pos, w)[None], v.to(ring_v.dtype))
             slot_pos = pos - torch.remainder(pos - slots, w)  # [w]: the latest position ≤ pos in each slot
