@@ -11,6 +11,12 @@ trains on a global batch of world_size·batch_size·grad_accum packed windows, c
 resumed run reads exactly the tokens it would have. The run dir (zoo/runs.py) holds config.yaml,
 metrics.jsonl (train loss, lr, tokens/s, MFU; validation loss), summary.json, ckpt/last.pt, and hf/: the
 model as ZooForCausalLM with its tokenizer, loadable by AutoModelForCausalLM.from_pretrained.
+
+It shares with zoo-train the optimizer (`zoo.steps.build_optimizer`), the lr schedule (`lr_lambda`), the run dir,
+resumption and the trackers, but keeps its own loop: one model trained for a number of steps over a token
+stream, wrapped in DDP or FSDP2 across processes, with gradient accumulation, validation by loss and an HF
+export, where zoo.train.train_runs trains one or more recall runs for a number of epochs over fixed synthetic
+segments, with early stopping on accuracy, and packs or graphs them. Their needs meet in those shared parts.
 """
 
 from __future__ import annotations
