@@ -19,7 +19,8 @@ context, ending in the assistant header) + B's answer tokens, with `answer_start
 
 Output: `<output>/dataset` (an HF dataset saved with `save_to_disk`), `<output>/meta.json` and
 `<output>/summary.json`. Work is written per batch to `<output>/shards/`, atomically, so an interrupted run
-continues where it stopped.
+continues where it stopped; each batch also writes the seconds of its stages beside it, and summary.json sums
+them (`timing_s`: the questions' and answers' generation, the information KL, the serialisation).
 """
 
 import json
@@ -28,6 +29,7 @@ import os
 import random
 import shutil
 import tempfile
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -102,9 +104,12 @@ def opening(text: str, words: int = OPENING_WORDS) -> str:
 
 
 def synthesize_batch(
-    cfg: SynthesizeConfig, corpus: Corpus, client, tokenizer, indices: list[int], model=None
+    cfg: SynthesizeConfig, corpus: Corpus, client, tokenizer, indices: list[int], model=None,
+    timing: dict[str, float] | None = None,
 ) -> list[dict]:
-    """The records of conversations `indices`; with `model` (in-process) each gets its `info_kl`."""
+    """The records of conversations `indices`; with `model` (in-process) each gets its `info_kl`. `timing`, when
+    given, receives the seconds this batch spent per stage (questions, answers, info_kl)."""
+    clock = time.perf_counter()
     plans = [conversation_plan(cfg, corpus, i) for i in indices]
     contexts = [context_ids(tokenizer, chunk.text) for chunk, _, _ in plans]
     users = [prompt.format(start=opening(c.text)) if t in DIRECT_TYPES else "" for c, t, prompt in plans]
@@ -118,9 +123,11 @@ def synthesize_batch(
         a_out = client.complete(a_prompts, cfg.max_user_tokens, cfg.temperature, 0, seed=seed)
         for j, c in zip(ask, a_out):
             users[j] = tokenizer.decode(c.token_ids, skip_special_tokens=True).strip()
+    clock = _lap(timing, "questions", clock)
     user_turns = [turn_ids(tokenizer, [{"role": "user", "content": u}], add_generation_prompt=True) for u in users]
     b_prompts = [ctx + turn for ctx, turn in zip(contexts, user_turns)]
     b_out = client.complete(b_prompts, cfg.max_answer_tokens, 0.0, cfg.top_logprobs, seed=seed)
+    clock = _lap(timing, "answers", clock)
     records = []
     for i, (chunk, seed_type, _), user, turn, b in zip(indices, plans, users, user_turns, b_out):
         if not b.token_ids:
@@ -142,7 +149,21 @@ def synthesize_batch(
     if model is not None and records:
         for r, kl in zip(records, information_kl(model, tokenizer, records)):
             r["info_kl"] = kl
+    _lap(timing, "info_kl", clock)
     return records
+
+
+def _lap(timing: dict[str, float] | None, stage: str, since: float) -> float:
+    """Add the seconds since `since` to timing[stage] (when timing is given); returns now. On CUDA the clock waits
+    for the device first, so a stage is charged its own kernels."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    now = time.perf_counter()
+    if timing is not None:
+        timing[stage] = timing.get(stage, 0.0) + now - since
+    return now
 
 
 def information_kl(model, tokenizer, records: list[dict], pack_len: int = 4096, batch_size: int = 8) -> list[float]:
@@ -178,8 +199,24 @@ def information_kl(model, tokenizer, records: list[dict], pack_len: int = 4096, 
     return out
 
 
-def summarize(out: Path, corpus: Corpus, rows: list[dict]) -> dict:
-    """summary.json of a synthesis output: counts, the information diagnostic and chunk coverage."""
+def batch_timings(shards: Path, starts) -> dict:
+    """The batches' stage seconds summed (`timing_s`), over the batches whose timing file exists (`timed_batches`:
+    a batch from before timing files, or whose write was cut between its two files, has none)."""
+    total: dict[str, float] = {}
+    timed = 0
+    for s in starts:
+        path = shards / f"{s:08d}.timing.json"
+        if path.is_file():
+            timed += 1
+            for stage, seconds in json.loads(path.read_text()).items():
+                total[stage] = total.get(stage, 0.0) + seconds
+    return {"timing_s": total, "timed_batches": timed, "batches": len(starts)}
+
+
+def summarize(out: Path, corpus: Corpus, rows: list[dict], timings: dict | None = None) -> dict:
+    """summary.json of a synthesis output: counts, the information diagnostic, chunk coverage and (`timings`,
+    from `batch_timings`) the seconds spent per stage: the questions' and answers' generation, the information KL
+    and the shards' serialisation."""
     from cartridges.corpus import Chunk
 
     def weighted(rs):
@@ -202,6 +239,7 @@ def summarize(out: Path, corpus: Corpus, rows: list[dict]) -> dict:
         "conversations_by_seed_type": {t: len(rs) for t, rs in sorted(counts.items())},
         "chunks": len(chunks),
         "chunk_coverage": corpus.coverage(chunks),
+        **(timings or {}),
     }
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     return summary
@@ -258,14 +296,20 @@ def synthesize(cfg: SynthesizeConfig, model=None, tokenizer=None) -> Path:
     bar.update(sum(min(cfg.batch_size, cfg.num_conversations - s) for s in starts if s not in todo))
     for start in todo:
         indices = list(range(start, min(start + cfg.batch_size, cfg.num_conversations)))
-        records = synthesize_batch(cfg, corpus, client, tokenizer, indices, model=model)
-        atomic_write_text(shards / f"{start:08d}.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+        timing: dict[str, float] = {}
+        records = synthesize_batch(cfg, corpus, client, tokenizer, indices, model=model, timing=timing)
+        clock = time.perf_counter()
+        text = "".join(json.dumps(r) + "\n" for r in records)
+        # the timing first: a shard without its timing file is still a finished batch, only untimed
+        timing["write"] = time.perf_counter() - clock
+        atomic_write_text(shards / f"{start:08d}.timing.json", json.dumps(timing))
+        atomic_write_text(shards / f"{start:08d}.jsonl", text)
         bar.update(len(indices))
     bar.close()
     rows = [json.loads(line) for s in starts for line in (shards / f"{s:08d}.jsonl").read_text().splitlines() if line]
     if not rows:
         raise RuntimeError("self-study produced no conversations (every answer was empty)")
-    summary = summarize(out, corpus, rows)
+    summary = summarize(out, corpus, rows, batch_timings(shards, starts))
     log.info(
         "self-study: %d conversations, %d answer tokens; information KL (teacher with chunk vs without) %s nats/token",
         summary["conversations"],

@@ -310,3 +310,22 @@ def test_openai_client_parses_token_ids_and_logprobs():
     assert out[0].top_ids[0] == [7, 14] and out[0].top_logprobs[0] == [-0.1, -2.5]
     with pytest.raises(ClientError, match="top logprobs"):
         client.complete([[5]], max_tokens=4, temperature=0.0, top_logprobs=5)
+
+
+def test_self_study_reports_where_its_time_went(synthesized):
+    """summary.json sums each batch's stage seconds (questions, answers, information KL, serialisation) from the
+    shards' timing files; a batch without one (written before them) is left out and counted apart."""
+    root, _ = synthesized
+    summary = json.loads((root / "ss" / "summary.json").read_text())
+    assert set(summary["timing_s"]) == {"questions", "answers", "info_kl", "write"}
+    assert all(t >= 0 for t in summary["timing_s"].values()) and summary["timing_s"]["answers"] > 0
+    assert summary["timed_batches"] == summary["batches"] >= 1
+
+
+def test_batch_timings_skip_untimed_batches(tmp_path):
+    from cartridges.self_study import batch_timings
+
+    (tmp_path / "00000000.timing.json").write_text(json.dumps({"answers": 1.5, "write": 0.25}))
+    (tmp_path / "00000004.timing.json").write_text(json.dumps({"answers": 2.0}))
+    out = batch_timings(tmp_path, range(0, 12, 4))
+    assert out == {"timing_s": {"answers": 3.5, "write": 0.25}, "timed_batches": 2, "batches": 3}
