@@ -120,12 +120,12 @@ class SharedDecoder:
         """Capture `_step` as a CUDA graph at the current state; returns this step's logits (from a replay).
 
         The step is first run eagerly on a side stream (the warm-up that capture needs); the helper's eager check
-        then replays the same step and must find the same logits, else `zoo.graphs.GraphCheckError`. No run of
-        the step moves a counter, so the cache ends as one eager step would leave it.
+        then replays the same step and must find the same logits, else `zoo.graphs.GraphCheckError`; that replay's
+        logits are returned. No run of the step moves a counter, so the cache ends as one eager step would leave it.
         """
         graph = StaticGraph(self._step, (), warmup=1, device=self.tokens.device, capture_error_mode="thread_local",
                             name="the shared-prefix decode step", check=True)
-        logits = graph()
+        logits = graph.outputs  # the check's replay computed this step: another replay would repeat it
         self.graph, self.logits = graph, logits
         return logits
 
