@@ -59,6 +59,9 @@ def test_fig2_collect_refuses_the_launched_models_runs(tmp_path):
     with pytest.raises(SystemExit, match="launched models"):
         plot["collect"](tmp_path / "runs" / "zoology_fig2_launched", tmp_path / "summaries")
     assert not (tmp_path / "summaries").exists()
+    with pytest.raises(SystemExit, match="launched models"):  # the runs root: the run lies two levels down
+        plot["collect"](tmp_path / "runs", tmp_path / "summaries")
+    assert not (tmp_path / "summaries").exists()
 
 
 def test_collect_keeps_one_summary_per_run_across_renames(tmp_path):

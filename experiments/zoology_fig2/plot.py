@@ -41,6 +41,7 @@ from zoo.plot import (
     reproduction_main,
     result_row,
 )
+from zoo.plot import collect as finished_summaries
 from zoo.plot import load_summaries as _load_summaries
 from zoo.runs import atomic_savefig
 
@@ -148,11 +149,11 @@ def collect(runs_dir: Path, out: Path = SUMMARIES) -> int:
     """Copy each finished run's summary (+ its resolved model config) to out/<run>.json; returns the count.
     Refuses runs of the launched models (`ZOO_FIG2_MODELS=launched`): attention's, Hyena's and RWKV's have the
     config's layer kinds, so their summaries here would silently join the figure's points."""
-    for path in sorted(Path(runs_dir).glob("*/summary.json")):
-        experiment = json.loads(path.read_text()).get("experiment")
+    for summary in finished_summaries(runs_dir):  # the runs copy_summaries copies, at any depth below runs_dir
+        experiment = summary.get("experiment")
         if experiment == "zoology_fig2_launched":
-            raise SystemExit(f"plot.py collect: {path.parent} is a run of the launched models ({experiment}), not of "
-                             "the config's; keep its summaries out of summaries/")
+            raise SystemExit(f"plot.py collect: {summary['run_dir']} is a run of the launched models ({experiment}), "
+                             "not of the config's; keep its summaries out of summaries/")
     return copy_summaries(runs_dir, out)
 
 
