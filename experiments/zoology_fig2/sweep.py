@@ -122,9 +122,9 @@ LAUNCHED = {
 # The H3 launch of 2023-11-12 (L = 128, 256, 512) swept lr over logspace(-3.3, -2, 4) (commit 174d6cc), the others
 # the grid's: the i-th lr of the grid (or of LRS) becomes the i-th of these for H3 at L >= 128.
 LAUNCHED_H3_LRS = [float(f"{10 ** (-3.3 + 1.3 * i / 3):.4g}") for i in range(4)]
-# ... and the trainer of those launches: AdamW's default weight decay (0.01) on every parameter, the per-epoch cosine
-LAUNCHED_TRAINER = {"optim.weight_decay": 0.01, "optim.decay": "all", "optim.schedule": "cosine_epoch",
-                    "model.init": "zoology", "experiment_name": "zoology_fig2_launched"}
+# ... and the trainer of those launches: AdamW's default weight decay (0.01) on every parameter; the rest of it (the
+# per-epoch cosine, decay on every parameter, Zoology's init) is ZOOLOGY_EXACT, which launched runs always take
+LAUNCHED_TRAINER = {"optim.weight_decay": 0.01, "experiment_name": "zoology_fig2_launched"}
 
 # Presets whose recurrence runs as a Triton kernel on the GPU: preset -> its mixer's name.
 TRITON_MIXERS = {"mamba": "mamba", "rwkv": "rwkv4"}
