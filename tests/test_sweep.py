@@ -372,9 +372,18 @@ def test_committed_summary_of_other_data_is_not_skipped(tmp_path, capsys):
     assert committed_runs(GRID[:1], extra + ["train.batch_order=fixed"], [str(committed)]) == {}
     assert "trained otherwise" in capsys.readouterr().err
     record = json.loads(path.read_text())
+    setup = record["setup"]
     del record["setup"]
     path.write_text(json.dumps(record))
     assert list(committed_runs(GRID[:1], extra + ["train.batch_order=fixed"], [str(committed)])) == [0]
+    # a setup recorded before a field existed (here: no batch_order, no segment query_order option) matches a run
+    # that leaves the field at its default, and not one that sets it otherwise
+    del setup["train"]["batch_order"]
+    for segment in setup["data"]["train"]:
+        segment.pop("options", None)
+    path.write_text(json.dumps(record | {"setup": setup}))
+    assert list(committed_runs(GRID[:1], extra, [str(committed)])) == [0]
+    assert committed_runs(GRID[:1], extra + ["train.batch_order=fixed"], [str(committed)]) == {}
 
 
 def test_skip_summaries_needs_a_directory(tmp_path):

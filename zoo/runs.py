@@ -192,20 +192,50 @@ def training_setup(tree: dict[str, Any], train_control) -> dict[str, Any]:
 
 
 @functools.cache
-def _model_defaults() -> dict[str, Any]:
+def _defaults(schema: str) -> dict[str, Any]:
+    """Field -> current default of the config dataclass `schema` (a name in zoo.config), for the fields that have
+    one."""
     import dataclasses
 
-    from zoo.config import ModelConfig
+    from zoo import config
 
-    return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            for f in dataclasses.fields(ModelConfig)}
+    out = {}
+    for f in dataclasses.fields(getattr(config, schema)):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+def without_defaults(section: dict[str, Any], schema: str) -> dict[str, Any]:
+    """A resolved config section without the top-level fields at `schema`'s current defaults: a record written
+    before a field existed then reads the same as a config that leaves it at its default."""
+    defaults = _defaults(schema)
+    return {k: v for k, v in section.items() if not (k in defaults and v == defaults[k])}
 
 
 def model_without_defaults(model: dict[str, Any]) -> dict[str, Any]:
-    """A resolved model section without the top-level fields at ModelConfig's current defaults: a summary
-    collected before a field existed then names the same point as a config that leaves it at its default."""
-    defaults = _model_defaults()
-    return {k: v for k, v in model.items() if not (k in defaults and v == defaults[k])}
+    """The model section without the fields at ModelConfig's current defaults (`without_defaults`)."""
+    return without_defaults(model, "ModelConfig")
+
+
+def same_setup(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two `training_setup`s train alike, fields at their current defaults aside (`without_defaults`, per
+    section and per data segment): a setup recorded before a field existed matches a run that leaves it at its
+    default, so adding a config field does not make every committed run look trained otherwise."""
+    from zoo.config import SPLITS
+
+    def normal(setup: dict[str, Any]) -> dict[str, Any]:
+        data = without_defaults(setup.get("data") or {}, "DataConfig")
+        for split in SPLITS:
+            if isinstance(data.get(split), list):
+                data[split] = [without_defaults(seg, "SegmentConfig") if isinstance(seg, dict) else seg
+                               for seg in data[split]]
+        return {"data": data, "optim": without_defaults(setup.get("optim") or {}, "OptimConfig"),
+                "train": without_defaults(setup.get("train") or {}, "TrainConfig")}
+
+    return normal(a) == normal(b)
 
 
 def point_key(experiment: str, model: dict[str, Any], lr: float, seed: int, seq_len: int) -> str:

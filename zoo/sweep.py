@@ -523,11 +523,12 @@ def run_sweep(
 def committed_runs(runs: list[list[str]], extra: list[str], directories: list[str]) -> dict[int, dict[str, Any]]:
     """{index: skipped record} of the runs whose point (`zoo.runs.config_point_key`) has a summary in one of
     `directories`, trained alike: a summary that records its data, optimiser and training settings
-    (`zoo.runs.training_setup`) must record the run's; one collected before summaries held them matches on its
-    point alone. A run whose config does not compose is left to the sweep, which records why."""
+    (`zoo.runs.training_setup`) must record the run's (`zoo.runs.same_setup`: fields at their defaults aside); one
+    collected before summaries held them matches on its point alone. A run whose config does not compose is left
+    to the sweep, which records why."""
     import yaml
 
-    from zoo.runs import config_point_key, summary_point_key, training_setup
+    from zoo.runs import config_point_key, same_setup, summary_point_key, training_setup
     from zoo.train import EXECUTION_KEYS, ConfigError, load_config
 
     have: dict[str, tuple[Path, dict | None]] = {}
@@ -550,7 +551,7 @@ def committed_runs(runs: list[list[str]], extra: list[str], directories: list[st
         path, setup = have.get(config_point_key(tree), (None, None))
         if path is None:
             continue
-        if setup is not None and setup != training_setup(tree, EXECUTION_KEYS["train"]):
+        if setup is not None and not same_setup(setup, training_setup(tree, EXECUTION_KEYS["train"])):
             print(f"zoo-sweep: {path.name} is this run's point trained otherwise (data, optimiser or training "
                   "settings); the run is not skipped", file=sys.stderr)
             continue
