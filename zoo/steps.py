@@ -369,8 +369,6 @@ class PackedParams:
                 v[name][row].copy_(state["exp_avg_sq"])
 
 
-
-
 class PlainStep:
     """One run: its LanguageModel, torch's AdamW and the warmup + cosine schedule; `train.compile` compiles the
     loss (forward and backward)."""

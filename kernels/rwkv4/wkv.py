@@ -198,7 +198,6 @@ def _grad(ctx, gy, _gs, gaT, gbT, gpT):
 _fwd_op.register_autograd(_grad, setup_context=_setup)
 
 
-
 @_fwd_op.register_vmap
 def _fwd_vmap(info, in_dims, k, v, w, u, a0, b0, p0, save):
     """Members side by side as channels (every channel's recurrence is its own): one launch for the whole pack."""

@@ -105,7 +105,6 @@ def nan_empty():
         torch.empty, torch.empty_like = empty, empty_like
 
 
-
 def check_mixer_triton_vs_naive(device, dtype=torch.float32, d_model=64, num_heads=2, T=37, atol=2e-5, rtol=2e-5):
     """Based(impl="triton") equals Based(impl="naive") with the same weights: a forward, a forward in two pieces
     with a state (prefill), then decode steps; outputs and states."""
