@@ -20,7 +20,12 @@ What happens per run:
   always lands in the same dir). A run dir holding summary.json is skipped; one without (a killed run)
   resumes from its last checkpoint (`train.resume=true`).
 - A run that raises writes `error.txt` (the traceback) into its run dir and is listed as failed; the
-  others continue. The sweep's record goes to `<runs_root>/_sweeps/<sweep name>.json`, rewritten (atomically)
+  others continue. Running out of GPU memory beside other runs is not the run's failure: with several workers
+  such a job (a run, or a whole pack) waits "pending" until the rest are done, then runs again from its
+  checkpoints with its GPU to itself, one job per GPU (its record keeps the first error as `retried_after`); only
+  a job that runs out of memory alone is failed, a pack then training its members one at a time. Every job gives
+  its cached GPU memory back when it ends, so the next job of the worker finds it free.
+  The sweep's record goes to `<runs_root>/_sweeps/<sweep name>.json`, rewritten (atomically)
   after every job, so a sweep that is stopped keeps the record of what finished (unstarted runs: "pending").
   A later call of the same sweep name keeps the earlier calls' walls and counts in the record's `calls` (their
   sum: `calls_wall_s`), so a chain of time-limited jobs leaves one record of the whole grid.
@@ -183,7 +188,30 @@ def error_line(e: BaseException) -> str:
     """One line for a failed run's record: the exception's type and the first non-empty line of its message (the
     last line of a traceback is often a footer such as a documentation link; error.txt keeps the whole)."""
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+    line = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+    if e.__cause__ is not None:  # a wrapper (torch.compile's BackendCompilerFailed) names what it caught
+        line += f" (from {error_line(e.__cause__)})"
+    return line
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is a device allocation failure (the caching allocator's OutOfMemoryError, or a CUDA or cuBLAS
+    call that reports it): something a run beside others on one GPU hits and the same run alone may not."""
+    import torch
+
+    seen = 0
+    while e is not None and seen < 8:  # through wrappers: torch.compile raises what it caught as their cause
+        text = str(e)
+        if isinstance(e, torch.OutOfMemoryError) or isinstance(e, RuntimeError) and (
+                "CUDA error: out of memory" in text or "CUBLAS_STATUS_ALLOC_FAILED" in text):
+            return True
+        e, seen = e.__cause__, seen + 1
+    return False
+
+
+def _failed(e: BaseException) -> dict[str, Any]:
+    """A failed run's record fields; `oom` marks a device allocation failure (`out_of_memory`)."""
+    return {"status": "failed", "error": error_line(e)} | ({"oom": True} if out_of_memory(e) else {})
 
 
 def run_one(overrides: list[str], extra: list[str]) -> dict[str, Any]:
@@ -211,7 +239,7 @@ def run_one(overrides: list[str], extra: list[str]) -> dict[str, Any]:
     except Exception as e:  # a failing run is recorded; the sweep goes on
         run.path.mkdir(parents=True, exist_ok=True)
         atomic_write_text(run.path / "error.txt", traceback.format_exc())
-        return record | {"status": "failed", "error": error_line(e)}
+        return record | _failed(e)
     (run.path / "error.txt").unlink(missing_ok=True)
     return record | {
         "status": "finished",
@@ -228,11 +256,13 @@ def lr_groups(runs: list[list[str]]) -> list[list[int]]:
     return list(groups.values())
 
 
-def run_pack(runs: list[list[str]], extra: list[str]) -> list[dict[str, Any]]:
+def run_pack(runs: list[list[str]], extra: list[str], alone: bool = True) -> list[dict[str, Any]]:
     """Runs that differ only in optim.lr, trained as one pack; never raises (failures are returned).
 
     Finished runs are skipped and failed configs reported, as in `run_one`; the rest train together, or one at
     a time when they cannot pack or the pack fails in training (the reason goes into each record as `unpacked`).
+    A pack that runs out of device memory while other jobs share its GPU (`alone=False`) is not unpacked: its
+    unfinished members are recorded failed with `oom`, for the sweep to retry the pack alone.
     """
     from zoo.runs import RunDir
     from zoo.steps import PackError
@@ -276,6 +306,15 @@ def run_pack(runs: list[list[str]], extra: list[str]) -> list[dict[str, Any]]:
                                                                                     "interrupted": str(e)}
         return records
     except Exception as e:
+        if out_of_memory(e) and not alone:
+            for record in todo:
+                run = RunDir(record["run_dir"])
+                if run.is_finished():
+                    record |= {"status": "finished", "valid/accuracy": run.read_summary().get("valid/accuracy"),
+                               "packed": len(members)}
+                else:
+                    record |= _failed(e)
+            return records
         # One member's failure (a divergence, a kernel error) stops the whole pack. The members that finished
         # (an early stop) stay finished; the rest train again one at a time, resuming from the pack's
         # checkpoints, so the failing run is recorded failed (its own error.txt) and the others finish.
@@ -300,12 +339,28 @@ def run_pack(runs: list[list[str]], extra: list[str]) -> list[dict[str, Any]]:
     return records
 
 
-def run_job(runs: list[list[str]], extra: list[str], stop=None) -> list[dict[str, Any]]:
+def run_job(runs: list[list[str]], extra: list[str], stop=None, alone: bool = True) -> list[dict[str, Any]]:
     """One job of the pool: a single run, or a group of runs differing only in optim.lr (a pack). `stop`: an
-    Event the sweep sets on SIGTERM; a job that starts after it leaves its runs pending."""
+    Event the sweep sets on SIGTERM; a job that starts after it leaves its runs pending. `alone`: whether the job
+    has its GPU to itself (see `run_pack`)."""
     if stop is not None and stop.is_set():
         return [{"overrides": run, "run_dir": None, "status": "pending"} for run in runs]
-    return [run_one(runs[0], extra)] if len(runs) == 1 else run_pack(runs, extra)
+    try:
+        return [run_one(runs[0], extra)] if len(runs) == 1 else run_pack(runs, extra, alone)
+    finally:
+        _release_device_memory()
+
+
+def _release_device_memory() -> None:
+    """Give the job's cached GPU memory back to the driver: a worker keeps its CUDA context between jobs, and
+    memory its allocator still reserves from a finished (or failed) job is memory the runs beside it cannot get."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def visible_device(index: int, environ=os.environ) -> str:
@@ -624,16 +679,25 @@ def _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out: Pat
         else:
             ctx = multiprocessing.get_context("spawn")
             manager = ctx.Manager()
-            queue, stop = manager.Queue(), manager.Event()
-            for dev in devices_for(device, workers):
-                queue.put(dev)
-            threads = max(1, (os.cpu_count() or 1) // workers)
+            stop = manager.Event()
+            devices = devices_for(device, workers)
             daemon, why = MPS.start(device, workers, mps)
             _say(name, why)
-            try:
-                pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=(queue, threads))
+
+            def pool_pass(todo: list[list[int]], devices: list[str]) -> list[list[int]]:
+                """`todo` on a pool of one worker per entry of `devices`; returns the jobs that ran out of device
+                memory beside other jobs (their runs recorded pending until retried)."""
+                alone = len(set(devices)) == len(devices)
+                queue = manager.Queue()
+                for dev in devices:
+                    queue.put(dev)
+                threads = max(1, (os.cpu_count() or 1) // len(devices))
+                retry = []
+                pool = ProcessPoolExecutor(len(devices), mp_context=ctx, initializer=_worker_init,
+                                           initargs=(queue, threads))
                 with pool, _forward_sigterm(pool, stop) as futures:
-                    futures.update({pool.submit(run_job, [runs[i] for i in job], extra, stop): job for job in jobs})
+                    futures.update({pool.submit(run_job, [runs[i] for i in job], extra, stop, alone): job
+                                    for job in todo})
                     for future in as_completed(futures):
                         job = futures[future]
                         if future.cancelled():  # not started before a SIGTERM: still pending
@@ -645,8 +709,28 @@ def _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out: Pat
                             for i in job:
                                 results[i] = {"overrides": runs[i], "run_dir": None, "status": "failed",
                                               "error": repr(e)}
-                        bar.update(len(job))
+                        if not alone and any(results[i].get("oom") for i in job):
+                            retry.append(job)
+                            for i in job:
+                                if results[i]["status"] == "failed":
+                                    results[i] = results[i] | {"status": "pending"}
+                        else:
+                            bar.update(len(job))
                         write_record()
+                return retry
+
+            try:
+                retry = pool_pass(jobs, devices)
+                if retry and not stop.is_set():
+                    # Out of memory beside other runs is the sweep's packing, not the run's fault: those jobs run
+                    # again after the others, one per GPU, from their checkpoints; only one that fails alone fails.
+                    _say(name, f"{sum(map(len, retry))} runs ran out of GPU memory beside other runs; they run "
+                               f"again now, one job per GPU")
+                    first = {i: results[i]["error"] for job in retry for i in job if results[i].get("oom")}
+                    pool_pass(retry, sorted(set(devices)))
+                    for i, why in first.items():
+                        results[i] = results[i] | {"retried_after": why}
+                    write_record()
             finally:
                 if daemon is not None:
                     daemon.stop()
