@@ -2,16 +2,12 @@
 a finished run always keeps its final weights."""
 
 import pytest
+from tiny_run import TINY_RUN
 
 from zoo.runs import RunDir
 from zoo.train import CheckpointClock, load_config, run_name, train
 
-QUICK = [
-    "model=based", "model.d_model=16", "data.vocab_size=64", "train.progress=false", "train.early_stop=null",
-    "data.train=[{seq_len:16,num_kv_pairs:2,num_examples:64,batch_size:32}]",
-    "data.valid=[{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:32}]",
-    "data.test=[{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:32}]",
-]
+QUICK = ["model=based", *TINY_RUN, "train.progress=false", "train.early_stop=null"]
 
 
 class FakeClock:

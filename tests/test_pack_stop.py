@@ -4,18 +4,13 @@ default) lets them train on. CPU, a pack of two tiny runs, validation accuracy s
 
 import pytest
 from test_checkpoint_clock import OnlyFirst
+from tiny_run import TINY_RUN
 
 from zoo.runs import RunDir
 from zoo.steps import PackedStep, pack_members
 from zoo.train import load_config, run_name, train_runs
 
-TINY = [
-    "model=based", "model.d_model=16", "data.vocab_size=64", "train.progress=false", "train.epochs=4",
-    "train.early_stop=0.99",
-    "data.train=[{seq_len:16,num_kv_pairs:2,num_examples:64,batch_size:32}]",
-    "data.valid=[{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:32}]",
-    "data.test=[{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:32}]",
-]
+TINY = ["model=based", *TINY_RUN, "train.progress=false", "train.epochs=4", "train.early_stop=0.99"]
 LRS = [1e-3, 1e-2]
 
 

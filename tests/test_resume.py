@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from test_readme import marked_block
+from tiny_run import TINY_RUN
 
 from zoo.runs import RunDir, find_resumable
 from zoo.train import EXECUTION_KEYS, ConfigError, load_config, train
@@ -59,10 +60,7 @@ def test_readme_resume_continues_the_killed_run(demo_runs, tmp_path):
         assert resumed[key] == uninterrupted[key], key
 
 
-QUICK = ["model=based", "model.d_model=16", "data.vocab_size=64", "train.epochs=1", "train.progress=false",
-         "data.train=[{seq_len:16,num_kv_pairs:2,num_examples:64,batch_size:32}]",
-         "data.valid=[{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:32}]",
-         "data.test=[{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:32}]"]
+QUICK = ["model=based", *TINY_RUN, "train.epochs=1", "train.progress=false"]
 
 
 def started_run(root: Path, *extra: str) -> RunDir:

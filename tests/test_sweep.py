@@ -6,19 +6,17 @@ import shlex
 from pathlib import Path
 
 import pytest
+from tiny_run import SEGMENT, TINY_DATA, TINY_MODEL
 
 from zoo.plot import best_lr_points, frontier, make_figures
 from zoo.sweep import error_line, load_sweep, main, run_sweep
 
 TINY = [
-    "model.d_model=16",
-    "data.vocab_size=64",
+    *TINY_MODEL,
+    *TINY_DATA[:2],
+    f"data.test=[{SEGMENT % 32},{{seq_len:32,num_kv_pairs:4,num_examples:32,batch_size:32}}]",
     "train.epochs=1",
     "train.early_stop=null",
-    "data.train=[{seq_len:16,num_kv_pairs:2,num_examples:64,batch_size:32}]",
-    "data.valid=[{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:32}]",
-    "data.test=[{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:32},"
-    "{seq_len:32,num_kv_pairs:4,num_examples:32,batch_size:32}]",
 ]
 GRID = [[f"model={m}", f"optim.lr={lr}"] for m in ("based", "attention") for lr in ("1e-3", "3e-3")]
 

@@ -9,20 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_run import TINY_RUN
 
 from zoo.runs import RunDir
 from zoo.sweep import MPS, job_cost, run_sweep
 
-TINY = [
-    "model.d_model=16",
-    "data.vocab_size=64",
-    "train.epochs=2",
-    "train.early_stop=null",
-    "train.log_every=1",
-    "data.train=[{seq_len:16,num_kv_pairs:2,num_examples:64,batch_size:32}]",
-    "data.valid=[{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:32}]",
-    "data.test=[{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:32}]",
-]
+TINY = [*TINY_RUN, "train.epochs=2", "train.early_stop=null", "train.log_every=1"]
 GRID = [[f"model={m}", f"optim.lr={lr}"] for m in ("based", "attention") for lr in ("1e-3", "1e-2")]
 
 

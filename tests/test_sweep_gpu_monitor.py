@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny_run import TINY_RUN
 
 from zoo.sweep import GpuMonitor, run_sweep
 
@@ -67,12 +68,7 @@ def test_without_nvidia_smi_nothing_is_sampled(monkeypatch):
     monitor.stop()
 
 
-TINY = [
-    "model=based", "model.d_model=16", "data.vocab_size=64", "train.epochs=1", "train.early_stop=null",
-    "data.train=[{seq_len:16,num_kv_pairs:2,num_examples:64,batch_size:32}]",
-    "data.valid=[{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:32}]",
-    "data.test=[{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:32}]",
-]
+TINY = ["model=based", *TINY_RUN, "train.epochs=1", "train.early_stop=null"]
 
 
 @pytest.mark.parametrize("workers", [1, 2])
