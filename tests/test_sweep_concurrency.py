@@ -12,7 +12,7 @@ import torch
 from tiny_run import TINY_RUN
 
 from zoo.runs import RunDir
-from zoo.sweep import MPS, job_cost, run_sweep
+from zoo.sweep import MPS, order_jobs, run_sweep
 
 TINY = [*TINY_RUN, "train.epochs=2", "train.early_stop=null", "train.log_every=1"]
 GRID = [[f"model={m}", f"optim.lr={lr}"] for m in ("based", "attention") for lr in ("1e-3", "1e-2")]
@@ -143,13 +143,17 @@ def test_multirun_says_why_mps_is_not_used():
     assert "set up by the caller" in MPS.multirun_reason({"CUDA_MPS_PIPE_DIRECTORY": "/tmp/elsewhere"})
 
 
-def test_the_costliest_jobs_start_first():
+def test_jobs_start_in_the_order_asked():
     def run(d, L, epochs):
         return [f"model.d_model={d}", f"data.train=[{{seq_len: {L}, num_kv_pairs: 4}}]", f"train.epochs={epochs}"]
 
-    runs = [run(64, 64, 64), run(512, 256, 64), run(128, 128, 64), run(512, 256, 16)]
-    order = sorted(range(len(runs)), key=lambda i: -job_cost(runs[i]))
-    assert order == [1, 3, 2, 0]
+    runs = [run(64, 64, 64), run(512, 256, 64), run(128, 128, 64), run(512, 256, 16), run(128, 128, 64)]
+    jobs = [[i] for i in range(len(runs))]
+    assert order_jobs(jobs, runs, "longest") == [[1], [3], [2], [4], [0]]  # ties (2, 4) keep the file's order
+    assert order_jobs(jobs, runs, "shortest") == [[0], [2], [4], [3], [1]]
+    assert order_jobs(jobs, runs, "file") == jobs
+    with pytest.raises(ValueError, match="order must be one of longest, shortest, file"):
+        order_jobs(jobs, runs, "random")
 
 
 # logger.project is a free string outside the run's identity: here it records what a run's process saw

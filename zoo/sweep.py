@@ -523,6 +523,22 @@ def job_cost(run: list[str]) -> float:
     return number("model.d_model", 128) * max(lengths, default=256) * number("train.epochs", 64)
 
 
+ORDERS = ("longest", "shortest", "file")
+
+
+def order_jobs(jobs: list[list[int]], runs: list[list[str]], order: str) -> list[list[int]]:
+    """The jobs in the order the sweep starts them: "longest" (the costliest first, `job_cost`: the grid ends on
+    short jobs, the shortest wall for a whole grid), "shortest" (the cheapest first: the most runs finished by a
+    time-limited call whose unfinished runs' checkpoints will not outlive the machine) or "file". Ties keep the
+    file's order."""
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
+    if order == "file":
+        return list(jobs)
+    sign = -1 if order == "longest" else 1
+    return sorted(jobs, key=lambda job: sign * job_cost(runs[job[0]]))
+
+
 COMPILE_CACHE_VARS = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
 
 
@@ -558,7 +574,7 @@ def run_sweep(
 
     pack_lrs: train each group of runs that differ only in optim.lr as one pack (`lr_groups`, `run_pack`).
     mps: auto | on | off, CUDA MPS for workers that share a GPU (`MPS.start`).
-    order: longest (the costliest jobs start first, `job_cost`) | file (the sweep file's order).
+    order: longest | shortest | file, the order jobs start in (`order_jobs`).
     cache: the compile cache (`compile_cache`): "runs" for `<runs_root>/_sweeps/compile_cache`, "none" for none,
     else a directory.
     skip_summaries: directories of committed summaries whose runs are skipped (`committed_runs`).
@@ -659,10 +675,7 @@ def _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out: Pat
     bar = tqdm(total=len(runs), initial=len(done), desc=f"sweep {name}", dynamic_ncols=True)
     jobs = lr_groups(runs) if pack_lrs else [[i] for i in range(len(runs))]
     jobs = [job for job in ([i for i in job if i not in done] for job in jobs) if job]
-    if order == "longest":
-        jobs.sort(key=lambda job: -job_cost(runs[job[0]]))  # stable: ties keep the file's order
-    elif order != "file":
-        raise ValueError(f"order must be longest or file, got {order!r}")
+    jobs = order_jobs(jobs, runs, order)
     monitor = GpuMonitor(device)
     try:
         if workers <= 1:
@@ -813,8 +826,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mps", default="auto", choices=["auto", "on", "off"],
                         help="CUDA MPS for runs that share a GPU (auto: when several workers share one and the "
                         "machine allows it)")
-    parser.add_argument("--order", default="longest", choices=["longest", "file"],
-                        help="start the costliest jobs first (longest) or keep the sweep file's order")
+    parser.add_argument("--order", default="longest", choices=ORDERS,
+                        help="start the costliest jobs first (longest: the shortest grid wall), the cheapest first "
+                        "(shortest: the most runs finished by a time-limited job on a machine that keeps no "
+                        "checkpoints), or keep the sweep file's order")
     parser.add_argument("--skip-summaries", action="append", default=[], metavar="DIR",
                         help="skip the runs that have a summary in DIR (a reproduction's committed summaries/); "
                         "repeatable")
