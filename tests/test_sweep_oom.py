@@ -78,7 +78,9 @@ def same_run(a: str, b: str) -> None:
     assert len(losses(a)) == 4 and losses(a) == pytest.approx(losses(b), rel=1e-5)
 
 
-def test_a_run_out_of_memory_beside_others_is_retried_alone_and_equals_the_run_alone(tmp_path, inject):
+def test_a_run_out_of_memory_beside_others_is_retried_and_equals_the_run_alone(tmp_path, inject, capfd):
+    """lr 1e-3 runs out of memory once: the sweep lowers its jobs at once and runs it again later. lr 3e-3 always
+    does: again beside the others, then alone, and then it has failed."""
     marks = inject({1e-3: 1, 3e-3: 9})
     runs = [["model=based", f"optim.lr={lr}"] for lr in ("1e-3", "1e-2", "3e-3")]
     extra = TINY + ["experiment_name=o", f"data.cache_dir={tmp_path / 'cache'}"]
@@ -90,7 +92,9 @@ def test_a_run_out_of_memory_beside_others_is_retried_alone_and_equals_the_run_a
     assert hopeless["oom"] and hopeless["retried_after"].startswith("OutOfMemoryError")  # out of memory alone too
     assert "OutOfMemoryError" in (Path(hopeless["run_dir"]) / "error.txt").read_text()
     assert not (Path(retried["run_dir"]) / "error.txt").exists()
-    assert len(list(marks.iterdir())) == 1 + 2  # 1e-3 once; 3e-3 beside the others, then alone
+    assert len(list(marks.iterdir())) == 1 + 3  # 1e-3 once; 3e-3 twice beside the others, then alone
+    err = capfd.readouterr().err
+    assert "at most 1 job at once from now" in err and "1 run ran out of GPU memory twice" in err
     alone = run_sweep([runs[0]], "o", workers=1, device="cpu", extra=extra, runs_root=str(tmp_path / "alone"))
     same_run(retried["run_dir"], alone["runs"][0]["run_dir"])
 

@@ -21,10 +21,11 @@ What happens per run:
   resumes from its last checkpoint (`train.resume=true`).
 - A run that raises writes `error.txt` (the traceback) into its run dir and is listed as failed; the
   others continue. Running out of GPU memory beside other runs is not the run's failure: with several workers
-  such a job (a run, or a whole pack) waits "pending" until the rest are done, then runs again from its
-  checkpoints with its GPU to itself, one job per GPU (its record keeps the first error as `retried_after`); only
-  a job that runs out of memory alone is failed, a pack then training its members one at a time. Every job gives
-  its cached GPU memory back when it ends, so the next job of the worker finds it free.
+  such a job (a run, or a whole pack) waits "pending" at the back of the queue, and from then on one job fewer
+  runs at once (down to one per GPU). Out of memory beside others a second time, it runs after the rest with its
+  GPU to itself, one job per GPU. Each time it resumes from its checkpoints, and its record keeps the first error
+  as `retried_after`. Only a job that runs out of memory alone fails, a pack then training its members one at a
+  time. Every job gives its cached GPU memory back when it ends, so the next job of the worker finds it free.
   The sweep's record goes to `<runs_root>/_sweeps/<sweep name>.json`, rewritten (atomically)
   after every job, so a sweep that is stopped keeps the record of what finished (unstarted runs: "pending").
   A later call of the same sweep name keeps the earlier calls' walls and counts in the record's `calls` (their
@@ -72,6 +73,7 @@ each job calls `run_one`. `zoo-sweep FILE --emit` prints one `zoo-train` command
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import importlib.util
 import itertools
@@ -87,7 +89,7 @@ import tempfile
 import threading
 import time
 import traceback
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -697,39 +699,64 @@ def _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out: Pat
             daemon, why = MPS.start(device, workers, mps)
             _say(name, why)
 
+            first_oom: dict[int, str] = {}  # run index -> its first out-of-memory error beside other jobs
+
             def pool_pass(todo: list[list[int]], devices: list[str]) -> list[list[int]]:
-                """`todo` on a pool of one worker per entry of `devices`; returns the jobs that ran out of device
-                memory beside other jobs (their runs recorded pending until retried)."""
+                """`todo` on a pool of one worker per entry of `devices`. A job that runs out of device memory beside
+                others (its runs recorded pending meanwhile) lowers the number of jobs at once by one, down to one
+                per GPU, and goes to the back of the queue; out of memory beside others again, it is returned."""
                 alone = len(set(devices)) == len(devices)
                 queue = manager.Queue()
                 for dev in devices:
                     queue.put(dev)
                 threads = max(1, (os.cpu_count() or 1) // len(devices))
-                retry = []
+                limit, floor = len(devices), len(set(devices))
+                waiting, requeued, retry, running = collections.deque(todo), set(), [], set()
                 pool = ProcessPoolExecutor(len(devices), mp_context=ctx, initializer=_worker_init,
                                            initargs=(queue, threads))
                 with pool, _forward_sigterm(pool, stop) as futures:
-                    futures.update({pool.submit(run_job, [runs[i] for i in job], extra, stop, alone): job
-                                    for job in todo})
-                    for future in as_completed(futures):
-                        job = futures[future]
-                        if future.cancelled():  # not started before a SIGTERM: still pending
-                            continue
-                        try:
-                            for i, result in zip(job, future.result()):
-                                results[i] = result
-                        except Exception as e:  # the worker process itself died
-                            for i in job:
-                                results[i] = {"overrides": runs[i], "run_dir": None, "status": "failed",
-                                              "error": repr(e)}
-                        if not alone and any(results[i].get("oom") for i in job):
-                            retry.append(job)
-                            for i in job:
-                                if results[i]["status"] == "failed":
-                                    results[i] = results[i] | {"status": "pending"}
-                        else:
-                            bar.update(len(job))
-                        write_record()
+
+                    def fill() -> None:  # after a SIGTERM nothing more starts; the jobs waiting stay pending
+                        while waiting and len(running) < limit and not stop.is_set():
+                            job = waiting.popleft()
+                            future = pool.submit(run_job, [runs[i] for i in job], extra, stop, alone)
+                            futures[future] = job
+                            running.add(future)
+
+                    fill()
+                    while running:
+                        done, _ = wait(running, return_when=FIRST_COMPLETED)
+                        for future in done:
+                            running.discard(future)
+                            job = futures[future]
+                            if future.cancelled():  # not started before a SIGTERM: still pending
+                                continue
+                            try:
+                                for i, result in zip(job, future.result()):
+                                    results[i] = result
+                            except Exception as e:  # the worker process itself died
+                                for i in job:
+                                    results[i] = {"overrides": runs[i], "run_dir": None, "status": "failed",
+                                                  "error": repr(e)}
+                            if not alone and any(results[i].get("oom") for i in job):
+                                for i in job:
+                                    if results[i].get("oom"):
+                                        first_oom.setdefault(i, results[i]["error"])
+                                    if results[i]["status"] == "failed":
+                                        results[i] = results[i] | {"status": "pending"}
+                                if limit > floor:
+                                    limit -= 1
+                                    _say(name, f"a job ran out of GPU memory beside others: at most {limit} "
+                                               f"job{'s' * (limit > 1)} at once from now")
+                                if tuple(job) in requeued:
+                                    retry.append(job)
+                                else:
+                                    requeued.add(tuple(job))
+                                    waiting.append(job)
+                            else:
+                                bar.update(len(job))
+                            write_record()
+                        fill()
                 return retry
 
             try:
@@ -737,13 +764,13 @@ def _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out: Pat
                 if retry and not stop.is_set():
                     # Out of memory beside other runs is the sweep's packing, not the run's fault: those jobs run
                     # again after the others, one per GPU, from their checkpoints; only one that fails alone fails.
-                    _say(name, f"{sum(map(len, retry))} runs ran out of GPU memory beside other runs; they run "
-                               f"again now, one job per GPU")
-                    first = {i: results[i]["error"] for job in retry for i in job if results[i].get("oom")}
+                    n = sum(map(len, retry))
+                    _say(name, f"{n} run{'s' * (n > 1)} ran out of GPU memory twice beside other runs; run again "
+                               f"now, one job per GPU")
                     pool_pass(retry, sorted(set(devices)))
-                    for i, why in first.items():
-                        results[i] = results[i] | {"retried_after": why}
-                    write_record()
+                for i, why in first_oom.items():
+                    results[i] = results[i] | {"retried_after": why}
+                write_record()
             finally:
                 if daemon is not None:
                     daemon.stop()
