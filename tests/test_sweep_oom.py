@@ -36,6 +36,8 @@ if os.environ.get("OOM_TEST_RULES"):
             for member in members:
                 times = rules.get(repr(member.optim.lr), 0)
                 done = [f for f in os.listdir(marks) if f.startswith(repr(member.optim.lr) + "-")]
+                if step == 2 and times == -1:  # the worker process dies (a segfault, the OOM killer)
+                    os._exit(1)
                 if step == 2 and len(done) < times:
                     open(os.path.join(marks, f"{member.optim.lr!r}-{len(done)}"), "w").close()
                     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB.")
@@ -50,7 +52,7 @@ if os.environ.get("OOM_TEST_RULES"):
 @pytest.fixture
 def inject(tmp_path, monkeypatch):
     """Set `{lr: times}` for the workers spawned after the call: a run (or pack holding a member) of that lr raises
-    torch.OutOfMemoryError at its step 2, the first `times` times."""
+    torch.OutOfMemoryError at its step 2, the first `times` times; times -1: its worker process exits there."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(textwrap.dedent(INJECT))
@@ -97,6 +99,19 @@ def test_a_run_out_of_memory_beside_others_is_retried_and_equals_the_run_alone(t
     assert "at most 1 job at once from now" in err and "1 run ran out of GPU memory twice" in err
     alone = run_sweep([runs[0]], "o", workers=1, device="cpu", extra=extra, runs_root=str(tmp_path / "alone"))
     same_run(retried["run_dir"], alone["runs"][0]["run_dir"])
+
+
+def test_a_dead_worker_fails_its_pools_running_jobs_and_the_rest_go_on(tmp_path, inject):
+    """A worker that dies breaks its process pool: the jobs running in it are recorded failed, and the jobs not
+    started yet run in a new pool instead of failing with it."""
+    inject({1e-3: -1})
+    runs = [["model=based", f"optim.lr={lr}"] for lr in ("1e-3", "2e-3", "3e-3", "5e-3")]
+    extra = TINY + ["experiment_name=d", f"data.cache_dir={tmp_path / 'cache'}"]
+    record = run_sweep(runs, "d", workers=2, device="cpu", extra=extra, runs_root=str(tmp_path), order="file")
+    dead, beside, *later = record["runs"]
+    assert dead["status"] == "failed" and "BrokenProcessPool" in dead["error"]
+    assert beside["status"] in ("finished", "failed")  # running beside it when the pool broke, or done before
+    assert [r["status"] for r in later] == ["finished", "finished"]
 
 
 def test_a_serial_sweep_does_not_retry_out_of_memory(tmp_path, monkeypatch):

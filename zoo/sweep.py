@@ -25,7 +25,9 @@ What happens per run:
   runs at once (down to one per GPU). Out of memory beside others a second time, it runs after the rest with its
   GPU to itself, one job per GPU. Each time it resumes from its checkpoints, and its record keeps the first error
   as `retried_after`. Only a job that runs out of memory alone fails, a pack then training its members one at a
-  time. Every job gives its cached GPU memory back when it ends, so the next job of the worker finds it free.
+  time. Every job gives its cached GPU memory back when it ends, so the next job of the worker finds it free. A
+  worker process that dies (a crash, the kernel's OOM killer) fails the jobs running in its pool; the jobs not
+  started yet go on in a new pool.
   The sweep's record goes to `<runs_root>/_sweeps/<sweep name>.json`, rewritten (atomically)
   after every job, so a sweep that is stopped keeps the record of what finished (unstarted runs: "pending").
   A later call of the same sweep name keeps the earlier calls' walls and counts in the record's `calls` (their
@@ -90,6 +92,7 @@ import threading
 import time
 import traceback
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -704,59 +707,69 @@ def _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out: Pat
             def pool_pass(todo: list[list[int]], devices: list[str]) -> list[list[int]]:
                 """`todo` on a pool of one worker per entry of `devices`. A job that runs out of device memory beside
                 others (its runs recorded pending meanwhile) lowers the number of jobs at once by one, down to one
-                per GPU, and goes to the back of the queue; out of memory beside others again, it is returned."""
+                per GPU, and goes to the back of the queue; out of memory beside others again, it is returned. A
+                worker process that dies takes the pool's running jobs with it (recorded failed); the jobs not
+                started yet go on in a new pool."""
                 alone = len(set(devices)) == len(devices)
-                queue = manager.Queue()
-                for dev in devices:
-                    queue.put(dev)
                 threads = max(1, (os.cpu_count() or 1) // len(devices))
                 limit, floor = len(devices), len(set(devices))
-                waiting, requeued, retry, running = collections.deque(todo), set(), [], set()
-                pool = ProcessPoolExecutor(len(devices), mp_context=ctx, initializer=_worker_init,
-                                           initargs=(queue, threads))
-                with pool, _forward_sigterm(pool, stop) as futures:
+                waiting, requeued, retry = collections.deque(todo), set(), []
 
-                    def fill() -> None:  # after a SIGTERM nothing more starts; the jobs waiting stay pending
-                        while waiting and len(running) < limit and not stop.is_set():
-                            job = waiting.popleft()
+                def fill(pool: ProcessPoolExecutor, futures: dict, running: set, limit: int) -> None:
+                    """Start waiting jobs up to `limit` running; after a SIGTERM nothing more starts (the jobs
+                    waiting stay pending), and a job the pool refuses (a worker died) waits for the next pool."""
+                    while waiting and len(running) < limit and not stop.is_set():
+                        job = waiting.popleft()
+                        try:
                             future = pool.submit(run_job, [runs[i] for i in job], extra, stop, alone)
-                            futures[future] = job
-                            running.add(future)
+                        except BrokenProcessPool:
+                            waiting.appendleft(job)
+                            return
+                        futures[future] = job
+                        running.add(future)
 
-                    fill()
-                    while running:
-                        done, _ = wait(running, return_when=FIRST_COMPLETED)
-                        for future in done:
-                            running.discard(future)
-                            job = futures[future]
-                            if future.cancelled():  # not started before a SIGTERM: still pending
-                                continue
-                            try:
-                                for i, result in zip(job, future.result()):
-                                    results[i] = result
-                            except Exception as e:  # the worker process itself died
-                                for i in job:
-                                    results[i] = {"overrides": runs[i], "run_dir": None, "status": "failed",
-                                                  "error": repr(e)}
-                            if not alone and any(results[i].get("oom") for i in job):
-                                for i in job:
-                                    if results[i].get("oom"):
-                                        first_oom.setdefault(i, results[i]["error"])
-                                    if results[i]["status"] == "failed":
-                                        results[i] = results[i] | {"status": "pending"}
-                                if limit > floor:
-                                    limit -= 1
-                                    _say(name, f"a job ran out of GPU memory beside others: at most {limit} "
-                                               f"job{'s' * (limit > 1)} at once from now")
-                                if tuple(job) in requeued:
-                                    retry.append(job)
+                while waiting and not stop.is_set():
+                    queue = manager.Queue()
+                    for dev in devices:
+                        queue.put(dev)
+                    pool = ProcessPoolExecutor(len(devices), mp_context=ctx, initializer=_worker_init,
+                                               initargs=(queue, threads))
+                    running: set = set()
+                    with pool, _forward_sigterm(pool, stop) as futures:
+                        fill(pool, futures, running, limit)
+                        while running:
+                            done, _ = wait(running, return_when=FIRST_COMPLETED)
+                            for future in done:
+                                running.discard(future)
+                                job = futures[future]
+                                if future.cancelled():  # not started before a SIGTERM: still pending
+                                    continue
+                                try:
+                                    for i, result in zip(job, future.result()):
+                                        results[i] = result
+                                except Exception as e:  # the worker process itself died
+                                    for i in job:
+                                        results[i] = {"overrides": runs[i], "run_dir": None, "status": "failed",
+                                                      "error": repr(e)}
+                                if not alone and any(results[i].get("oom") for i in job):
+                                    for i in job:
+                                        if results[i].get("oom"):
+                                            first_oom.setdefault(i, results[i]["error"])
+                                        if results[i]["status"] == "failed":
+                                            results[i] = results[i] | {"status": "pending"}
+                                    if limit > floor:
+                                        limit -= 1
+                                        _say(name, f"a job ran out of GPU memory beside others: at most {limit} "
+                                                   f"job{'s' * (limit > 1)} at once from now")
+                                    if tuple(job) in requeued:
+                                        retry.append(job)
+                                    else:
+                                        requeued.add(tuple(job))
+                                        waiting.append(job)
                                 else:
-                                    requeued.add(tuple(job))
-                                    waiting.append(job)
-                            else:
-                                bar.update(len(job))
-                            write_record()
-                        fill()
+                                    bar.update(len(job))
+                                write_record()
+                            fill(pool, futures, running, limit)
                 return retry
 
             try:
