@@ -12,6 +12,9 @@ Shape B=8, H=16, K=16, V=64 (SDPA: head dim 64). Median times over CUDA events a
   `zoo_based::chunk_fwd` / `chunk_bwd`; the row records which kernels the compiled training step ran;
 - `fla_parallel_based`, `fla_fused_chunk_based` (where FLA is installed) and `sdpa_causal_d64`.
 
+Each row also gives the host's time per forward call (`host µs`, `fwd_host_us`: issuing 200 calls without waiting
+for the device), the overhead a call pays above its kernels when the device is faster than the host.
+
 At --profile-T, the device time of the training call per kernel (torch.profiler). Then the decode step at
 B ∈ {1, 64} (a CUDA graph of 16 steps, time per step). Ceilings are measured in the same process: copy bandwidth
 (device-to-device copy, bytes read + written) and the GEMM rate (8192³, random data); each row reports the fraction
@@ -22,6 +25,7 @@ kernels/based/README.md. The last line is JSON.
 import argparse
 import json
 import math
+import time
 
 import torch
 import torch.nn.functional as F
@@ -82,11 +86,28 @@ def impls():
     return out
 
 
+def host_us(call, n=200):
+    """The host's time per forward call in µs: the wall of issuing n calls back to back without waiting for the
+    device (n calls of a few kernels each fit the launch queue), after a warm-up. Below the device time it is
+    hidden; above it, it is the call's time."""
+    with torch.no_grad():
+        for _ in range(10):
+            call()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            call()
+        wall = time.perf_counter() - t0
+        torch.cuda.synchronize()
+    return wall / n * 1e6
+
+
 def time_eager(fn, T, dt, layout, d_qk):
     q, k, v, do = inputs(T, dt, d_qk, V if d_qk == K else SDPA_D, layout)
     with torch.no_grad():
         fwd = bench(lambda: fn(q, k, v))
-    return fwd, bench(lambda: fn(q, k, v).backward(do), grad_to_none=[q, k, v])
+    both = bench(lambda: fn(q, k, v).backward(do), grad_to_none=[q, k, v])
+    return fwd, both, host_us(lambda: fn(q, k, v))
 
 
 def time_graphed(fn, T, dt):
@@ -106,7 +127,7 @@ def time_graphed(fn, T, dt):
         fn(q, k, v)
     with torch.cuda.graph(both_graph):
         fn(q, k, v).backward(do)
-    return bench(fwd_graph.replay), bench(both_graph.replay)
+    return bench(fwd_graph.replay), bench(both_graph.replay), host_us(fwd_graph.replay)
 
 
 def time_compiled(T, dt):
@@ -135,7 +156,8 @@ def time_compiled(T, dt):
             setattr(module, fn_name, real)
     with torch.no_grad():
         fwd = bench(lambda: compiled(q, k, v))
-    return fwd, bench(lambda: compiled(q, k, v).backward(do), grad_to_none=[q, k, v]), ran
+    both = bench(lambda: compiled(q, k, v).backward(do), grad_to_none=[q, k, v])
+    return fwd, both, host_us(lambda: compiled(q, k, v)), ran
 
 
 def kernel_breakdown(T, dt):
@@ -198,8 +220,8 @@ def main():
               "torch": torch.__version__, "triton": triton.__version__, "copy_TBps": bw / 1e12,
               "gemm_TFLOPs": gemm / 1e12, "rows": []}
     print(f"{result['device']}: copy {bw / 1e12:.2f} TB/s, {args.dtype} GEMM {gemm / 1e12:.0f} TFLOP/s")
-    print(f"{'impl':22s} {'T':>6s} {'path':>6s} {'fwd ms':>8s} {'f+b ms':>8s} {'fwd bw':>7s} {'fwd mm':>7s} "
-          f"{'f+b bw':>7s} {'f+b mm':>7s}")
+    print(f"{'impl':22s} {'T':>6s} {'path':>6s} {'fwd ms':>8s} {'f+b ms':>8s} {'host µs':>8s} {'fwd bw':>7s} "
+          f"{'fwd mm':>7s} {'f+b bw':>7s} {'f+b mm':>7s}")
     for T in args.T:
         chosen = choose_path(sm90=cap == (9, 0), dtype=dt, B=B, T=T, H=H, K=K, V=V, normalize=True)
         path = {False: chosen, True: chosen}  # inference and training take the same path
@@ -211,12 +233,12 @@ def main():
             extra = {}
             try:
                 if name == "ours_graphed":
-                    fwd, both = time_graphed(fn, T, dt)
+                    fwd, both, host = time_graphed(fn, T, dt)
                 elif name == "ours_compiled":
-                    fwd, both, ran = time_compiled(T, dt)
+                    fwd, both, host, ran = time_compiled(T, dt)
                     extra["ran"] = ran
                 else:
-                    fwd, both = time_eager(fn, T, dt, layout, d_qk)
+                    fwd, both, host = time_eager(fn, T, dt, layout, d_qk)
             except Exception as e:  # keep the table going if a baseline breaks on this stack; say so
                 print(f"{name:22s} {T:6d} failed: {type(e).__name__}: {str(e)[:200]}")
                 continue
@@ -227,7 +249,7 @@ def main():
             else:
                 fl, fl_b = based_flops(T), 3 * based_flops(T)
                 by_f, by_b = based_bytes(T, dt, False), based_bytes(T, dt, True)
-            row = {"impl": name, "T": T, "fwd_ms": fwd, "fwdbwd_ms": both,
+            row = {"impl": name, "T": T, "fwd_ms": fwd, "fwdbwd_ms": both, "fwd_host_us": host,
                    "fwd_frac_bw": by_f / (fwd * 1e-3) / bw, "fwd_frac_gemm": fl / (fwd * 1e-3) / gemm,
                    "fwdbwd_frac_bw": by_b / (both * 1e-3) / bw, "fwdbwd_frac_gemm": fl_b / (both * 1e-3) / gemm,
                    **extra}
@@ -235,7 +257,7 @@ def main():
             if name.startswith("ours"):
                 row["path_fwd"], row["path_train"] = path[False], path[True]
             result["rows"].append(row)
-            print(f"{name:22s} {T:6d} {shown[:6]:>6s} {fwd:8.4f} {both:8.4f} {row['fwd_frac_bw']:7.1%} "
+            print(f"{name:22s} {T:6d} {shown[:6]:>6s} {fwd:8.4f} {both:8.4f} {host:8.1f} {row['fwd_frac_bw']:7.1%} "
                   f"{row['fwd_frac_gemm']:7.1%} {row['fwdbwd_frac_bw']:7.1%} {row['fwdbwd_frac_gemm']:7.1%}"
                   + (f"  ran {','.join(extra['ran'])}" if extra else ""))
     rows = {(r["impl"], r["T"]): r for r in result["rows"]}
