@@ -311,25 +311,21 @@ def run_pack(runs: list[list[str]], extra: list[str], alone: bool = True) -> lis
                                                                                     "interrupted": str(e)}
         return records
     except Exception as e:
-        if out_of_memory(e) and not alone:
-            for record in todo:
-                run = RunDir(record["run_dir"])
-                if run.is_finished():
-                    record |= {"status": "finished", "valid/accuracy": run.read_summary().get("valid/accuracy"),
-                               "packed": len(members)}
-                else:
-                    record |= _failed(e)
-            return records
         # One member's failure (a divergence, a kernel error) stops the whole pack. The members that finished
         # (an early stop) stay finished; the rest train again one at a time, resuming from the pack's
-        # checkpoints, so the failing run is recorded failed (its own error.txt) and the others finish.
+        # checkpoints, so the failing run is recorded failed (its own error.txt) and the others finish. Out of
+        # memory beside other jobs, they are left to the sweep to retry as a pack instead.
+        beside = out_of_memory(e) and not alone
         why = f"the pack failed ({error_line(e)}); its runs trained one at a time"
-        log.warning("zoo-sweep: %s", why)
+        if not beside:
+            log.warning("zoo-sweep: %s", why)
         for record in todo:
             run = RunDir(record["run_dir"])
             if run.is_finished():
                 accuracy = run.read_summary().get("valid/accuracy")
                 record |= {"status": "finished", "valid/accuracy": accuracy, "packed": len(members)}
+            elif beside:
+                record |= _failed(e)
             else:
                 record |= run_one(record["overrides"], extra) | {"unpacked": why}
         return records
