@@ -32,13 +32,16 @@ def test_sweep_runs_skips_and_isolates_failures(tmp_path):
     # A valid config that raises in training: Hyena's history is shorter than the sequences.
     bad_run = ["model=hyena", "model.mixers.hyena.max_seq_len=8"]
     second = run_sweep(GRID + [bad_config, bad_run], "t", workers=1, device="cpu", extra=extra, runs_root=str(tmp_path))
+    # the second call skips the 4 runs; the sweep's record keeps them as the first call finished them
+    assert (second["calls"][1]["skipped"], second["calls"][1]["failed"]) == (4, 2)
+    assert second["runs"][:4] == first["runs"]
     statuses = [r["status"] for r in second["runs"]]
-    assert statuses == ["skipped"] * 4 + ["failed", "failed"]
+    assert statuses == ["finished"] * 4 + ["failed", "failed"]
     assert "optim.lr must be > 0" in second["runs"][4]["error"]
     error_txt = Path(second["runs"][5]["run_dir"]) / "error.txt"
     assert "exceed max_seq_len=8" in error_txt.read_text()
     record = json.loads((tmp_path / "_sweeps" / "t.json").read_text())
-    assert record["failed"] == 2 and record["skipped"] == 4
+    assert record["failed"] == 2 and record["finished"] == 4 and record["skipped"] == 0
 
     out = make_figures(tmp_path / "t", tmp_path / "fig")
     assert (tmp_path / "fig" / "accuracy_vs_state.png").stat().st_size > 1000
@@ -181,8 +184,7 @@ def test_sweep_pack_lrs_trains_each_lr_group_as_one_pack(tmp_path):
     assert [s["pack_size"] for s in summaries] == [2] * 4 and [s["lr"] for s in summaries] == [1e-3, 3e-3] * 2
     # The packed runs sit in the unpacked runs' dirs: an unpacked re-run skips them all.
     second = run_sweep(GRID, "p", device="cpu", extra=extra, runs_root=str(tmp_path))
-    assert [r["status"] for r in second["runs"]] == ["skipped"] * 4
-    assert [r["run_dir"] for r in second["runs"]] == [r["run_dir"] for r in packed]
+    assert second["calls"][1]["skipped"] == 4 and second["runs"] == packed
 
 
 def test_shard_takes_every_nth_lr_group_and_rejects_bad_specs():

@@ -123,6 +123,10 @@ def test_a_sweep_record_keeps_its_earlier_calls(tmp_path):
     assert len(first["calls"]) == 1 and len(second["calls"]) == 2
     assert second["calls"][0]["wall_s"] == first["wall_s"] and second["calls"][0]["finished"] == 1
     assert second["calls_wall_s"] == pytest.approx(first["wall_s"] + second["wall_s"])
+    # the run the first call trained stays finished in the chain's record; the second call's counts skip it
+    assert second["calls"][1]["skipped"] == 1 and second["calls"][1]["finished"] == 0
+    assert second["finished"] == 1 and second["runs"][0]["status"] == "finished"
+    assert second["runs"][0]["wall_s"] == first["runs"][0]["wall_s"]
 
 
 def test_a_record_from_before_calls_counts_as_one_call(tmp_path):

@@ -31,7 +31,8 @@ What happens per run:
   The sweep's record goes to `<runs_root>/_sweeps/<sweep name>.json`, rewritten (atomically)
   after every job, so a sweep that is stopped keeps the record of what finished (unstarted runs: "pending").
   A later call of the same sweep name keeps the earlier calls' walls and counts in the record's `calls` (their
-  sum: `calls_wall_s`), so a chain of time-limited jobs leaves one record of the whole grid.
+  sum: `calls_wall_s`), and the runs they finished stay "finished" in its `runs` and top-level counts (each
+  call's own counts are in `calls`), so a chain of time-limited jobs leaves one record of the whole grid.
   Where nvidia-smi runs, the record also says how busy each GPU was (`gpus`: the mean share of time a kernel
   ran, sampled every 2 s, and the peak memory; `GpuMonitor`), and the sweep's last line prints it: below 100%,
   more workers would have found the GPU idle.
@@ -631,20 +632,38 @@ def committed_runs(runs: list[list[str]], extra: list[str], directories: list[st
     return done
 
 
+def _read_record(path: Path) -> dict[str, Any] | None:
+    """The zoo-sweep record at `path`, or None where there is none (missing, torn or not a record)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and "wall_s" in record else None
+
+
 def earlier_calls(path: Path) -> list[dict[str, Any]]:
     """The calls an existing record at `path` lists (each: started, wall_s and its run counts), so a sweep run as a
     chain of time-limited jobs keeps every job's wall in its one record; [] where there is none. A record written
     before records listed their calls counts as one call."""
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return []
-    if not isinstance(record, dict) or "wall_s" not in record:
+    record = _read_record(path)
+    if record is None:
         return []
     if isinstance(record.get("calls"), list):
         return record["calls"]
     counts = {s: record.get(s, 0) for s in ("finished", "skipped", "failed", "pending")}
     return [{"started": None, "wall_s": record["wall_s"], **counts}]
+
+
+def _row_key(row: dict[str, Any]) -> str:
+    return row.get("run_dir") or " ".join(row["overrides"])
+
+
+def earlier_finished(path: Path) -> dict[str, dict[str, Any]]:
+    """{run key: row} of the runs an earlier call of the record at `path` finished. A later call finds their
+    summaries and skips them; the record keeps them "finished" (with that call's wall), so the chain's record
+    says what the chain trained, not only what its last call did."""
+    record = _read_record(path) or {}
+    return {_row_key(r): r for r in record.get("runs", []) if r.get("status") == "finished"}
 
 
 def _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out: Path, done: dict) -> dict[str, Any]:
@@ -656,15 +675,18 @@ def _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out: Pat
 
     results: list[dict[str, Any] | None] = [done.get(i) for i in range(len(runs))]
     t0 = time.perf_counter()
-    earlier = earlier_calls(out)
+    earlier, finished_before = earlier_calls(out), earlier_finished(out)
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    statuses = ("finished", "skipped", "failed", "pending")
 
     def write_record() -> dict[str, Any]:
         rows = [r if r is not None else {"overrides": runs[i], "run_dir": None, "status": "pending"}
                 for i, r in enumerate(results)]
-        counts = {s: sum(r["status"] == s for r in rows) for s in ("finished", "skipped", "failed", "pending")}
+        this_call = {s: sum(r["status"] == s for r in rows) for s in statuses}
+        rows = [finished_before.get(_row_key(r), r) if r["status"] == "skipped" else r for r in rows]
+        counts = {s: sum(r["status"] == s for r in rows) for s in statuses}
         wall = time.perf_counter() - t0
-        calls = [*earlier, {"started": started, "wall_s": wall, **counts}]
+        calls = [*earlier, {"started": started, "wall_s": wall, **this_call}]
         record = {"sweep": name, "runs": rows, **counts, "wall_s": wall, "calls": calls,
                   "calls_wall_s": sum(c["wall_s"] for c in calls)}
         gpus = monitor.summary()
@@ -908,9 +930,10 @@ def main(argv: list[str] | None = None) -> None:
     overrides = list(args.overrides) + stop
     record = run_sweep(runs, name, workers, args.device, overrides, args.runs_root, args.pack_lrs, args.mps, args.order,
                        args.compile_cache, args.skip_summaries)
+    call = record["calls"][-1]
     print(
-        f"zoo-sweep {name}: {record['finished']} finished, {record['skipped']} skipped, "
-        f"{record['failed']} failed, {record['pending']} pending in {record['wall_s']:.1f} s -> {record['path']}"
+        f"zoo-sweep {name}: {call['finished']} finished, {call['skipped']} skipped, "
+        f"{call['failed']} failed, {call['pending']} pending in {record['wall_s']:.1f} s -> {record['path']}"
     )
     interrupted = sum("interrupted" in r for r in record["runs"])
     if interrupted:

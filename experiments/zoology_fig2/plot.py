@@ -112,6 +112,10 @@ CAUSES = {
     (128, "base_conv", 64): "the launched 8-layer stack gives 0.482 (checks/launched_models/); check: its explicit "
                             "filter, and seeds 1 and 2 at lr 1e-2 (README)",
     (128, "base_conv", 128): "candidate: the launched 8-layer stack; " + LAUNCHED_CHECK.format("base_conv", 128),
+    (128, "rwkv", 64): "found: the launched RWKV-4 (tanh MLP, init over 2 layers, batch 1024) gives 0.221 "
+                       "(checks/launched_models/)",
+    (128, "rwkv", 128): "candidate: the launched RWKV-4 (0.221 at d = 64); " + LAUNCHED_CHECK.format("rwkv", 128),
+    (128, "rwkv", 256): "candidate: the launched RWKV-4 (0.221 at d = 64); " + LAUNCHED_CHECK.format("rwkv", 256),
     (128, "hyena", 64): "candidate: the launched Hyena (tanh MLP, batch 1024); " + LAUNCHED_CHECK.format("hyena", 64),
 }
 COLUMNS = [  # the README table: (header, comparison entry key)
