@@ -51,6 +51,11 @@ TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR there (each unless the caller set i
 process, so every run of a grid after the first of its shape finds torch.compile's graphs and the Triton kernels
 compiled, and so does the next job of a chain, on another machine too, when the runs root is shared storage.
 `--compile-cache none` leaves both at torch's and Triton's defaults (per machine, under /tmp and ~/.triton).
+Compiled jobs started at once would each compile the same graphs side by side, before any of them finds the
+cache. So with several workers and train.compile=true, every shape that more than one job shares (`shape_key`:
+a job's overrides without lr and seed, and its number of runs) is first compiled by one warm-up in a worker
+(`warm_job`: one training step of each batch shape on a throwaway model, no run dir), and that shape's jobs start
+once it ends; jobs of other shapes start meanwhile. The record lists the warm-ups under `compile_warmups`.
 
 Sharding (`--shard I/N`): only the I-th of every N groups of runs differing only in optim.lr (the packs of
 `--pack-lrs`, whichever mode runs) — to split one grid over machines or job-array tasks, or to time a spread-out
@@ -351,6 +356,40 @@ def run_job(runs: list[list[str]], extra: list[str], stop=None, alone: bool = Tr
         return [run_one(runs[0], extra)] if len(runs) == 1 else run_pack(runs, extra, alone)
     finally:
         _release_device_memory()
+
+
+def shape_key(runs: list[list[str]]) -> tuple[str, ...]:
+    """What a job's compiled graphs depend on, read from its runs' overrides: the first run's overrides without
+    its lr and seed (the rest of the job's runs differ only in lr), and the number of runs (a pack's width)."""
+    return (*(o for o in runs[0] if not o.startswith(("optim.lr=", "train.seed="))), f"runs={len(runs)}")
+
+
+def warm_job(runs: list[list[str]], extra: list[str]) -> dict[str, Any]:
+    """In a pool worker: compile the training step of a job (`zoo.train.compile_warmup`) into the sweep's compile
+    cache, so the jobs of its shape load it instead of each compiling it beside the others. Never raises: a job
+    whose warm-up failed compiles itself, or reports its own error when it runs."""
+    from zoo.train import compile_warmup, load_config
+
+    t0 = time.perf_counter()
+    record: dict[str, Any] = {"overrides": runs[0], "runs": len(runs)}
+    try:
+        full = extra + ["train.progress=false"] + _device_overrides()
+        record["shapes"] = compile_warmup([load_config(run + full)[0] for run in runs])
+    except Exception as e:
+        record["error"] = error_line(e)
+    finally:
+        _release_device_memory()
+    return record | {"wall_s": time.perf_counter() - t0}
+
+
+def _compiles(run: list[str], extra: list[str]) -> bool:
+    """Whether `run` (with the sweep's `extra`) trains with train.compile=true; False for a config that fails."""
+    from zoo.train import ConfigError, load_config
+
+    try:
+        return bool(load_config(run + extra)[0].train.compile)
+    except (ConfigError, ValueError):
+        return False
 
 
 def _release_device_memory() -> None:
@@ -678,6 +717,7 @@ def _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out: Pat
     earlier, finished_before = earlier_calls(out), earlier_finished(out)
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     statuses = ("finished", "skipped", "failed", "pending")
+    warmups: list[dict[str, Any]] = []
 
     def write_record() -> dict[str, Any]:
         rows = [r if r is not None else {"overrides": runs[i], "run_dir": None, "status": "pending"}
@@ -692,6 +732,8 @@ def _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out: Pat
         gpus = monitor.summary()
         if gpus:
             record["gpus"] = gpus
+        if warmups:
+            record["compile_warmups"] = warmups
         atomic_write_text(out, json.dumps(record, indent=1) + "\n")
         return record
 
@@ -721,6 +763,15 @@ def _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out: Pat
             _say(name, why)
 
             first_oom: dict[int, str] = {}  # run index -> its first out-of-memory error beside other jobs
+            # Compiled jobs of one shape started together would each compile the same graphs at once: one warm-up
+            # per shape shared by several jobs compiles them first, and those jobs wait for it (`warm_job`).
+            keys = {tuple(job): shape_key([runs[i] for i in job]) for job in jobs}
+            shared = collections.Counter(keys.values())
+            warming: dict[tuple, list[int]] = {}  # shape -> the job whose runs its warm-up compiles
+            for job, key in keys.items():
+                if shared[key] > 1 and key not in warming:
+                    warming[key] = list(job)
+            warming = {key: job for key, job in warming.items() if _compiles(runs[job[0]], extra)}
 
             def pool_pass(todo: list[list[int]], devices: list[str]) -> list[list[int]]:
                 """`todo` on a pool of one worker per entry of `devices`. A job that runs out of device memory beside
@@ -734,10 +785,23 @@ def _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out: Pat
                 waiting, requeued, retry = collections.deque(todo), set(), []
 
                 def fill(pool: ProcessPoolExecutor, futures: dict, running: set, limit: int) -> None:
-                    """Start waiting jobs up to `limit` running; after a SIGTERM nothing more starts (the jobs
-                    waiting stay pending), and a job the pool refuses (a worker died) waits for the next pool."""
-                    while waiting and len(running) < limit and not stop.is_set():
-                        job = waiting.popleft()
+                    """Start the shapes' warm-ups, then waiting jobs whose shape is not warming, up to `limit`
+                    running; after a SIGTERM nothing more starts (the jobs waiting stay pending), and a job the
+                    pool refuses (a worker died) waits for the next pool."""
+                    unstarted = [key for key in warming if key not in warm_futures.values()]
+                    while unstarted and len(running) < limit and not stop.is_set():
+                        key = unstarted.pop(0)
+                        try:
+                            future = pool.submit(warm_job, [runs[i] for i in warming[key]], extra)
+                        except BrokenProcessPool:
+                            return
+                        warm_futures[future] = key
+                        running.add(future)
+                    while len(running) < limit and not stop.is_set():
+                        job = next((job for job in waiting if keys[tuple(job)] not in warming), None)
+                        if job is None:
+                            return
+                        waiting.remove(job)
                         try:
                             future = pool.submit(run_job, [runs[i] for i in job], extra, stop, alone)
                         except BrokenProcessPool:
@@ -753,12 +817,21 @@ def _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out: Pat
                     pool = ProcessPoolExecutor(len(devices), mp_context=ctx, initializer=_worker_init,
                                                initargs=(queue, threads))
                     running: set = set()
+                    warm_futures: dict = {}
                     with pool, _forward_sigterm(pool, stop) as futures:
                         fill(pool, futures, running, limit)
                         while running:
                             done, _ = wait(running, return_when=FIRST_COMPLETED)
                             for future in done:
                                 running.discard(future)
+                                if future in warm_futures:  # its shape's jobs may start now, warm or not
+                                    key = warm_futures.pop(future)
+                                    warming.pop(key, None)
+                                    try:
+                                        warmups.append(future.result())
+                                    except Exception as e:  # the worker process itself died
+                                        warmups.append({"overrides": list(key), "error": repr(e)})
+                                    continue
                                 job = futures[future]
                                 if future.cancelled():  # not started before a SIGTERM: still pending
                                     continue

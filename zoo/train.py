@@ -293,6 +293,47 @@ def train_runs(members: list[Config], resolved: list[str | None] | None = None) 
         return _train_runs(members, resolved, must_stop)
 
 
+def _setup(members: list[Config]):
+    """What training `members` needs: (device, autocast, {split: segments}, model, step strategy)."""
+    cfg = members[0]
+    device = resolve_device(cfg.train.device)
+    amp = autocast(device, cfg.train.precision)
+    if cfg.train.threads:  # 0: as the process has it (zoo-train sets the cores available; sweep workers split them)
+        set_threads(cfg.train.threads)
+    # Seed, then data, then the model: a member starts from the same initial weights however it is trained.
+    torch.manual_seed(cfg.train.seed)
+    data = {split: load_split(cfg, split, device) for split in SPLITS}
+    model = LanguageModel(cfg.model).to(device)
+    total_steps = sum(seg.num_batches() for seg in data["train"]) * cfg.train.epochs
+    strategy = make_strategy(model, members, total_steps, device)
+    if isinstance(strategy, PackedStep):
+        first = data["train"][0]
+        strategy.check((first.inputs[:8], first.query_pos[:8], first.query_labels[:8]))
+    return device, amp, data, model, strategy
+
+
+def compile_warmup(members: list[Config]) -> int:
+    """Compile `members`' training step (one run, or a pack that differs only in optim.lr) into the on-disk
+    compile caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR), with nothing written to any run dir: one step of
+    every batch shape an epoch holds (each training segment's full batch and its last, partial one), on a
+    throwaway model. A run of the same shape started afterwards, in any process, loads the compiled graphs and
+    kernels instead of compiling them; a run's lr and seed are not part of its graphs. The data it generates
+    lands in data.cache_dir too. Returns the number of batch shapes stepped (0 without train.compile)."""
+    if not members[0].train.compile:
+        return 0
+    with compile_scope(True):
+        _, _, data, _, strategy = _setup(members)
+        shapes = 0
+        for seg in data["train"]:
+            sizes = dict.fromkeys([min(seg.batch_size, len(seg)), len(seg) % seg.batch_size or seg.batch_size])
+            for size in sizes:
+                strategy.step(seg, torch.arange(size, device=seg.inputs.device), 0)
+                shapes += 1
+        if data["train"] and data["train"][0].inputs.device.type == "cuda":
+            torch.cuda.synchronize()
+    return shapes
+
+
 def _train_runs(members: list[Config], resolved: list[str | None] | None, must_stop) -> list[dict[str, Any]]:
     cfg = members[0]
     resolved = list(resolved) if resolved is not None else [None] * len(members)
@@ -335,21 +376,9 @@ def _train_runs(members: list[Config], resolved: list[str | None] | None, must_s
         for i in todo:
             runs[i].clear()
 
-    device = resolve_device(cfg.train.device)
-    amp = autocast(device, cfg.train.precision)
-    if cfg.train.threads:  # 0: as the process has it (zoo-train sets the cores available; sweep workers split them)
-        set_threads(cfg.train.threads)
-    # Seed, then data, then the model: a member starts from the same initial weights however it is trained.
-    torch.manual_seed(cfg.train.seed)
-    data = {split: load_split(cfg, split, device) for split in SPLITS}
-    model = LanguageModel(cfg.model).to(device)
+    device, amp, data, model, strategy = _setup([members[i] for i in todo])
     steps_per_epoch = sum(seg.num_batches() for seg in data["train"])
     total_steps = steps_per_epoch * cfg.train.epochs
-    todo_members = [members[i] for i in todo]
-    strategy = make_strategy(model, todo_members, total_steps, device)
-    if isinstance(strategy, PackedStep):
-        first = data["train"][0]
-        strategy.check((first.inputs[:8], first.query_pos[:8], first.query_labels[:8]))
 
     n = len(todo)
     start_epoch, step, wall_before, tokens = 0, 0, 0.0, 0

@@ -63,7 +63,7 @@ TARGET_GRID_S = 30 * 60
 DEFAULT_VARIANTS = [
     "today||--workers 4 --mps off --order file",
     "mps16|train.precision=bf16|--workers 16 --mps auto",
-    "graph-pack|train.cuda_graph=true|--pack-lrs --workers 4 --mps auto",
+    "mps16-compiled|train.compile=true|--workers 16 --mps auto",
     "compiled-pack|train.compile=true|--pack-lrs --workers 4 --mps auto",
 ]
 
