@@ -9,7 +9,7 @@ import sys
 
 from tiny_run import TINY_RUN
 
-from zoo.sweep import run_sweep, shape_key
+from zoo.sweep import run_sweep, shape_key, shared_shapes
 
 # 80 training examples in batches of 32: the epoch's last batch holds 16, a second graph to compile.
 SEGMENT = "{seq_len:16,num_kv_pairs:2,num_examples:%d,batch_size:32}"
@@ -31,6 +31,15 @@ def test_the_shape_key_ignores_lr_and_seed_only():
     assert a == shape_key([["model=attention", "optim.lr=1e-2", "train.seed=1"]])
     assert a != shape_key([["model=based", "optim.lr=1e-3", "train.seed=0"]])
     assert a != shape_key([["model=attention", "optim.lr=1e-3"], ["model=attention", "optim.lr=1e-2"]])
+
+
+def test_only_shapes_that_several_jobs_share_are_warmed():
+    runs = [["model=attention", "optim.lr=1e-3"], ["model=based", "optim.lr=1e-3"],
+            ["model=attention", "optim.lr=1e-2"], ["model=attention", "optim.lr=1e-3", "train.seed=1"],
+            ["model=attention", "optim.lr=1e-2", "train.seed=1"]]
+    assert shared_shapes([[0], [1], [2]], runs) == {shape_key([runs[0]]): [0]}
+    assert shared_shapes([[0, 2], [1], [3, 4]], runs) == {shape_key([runs[0], runs[2]]): [0, 2]}
+    assert shared_shapes([[0, 2], [1], [3]], runs) == {}
 
 
 def test_a_warmed_pack_trains_without_compiling(tmp_path):
@@ -56,16 +65,15 @@ def test_a_warmed_pack_trains_without_compiling(tmp_path):
     assert trained["aot_autograd"].get("autograd_cache_miss", 0) == 0
 
 
-def test_a_sweep_warms_each_shape_its_compiled_jobs_share(tmp_path):
-    """Two compiled attention runs (one shape) and one Based run with two workers: one warm-up, for attention's
-    shape, recorded in the sweep's record; every run finishes."""
-    runs = [["model=attention", "optim.lr=1e-3"], ["model=attention", "optim.lr=1e-2"],
-            ["model=based", "optim.lr=1e-3"]]
+def test_a_sweep_warms_the_shape_its_compiled_jobs_share(tmp_path):
+    """Two compiled attention runs (one shape) with two workers: one warm-up, recorded in the sweep's record,
+    and both runs finish."""
+    runs = [["model=attention", "optim.lr=1e-3"], ["model=attention", "optim.lr=1e-2"]]
     extra = TINY + ["experiment_name=w", f"data.cache_dir={tmp_path / 'data'}"]
     record = run_sweep(runs, "w", workers=2, device="cpu", extra=extra, runs_root=str(tmp_path))
-    assert [r["status"] for r in record["runs"]] == ["finished"] * 3
+    assert [r["status"] for r in record["runs"]] == ["finished"] * 2
     (warmup,) = record["compile_warmups"]
     assert warmup["overrides"] == runs[0] and warmup["shapes"] == 2 and "error" not in warmup
-    eager = run_sweep(runs[:2], "e", workers=2, device="cpu", extra=extra + ["train.compile=false"],
+    eager = run_sweep(runs, "e", workers=2, device="cpu", extra=extra + ["train.compile=false"],
                       runs_root=str(tmp_path / "eager"))
     assert eager["finished"] == 2 and "compile_warmups" not in eager  # nothing to warm without compiling

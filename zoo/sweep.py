@@ -364,6 +364,18 @@ def shape_key(runs: list[list[str]]) -> tuple[str, ...]:
     return (*(o for o in runs[0] if not o.startswith(("optim.lr=", "train.seed="))), f"runs={len(runs)}")
 
 
+def shared_shapes(jobs: list[list[int]], runs: list[list[str]]) -> dict[tuple[str, ...], list[int]]:
+    """{shape_key: the first job of that shape} for every shape more than one of `jobs` (lists of indices into
+    `runs`) has, in the jobs' order."""
+    keys = [shape_key([runs[i] for i in job]) for job in jobs]
+    counts = collections.Counter(keys)
+    first: dict[tuple[str, ...], list[int]] = {}
+    for job, key in zip(jobs, keys):
+        if counts[key] > 1:
+            first.setdefault(key, list(job))
+    return first
+
+
 def warm_job(runs: list[list[str]], extra: list[str]) -> dict[str, Any]:
     """In a pool worker: compile the training step of a job (`zoo.train.compile_warmup`) into the sweep's compile
     cache, so the jobs of its shape load it instead of each compiling it beside the others. Never raises: a job
@@ -766,12 +778,7 @@ def _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out: Pat
             # Compiled jobs of one shape started together would each compile the same graphs at once: one warm-up
             # per shape shared by several jobs compiles them first, and those jobs wait for it (`warm_job`).
             keys = {tuple(job): shape_key([runs[i] for i in job]) for job in jobs}
-            shared = collections.Counter(keys.values())
-            warming: dict[tuple, list[int]] = {}  # shape -> the job whose runs its warm-up compiles
-            for job, key in keys.items():
-                if shared[key] > 1 and key not in warming:
-                    warming[key] = list(job)
-            warming = {key: job for key, job in warming.items() if _compiles(runs[job[0]], extra)}
+            warming = {key: job for key, job in shared_shapes(jobs, runs).items() if _compiles(runs[job[0]], extra)}
 
             def pool_pass(todo: list[list[int]], devices: list[str]) -> list[list[int]]:
                 """`todo` on a pool of one worker per entry of `devices`. A job that runs out of device memory beside
