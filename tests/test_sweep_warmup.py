@@ -65,7 +65,7 @@ def test_a_warmed_pack_trains_without_compiling(tmp_path):
     assert trained["aot_autograd"].get("autograd_cache_miss", 0) == 0
 
 
-def test_a_sweep_warms_the_shape_its_compiled_jobs_share(tmp_path):
+def test_a_sweep_warms_the_shape_its_compiled_jobs_share(tmp_path, capsys):
     """Two compiled attention runs (one shape) with two workers: one warm-up, recorded in the sweep's record,
     and both runs finish."""
     runs = [["model=attention", "optim.lr=1e-3"], ["model=attention", "optim.lr=1e-2"]]
@@ -74,6 +74,7 @@ def test_a_sweep_warms_the_shape_its_compiled_jobs_share(tmp_path):
     assert [r["status"] for r in record["runs"]] == ["finished"] * 2
     (warmup,) = record["compile_warmups"]
     assert warmup["overrides"] == runs[0] and warmup["shapes"] == 2 and "error" not in warmup
+    assert "1 shape that several compiled jobs share: one warm-up" in capsys.readouterr().err
     eager = run_sweep(runs, "e", workers=2, device="cpu", extra=extra + ["train.compile=false"],
                       runs_root=str(tmp_path / "eager"))
     assert eager["finished"] == 2 and "compile_warmups" not in eager  # nothing to warm without compiling

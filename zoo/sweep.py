@@ -779,6 +779,9 @@ def _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out: Pat
             # per shape shared by several jobs compiles them first, and those jobs wait for it (`warm_job`).
             keys = {tuple(job): shape_key([runs[i] for i in job]) for job in jobs}
             warming = {key: job for key, job in shared_shapes(jobs, runs).items() if _compiles(runs[job[0]], extra)}
+            if warming:
+                _say(name, f"{len(warming)} shape{'s' * (len(warming) > 1)} that several compiled jobs share: one "
+                           "warm-up compiles each before its jobs start")
 
             def pool_pass(todo: list[list[int]], devices: list[str]) -> list[list[int]]:
                 """`todo` on a pool of one worker per entry of `devices`. A job that runs out of device memory beside
