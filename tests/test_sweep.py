@@ -223,7 +223,7 @@ def test_record_is_rewritten_after_every_job(tmp_path, monkeypatch):
 
 def test_worker_gpu_is_taken_from_the_visible_devices():
     """A worker of a sweep started under CUDA_VISIBLE_DEVICES=1 (cuda:0 in the sweep) must stay on GPU 1."""
-    from zoo.sweep import visible_device
+    from zoo.gpus import visible_device
 
     assert visible_device(0, {"CUDA_VISIBLE_DEVICES": "1"}) == "1"
     assert visible_device(1, {"CUDA_VISIBLE_DEVICES": "2, 3"}) == "3"

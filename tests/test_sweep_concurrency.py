@@ -11,8 +11,9 @@ import pytest
 import torch
 from tiny_run import TINY_RUN
 
+from zoo.gpus import MPS
 from zoo.runs import RunDir
-from zoo.sweep import MPS, order_jobs, run_sweep
+from zoo.sweep import order_jobs, run_sweep
 
 TINY = [*TINY_RUN, "train.epochs=2", "train.early_stop=null", "train.log_every=1"]
 GRID = [[f"model={m}", f"optim.lr={lr}"] for m in ("based", "attention") for lr in ("1e-3", "1e-2")]
@@ -112,7 +113,7 @@ def test_a_member_failing_in_training_fails_alone_and_the_others_finish(tmp_path
 )
 def test_mps_is_used_only_where_available(monkeypatch, device, workers, which, reason):
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
-    monkeypatch.setattr("zoo.sweep.shutil.which", lambda name: which)
+    monkeypatch.setattr("zoo.gpus.shutil.which", lambda name: which)
     daemon, why = MPS.start(device, workers, "auto")
     assert daemon is None and "MPS not used" in why and reason in why
     with pytest.raises(SystemExit, match="--mps on"):

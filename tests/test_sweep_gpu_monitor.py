@@ -1,4 +1,4 @@
-"""zoo-sweep's record says how busy the GPUs were (zoo.sweep.GpuMonitor), read from nvidia-smi; here a fake
+"""zoo-sweep's record says how busy the GPUs were (zoo.gpus.GpuMonitor), read from nvidia-smi; here a fake
 nvidia-smi on PATH prints the samples, so the parsing, the record and the monitor's end run on CPU."""
 
 import os
@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from tiny_run import TINY_RUN
 
-from zoo.sweep import GpuMonitor, run_sweep
+from zoo.gpus import GpuMonitor
+from zoo.sweep import run_sweep
 
 SAMPLES = ["0, 50, 1000", "1, 100, 2000", "0, [N/A], 1500", "0, 70, 3000", ""]
 

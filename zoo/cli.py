@@ -107,8 +107,8 @@ def multirun(args: list[str]) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from zoo.config import register_configs
+    from zoo.gpus import MPS
     from zoo.paths import config_dir
-    from zoo.sweep import MPS
 
     register_configs()
     print(f"zoo-train -m: {MPS.multirun_reason()}", file=sys.stderr, flush=True)
