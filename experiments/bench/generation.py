@@ -29,7 +29,8 @@ For each batch size of --batches (by default ×4 from 1), until the model runs o
   and one position written).
 After the Based batches, before the baseline, `--profile-batch` (1,024; tiny: 2) profiles one Based decode step
 part by part (experiments/bench/decode_profile.py): time, bytes, FLOPs and their fractions of the copy bandwidth
-and of the GEMM rate, beside the CUDA-graph step's time.
+and of the GEMM rate, beside the CUDA-graph step's time, in one stream and with the batch split over two
+(`graph_step_ms`, `graph_step_ms_two_streams`: ZooConfig's `decode_streams`).
 The last line is JSON: every row, each model's best decode throughput (`based_tok_s`, `llama_tok_s`), the ratio
 `decode_ratio_best` (target ≥ 24×, the Based paper's claim against FlashAttention-2), `decode_frac_copy_bw`
 (Based's best decode row's GB/s over the copy bandwidth; target ≥ 0.7), the decode profile, and prefill three ways:
@@ -287,12 +288,22 @@ def decode_profile(based, args, timer: Timer, device, dtype, bandwidth: float) -
     try:
         with torch.no_grad():
             cache = getattr(based(ids, use_cache=True, logits_to_keep=1, return_dict=True), CACHE_KEY)
-            graph_ms = None
+            graph_ms = graph2_ms = None
             if device.type == "cuda" and based.config.decode_cuda_graph:
                 for _ in range(3):
                     based(nxt, cache=cache, use_cache=True)
                 steps = 20
                 graph_ms = 1e3 * timer(lambda: [based(nxt, cache=cache, use_cache=True) for _ in range(steps)]) / steps
+                # the same step with the batch split over two CUDA streams (decode_streams=2), on the same state
+                streams = based.config.decode_streams
+                based.config.decode_streams, cache.decode_graph = 2, None
+                try:
+                    for _ in range(3):
+                        based(nxt, cache=cache, use_cache=True)
+                    graph2_ms = 1e3 * timer(
+                        lambda: [based(nxt, cache=cache, use_cache=True) for _ in range(steps)]) / steps
+                finally:
+                    based.config.decode_streams, cache.decode_graph = streams, None
             result = profile_decode(based.model, cache.states, nxt[:, 0], bandwidth, gemm_rate(device, dtype),
                                     seq_len=args.prompt)
     except (torch.cuda.OutOfMemoryError, RuntimeError) as err:
@@ -301,7 +312,11 @@ def decode_profile(based, args, timer: Timer, device, dtype, bandwidth: float) -
         print(f"decode profile: batch {batch} does not fit ({type(err).__name__}); no profile", flush=True)
         return None
     result["graph_step_ms"] = graph_ms
+    result["graph_step_ms_two_streams"] = graph2_ms
     print_profile(result, graph_ms)
+    if graph2_ms is not None:
+        print(f"CUDA-graph step with the batch split over two streams (decode_streams=2): {graph2_ms:.3f} ms "
+              f"against {graph_ms:.3f} ms in one", flush=True)
     return result
 
 
