@@ -288,13 +288,14 @@ def decode_profile(based, args, timer: Timer, device, dtype, bandwidth: float) -
     try:
         with torch.no_grad():
             cache = getattr(based(ids, use_cache=True, logits_to_keep=1, return_dict=True), CACHE_KEY)
-            graph_ms = graph2_ms = None
+            graph_ms = graph2_ms = graph2_error = None
             if device.type == "cuda" and based.config.decode_cuda_graph:
                 for _ in range(3):
                     based(nxt, cache=cache, use_cache=True)
                 steps = 20
                 graph_ms = 1e3 * timer(lambda: [based(nxt, cache=cache, use_cache=True) for _ in range(steps)]) / steps
-                # the same step with the batch split over two CUDA streams (decode_streams=2), on the same state
+                # the same step with the batch split over two CUDA streams (decode_streams=2), on the same state;
+                # a failure there is reported and leaves the rest of the profile to run
                 streams = based.config.decode_streams
                 based.config.decode_streams, cache.decode_graph = 2, None
                 try:
@@ -302,6 +303,9 @@ def decode_profile(based, args, timer: Timer, device, dtype, bandwidth: float) -
                         based(nxt, cache=cache, use_cache=True)
                     graph2_ms = 1e3 * timer(
                         lambda: [based(nxt, cache=cache, use_cache=True) for _ in range(steps)]) / steps
+                except Exception as err:
+                    graph2_error = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+                    print(f"decode profile: the two-stream graph step failed ({graph2_error})", flush=True)
                 finally:
                     based.config.decode_streams, cache.decode_graph = streams, None
             result = profile_decode(based.model, cache.states, nxt[:, 0], bandwidth, gemm_rate(device, dtype),
@@ -313,6 +317,8 @@ def decode_profile(based, args, timer: Timer, device, dtype, bandwidth: float) -
         return None
     result["graph_step_ms"] = graph_ms
     result["graph_step_ms_two_streams"] = graph2_ms
+    if graph2_error:
+        result["graph_two_streams_error"] = graph2_error
     print_profile(result, graph_ms)
     if graph2_ms is not None:
         print(f"CUDA-graph step with the batch split over two streams (decode_streams=2): {graph2_ms:.3f} ms "
