@@ -76,6 +76,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import zoo  # noqa: F401  (registers the zoo model type)
 from zoo.config import ModelConfig
 from zoo.models.hf import CACHE_KEY, ZooConfig, ZooForCausalLM
+from zoo.sweep import error_line
 
 try:  # run as a script (python experiments/bench/generation.py) or as a module
     from decode_profile import gemm_rate, print_profile, profile_decode, weight_bytes
@@ -290,21 +291,20 @@ def decode_profile(based, args, timer: Timer, device, dtype, bandwidth: float) -
             cache = getattr(based(ids, use_cache=True, logits_to_keep=1, return_dict=True), CACHE_KEY)
             graph_ms = graph2_ms = graph2_error = None
             if device.type == "cuda" and based.config.decode_cuda_graph:
-                for _ in range(3):
-                    based(nxt, cache=cache, use_cache=True)
-                steps = 20
-                graph_ms = 1e3 * timer(lambda: [based(nxt, cache=cache, use_cache=True) for _ in range(steps)]) / steps
+                def graph_step_ms(steps: int = 20) -> float:
+                    for _ in range(3):  # the capture, then warm replays
+                        based(nxt, cache=cache, use_cache=True)
+                    return 1e3 * timer(lambda: [based(nxt, cache=cache, use_cache=True) for _ in range(steps)]) / steps
+
+                graph_ms = graph_step_ms()
                 # the same step with the batch split over two CUDA streams (decode_streams=2), on the same state;
                 # a failure there is reported and leaves the rest of the profile to run
                 streams = based.config.decode_streams
                 based.config.decode_streams, cache.decode_graph = 2, None
                 try:
-                    for _ in range(3):
-                        based(nxt, cache=cache, use_cache=True)
-                    graph2_ms = 1e3 * timer(
-                        lambda: [based(nxt, cache=cache, use_cache=True) for _ in range(steps)]) / steps
+                    graph2_ms = graph_step_ms()
                 except Exception as err:
-                    graph2_error = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+                    graph2_error = error_line(err)
                     print(f"decode profile: the two-stream graph step failed ({graph2_error})", flush=True)
                 finally:
                     based.config.decode_streams, cache.decode_graph = streams, None
