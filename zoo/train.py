@@ -322,15 +322,15 @@ def compile_warmup(members: list[Config]) -> int:
     if not members[0].train.compile:
         return 0
     with compile_scope(True):
-        _, _, data, _, strategy = _setup(members)
+        device, _, data, _, strategy = _setup(members)
         shapes = 0
         for seg in data["train"]:
             sizes = dict.fromkeys([min(seg.batch_size, len(seg)), len(seg) % seg.batch_size or seg.batch_size])
             for size in sizes:
-                strategy.step(seg, torch.arange(size, device=seg.inputs.device), 0)
+                strategy.step(seg, torch.arange(size, device=device), 0)
                 shapes += 1
-        if data["train"] and data["train"][0].inputs.device.type == "cuda":
-            torch.cuda.synchronize()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     return shapes
 
 
