@@ -129,6 +129,24 @@ def test_a_sweep_record_keeps_its_earlier_calls(tmp_path):
     assert second["runs"][0]["wall_s"] == first["runs"][0]["wall_s"]
 
 
+def test_a_sweep_record_keeps_runs_an_earlier_call_selected(tmp_path):
+    """A chain whose second call selects other runs (other MIXERS or D): the first call's finished run stays in the
+    chain's record beside the second's."""
+    from zoo.sweep import run_sweep
+
+    tiny = ["model.d_model=16", "data.vocab_size=64", "train.epochs=1", "train.early_stop=null",
+            "data.train=[{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:32}]",
+            "data.valid=[{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:32}]",
+            "data.test=[{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:32}]",
+            "experiment_name=g", f"data.cache_dir={tmp_path / 'cache'}"]
+    root = str(tmp_path / "runs")
+    first = run_sweep([["model=attention", "optim.lr=1e-3"]], "chain", device="cpu", extra=tiny, runs_root=root)
+    second = run_sweep([["model=attention", "optim.lr=2e-3"]], "chain", device="cpu", extra=tiny, runs_root=root)
+    assert second["calls"][0]["finished"] == 1 and second["calls"][1]["finished"] == 1
+    assert second["finished"] == 2 and len(second["runs"]) == 2
+    assert {r["run_dir"] for r in second["runs"]} == {first["runs"][0]["run_dir"], second["runs"][0]["run_dir"]}
+
+
 def test_a_record_from_before_calls_counts_as_one_call(tmp_path):
     from zoo.sweep import earlier_calls
 

@@ -565,8 +565,8 @@ def _row_key(row: dict[str, Any]) -> str:
 
 def earlier_finished(path: Path) -> dict[str, dict[str, Any]]:
     """{run key: row} of the runs an earlier call of the record at `path` finished. A later call finds their
-    summaries and skips them; the record keeps them "finished" (with that call's wall), so the chain's record
-    says what the chain trained, not only what its last call did."""
+    summaries and skips them, or selects other runs; either way the record keeps them "finished" (with that
+    call's wall), so the chain's record says what the chain trained, not only what its last call did."""
     record = _read_record(path) or {}
     return {_row_key(r): r for r in record.get("runs", []) if r.get("status") == "finished"}
 
@@ -590,6 +590,9 @@ def _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out: Pat
                 for i, r in enumerate(results)]
         this_call = {s: sum(r["status"] == s for r in rows) for s in statuses}
         rows = [finished_before.get(_row_key(r), r) if r["status"] == "skipped" else r for r in rows]
+        # a run an earlier call finished outside this call's selection (other MIXERS, another shard) stays listed
+        listed = {_row_key(r) for r in rows}
+        rows += [r for key, r in finished_before.items() if key not in listed]
         counts = {s: sum(r["status"] == s for r in rows) for s in statuses}
         wall = time.perf_counter() - t0
         calls = [*earlier, {"started": started, "wall_s": wall, **this_call}]
