@@ -1,12 +1,14 @@
 """Mamba's selective scan: the plain loop over time against the chunked prefix scan (zoo/models/mixers/mamba.py)
-and, on CUDA, the Triton kernel (kernels/selective_scan, impl="triton"): forward+backward of one Mamba mixer at
-the Zoology Fig. 2 shapes, all variants in the same run.
+and, on CUDA, the Triton kernel (kernels/selective_scan, impl="triton") at each `--scan-chunks` length (the
+tokens between the states its forward keeps; 1 keeps every h_t): forward+backward of one Mamba mixer at the
+Zoology Fig. 2 shapes, all variants in the same run, with each variant's peak GPU memory.
 
     python experiments/bench/mamba_scan.py                       # GPU: Fig. 2 shapes (batch 256/512, L 64..256)
     python experiments/bench/mamba_scan.py --device cpu --small  # CPU: batch 16, d_model 64 (report ratios)
 
-Prints a table (ms per forward+backward, median of --repeats after a warm-up; speed-up against the loop) and a
-last line of JSON. Every variant's output and input gradient are checked against the loop's first.
+Prints a table (ms per forward+backward, median of --repeats after a warm-up; speed-up against the loop), the
+peak memory of each variant's step on CUDA, and a last line of JSON. Every variant's output and input gradient
+are checked against the loop's first.
 """
 
 import argparse
@@ -33,18 +35,31 @@ def timed(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def peak_mib(fn, device: torch.device) -> float | None:
+    """The peak GPU memory allocated during one call of `fn`, beyond what was allocated before it (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--small", action="store_true", help="CPU-sized shapes")
     p.add_argument("--chunks", type=int, nargs="+", default=[16, 32, 64])
+    p.add_argument("--scan-chunks", type=int, nargs="+", default=[1, 16, 64], help="the Triton scan's scan_chunk")
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
     device = torch.device(args.device)
     if args.small:
         shapes = [(16, 64, 64), (16, 128, 64)]  # (batch, L, d_model)
     else:  # Fig. 2: batch 512 at L=64/128, 256 at L=256; d_model 128 and 256
-        shapes = [(512, 64, 128), (512, 128, 128), (256, 256, 128), (256, 256, 256)]
+        shapes = [(512, 64, 128), (512, 128, 128), (256, 256, 128), (256, 256, 256), (256, 256, 512)]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
     for B, L, d in shapes:
@@ -60,12 +75,13 @@ def main() -> None:
             return y.detach().float(), xi.grad
 
         ref_y, ref_g = step()
-        row = {"batch": B, "L": L, "d_model": d, "loop_ms": timed(step, device, args.repeats)}
-        variants = [(f"chunk{c}", "naive", c) for c in args.chunks]
+        row = {"batch": B, "L": L, "d_model": d, "loop_ms": timed(step, device, args.repeats),
+               "loop_peak_mib": peak_mib(step, device)}
+        variants = [(f"chunk{c}", "naive", c, None) for c in args.chunks]
         if device.type == "cuda":
-            variants.append(("triton", "triton", 0))
-        for label, impl, c in variants:
-            mixer.config.chunk_size, mixer.config.impl = c, impl
+            variants += [(f"triton_c{c}", "triton", 0, c) for c in args.scan_chunks]
+        for label, impl, c, scan_chunk in variants:
+            mixer.config.chunk_size, mixer.config.impl, mixer.config.scan_chunk = c, impl, scan_chunk
             y, g = step()
             err = max(
                 ((y - ref_y).abs().max() / ref_y.abs().max()).item(),
@@ -73,9 +89,10 @@ def main() -> None:
             )
             row[f"{label}_ms"] = timed(step, device, args.repeats)
             row[f"{label}_rel_err"] = err
-        mixer.config.chunk_size, mixer.config.impl = 0, "naive"
+            row[f"{label}_peak_mib"] = peak_mib(step, device)
+        mixer.config.chunk_size, mixer.config.impl, mixer.config.scan_chunk = 0, "naive", None
         rows.append(row)
-    labels = [label for label, _, _ in variants]
+    labels = [label for label, *_ in variants]
     head = f"{'batch':>6}{'L':>6}{'d':>6}{'loop ms':>10}" + "".join(f"{f'{lb} ms':>14}{'x':>7}" for lb in labels)
     print(f"Mamba forward+backward on {device} ({dtype})")
     print(head)
@@ -84,6 +101,12 @@ def main() -> None:
             f"{r['batch']:>6}{r['L']:>6}{r['d_model']:>6}{r['loop_ms']:>10.1f}"
             + "".join(f"{r[f'{lb}_ms']:>14.1f}{r['loop_ms'] / r[f'{lb}_ms']:>7.2f}" for lb in labels)
         )
+    if device.type == "cuda":
+        print("peak GPU memory of one step, MiB")
+        print(f"{'batch':>6}{'L':>6}{'d':>6}{'loop':>10}" + "".join(f"{lb:>14}" for lb in labels))
+        for r in rows:
+            print(f"{r['batch']:>6}{r['L']:>6}{r['d_model']:>6}{r['loop_peak_mib']:>10.0f}"
+                  + "".join(f"{r[f'{lb}_peak_mib']:>14.0f}" for lb in labels))
     print(json.dumps({"device": str(device), "dtype": str(dtype), "rows": rows}))
 
 

@@ -18,8 +18,9 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 def test_selective_scan_compiles_for_sm90(kind):
     fn = scan._fwd_kernel if kind == "fwd" else scan._bwd_kernel
     BD, BN = scan._blocks(256, 16)
-    const = dict(D=256, N=16, BD=BD, BN=BN, USE_H0=True, USE_DHT=True, SAVE=True)
-    sig = {n: "constexpr" if n in const else "i32" if n in ("T", "B", "BPG") else "*fp32" for n in fn.arg_names}
+    const = dict(D=256, N=16, BD=BD, BN=BN, CHUNK=scan.CHUNK, USE_H0=True, USE_DHT=True, SAVE=True)
+    ints = ("T", "B", "BPG", "NC", "NDB")
+    sig = {n: "constexpr" if n in const else "i32" if n in ints else "*fp32" for n in fn.arg_names}
     constexprs = {(fn.arg_names.index(k),): v for k, v in const.items() if k in fn.arg_names}
     kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
     assert ".entry" in kernel.asm["ptx"]

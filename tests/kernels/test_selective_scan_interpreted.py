@@ -96,13 +96,29 @@ def test_forward_without_grad_keeps_no_states():
     y_ref, h_ref = selective_scan_naive(*xs)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(h, h_ref, rtol=1e-5, atol=1e-5)
-    out = torch.ops.zoo_selective_scan.fwd(*[x.contiguous() for x in xs], False)
+    out = torch.ops.zoo_selective_scan.fwd(*[x.contiguous() for x in xs], False, 16)
     assert out[1].numel() == 0
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 16, 33, 40])
+def test_scan_keeps_one_state_per_chunk_and_recomputes_the_rest(chunk):
+    """With a backward to come the forward keeps the state before every chunk-th token ([B, ⌈T/chunk⌉, D, N]), not
+    every h_t; the backward recomputes the rest. Every chunk length, dividing T or not, gives the outputs and
+    gradients of chunk = 1 (every state kept)."""
+    xs = [x.requires_grad_() for x in inputs(2, 33, 70, 16, True, seed=5)]
+    out = torch.ops.zoo_selective_scan.fwd(*[x.contiguous() for x in xs], True, chunk)
+    assert out[1].shape == (2, -(-33 // chunk), 70, 16)
+    g = torch.Generator().manual_seed(6)
+    gy, gh = torch.randn(2, 33, 70, generator=g), torch.randn(2, 70, 16, generator=g)
+    every = run(lambda *a: selective_scan(*a, chunk=1), [x.detach() for x in xs], gy, gh)
+    got = run(lambda *a: selective_scan(*a, chunk=chunk), [x.detach() for x in xs], gy, gh)
+    for name, a, b in zip(["y", "h_T", "du", "ddt", "dA", "dB", "dC", "dh0"], got, every):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_scan_ops_pass_opcheck():
     xs = [x.requires_grad_() for x in inputs(2, 5, 6, 3, True)]
-    torch.library.opcheck(torch.ops.zoo_selective_scan.fwd, (*xs, True), test_utils=(
+    torch.library.opcheck(torch.ops.zoo_selective_scan.fwd, (*xs, True, 2), test_utils=(
         "test_schema", "test_faketensor", "test_autograd_registration"))
 
 
@@ -112,15 +128,18 @@ def test_selective_scan_rejects_bad_shapes():
         selective_scan(u, dt, A[:, :2], Bm, Cm)
     with pytest.raises(ValueError, match="selective_scan: u, dt"):
         selective_scan(u, dt[:, :3], A, Bm, Cm)
+    with pytest.raises(ValueError, match="chunk must be an int >= 1"):
+        selective_scan(u, dt, A, Bm, Cm, chunk=0)
 
 
-def test_mamba_mixer_triton_matches_naive():
+@pytest.mark.parametrize("scan_chunk", [None, 5], ids=["default-chunk", "chunk5"])
+def test_mamba_mixer_triton_matches_naive(scan_chunk):
     """Mamba(impl="triton") against Mamba(impl="naive") with the same weights, fp32: forward and input gradient,
     then prefill with a state followed by decode steps (one-token scans through the kernel)."""
     from zoo.models.mixers.mamba import Mamba
 
     torch.manual_seed(0)
-    naive, triton_ = Mamba(32, d_state=6), Mamba(32, d_state=6, impl="triton")
+    naive, triton_ = Mamba(32, d_state=6), Mamba(32, d_state=6, impl="triton", scan_chunk=scan_chunk)
     triton_.load_state_dict(naive.state_dict())
     x = torch.randn(2, 21, 32)
     outs = []

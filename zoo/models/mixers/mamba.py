@@ -16,10 +16,11 @@ What is unusual here:
   fast on a GPU (`experiments/bench/mamba_scan.py`; timings in kernels/selective_scan/README.md and
   experiments/LOG.md).
 - `impl="triton"` runs the scan as one Triton kernel per direction (kernels/selective_scan: one program per
-  sequence and block of channels, the [BD, N] state in registers; the forward stores every h_t for the
-  backward). CUDA tensors, or CPU under TRITON_INTERPRET=1; fp32 inside (the scan runs outside autocast). Its
-  custom op has a vmap rule (the members' sequences one after another, each with its own A), so such runs pack.
-  It is an order of magnitude faster than the loop on a GPU, forward+backward (kernels/selective_scan/README.md).
+  sequence and block of channels, the [BD, N] state in registers; the forward keeps the state every
+  `scan_chunk` tokens, and the backward recomputes the others chunk by chunk). CUDA tensors, or CPU under
+  TRITON_INTERPRET=1; fp32 inside (the scan runs outside autocast). Its custom op has a vmap rule (the members'
+  sequences one after another, each with its own A), so such runs pack. It is an order of magnitude faster
+  than the loop on a GPU, forward+backward (kernels/selective_scan/README.md).
 - Initialisation: Gu & Dao's for the SSM: Δ = softplus(dt_bias) log-uniform over [dt_min, dt_max], the Δ
   projection's weight U(±dt_rank^-0.5), A_log = log(1..N) in every channel (S4D-real), D = 1. The Δ projection is
   two plain parameters (`dt_weight`, `dt_bias`), not an nn.Linear, so that the LanguageModel's init of every
@@ -67,10 +68,15 @@ class MambaConfig:
     dt_max: float = 1e-1
     chunk_size: int = 0  # tokens scanned at once by the prefix scan (0: the plain loop over time)
     impl: str = "naive"  # naive (PyTorch: the loop, or the chunked scan) | triton (kernels/selective_scan)
+    # impl=triton: tokens between the states the forward keeps for the backward, which recomputes the others
+    # (None: the kernel's CHUNK). 1 keeps every state: B·T·d_inner·N fp32 a layer.
+    scan_chunk: int | None = None
 
     def validate(self, d_model: int) -> None:
         check_int("mamba: d_state", self.d_state, minimum=1)
         check_int("mamba: chunk_size", self.chunk_size, minimum=0)
+        if self.scan_chunk is not None:
+            check_int("mamba: scan_chunk", self.scan_chunk, minimum=1)
         check_choice("mamba: impl", self.impl, ("naive", "triton"))
         check_int("mamba: expand", self.expand, minimum=1)
         check_int("mamba: conv_size", self.conv_size, minimum=1)
@@ -134,10 +140,10 @@ class Mamba(nn.Module):
         A = -torch.exp(self.A_log.to(h.dtype))  # [di, N]
         u, dt, Bm, Cm = (t.to(h.dtype) for t in (u, dt, Bm, Cm))
         if self.config.impl == "triton":
-            from kernels.selective_scan import selective_scan
+            from kernels.selective_scan import CHUNK, selective_scan
 
             require_triton_device(u, self.name, "triton")
-            y, h = selective_scan(u, dt, A, Bm, Cm, h)
+            y, h = selective_scan(u, dt, A, Bm, Cm, h, chunk=self.config.scan_chunk or CHUNK)
             return y + self.D.to(h.dtype) * u, h.to(u.dtype)
         C = self.config.chunk_size
         if C == 0 or u.shape[1] == 1:
