@@ -94,13 +94,14 @@ def _bwd_kernel(u, dt, A, Bm, Cm, ck, scratch, dy, dhT, du, ddt, dA, dB, dC, dh0
             h = tl.exp(dtt[:, None] * a) * h + (dtt * ut)[:, None] * bt[None, :]
             tl.store(scratch + slot + j * BD * BN + tile, h)
         tl.debug_barrier()  # the tiles, written by the whole program, are read back by it
+        # h_t of the chunk's last token; after that, each token's h_{t-1} is the h_t of the one before it
+        ht = tl.load(scratch + slot + (n - 1) * BD * BN + tile)
         for jj in range(n):
             j = n - 1 - jj
             t = t0 + j
             row = i_b.to(tl.int64) * T + t
             ut, dtt, bt, ct = _token(u, dt, Bm, Cm, row, offs_d, offs_n, m_d, m_n, D, N)
             dyt = tl.load(dy + row * D + offs_d, mask=m_d, other=0.0).to(tl.float32)
-            ht = tl.load(scratch + slot + j * BD * BN + tile)
             later = (tl.zeros([BD, BN], dtype=tl.int32) + j) > 0  # h_{t-1} is in the scratch, else the chunk's start
             prev = tl.load(scratch + slot + (j - 1) * BD * BN + tile, mask=later, other=0.0)
             prev = tl.where(later, prev, start)
@@ -114,6 +115,7 @@ def _bwd_kernel(u, dt, A, Bm, Cm, ck, scratch, dy, dhT, du, ddt, dA, dB, dC, dh0
             tl.store(dB + (part + t) * N + offs_n, tl.sum(dh * (dtt * ut)[:, None], 0), mask=m_n)
             da += g * dtt[:, None]
             dh = dh * decay
+            ht = prev
         tl.debug_barrier()  # the next chunk overwrites the tiles read above
     tl.store(dA + state, da, mask=m_dn)
     tl.store(dh0 + state, dh, mask=m_dn)
