@@ -29,6 +29,9 @@ What is unusual here:
   autocast dtype (causal_conv's rule) and the outer products are built in it; the kernel and the read-out stay
   fp32. A carried state enters as Σ_n c_n a_n^{t+1} s_0, and the final state is a^T s_0 + Σ_s a^{T-1-s} b u_s,
   both per head.
+- ssm=zoology's kernel is computed in real arithmetic (dA's modulus and angle, `_zoology_kernel`), so that
+  torch.compile fuses it into a few kernels; complex tensors would run as one unfused op each. The recurrence
+  (step, a carried state) keeps complex numbers.
 - State: {"shift": [B, shift_size-1, d], "ssm": [B, d·p, d_state]} (the H·p·p SSM inputs), the SSM part in
   fp32 (fp64 for fp64 models). state_size = p·d·d_state (REFERENCE's "H3: d·d_state" at p = 1) +
   d·(shift_size-1) for the shift register.
@@ -149,6 +152,27 @@ class H3(nn.Module):
         C = torch.complex(self.C[..., 0].to(dtype), self.C[..., 1].to(dtype)).to(cdtype)
         return dA, B * dt / (1 - dtA / 2), C
 
+    def _zoology_kernel(self, lags: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """ssm=zoology's convolution kernel K[l, h] = 2·Re(Σ_m C_m dB_m dA_m^l) [T, H] for lags [T], in real
+        arithmetic, so that torch.compile fuses it (complex tensors run as one unfused op each). With z = Δ·A =
+        x + iy: dA = ((1 - |z|²/4) + iy) / |1 - z/2|², its modulus r = |1 + z/2| / |1 - z/2| and angle
+        θ = atan2(y, 1 - |z|²/4); C·dB = C·B·Δ·conj(1 - z/2) / |1 - z/2|² = w; and Re(w·dA^l) = r^l (Re w·cos lθ -
+        Im w·sin lθ)."""
+        dt = torch.exp(self.log_dt.to(dtype))[:, None]  # [H, 1]
+        x = -torch.exp(self.inv_A_real.to(dtype)) * dt  # [H, M]: Re z
+        y = self.A_imag.to(dtype) * dt  # Im z
+        den = (1 - x / 2) ** 2 + (y / 2) ** 2  # |1 - z/2|²
+        log_r = 0.5 * (torch.log((1 + x / 2) ** 2 + (y / 2) ** 2) - torch.log(den))
+        theta = torch.atan2(y, 1 - (x * x + y * y) / 4)
+        b_re, b_im, c_re, c_im = (t.to(dtype) for t in (self.B[..., 0], self.B[..., 1], self.C[..., 0], self.C[..., 1]))
+        cb_re, cb_im = c_re * b_re - c_im * b_im, c_re * b_im + c_im * b_re  # C·B
+        scale = dt / den
+        w_re = scale * (cb_re * (1 - x / 2) - cb_im * (y / 2))
+        w_im = scale * (cb_re * (y / 2) + cb_im * (1 - x / 2))
+        l = lags[:, None, None]  # [T, 1, 1]
+        terms = torch.exp(l * log_r) * (w_re * torch.cos(l * theta) - w_im * torch.sin(l * theta))  # [T, H, M]
+        return 2 * terms.sum(-1)  # [T, H]
+
     def _per_channel(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A per-head parameter [H, ...] -> [H·p·p, ...] (every SSM input of the head), in `dtype`."""
         return t.to(dtype).repeat_interleave(self.p * self.p, dim=0)
@@ -196,9 +220,7 @@ class H3(nn.Module):
         with torch.autocast(device_type=device, enabled=False):
             lags = torch.arange(T, device=x.device, dtype=dtype)  # [T]
             if self.complex:
-                dA, Bm, C = self._complex_terms(dtype)  # [H, M] complex
-                powers = torch.exp(lags[:, None, None] * torch.log(dA)[None])  # [T, H, M]: dA^l
-                kernel = 2 * torch.einsum("lhn,hn->lh", powers, C * Bm).real  # [T, H]
+                kernel = self._zoology_kernel(lags, dtype)  # [T, H]
             else:
                 log_a = self._log_a(dtype)  # [H, N]
                 powers = torch.exp(lags[:, None, None] * log_a[None])  # [T, H, N]: a^l
@@ -217,6 +239,9 @@ class H3(nn.Module):
             if state is not None:
                 u_q = u.reshape(p * p, B, T, H).to(dtype)  # [p·p, B, T, H]
                 s0 = rearrange(self._ssm_state(state["ssm"], dtype), "b (h q) n -> b h q n", q=p * p)  # [B, H, pp, N]
+                if self.complex:  # the modes as complex numbers: the state is complex
+                    dA, Bm, C = self._complex_terms(dtype)  # [H, M] complex
+                    powers = torch.exp(lags[:, None, None] * torch.log(dA)[None])  # [T, H, M]: dA^l
                 a = dA if self.complex else torch.exp(log_a)  # [H, N] (complex [H, M])
                 carried = powers * a[None]  # [T, H, N]: a^{t+1}
                 carried_out = torch.einsum("thn,bhqn,hn->qbth", carried, s0.to(carried.dtype), C)
