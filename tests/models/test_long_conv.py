@@ -158,7 +158,7 @@ def test_conv_under_autocast(path):
     if path == "fft":
         torch.testing.assert_close(got[0], fft_causal_conv(u, h), rtol=0, atol=0)
         return
-    rounded = torch.ops.zoo_conv.toeplitz_conv(u.bfloat16(), h.bfloat16()).float()
+    rounded = torch.ops.zoo_conv.toeplitz_conv(u.bfloat16().permute(2, 1, 0), h.bfloat16()).permute(2, 1, 0).float()
     torch.testing.assert_close(got[0], rounded, rtol=0, atol=0)
     for name, g, w in zip(("y", "grad_u", "grad_h"), got, want):
         error = ((g.double() - w).abs().max() / w.abs().max()).item()
@@ -166,11 +166,11 @@ def test_conv_under_autocast(path):
 
 
 def _op_inputs(layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """u [2, 6, 3] and h [6, 3], contiguous or as transposed views (explicit_causal_conv passes
-    h = weight.flip(1).T)."""
+    """The op's u [C=3, T=6, B=2] (channels first) and h [6, 3], contiguous or as transposed views
+    (explicit_causal_conv passes h = weight.flip(1).T)."""
     if layout == "contiguous":
-        return random(2, 6, 3, seed=11), random(6, 3, seed=12)
-    return random(2, 3, 6, seed=11).transpose(1, 2), random(3, 6, seed=12).T
+        return random(3, 6, 2, seed=11), random(6, 3, seed=12)
+    return random(2, 6, 3, seed=11).permute(2, 1, 0), random(3, 6, seed=12).T
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
@@ -183,7 +183,7 @@ def test_toeplitz_op_passes_opcheck(layout):
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 def test_toeplitz_backward_op_passes_opcheck(layout):
     u, h = _op_inputs(layout)
-    grad_y = random(2, 6, 3, seed=13)
+    grad_y = random(3, 6, 2, seed=13)
     torch.library.opcheck(torch.ops.zoo_conv.toeplitz_conv_backward, (grad_y, u, h))
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.torch_version import TorchVersion
 
-from kernels.vmap import channels_as_members, members_as_channels, members_first
+from kernels.vmap import members_as_channels, members_first
 
 # Longest sequence that causal_conv convolves directly. Per output element (one b, t, c) the direct forward +
 # backward is 6·T fp32 FLOPs (three T×T products per channel, half of them on the zero upper triangle); the FFT's
@@ -83,8 +83,10 @@ def direct_causal_conv(u: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         dtype = torch.promote_types(u.dtype, torch.float32)
     with torch.autocast(device_type=u.device.type, enabled=False):
         lags = h[:T] if h.shape[0] >= T else F.pad(h, (0, 0, 0, T - h.shape[0]))  # [T, C]
-        y = torch.ops.zoo_conv.toeplitz_conv(u.to(dtype), lags.to(dtype))  # [B, T, C]
-    return y.to(u.dtype)
+        # The op works channels first, [C, T, B], the layout of its matmuls; the transposes to and from it stay out
+        # here, where torch.compile writes them within the neighbouring kernels instead of as copies of their own.
+        y_c = torch.ops.zoo_conv.toeplitz_conv(u.to(dtype).permute(2, 1, 0).contiguous(), lags.to(dtype))
+    return y_c.permute(2, 1, 0).to(u.dtype)  # [B, T, C] (a view of the channels-first result)
 
 
 @contextlib.contextmanager
@@ -126,13 +128,13 @@ def _toeplitz(h: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("zoo_conv::toeplitz_conv", mutates_args=())
 def _toeplitz_conv(u: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """u: [B, T, C], h: [T, C], one dtype -> y: [B, T, C], y[:, :, c] = W_c @ u[:, :, c] per channel block."""
-    u_c = u.permute(2, 1, 0).contiguous()  # [C, T, B]
-    y_c = torch.empty_like(u_c)
+    """u: [C, T, B] (channels first), h: [T, C], one dtype -> y: [C, T, B], y[c] = W_c @ u[c] per channel block."""
+    u = u.contiguous()
+    y = torch.empty_like(u)
     with _ieee_fp32_matmuls(u.device):
-        for c0, c1 in _blocks(u.shape[2], u.shape[1]):
-            torch.bmm(_toeplitz(h[:, c0:c1]), u_c[c0:c1], out=y_c[c0:c1])
-    return y_c.permute(2, 1, 0).contiguous()  # [B, T, C]
+        for c0, c1 in _blocks(u.shape[0], u.shape[1]):
+            torch.bmm(_toeplitz(h[:, c0:c1]), u[c0:c1], out=y[c0:c1])
+    return y
 
 
 @_toeplitz_conv.register_fake
@@ -144,25 +146,25 @@ def _toeplitz_conv_fake(u, h):
 def _toeplitz_conv_backward(
     grad_y: torch.Tensor, u: torch.Tensor, h: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """grad_y, u: [B, T, C], h: [T, C] -> grad_u = Wᵀ grad_y per channel [B, T, C] and grad_h [T, C], grad_h[lag] =
-    Σ_b Σ_t grad_y[b, t] · u[b, t - lag] (the sum of grad_y u ᵀ along its lag-th diagonal)."""
-    B, T, C = u.shape
-    g_c = grad_y.to(u.dtype).permute(2, 1, 0).contiguous()  # [C, T, B]
-    u_rev = u.flip(1).permute(2, 1, 0).contiguous()  # [C, T, B]: u_rev[:, T-1-s] = u[:, s]
-    grad_u_c = torch.empty_like(g_c)
+    """grad_y, u: [C, T, B], h: [T, C] -> grad_u = Wᵀ grad_y per channel [C, T, B] and grad_h [T, C], grad_h[lag] =
+    Σ_b Σ_t grad_y[t, b] · u[t - lag, b] (the sum of grad_y u ᵀ along its lag-th diagonal)."""
+    C, T, B = u.shape
+    g = grad_y.to(u.dtype).contiguous()  # [C, T, B]
+    u_rev = u.flip(1)  # [C, T, B], contiguous: u_rev[:, T-1-s] = u[:, s]
+    grad_u = torch.empty_like(g)
     grad_h = u.new_empty(C, T)  # [C, lag]
     with _ieee_fp32_matmuls(u.device):
         for c0, c1 in _blocks(C, T):
             c = c1 - c0
-            torch.bmm(_toeplitz(h[:, c0:c1]).transpose(1, 2), g_c[c0:c1], out=grad_u_c[c0:c1])
+            torch.bmm(_toeplitz(h[:, c0:c1]).transpose(1, 2), g[c0:c1], out=grad_u[c0:c1])
             # pairs[t, j] = Σ_b g[t, b] u[T-1-j, b] = (g uᵀ)[t, T-1-j], in rows of 2T-1 whose last T-1 are zero. Read
             # with a row stride of 2T-2 from offset T-1, (t, lag) lands on pairs[t, T-1-t+lag] = (g uᵀ)[t, t-lag]
             # for lag ≤ t and on the zeros for lag > t; the sum over t then runs over rows of contiguous lags.
             pairs = u.new_empty(c, T, 2 * T - 1)  # [c, T, 2T-1]
             pairs[:, :, T:].zero_()
-            torch.bmm(g_c[c0:c1], u_rev[c0:c1].transpose(1, 2), out=pairs[:, :, :T])  # [c, T, T]
+            torch.bmm(g[c0:c1], u_rev[c0:c1].transpose(1, 2), out=pairs[:, :, :T])  # [c, T, T]
             grad_h[c0:c1] = pairs.as_strided((c, T, T), (T * (2 * T - 1), 2 * T - 2, 1), T - 1).sum(1)  # [c, T]
-    return grad_u_c.permute(2, 1, 0).contiguous(), grad_h.T.contiguous()  # [B, T, C], [T, C]
+    return grad_u, grad_h.T.contiguous()  # [C, T, B], [T, C]
 
 
 @_toeplitz_conv_backward.register_fake
@@ -187,14 +189,15 @@ _toeplitz_conv.register_autograd(_toeplitz_grad, setup_context=_toeplitz_setup)
 
 
 # torch.func.vmap (packed runs vmap the model's forward over N members, then take torch.autograd.grad outside it, so
-# the backward op sees plain tensors): the members' channels go side by side, and one call convolves all of them;
-# an input that is not batched is shared by every member. torch.func.grad does not reach through the op (a custom
-# op's autograd formula serves torch.autograd only).
+# the backward op sees plain tensors): the members' channels go one after another, and one call convolves all of
+# them; an input that is not batched is shared by every member. torch.func.grad does not reach through the op (a
+# custom op's autograd formula serves torch.autograd only).
 @_toeplitz_conv.register_vmap
 def _toeplitz_conv_vmap(info, in_dims, u, h):
     n = info.batch_size
-    u, h = (members_as_channels(members_first(n, t, dim)) for t, dim in zip((u, h), in_dims))
-    return channels_as_members(torch.ops.zoo_conv.toeplitz_conv(u, h), n), 0  # [N, B, T, C]
+    u = members_first(n, u, in_dims[0]).flatten(0, 1)  # [N·C, T, B]: member m's channels at m·C … (m+1)·C - 1
+    h = members_as_channels(members_first(n, h, in_dims[1]))  # [T, N·C], in the same order
+    return torch.ops.zoo_conv.toeplitz_conv(u, h).unflatten(0, (n, -1)), 0  # [N, C, T, B]
 
 
 def depthwise_causal_conv(u: torch.Tensor, weight: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
