@@ -62,3 +62,20 @@ def test_autocast_within_bf16_rounding_of_fp64(options):
     for name, g, w in zip(names, got, want):
         error = ((g.double() - w).abs().max() / w.abs().max()).item()
         assert error <= 2**-5, f"{name}: relative error {error:.2e}"
+
+
+def test_zoology_training_forward_has_no_complex_tensors():
+    """ssm=zoology's forward without a state (training's) stays real: its kernel from dA's modulus and angle, its
+    shift filter a direct correlation. A complex tensor would leave torch.compile one unfused op per use."""
+    model = H3(8, d_state=6, head_dim=2, shift_size=6, ssm="zoology")
+    complex_nodes = []
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:
+            value = node.meta.get("example_value")
+            if isinstance(value, torch.Tensor) and value.is_complex():
+                complex_nodes.append(node.name)
+        return gm
+
+    torch.compile(model, backend=backend, fullgraph=True)(torch.randn(2, 6, 8))
+    assert not complex_nodes, complex_nodes
