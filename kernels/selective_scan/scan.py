@@ -234,11 +234,12 @@ def _fwd_vmap(info, in_dims, u, dt, A, Bm, Cm, h0, save, chunk):
     return (y.unflatten(0, (n, -1)), ck, hT.unflatten(0, (n, -1))), (0, 0 if save else None, 0)
 
 
-def selective_scan(u, dt, A, Bm, Cm, h0=None, chunk: int = CHUNK):
+def selective_scan(u, dt, A, Bm, Cm, h0=None, chunk: int | None = None):
     """Mamba's selective scan (naive.py has the math). u, dt: [B, T, D]; A: [D, N]; Bm, Cm: [B, T, N]; h0:
     [B, D, N] or None. Returns (y [B, T, D] in u's dtype, h_T [B, D, N] fp32); gradients reach every input.
     Computes in fp32 (fp32 or lower-precision inputs). `chunk`: tokens between the states the forward keeps for
-    the backward, which recomputes the others (memory ⌈T/chunk⌉·D·N per sequence, plus the backward's scratch)."""
+    the backward, which recomputes the others (memory ⌈T/chunk⌉·D·N per sequence, plus the backward's scratch);
+    None: CHUNK."""
     if u.dim() != 3 or dt.shape != u.shape or Bm.shape != Cm.shape or Bm.shape[:2] != u.shape[:2]:
         raise ValueError(f"selective_scan: u, dt [B, T, D], Bm, Cm [B, T, N]; got {u.shape}, {dt.shape}, "
                          f"{Bm.shape}, {Cm.shape}")
@@ -246,6 +247,7 @@ def selective_scan(u, dt, A, Bm, Cm, h0=None, chunk: int = CHUNK):
         raise ValueError(f"selective_scan: A must be [D, N] = {[u.shape[2], Bm.shape[2]]}, got {list(A.shape)}")
     if u.dtype == torch.float64:
         raise TypeError("selective_scan computes in fp32; use naive.selective_scan_naive for float64")
+    chunk = CHUNK if chunk is None else chunk
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"selective_scan: chunk must be an int >= 1, got {chunk!r}")
     h0 = None if h0 is None else h0.float().contiguous()

@@ -140,10 +140,10 @@ class Mamba(nn.Module):
         A = -torch.exp(self.A_log.to(h.dtype))  # [di, N]
         u, dt, Bm, Cm = (t.to(h.dtype) for t in (u, dt, Bm, Cm))
         if self.config.impl == "triton":
-            from kernels.selective_scan import CHUNK, selective_scan
+            from kernels.selective_scan import selective_scan
 
             require_triton_device(u, self.name, "triton")
-            y, h = selective_scan(u, dt, A, Bm, Cm, h, chunk=self.config.scan_chunk or CHUNK)
+            y, h = selective_scan(u, dt, A, Bm, Cm, h, chunk=self.config.scan_chunk)
             return y + self.D.to(h.dtype) * u, h.to(u.dtype)
         C = self.config.chunk_size
         if C == 0 or u.shape[1] == 1:
