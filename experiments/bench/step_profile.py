@@ -1,6 +1,8 @@
 """Where a small MQAR run's time goes on the GPU: setup, the training step (eager, packed, graphed), evaluation.
 
     python experiments/bench/step_profile.py            # attention and Based at L=256, d=64, batch 256
+    python experiments/bench/step_profile.py --mixers zoology_fig2/mamba --L 128 --n 8 --d 512 --batch 512 \
+        --set +model.mixers.mamba.impl=triton   # a Fig. 2 pack as its sweep trains it
 
 For each model: the wall time of config, data and model set-up; ms per training step with the device
 synchronised, for a plain eager step, a pack of 4 learning rates eagerly and as a CUDA graph; the device's own
@@ -58,7 +60,7 @@ def device_ms(fn, n: int, top: int) -> tuple[float, list[str]]:
 def profile_model(mixer: str, args) -> dict:
     dev = torch.device("cuda")
     t0 = time.perf_counter()
-    cfg, _ = load_config(overrides(mixer, args.L, args.n, args.d, args.batch, args.examples))
+    cfg, _ = load_config(overrides(mixer, args.L, args.n, args.d, args.batch, args.examples) + args.set)
     t1 = time.perf_counter()
     data = {s: load_split(cfg, s, dev) for s in ("train", "valid")}
     t2 = time.perf_counter()
@@ -118,13 +120,15 @@ def main() -> None:
     p.add_argument("--examples", type=int, default=100_000)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--set", nargs="*", default=[], metavar="OVERRIDE",
+                   help="Hydra overrides for every model of --mixers (e.g. +model.mixers.mamba.impl=triton)")
     args = p.parse_args()
     results = [profile_model(m, args) for m in args.mixers]
     keys = ["config_s", "data_s", "plain_ms", "plain_device_ms", "pack4_ms", "pack4_device_ms", "pack4_graph_ms",
             "pack4_graph_device_ms", "eval_valid_s"]
-    print(f"{'mixer':10s} " + " ".join(f"{k:>14s}" for k in keys))
+    print(f"{'mixer':18s} " + " ".join(f"{k:>14s}" for k in keys))
     for r in results:
-        print(f"{r['mixer']:10s} " + " ".join(f"{r[k]:14.3f}" for k in keys))
+        print(f"{r['mixer']:18s} " + " ".join(f"{r[k]:14.3f}" for k in keys))
     print(json.dumps({"L": args.L, "d": args.d, "batch": args.batch, "results": results}))
 
 
