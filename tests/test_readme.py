@@ -27,8 +27,11 @@ def marked_block(marker: str) -> str:
 
 # How far the demo's accuracies move between CPU families: its matmuls and reductions take the kernels of the
 # CPU's vector ISA (AVX2, AVX-512, ...), which sum in different orders. Measured: 0.954/0.887 (Based valid/test)
-# on an AVX-512 machine, 0.952/0.889 on an AVX2 one, same code and torch.
+# on an AVX-512 machine, 0.952/0.889 on an AVX2 one, same code and torch, both stopping after 7 epochs.
 DEMO_ACC_TOL = 0.01
+# Where the early stop lands one epoch apart, the accuracies are of different trainings: an AMD EPYC with AVX-512
+# (torch 2.13) stopped Based after 8 epochs at 0.961/0.912 against the table's 7 and 0.952/0.889.
+DEMO_ACC_TOL_OTHER_EPOCH = 0.03
 
 
 def _table_cells(text: str) -> list[list[str]]:
@@ -37,7 +40,8 @@ def _table_cells(text: str) -> list[list[str]]:
 
 def test_demo_table_is_the_code_output(demo_runs):
     """Everything but the accuracies equals the code's output exactly (header, mixers, state bytes, parameters,
-    footer); the accuracies equal it to DEMO_ACC_TOL, and the epochs (early stop) to one."""
+    footer); the epochs (early stop) equal it to one, and the accuracies to DEMO_ACC_TOL, or to
+    DEMO_ACC_TOL_OTHER_EPOCH where the early stop came an epoch earlier or later."""
     from zoo.demo import table
 
     rows, _ = demo_runs
@@ -48,9 +52,10 @@ def test_demo_table_is_the_code_output(demo_runs):
     for want, got in zip(readme[1:-1], code[1:-1]):
         assert len(want) == len(got) == 6, stale
         assert [want[0], want[3], want[4]] == [got[0], got[3], got[4]], f"{stale}: {' '.join(got)}"
-        for i in (1, 2):
-            assert abs(float(want[i]) - float(got[i])) <= DEMO_ACC_TOL, f"{stale}: {' '.join(got)}"
         assert abs(int(want[5]) - int(got[5])) <= 1, f"{stale}: {' '.join(got)}"
+        tol = DEMO_ACC_TOL if want[5] == got[5] else DEMO_ACC_TOL_OTHER_EPOCH
+        for i in (1, 2):
+            assert abs(float(want[i]) - float(got[i])) <= tol, f"{stale}: {' '.join(got)}"
 
 
 PYTHON = blocks("python")
