@@ -209,6 +209,35 @@ def test_every_naive_mixer_packs(mixer, monkeypatch):
         torch.testing.assert_close(pack.flat.grad[member], grad, rtol=1e-4, atol=1e-6)
 
 
+def test_a_packs_residual_stream_lies_member_by_member():
+    """In a vmapped pack each member's activations are contiguous: the norms read [N, B, T, d] unit-stride. The
+    embedding's batching rule returns the members interleaved ([B, T, N, d] in memory), which would make every
+    elementwise op of the residual stream a strided one on the GPU."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from zoo.config import ModelConfig
+
+    class NormInputs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.contiguous = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.native_layer_norm.default:
+                self.contiguous.append(args[0].is_contiguous())
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = LanguageModel(ModelConfig(vocab_size=64, d_model=16, n_layers=2, pattern=["attention"],
+                                      norm="layernorm"))
+    cfg, _ = load_config([*TINY])
+    pack = _Pack(model, [1e-3, 2e-3], cfg.optim, total_steps=1)
+    batch = torch.randint(0, 64, (4, 16)), torch.randint(0, 16, (4, 3)), torch.randint(0, 64, (4, 3))
+    with NormInputs() as seen:
+        pack.losses(*batch)
+    assert len(seen.contiguous) == 3 and all(seen.contiguous), seen.contiguous  # two blocks' norms, the final one
+
+
 def assert_compiled_pack_equals_eager_pack(pattern: list[str], options: dict) -> None:
     """torch.compile over the vmapped loss of a pack of two lrs: loss and gradients equal the eager pack's."""
     from zoo.config import ModelConfig

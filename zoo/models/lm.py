@@ -71,7 +71,10 @@ class LanguageModel(nn.Module):
 
     def _embed(self, input_ids: torch.Tensor, state: list[Any] | None) -> torch.Tensor:
         """input_ids: [B, T] -> [B, T, d]: token embeddings, plus positions, then dropout while training."""
-        x = self.embedding(input_ids)  # [B, T, d]
+        # contiguous(): a no-op for one model; in a vmapped pack (zoo/steps.py) the embedding's batching rule
+        # returns the members interleaved in memory ([B, T, N, d]), and every later elementwise op of the residual
+        # stream would read them strided. Contiguous, each member's activations lie together.
+        x = self.embedding(input_ids).contiguous()  # [B, T, d]
         if self.position is not None:
             T = input_ids.shape[1]
             if state is None:
