@@ -5,6 +5,7 @@ Zoology Fig. 2 shapes, all variants in the same run, with each variant's peak GP
 
     python experiments/bench/mamba_scan.py                       # GPU: Fig. 2 shapes (batch 256/512, L 64..256)
     python experiments/bench/mamba_scan.py --device cpu --small  # CPU: batch 16, d_model 64 (report ratios)
+    python experiments/bench/mamba_scan.py --shapes 512,128,512  # one shape: Fig. 2 L = 128, d_model 512
 
 Prints a table (ms per forward+backward, median of --repeats after a warm-up; speed-up against the loop), the
 peak memory of each variant's step on CUDA, and a last line of JSON. Every variant's output and input gradient
@@ -54,13 +55,25 @@ def main() -> None:
     p.add_argument("--chunks", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--scan-chunks", type=int, nargs="+", default=[1, 16, 64], help="the Triton scan's scan_chunk")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--shapes", nargs="+", default=None, metavar="B,L,D",
+                   help="(batch, L, d_model) triples, e.g. 512,128,512 (default: Fig. 2's; --small: CPU-sized)")
     args = p.parse_args()
     device = torch.device(args.device)
-    if args.small:
+    if args.shapes:
+        shapes = [tuple(int(v) for v in shape.split(",")) for shape in args.shapes]
+    elif args.small:
         shapes = [(16, 64, 64), (16, 128, 64)]  # (batch, L, d_model)
     else:  # Fig. 2: batch 512 at L=64/128, 256 at L=256; d_model 128 and 256
         shapes = [(512, 64, 128), (512, 128, 128), (256, 256, 128), (256, 256, 256), (256, 256, 512)]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    variants = [(f"chunk{c}", "naive", c, None) for c in args.chunks]
+    if device.type == "cuda":
+        variants += [(f"triton_c{c}", "triton", 0, c) for c in args.scan_chunks]
+    labels = [label for label, *_ in variants]
+    # each shape's row is printed as it finishes: a run stopped by a time limit keeps the shapes it measured
+    print(f"Mamba forward+backward on {device} ({dtype})")
+    print(f"{'batch':>6}{'L':>6}{'d':>6}{'loop ms':>10}" + "".join(f"{f'{lb} ms':>14}{'x':>7}" for lb in labels),
+          flush=True)
     rows = []
     for B, L, d in shapes:
         torch.manual_seed(0)
@@ -77,9 +90,6 @@ def main() -> None:
         ref_y, ref_g = step()
         row = {"batch": B, "L": L, "d_model": d, "loop_ms": timed(step, device, args.repeats),
                "loop_peak_mib": peak_mib(step, device)}
-        variants = [(f"chunk{c}", "naive", c, None) for c in args.chunks]
-        if device.type == "cuda":
-            variants += [(f"triton_c{c}", "triton", 0, c) for c in args.scan_chunks]
         for label, impl, c, scan_chunk in variants:
             mixer.config.chunk_size, mixer.config.impl, mixer.config.scan_chunk = c, impl, scan_chunk
             y, g = step()
@@ -92,14 +102,10 @@ def main() -> None:
             row[f"{label}_peak_mib"] = peak_mib(step, device)
         mixer.config.chunk_size, mixer.config.impl, mixer.config.scan_chunk = 0, "naive", None
         rows.append(row)
-    labels = [label for label, *_ in variants]
-    head = f"{'batch':>6}{'L':>6}{'d':>6}{'loop ms':>10}" + "".join(f"{f'{lb} ms':>14}{'x':>7}" for lb in labels)
-    print(f"Mamba forward+backward on {device} ({dtype})")
-    print(head)
-    for r in rows:
         print(
-            f"{r['batch']:>6}{r['L']:>6}{r['d_model']:>6}{r['loop_ms']:>10.1f}"
-            + "".join(f"{r[f'{lb}_ms']:>14.1f}{r['loop_ms'] / r[f'{lb}_ms']:>7.2f}" for lb in labels)
+            f"{B:>6}{L:>6}{d:>6}{row['loop_ms']:>10.1f}"
+            + "".join(f"{row[f'{lb}_ms']:>14.1f}{row['loop_ms'] / row[f'{lb}_ms']:>7.2f}" for lb in labels),
+            flush=True,
         )
     if device.type == "cuda":
         print("peak GPU memory of one step, MiB")
