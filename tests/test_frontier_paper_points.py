@@ -86,3 +86,18 @@ def test_paper_state_rule_lands_on_the_figures_markers(mixer, layers, d, dial, m
                if p["model"] == mixer]
     assert min(markers, key=lambda m: abs(m - got)) == marker
     assert abs(got - marker) < 0.05
+
+
+@pytest.mark.parametrize(("rows", "lines"), [
+    ([dict(row("attention", 2**19, 1.0), seq_len=1024)], 0),
+    ([dict(row("based", 2**14, 0.6), seq_len=1024), dict(row("attention", 2**19, 1.0), seq_len=1024)], 1),
+], ids=["one-point", "two-points"])
+def test_the_frontier_line_is_drawn_from_two_points(rows, lines, tmp_path, monkeypatch):
+    """A frontier of one point draws no line, so the legend lists no "frontier" that the figure does not show."""
+    import matplotlib.axes
+
+    steps = []
+    step = matplotlib.axes.Axes.step
+    monkeypatch.setattr(matplotlib.axes.Axes, "step", lambda ax, *a, **k: steps.append(k) or step(ax, *a, **k))
+    PLOT["plot"](rows, tmp_path)
+    assert len(steps) == lines and (tmp_path / "accuracy_vs_state.png").is_file()

@@ -295,7 +295,7 @@ def plot(result_rows: list[dict[str, Any]], out: Path, checks: list[dict[str, An
             ax.plot([2 ** p["log2_bytes"] for p in theirs], [p["accuracy"] for p in theirs], "o", color=color,
                     markerfacecolor="none", markersize=8, alpha=0.7, label=f"{mixer} (paper)")
     front = frontier(pts)
-    if front:
+    if len(front) > 1:  # one point draws no line: no legend entry for it either
         ax.step([p["paper_state_bytes"] for p in front], [p["test_accuracy"] for p in front], "k--", where="post",
                 label="frontier", linewidth=1)
     ax.set_xscale("log", base=2)
