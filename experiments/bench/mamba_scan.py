@@ -22,7 +22,14 @@ import torch
 from zoo.models.mixers.mamba import Mamba
 
 
-def timed(fn, device: torch.device, repeats: int) -> float:
+def timed(fn, device: torch.device, repeats: int) -> tuple[float, float | None]:
+    """(median ms of `repeats` calls of `fn` after a warm-up, the peak GPU memory one call allocates beyond what
+    was allocated before it, in MiB; None off CUDA). Every call does the same work, so the peak over the timed calls
+    is one call's."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
     fn()
     times = []
     for _ in range(repeats):
@@ -33,19 +40,8 @@ def timed(fn, device: torch.device, repeats: int) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
-def peak_mib(fn, device: torch.device) -> float | None:
-    """The peak GPU memory allocated during one call of `fn`, beyond what was allocated before it (None off CUDA)."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - before) / 2**20
+    peak = (torch.cuda.max_memory_allocated() - before) / 2**20 if device.type == "cuda" else None
+    return statistics.median(times) * 1e3, peak
 
 
 def main() -> None:
@@ -88,8 +84,8 @@ def main() -> None:
             return y.detach().float(), xi.grad
 
         ref_y, ref_g = step()
-        row = {"batch": B, "L": L, "d_model": d, "loop_ms": timed(step, device, args.repeats),
-               "loop_peak_mib": peak_mib(step, device)}
+        row = {"batch": B, "L": L, "d_model": d}
+        row["loop_ms"], row["loop_peak_mib"] = timed(step, device, args.repeats)
         for label, impl, c, scan_chunk in variants:
             mixer.config.chunk_size, mixer.config.impl, mixer.config.scan_chunk = c, impl, scan_chunk
             y, g = step()
@@ -97,9 +93,8 @@ def main() -> None:
                 ((y - ref_y).abs().max() / ref_y.abs().max()).item(),
                 ((g - ref_g).abs().max() / ref_g.abs().max()).item(),
             )
-            row[f"{label}_ms"] = timed(step, device, args.repeats)
+            row[f"{label}_ms"], row[f"{label}_peak_mib"] = timed(step, device, args.repeats)
             row[f"{label}_rel_err"] = err
-            row[f"{label}_peak_mib"] = peak_mib(step, device)
         mixer.config.chunk_size, mixer.config.impl, mixer.config.scan_chunk = 0, "naive", None
         rows.append(row)
         print(
