@@ -11,12 +11,11 @@ Based's kv stored in bf16, with its cost against the fp32 state (below):
     python experiments/bench/generation.py --based-batches 1024,4096 --llama-batches 128 --repeats 1 --warmups 1 \
         --based-state-dtype bf16 --profile-batch 0
 
-Both models have random weights. Based: `zoo/configs/model/based_1b.yaml` (1.35B parameters, Based and the
-sliding window impl=triton on CUDA) as ZooForCausalLM, whose decode steps replay a CUDA graph over the fixed
-recurrent state. Llama:
-`LlamaForCausalLM` with SDPA attention and a static KV cache (transformers compiles its decode step, CUDA
-graphs included), its depth chosen so its parameter count is closest to Based's. Both run through
-`model.generate` (greedy, exactly `--gen` new tokens) on the same random prompts of `--prompt` tokens.
+Both models have random weights. Based: `zoo/configs/model/based_1b.yaml` (1.35B parameters, Based, the
+sliding window and BaseConv impl=triton on CUDA) as ZooForCausalLM, whose decode steps replay a CUDA graph over
+the fixed recurrent state. Llama: `LlamaForCausalLM` with SDPA attention and a static KV cache (transformers
+compiles its decode step, CUDA graphs included), its depth chosen so its parameter count is closest to Based's.
+Both run through `model.generate` (greedy, exactly `--gen` new tokens) on the same random prompts of `--prompt` tokens.
 
 For each batch size of --batches (by default ×4 from 1), until the model runs out of memory:
 - prefill: median time of one forward over the prompt batch that fills the cache (CUDA events);
@@ -30,7 +29,8 @@ For each batch size of --batches (by default ×4 from 1), until the model runs o
 After the Based batches, before the baseline, `--profile-batch` (1,024; tiny: 2) profiles one Based decode step
 part by part (experiments/bench/decode_profile.py): time, bytes, FLOPs and their fractions of the copy bandwidth
 and of the GEMM rate, beside the CUDA-graph step's time, in one stream and with the batch split over two
-(`graph_step_ms`, `graph_step_ms_two_streams`: ZooConfig's `decode_streams`).
+(`graph_step_ms`, `graph_step_ms_two_streams`: ZooConfig's `decode_streams`), and with BaseConv's PyTorch step
+in place of its kernel (`graph_step_ms_conv_pytorch`).
 The last line is JSON: every row, each model's best decode throughput (`based_tok_s`, `llama_tok_s`), the ratio
 `decode_ratio_best` (target ≥ 24×, the Based paper's claim against FlashAttention-2), `decode_frac_copy_bw`
 (Based's best decode row's GB/s over the copy bandwidth; target ≥ 0.7), the decode profile, and prefill three ways:
@@ -76,6 +76,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import zoo  # noqa: F401  (registers the zoo model type)
 from zoo.config import ModelConfig
 from zoo.models.hf import CACHE_KEY, ZooConfig, ZooForCausalLM
+from zoo.models.mixers.base_conv import BaseConv
 from zoo.sweep import error_line
 
 try:  # run as a script (python experiments/bench/generation.py) or as a module
@@ -95,8 +96,9 @@ def based_model(preset: str, vocab: int, device: torch.device, dtype: torch.dtyp
     node.vocab_size = vocab
     node.mixers.based.impl = impl
     node.mixers.based.state_dtype = state_dtype
-    if "sliding_window" in node.mixers:  # its decoding step as one kernel where Based runs its Triton kernels
-        node.mixers.sliding_window.impl = impl
+    for name in ("sliding_window", "base_conv"):  # their decoding steps as one kernel each, as Based's
+        if name in node.mixers:
+            node.mixers[name].impl = impl
     mc = OmegaConf.to_object(node)
     with torch.device(device):
         model = ZooForCausalLM(ZooConfig.from_model_config(mc))
@@ -289,7 +291,7 @@ def decode_profile(based, args, timer: Timer, device, dtype, bandwidth: float) -
     try:
         with torch.no_grad():
             cache = getattr(based(ids, use_cache=True, logits_to_keep=1, return_dict=True), CACHE_KEY)
-            graph_ms = graph2_ms = graph2_error = None
+            graph_ms = graph2_ms = graph2_error = conv_ms = None
             if device.type == "cuda" and based.config.decode_cuda_graph:
                 def graph_step_ms(steps: int = 20) -> float:
                     for _ in range(3):  # the capture, then warm replays
@@ -308,6 +310,16 @@ def decode_profile(based, args, timer: Timer, device, dtype, bandwidth: float) -
                     print(f"decode profile: the two-stream graph step failed ({graph2_error})", flush=True)
                 finally:
                     based.config.decode_streams, cache.decode_graph = streams, None
+                # the same step with BaseConv's PyTorch step in place of its kernel: the kernel's gain in this run
+                convs = [m for m in based.modules() if isinstance(m, BaseConv) and m.impl == "triton"]
+                for m in convs:
+                    m.impl = "naive"
+                try:
+                    conv_ms = graph_step_ms() if convs else None
+                finally:
+                    for m in convs:
+                        m.impl = "triton"
+                    cache.decode_graph = None
             result = profile_decode(based.model, cache.states, nxt[:, 0], bandwidth, gemm_rate(device, dtype),
                                     seq_len=args.prompt)
     except (torch.cuda.OutOfMemoryError, RuntimeError) as err:
@@ -317,12 +329,16 @@ def decode_profile(based, args, timer: Timer, device, dtype, bandwidth: float) -
         return None
     result["graph_step_ms"] = graph_ms
     result["graph_step_ms_two_streams"] = graph2_ms
+    result["graph_step_ms_conv_pytorch"] = conv_ms
     if graph2_error:
         result["graph_two_streams_error"] = graph2_error
     print_profile(result, graph_ms)
     if graph2_ms is not None:
         print(f"CUDA-graph step with the batch split over two streams (decode_streams=2): {graph2_ms:.3f} ms "
               f"against {graph_ms:.3f} ms in one", flush=True)
+    if conv_ms is not None:
+        print(f"CUDA-graph step with BaseConv's PyTorch step in place of its kernel: {conv_ms:.3f} ms against "
+              f"{graph_ms:.3f} ms", flush=True)
     return result
 
 

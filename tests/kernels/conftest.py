@@ -18,7 +18,7 @@ import pytest
 
 INTERPRETED = {"test_based_interpreted.py", "test_based_decode_interpreted.py", "test_rwkv4_interpreted.py",
                "test_selective_scan_interpreted.py", "test_packed_kernels_interpreted.py",
-               "test_window_decode_interpreted.py"}
+               "test_window_decode_interpreted.py", "test_conv_decode_interpreted.py"}
 ROOT = Path(__file__).parents[2]
 _RESULTS: dict = {}
 

@@ -9,6 +9,10 @@ Linear 2d→d.
 What is unusual here: the state is exactly the last kernel_size−1 conv inputs [B, kernel_size−1, channels],
 so state_size = channels·(kernel_size−1). REFERENCE's table entry "short conv: d·k" is the generic order of
 magnitude; this is the exact count of what decoding keeps.
+
+`impl="triton"` runs the decoding step's convolution, SiLU, gate and history shift as one kernel
+(kernels/base_conv) between the two projections; training and chunked prefill stay the PyTorch forward.
+`impl="naive"` (the default) is PyTorch throughout.
 """
 
 from __future__ import annotations
@@ -20,7 +24,16 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from zoo.models.mixers._common import check_input, check_int, check_step_input, make_config, module_device_dtype
+from zoo.models.mixers._common import (
+    check_choice,
+    check_input,
+    check_int,
+    check_step_input,
+    log_impl,
+    make_config,
+    module_device_dtype,
+    require_triton_device,
+)
 
 
 @dataclass
@@ -29,10 +42,12 @@ class BaseConvConfig:
 
     kernel_size: int = 3
     expand: int = 2  # channels = expand·d_model
+    impl: str = "naive"  # naive | triton (the decoding step between the projections as one kernel, kernels/base_conv)
 
     def validate(self, d_model: int) -> None:
         check_int("base_conv: kernel_size", self.kernel_size, minimum=1)
         check_int("base_conv: expand", self.expand, minimum=1)
+        check_choice("base_conv: impl", self.impl, ("naive", "triton"))
 
 
 class BaseConv(nn.Module):
@@ -43,6 +58,7 @@ class BaseConv(nn.Module):
 
     Config = BaseConvConfig
     name = "base_conv"
+    vmap_impls = ("naive", "triton")  # training is the PyTorch forward under either: zoo/steps.py packs both
 
     def __init__(self, d_model: int, **options) -> None:
         super().__init__()
@@ -53,6 +69,12 @@ class BaseConv(nn.Module):
         self.in_proj = nn.Linear(d_model, 2 * self.channels, bias=False)
         self.conv = nn.Conv1d(self.channels, self.channels, self.kernel_size, groups=self.channels, bias=True)
         self.out = nn.Linear(self.channels, d_model, bias=False)
+        self.impl = self.config.impl
+        if self.impl == "triton":
+            from kernels.base_conv.decode import conv_decode
+
+            self._conv_decode = conv_decode
+            log_impl(self.name, self.impl)
 
     def _conv_valid(self, u: torch.Tensor) -> torch.Tensor:
         """u: [B, T + k - 1, C] (history first) -> [B, T, C]: the unpadded depthwise conv."""
@@ -79,6 +101,9 @@ class BaseConv(nn.Module):
     def step(self, x_t: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
         """x_t: [B, d_model] -> [B, d_model]; shifts the stored conv inputs in place."""
         check_step_input(x_t, self.d_model, self.name)
+        if self.impl == "triton":
+            require_triton_device(x_t, self.name, self.impl)
+            return self.out(self._conv_decode(self.in_proj(x_t), state["conv"], self.conv.weight, self.conv.bias))
         u, g = self.in_proj(x_t).chunk(2, dim=-1)  # [B, C] each
         # k multiply-adds on [B, C] and a shift of the history in place: no [B, k, C] window is built (its
         # concatenation and the batched GEMV over it were ~8% of a Based-1B decode step at batch 1,024)
