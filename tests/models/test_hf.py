@@ -263,13 +263,13 @@ def test_cuda_graph_decode_matches_eager():
 @pytest.mark.gpu
 @pytest.mark.parametrize("streams", [1, 2])
 def test_cuda_graph_decode_matches_eager_over_1024_tokens_with_triton_kernels(streams):
-    """The bench's decode path (experiments/bench/generation.py): bf16, Based and the window on their Triton kernels,
-    a CUDA graph per step, its batch in one stream or split over two (`decode_streams`). 1,024 greedy tokens equal
-    the eager path's, token for token: a state the graph advanced differently at any step would change every later
-    token."""
+    """The bench's decode path (experiments/bench/generation.py): bf16, Based, the window and BaseConv on their Triton
+    kernels, a CUDA graph per step, its batch in one stream or split over two (`decode_streams`). 1,024 greedy
+    tokens equal the eager path's, token for token: a state the graph advanced differently at any step would change
+    every later token."""
     torch.manual_seed(0)
     mixers = {"based": {"feature_dim": 16, "num_heads": 2, "impl": "triton"},
-              "sliding_window": {"window": 64, "num_heads": 2, "impl": "triton"}}
+              "sliding_window": {"window": 64, "num_heads": 2, "impl": "triton"}, "base_conv": {"impl": "triton"}}
     model = ZooForCausalLM(ZooConfig(vocab_size=512, d_model=128, mixers=mixers, decode_streams=streams)).cuda().eval()
     with torch.no_grad():
         for p in model.parameters():
