@@ -4,7 +4,7 @@
 
 where u_t, g_t are the two halves of the input projection and h the last k−1 conv inputs. One program per
 (sequence, block of channels) reads u, g and the history once, writes the shifted history and y. The PyTorch step
-(zoo/models/mixers/base_conv.py) runs the same math as about eight elementwise kernels a layer over [B, channels]
+(zoo/models/mixers/base_conv.py) runs the same math as seven elementwise kernels a layer over [B, channels]
 (the multiply-adds, the history shift, SiLU and the gate), each a full pass over memory. The kernel rounds to the
 activations' dtype after each multiply-add, SiLU and the gate, where the PyTorch step's ops round, so both paths
 give the same values in every dtype, up to how each computes exp.
