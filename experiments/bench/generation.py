@@ -28,9 +28,8 @@ For each batch size of --batches (by default ×4 from 1), until the model runs o
   and one position written).
 After the Based batches, before the baseline, `--profile-batch` (1,024; tiny: 2) profiles one Based decode step
 part by part (experiments/bench/decode_profile.py): time, bytes, FLOPs and their fractions of the copy bandwidth
-and of the GEMM rate, beside the CUDA-graph step's time, in one stream and with the batch split over two
-(`graph_step_ms`, `graph_step_ms_two_streams`: ZooConfig's `decode_streams`), and with BaseConv's PyTorch step
-in place of its kernel (`graph_step_ms_conv_pytorch`).
+and of the GEMM rate, beside the CUDA-graph step's time (`graph_step_ms`) and the same step with BaseConv's
+PyTorch step in place of its kernel (`graph_step_ms_conv_pytorch`).
 The last line is JSON: every row, each model's best decode throughput (`based_tok_s`, `llama_tok_s`), the ratio
 `decode_ratio_best` (target ≥ 24×, the Based paper's claim against FlashAttention-2), `decode_frac_copy_bw`
 (Based's best decode row's GB/s over the copy bandwidth; target ≥ 0.7), the decode profile, and prefill three ways:
@@ -77,7 +76,6 @@ import zoo  # noqa: F401  (registers the zoo model type)
 from zoo.config import ModelConfig
 from zoo.models.hf import CACHE_KEY, ZooConfig, ZooForCausalLM
 from zoo.models.mixers.base_conv import BaseConv
-from zoo.sweep import error_line
 
 try:  # run as a script (python experiments/bench/generation.py) or as a module
     from decode_profile import gemm_rate, print_profile, profile_decode, weight_bytes
@@ -291,7 +289,7 @@ def decode_profile(based, args, timer: Timer, device, dtype, bandwidth: float) -
     try:
         with torch.no_grad():
             cache = getattr(based(ids, use_cache=True, logits_to_keep=1, return_dict=True), CACHE_KEY)
-            graph_ms = graph2_ms = graph2_error = conv_ms = None
+            graph_ms = conv_ms = None
             if device.type == "cuda" and based.config.decode_cuda_graph:
                 def graph_step_ms(steps: int = 20) -> float:
                     for _ in range(3):  # the capture, then warm replays
@@ -299,21 +297,11 @@ def decode_profile(based, args, timer: Timer, device, dtype, bandwidth: float) -
                     return 1e3 * timer(lambda: [based(nxt, cache=cache, use_cache=True) for _ in range(steps)]) / steps
 
                 graph_ms = graph_step_ms()
-                # the same step with the batch split over two CUDA streams (decode_streams=2), on the same state;
-                # a failure there is reported and leaves the rest of the profile to run
-                streams = based.config.decode_streams
-                based.config.decode_streams, cache.decode_graph = 2, None
-                try:
-                    graph2_ms = graph_step_ms()
-                except Exception as err:
-                    graph2_error = error_line(err)
-                    print(f"decode profile: the two-stream graph step failed ({graph2_error})", flush=True)
-                finally:
-                    based.config.decode_streams, cache.decode_graph = streams, None
                 # the same step with BaseConv's PyTorch step in place of its kernel: the kernel's gain in this run
                 convs = [m for m in based.modules() if isinstance(m, BaseConv) and m.impl == "triton"]
                 for m in convs:
                     m.impl = "naive"
+                cache.decode_graph = None  # captured again, with the PyTorch step
                 try:
                     conv_ms = graph_step_ms() if convs else None
                 finally:
@@ -328,14 +316,8 @@ def decode_profile(based, args, timer: Timer, device, dtype, bandwidth: float) -
         print(f"decode profile: batch {batch} does not fit ({type(err).__name__}); no profile", flush=True)
         return None
     result["graph_step_ms"] = graph_ms
-    result["graph_step_ms_two_streams"] = graph2_ms
     result["graph_step_ms_conv_pytorch"] = conv_ms
-    if graph2_error:
-        result["graph_two_streams_error"] = graph2_error
     print_profile(result, graph_ms)
-    if graph2_ms is not None:
-        print(f"CUDA-graph step with the batch split over two streams (decode_streams=2): {graph2_ms:.3f} ms "
-              f"against {graph_ms:.3f} ms in one", flush=True)
     if conv_ms is not None:
         print(f"CUDA-graph step with BaseConv's PyTorch step in place of its kernel: {conv_ms:.3f} ms against "
               f"{graph_ms:.3f} ms", flush=True)

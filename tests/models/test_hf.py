@@ -261,16 +261,14 @@ def test_cuda_graph_decode_matches_eager():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("streams", [1, 2])
-def test_cuda_graph_decode_matches_eager_over_1024_tokens_with_triton_kernels(streams):
+def test_cuda_graph_decode_matches_eager_over_1024_tokens_with_triton_kernels():
     """The bench's decode path (experiments/bench/generation.py): bf16, Based, the window and BaseConv on their Triton
-    kernels, a CUDA graph per step, its batch in one stream or split over two (`decode_streams`). 1,024 greedy
-    tokens equal the eager path's, token for token: a state the graph advanced differently at any step would change
-    every later token."""
+    kernels, a CUDA graph per step. 1,024 greedy tokens equal the eager path's, token for token: a state the graph
+    advanced differently at any step would change every later token."""
     torch.manual_seed(0)
     mixers = {"based": {"feature_dim": 16, "num_heads": 2, "impl": "triton"},
               "sliding_window": {"window": 64, "num_heads": 2, "impl": "triton"}, "base_conv": {"impl": "triton"}}
-    model = ZooForCausalLM(ZooConfig(vocab_size=512, d_model=128, mixers=mixers, decode_streams=streams)).cuda().eval()
+    model = ZooForCausalLM(ZooConfig(vocab_size=512, d_model=128, mixers=mixers)).cuda().eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
@@ -282,7 +280,7 @@ def test_cuda_graph_decode_matches_eager_over_1024_tokens_with_triton_kernels(st
     eager = model.generate(prompt, **kwargs)
     model.config.decode_cuda_graph = True
     graph = model.generate(prompt, **kwargs, return_dict_in_generate=True)
-    assert getattr(graph, CACHE_KEY).decode_graph.streams == streams
+    assert getattr(graph, CACHE_KEY).decode_graph is not None
     assert graph.sequences.shape == (4, 32 + 1024)
     assert torch.equal(graph.sequences, eager)
     assert eager[:, 32:].unique().numel() > 50  # not a loop of a few tokens: the state keeps steering the argmax

@@ -266,30 +266,6 @@ def _group_state(states: list[Any], rows: torch.Tensor, pad: int, fresh: bool) -
     return group
 
 
-def split_rows(states: list[Any], rows: int) -> tuple[list[Any], list[Any], list[tuple[torch.Tensor, torch.Tensor]]]:
-    """A decode state list cut after its first `rows` sequences: (first, second, shared). Batched entries become
-    row slices of the same tensors, so stepping either half updates the state in place. A shared scalar (a
-    "pos") stays itself in `first` and is a copy in `second`; `shared` pairs them. Copy each original into its
-    copy before stepping the halves: both then start at the same position, and only the first half's advance is
-    kept, as for one step of the whole batch."""
-    first, second, shared = [], [], []
-    for state in states:
-        if state is None:
-            first.append(None)
-            second.append(None)
-            continue
-        a, b = {}, {}
-        for key, tensor in state.items():
-            if _batched(key, tensor):
-                a[key], b[key] = tensor[:rows], tensor[rows:]
-            else:
-                a[key], b[key] = tensor, tensor.clone()
-                shared.append((tensor, b[key]))
-        first.append(a)
-        second.append(b)
-    return first, second, shared
-
-
 class DecodeGraph:
     """One decode step (`LanguageModel.step`) captured in a CUDA graph over a ZooCache's state tensors.
 
@@ -297,15 +273,9 @@ class DecodeGraph:
     ids in, replays and returns a copy of the logits [B, vocab]. The capture's warm-up steps and its eager check
     (one replay compared with the first warm-up step, `zoo.graphs.GraphCheckError` on a mismatch) are undone
     (the state is restored from a snapshot), so capturing does not advance the real state.
-
-    `streams=2` steps the two halves of an even batch (`split_rows`) on two CUDA streams inside the one graph, so
-    that one half's weight matmuls can run beside the other half's memory-bound state kernels. Each sequence's
-    arithmetic is the same as in the one-stream step; an odd batch takes one stream.
     """
 
-    def __init__(self, model: LanguageModel, cache: ZooCache, streams: int = 1) -> None:
-        if streams not in (1, 2):
-            raise ValueError(f"DecodeGraph: streams must be 1 or 2, got {streams}")
+    def __init__(self, model: LanguageModel, cache: ZooCache) -> None:
         states = cache.states
         device = next(t.device for t in cache.tensors())
         if device.type != "cuda":
@@ -322,30 +292,8 @@ class DecodeGraph:
                         t.copy_(old[k])
 
         ids = torch.zeros(cache.batch_size, dtype=torch.long, device=device)
-        batch = cache.batch_size
-        self.streams = streams if batch % 2 == 0 else 1
-        if self.streams == 1:
-            def step(ids: torch.Tensor) -> torch.Tensor:
-                return model.step(ids, states)
-        else:
-            half = batch // 2
-            first, second, shared = split_rows(states, half)
-            side = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-
-            def step(ids: torch.Tensor) -> torch.Tensor:
-                for original, copy in shared:
-                    copy.copy_(original)
-                main = torch.cuda.current_stream(device)
-                out = []
-                for stream, rows, part in zip(side, (slice(0, half), slice(half, batch)), (first, second)):
-                    stream.wait_stream(main)
-                    with torch.cuda.stream(stream):
-                        out.append(model.step(ids[rows], part))
-                for stream in side:
-                    main.wait_stream(stream)
-                return torch.cat(out)
-        self.graph = StaticGraph(step, (ids,), snapshot=snapshot, restore=restore, name="the decode step",
-                                 check=True)
+        self.graph = StaticGraph(lambda ids: model.step(ids, states), (ids,), snapshot=snapshot, restore=restore,
+                                 name="the decode step", check=True)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         return self.graph(ids).clone()  # [B, vocab]

@@ -55,9 +55,8 @@ class ZooConfig(PretrainedConfig):
 
     `ZooConfig()` is a CPU-sized hybrid with all three layer kinds of the Based LM (BaseConv, sliding window,
     Based), SwiGLU, RMSNorm and tied embeddings. `tie_word_embeddings` is ModelConfig's `tie_embeddings`.
-    `decode_cuda_graph`: decode through a CUDA graph on CUDA devices; `decode_streams` 2 steps the two halves of
-    an even batch on two CUDA streams inside that graph (`zoo.models.cache.DecodeGraph`). `prefill_chunk_tokens`
-    > 0: prefill a batch in slices of rows of at most that many tokens (0: the whole batch in one forward).
+    `decode_cuda_graph`: decode through a CUDA graph on CUDA devices. `prefill_chunk_tokens` > 0: prefill a
+    batch in slices of rows of at most that many tokens (0: the whole batch in one forward).
     """
 
     model_type = MODEL_TYPE
@@ -77,13 +76,10 @@ class ZooConfig(PretrainedConfig):
     embed_dropout: float = 0.0
     use_cache: bool = True
     decode_cuda_graph: bool = True
-    decode_streams: int = 1
     prefill_chunk_tokens: int = 0
 
     def __post_init__(self, **kwargs) -> None:
         super().__post_init__(**kwargs)
-        if self.decode_streams not in (1, 2):
-            raise ValueError(f"decode_streams must be 1 or 2, got {self.decode_streams}")
         self.model_config()  # an impossible value fails here, with ModelConfig's one-line reason
 
     def model_config(self) -> ModelConfig:
@@ -262,7 +258,7 @@ class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
         use_graph = self.config.decode_cuda_graph and ids.is_cuda and not torch.is_grad_enabled()
         if use_graph:
             if cache.decode_graph is None:
-                cache.decode_graph = DecodeGraph(self.model, cache, self.config.decode_streams)
+                cache.decode_graph = DecodeGraph(self.model, cache)
             logits = cache.decode_graph(ids)
         else:
             logits = self.model.step(ids, cache.states)
