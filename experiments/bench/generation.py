@@ -17,7 +17,8 @@ the fixed recurrent state. Llama: `LlamaForCausalLM` with SDPA attention and a s
 compiles its decode step, CUDA graphs included), its depth chosen so its parameter count is closest to Based's.
 Both run through `model.generate` (greedy, exactly `--gen` new tokens) on the same random prompts of `--prompt` tokens.
 
-For each batch size of --batches (by default ×4 from 1), until the model runs out of memory:
+For each batch size of --batches (by default ×4 from 1), until the model runs out of memory (a first batch that
+does not fit is halved until one does, so a smaller card still gets a row):
 - prefill: median time of one forward over the prompt batch that fills the cache (CUDA events);
 - decode: generated tokens/s = batch·gen / (generate time − prefill time), after a warm-up generate that
   compiles and captures what it needs (excluded);
@@ -249,9 +250,14 @@ def is_oom(err: BaseException) -> bool:
 
 
 def sweep(kind: str, model, args, timer: Timer, device, reference=None) -> list[dict]:
+    """One row per batch of the model's list, in order, until one does not fit. If the first batch tried does not
+    fit, half of it is tried next (down to 1), so a card with less memory still gives the model its largest batch
+    up to the first asked."""
     rows = []
     start = time.perf_counter()
-    for batch in args.model_batches.get(kind) or args.batches:
+    batches = list(args.model_batches.get(kind) or args.batches)
+    while batches:
+        batch = batches.pop(0)
         if args.budget_s and time.perf_counter() - start > args.budget_s:
             print(f"{kind}: time budget of {args.budget_s:.0f} s spent; batches from {batch} not run", flush=True)
             break
@@ -263,8 +269,12 @@ def sweep(kind: str, model, args, timer: Timer, device, reference=None) -> list[
         except (torch.cuda.OutOfMemoryError, RuntimeError) as err:
             if not is_oom(err):
                 raise
-            print(f"{kind}: batch {batch} does not fit ({type(err).__name__}); the sweep stops here", flush=True)
-            break
+            if rows or batch == 1:
+                print(f"{kind}: batch {batch} does not fit ({type(err).__name__}); the sweep stops here", flush=True)
+                break
+            print(f"{kind}: batch {batch} does not fit ({type(err).__name__}); trying {batch // 2}", flush=True)
+            batches = [batch // 2]
+            continue
         rows.append(row)
         cost = ""
         if "token_agreement" in row:

@@ -2,6 +2,7 @@
 
 from types import SimpleNamespace
 
+import torch
 from torch.autograd import DeviceType
 
 from experiments.bench.decode_profile import top_kernels
@@ -40,3 +41,38 @@ def test_kernel_table_on_the_cpu_ranks_ops_by_self_time():
                 event("aten::mm", 1, cpu_us=80.0, device=DeviceType.CPU)]
     rows = top_kernels(averages, cuda=False, steps=1)
     assert [(r["name"], r["share"]) for r in rows] == [("aten::mm", 0.8), ("aten::linear", 0.2)]
+
+
+def test_a_first_batch_that_does_not_fit_is_halved_until_one_does(monkeypatch):
+    """A card with less memory: the model's first batch runs out of memory, so the bench tries half of it, then half
+    again, and measures the first that fits; later batches of the list are not tried after that."""
+    from experiments.bench import generation
+
+    def measure(kind, model, batch, args, timer, device, reference):
+        if batch > 32:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return {"batch": batch, "prefill_ms": 1.0, "decode_tokens_per_s": 10.0 * batch, "ms_per_step": 1.0,
+                "decode_GB_per_s": 1.0}
+
+    monkeypatch.setattr(generation, "measure", measure)
+    args = SimpleNamespace(model_batches={"llama": [128, 256]}, batches=[1], budget_s=0)
+    rows = generation.sweep("llama", None, args, None, torch.device("cpu"))
+    assert [r["batch"] for r in rows] == [32]
+
+
+def test_a_later_batch_that_does_not_fit_ends_the_sweep(monkeypatch):
+    from experiments.bench import generation
+
+    tried = []
+
+    def measure(kind, model, batch, args, timer, device, reference):
+        tried.append(batch)
+        if batch > 64:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return {"batch": batch, "prefill_ms": 1.0, "decode_tokens_per_s": 1.0, "ms_per_step": 1.0,
+                "decode_GB_per_s": 1.0}
+
+    monkeypatch.setattr(generation, "measure", measure)
+    args = SimpleNamespace(model_batches={"based": [1, 64, 256, 1024]}, batches=[1], budget_s=0)
+    rows = generation.sweep("based", None, args, None, torch.device("cpu"))
+    assert [r["batch"] for r in rows] == [1, 64] and tried == [1, 64, 256]
