@@ -4,6 +4,7 @@ tests/kernels/conftest.py runs this module's items with TRITON_INTERPRET=1."""
 
 import pytest
 import torch
+from generation_check import assert_same_generation, generate_left_padded
 from window_cases import CASES, run_steps
 
 from kernels.sliding_window.decode import window_decode
@@ -33,29 +34,7 @@ def test_left_padded_generation_with_the_window_kernel_equals_the_pytorch_step()
     """ZooForCausalLM generating greedily from left-padded prompts with the sliding window's decoding kernel: the
     same tokens and scores as with the PyTorch step. The window is longer than the prompts, so it reaches the
     padding, which the rows' `start` in the window's state must keep out."""
-    from zoo.models.hf import ZooConfig, ZooForCausalLM
-
-    def model(impl):
-        torch.manual_seed(0)
-        mixers = {"based": {"feature_dim": 4, "num_heads": 2}, "sliding_window": {"window": 16, "num_heads": 2,
-                                                                                  "impl": impl}}
-        lm = ZooForCausalLM(ZooConfig(vocab_size=64, d_model=32, mixers=mixers)).eval()
-        with torch.no_grad():  # larger weights than the init, so the greedy tokens depend on the context
-            for p in lm.parameters():
-                if p.dim() == 2:
-                    p.normal_(0, 0.3)
-        return lm
-
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(1, 64, (n,), generator=g) for n in (3, 9, 6)]
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :], mask[i, width - len(p) :] = p, 1
-    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, output_scores=True,
-                  return_dict_in_generate=True)
-    naive, fast = (model(impl).generate(ids, **kwargs) for impl in ("naive", "triton"))
-    assert torch.equal(fast.sequences, naive.sequences)
-    for a, b in zip(fast.scores, naive.scores):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    naive, fast = (generate_left_padded({"based": {"feature_dim": 4, "num_heads": 2},
+                                         "sliding_window": {"window": 16, "num_heads": 2, "impl": impl}})
+                   for impl in ("naive", "triton"))
+    assert_same_generation(naive, fast)
