@@ -30,12 +30,11 @@ def _conv_decode_kernel(ug, history, weight, bias, out, C, K: tl.constexpr, BC: 
     acc = (tl.load(bias + c, mask=m, other=0.0).to(dt).to(tl.float32) + u.to(tl.float32) * w).to(dt)
     hist = history + b * (K - 1) * C
     for i in tl.static_range(K - 1):
-        h = tl.load(hist + i * C + c, mask=m, other=0.0).to(dt).to(tl.float32)
+        h = tl.load(hist + i * C + c, mask=m, other=0.0)
+        if i > 0:  # the shift, from the value just read: slot i - 1 was read in the previous iteration
+            tl.store(hist + (i - 1) * C + c, h, mask=m)
         w = tl.load(weight + c * K + i, mask=m, other=0.0).to(dt).to(tl.float32)
-        acc = (acc.to(tl.float32) + h * w).to(dt)
-    # the shift reads slot i + 1 before slot i + 1 is written; the program owns these channels of its sequence
-    for i in tl.static_range(K - 2):
-        tl.store(hist + i * C + c, tl.load(hist + (i + 1) * C + c, mask=m, other=0.0), mask=m)
+        acc = (acc.to(tl.float32) + h.to(dt).to(tl.float32) * w).to(dt)
     if K > 1:
         tl.store(hist + (K - 2) * C + c, u.to(history.dtype.element_ty), mask=m)
     a = acc.to(tl.float32)
