@@ -50,6 +50,15 @@ def _default_mixers() -> dict[str, dict[str, Any]]:
     return {"based": {"feature_dim": 8, "num_heads": 2}, "sliding_window": {"window": 16, "num_heads": 2}}
 
 
+# (ModelConfig field, ZooConfig field): what the wrapper's config carries of the model's, both ways
+_FIELDS = (
+    ("vocab_size", "vocab_size"), ("d_model", "d_model"), ("n_layers", "n_layers"), ("pattern", "pattern"),
+    ("mixers", "mixers"), ("mlp", "mlp"), ("mlp_hidden", "mlp_hidden"), ("norm", "norm"),
+    ("final_norm", "final_norm"), ("rms_eps", "rms_eps"), ("tie_embeddings", "tie_word_embeddings"),
+    ("embed_dropout", "embed_dropout"),
+)
+
+
 class ZooConfig(PretrainedConfig):
     """The fields of `zoo.config.ModelConfig`, as a transformers config (saved as config.json).
 
@@ -84,20 +93,8 @@ class ZooConfig(PretrainedConfig):
 
     def model_config(self) -> ModelConfig:
         """The `ModelConfig` that `LanguageModel` is built from."""
-        return ModelConfig(
-            vocab_size=self.vocab_size,
-            d_model=self.d_model,
-            n_layers=self.n_layers,
-            pattern=list(self.pattern),
-            mixers=copy.deepcopy(dict(self.mixers)),
-            mlp=self.mlp,
-            mlp_hidden=self.mlp_hidden,
-            norm=self.norm,
-            final_norm=self.final_norm,
-            rms_eps=self.rms_eps,
-            tie_embeddings=self.tie_word_embeddings,
-            embed_dropout=self.embed_dropout,
-        )
+        values = {zoo: copy.deepcopy(getattr(self, hf)) for zoo, hf in _FIELDS}
+        return ModelConfig(**values | {"pattern": list(values["pattern"]), "mixers": dict(values["mixers"])})
 
     @classmethod
     def from_model_config(cls, model_config: ModelConfig, **kwargs) -> ZooConfig:
@@ -106,21 +103,8 @@ class ZooConfig(PretrainedConfig):
             # transformers reads `max_position_embeddings` as a context limit; the MQAR baselines' absolute
             # position table has no place in the wrapper
             raise ValueError("ZooConfig cannot hold model.max_position_embeddings > 0 (absolute position tables)")
-        return cls(
-            vocab_size=model_config.vocab_size,
-            d_model=model_config.d_model,
-            n_layers=model_config.n_layers,
-            pattern=list(model_config.pattern),
-            mixers=copy.deepcopy(dict(model_config.mixers)),
-            mlp=model_config.mlp,
-            mlp_hidden=model_config.mlp_hidden,
-            norm=model_config.norm,
-            final_norm=model_config.final_norm,
-            rms_eps=model_config.rms_eps,
-            tie_word_embeddings=model_config.tie_embeddings,
-            embed_dropout=model_config.embed_dropout,
-            **kwargs,
-        )
+        values = {hf: copy.deepcopy(getattr(model_config, zoo)) for zoo, hf in _FIELDS}
+        return cls(**values | {"pattern": list(values["pattern"]), "mixers": dict(values["mixers"])}, **kwargs)
 
 
 class ZooPreTrainedModel(PreTrainedModel):
