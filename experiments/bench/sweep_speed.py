@@ -59,12 +59,14 @@ GRIDS = {"zoology_fig2": ("ZOO_FIG2", ROOT / "experiments" / "zoology_fig2" / "s
 BASELINE_PROBE_S = 115.0  # the 16-run probe on the landed code, one H200, 4 runs per GPU (issue 35)
 TARGET_GRID_S = 30 * 60
 # today's default against the best earlier setting (mps16: 100 s on the H200) and the packs, which since
-# 2026-12-02 also compile: 4 packs of 4 lrs, side by side under MPS
+# 2026-12-02 also compile: 4 packs of 4 lrs, side by side under MPS; graphed-pack captures each pack's whole
+# step (forward, backward, AdamW) as a CUDA graph instead, with no compile warmup to pay
 DEFAULT_VARIANTS = [
     "today||--workers 4 --mps off --order file",
     "mps16|train.precision=bf16|--workers 16 --mps auto",
     "mps16-compiled|train.compile=true|--workers 16 --mps auto",
     "compiled-pack|train.compile=true|--pack-lrs --workers 4 --mps auto",
+    "graphed-pack|train.cuda_graph=true|--pack-lrs --workers 4 --mps auto",
 ]
 
 
