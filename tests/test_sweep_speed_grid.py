@@ -157,3 +157,24 @@ def test_a_record_from_before_calls_counts_as_one_call(tmp_path):
     assert earlier_calls(tmp_path / "missing.json") == []
     (tmp_path / "torn.json").write_text("{")
     assert earlier_calls(tmp_path / "torn.json") == []
+
+
+def test_side_by_side_calls_count_their_shared_time_once(bench, tmp_path):
+    """Two sweeps started together on one GPU (each its own record, two calls each, as a chain of two jobs on one
+    machine): the grid's wall is the time the machine spent, not the sum of the four calls."""
+    a = record("fig2-h3", 96.0, [("a", "finished")])
+    a["calls"] = [{"started": "2026-12-07T05:07:11+0000", "wall_s": 189.0},
+                  {"started": "2026-12-07T05:10:44+0000", "wall_s": 96.0}]
+    b = record("fig2-base_conv", 169.0, [("b", "pending")])
+    b["calls"] = [{"started": "2026-12-07T05:07:11.500000+00:00", "wall_s": 190.0},
+                  {"started": "2026-12-07T05:10:44+0000", "wall_s": 169.0}]
+    out = grid(bench, write(tmp_path, a, b))
+    assert out["grid_wall_s"] == pytest.approx(190.5 + 169.0)
+    assert [r["wall_s"] for r in out["grid_records"]] == pytest.approx([169.0 + 190.0, 189.0 + 96.0])
+    assert (out["grid_runs"], out["grid_runs_pending"], out["grid_sharded"]) == (1, 1, True)
+
+
+def test_a_call_without_a_start_time_adds_its_whole_wall(bench):
+    calls = [{"started": None, "wall_s": 10.0}, {"started": "2026-12-07T05:00:00+00:00", "wall_s": 5.0},
+             {"started": "2026-12-07T05:00:02+00:00", "wall_s": 1.0}, {"wall_s": 2.0}]
+    assert bench.calls_wall(calls) == pytest.approx(17.0)

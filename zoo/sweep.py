@@ -96,6 +96,7 @@ import time
 import traceback
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -579,9 +580,11 @@ def _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out: Pat
     from tqdm.auto import tqdm
 
     results: list[dict[str, Any] | None] = [done.get(i) for i in range(len(runs))]
+    # the call's start, to the microsecond and before its clock starts: sweep_speed.py --grid-from takes the
+    # union of the calls' [started, started + wall_s], so that side-by-side calls count their shared time once
+    started = datetime.now(timezone.utc).isoformat(timespec="microseconds")
     t0 = time.perf_counter()
     earlier, finished_before = earlier_calls(out), earlier_finished(out)
-    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     statuses = ("finished", "skipped", "failed", "pending")
     warmups: list[dict[str, Any]] = []
 

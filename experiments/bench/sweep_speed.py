@@ -28,10 +28,12 @@
    `train.epochs` where none finished): `grid_estimate_measured_s`.
    `--from-json FILE --epochs-from DIR` recomputes both from a committed result, without a device.
 4. The grid as it ran: `--grid-from PATH...` (runs roots, their `_sweeps/` folders, or sweep record files
-   `<runs_root>/_sweeps/<sweep name>[.shard-I-of-N].json`, as zoo-sweep writes them) sums the records' walls into
-   `grid_wall_s`, counts the distinct runs that finished in them (`grid_runs`; runs found finished, "skipped",
-   are counted apart) and sets `grid_sharded` when more than one call went in; no device. A record lists every
-   call of its sweep name (`calls`: a chain of time-limited jobs on one runs root), and each call's wall counts.
+   `<runs_root>/_sweeps/<sweep name>[.shard-I-of-N].json`, as zoo-sweep writes them) adds up the records' calls
+   into `grid_wall_s`, counts the distinct runs that finished in them (`grid_runs`; runs found finished,
+   "skipped", are counted apart) and sets `grid_sharded` when more than one call went in; no device. A record
+   lists every call of its sweep name (`calls`: a chain of time-limited jobs on one runs root), and each call's
+   wall counts; calls that ran side by side (two sweeps started together on one GPU, or one per GPU) count the
+   time they shared once, from their start times.
 
 Prints tables, then one JSON line (committed as experiments/bench/results/sweep_speed.json).
 """
@@ -47,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -305,13 +308,32 @@ def sweep_records(paths: list[str]) -> list[Path]:
 STATUS_RANK = {"finished": 3, "skipped": 2, "failed": 1, "pending": 0}
 
 
+def calls_wall(calls: list[dict]) -> float:
+    """The wall time the calls took together: the length of the union of their [started, started + wall_s], so
+    calls that ran side by side (records of sweeps started together on one machine, or one per GPU) count their
+    shared time once and a chain of calls counts each; a call without a start time adds its whole wall."""
+    spans, undated = [], 0.0
+    for c in calls:
+        try:
+            start = datetime.fromisoformat(c["started"]).timestamp()
+        except (KeyError, TypeError, ValueError):
+            undated += c["wall_s"]
+            continue
+        spans.append((start, start + c["wall_s"]))
+    total, end = 0.0, -math.inf
+    for a, b in sorted(spans):
+        total += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return total + undated
+
+
 def grid_from_records(paths: list[Path]) -> dict:
     """The grid's wall and runs from zoo-sweep records (`zoo.sweep._run_jobs` writes them: {"sweep", "runs":
-    [{"overrides", "run_dir", "status", ...}], "wall_s", "calls": [{"wall_s", ...}], ...}): the walls of every
-    call summed (a record without `calls` is one call of `wall_s`), runs counted once each, by run dir (by
-    overrides where a run has none), at their best status over the records (a record's runs are as its last call
-    left them)."""
-    rows, best = [], {}
+    [{"overrides", "run_dir", "status", ...}], "wall_s", "calls": [{"started", "wall_s", ...}], ...}): the wall
+    of every record's calls together (`calls_wall`: a record without `calls` is one undated call of `wall_s`),
+    runs counted once each, by run dir (by overrides where a run has none), at their best status over the
+    records (a record's runs are as its last call left them)."""
+    rows, best, every_call = [], {}, []
     for path in paths:
         record = json.loads(path.read_text())
         if not isinstance(record, dict) or "runs" not in record or "wall_s" not in record:
@@ -323,10 +345,11 @@ def grid_from_records(paths: list[Path]) -> dict:
             if STATUS_RANK[run["status"]] >= STATUS_RANK[best.get(key, "pending")]:
                 best[key] = run["status"]
         calls = record.get("calls") or [{"wall_s": record["wall_s"]}]
+        every_call += calls
         rows.append({"record": path.name, "sweep": record.get("sweep", path.stem),
-                     "wall_s": sum(c["wall_s"] for c in calls), "calls": len(calls), **counts})
+                     "wall_s": calls_wall(calls), "calls": len(calls), **counts})
     status = {s: sum(v == s for v in best.values()) for s in STATUS_RANK}
-    return {"grid_wall_s": sum(r["wall_s"] for r in rows), "grid_runs": status["finished"],
+    return {"grid_wall_s": calls_wall(every_call), "grid_runs": status["finished"],
             "grid_sharded": sum(r["calls"] for r in rows) > 1, "grid_runs_listed": len(best),
             "grid_runs_skipped": status["skipped"],
             "grid_runs_failed": status["failed"], "grid_runs_pending": status["pending"], "grid_records": rows}
