@@ -277,6 +277,8 @@ FIG2_SELECTIONS = {
     "mixers": ({"MIXERS": "attention,base_conv"}, 2 * 4 * 4),
     "d": ({"D": "256"}, 7 * 4),
     "lrs": ({"LRS": "1e-4,0.01", "MIXERS": "attention", "D": "512"}, 2),
+    "points": ({"POINTS": "h3:64, base_conv:512"}, 2 * 4),
+    "points-and-mixers": ({"POINTS": "h3:64,base_conv:512", "MIXERS": "h3,attention"}, 4),
 }
 
 
@@ -291,6 +293,19 @@ def test_fig2_selectors_pick_their_runs(name, monkeypatch):
     assert len(runs) == count
     if name == "lrs":
         assert sorted(o for r in runs for o in r if o.startswith("optim.lr=")) == ["optim.lr=0.0001", "optim.lr=0.01"]
+    if name.startswith("points"):
+        points = {(next(o for o in r if o.startswith("model=")), next(o for o in r if o.startswith("model.d_model=")))
+                  for r in runs}
+        want = {("model=zoology_fig2/h3", "model.d_model=64"), ("model=zoology_fig2/base_conv", "model.d_model=512")}
+        assert points == (want if name == "points" else {("model=zoology_fig2/h3", "model.d_model=64")})
+
+
+@pytest.mark.parametrize("value", ["h3", "h3:x", "gla:64", "h3:0"])
+def test_fig2_points_that_are_not_preset_and_width_are_refused(value, monkeypatch):
+    monkeypatch.setenv("ZOO_FIG2", "L64")
+    monkeypatch.setenv("POINTS", value)
+    with pytest.raises(ValueError, match="POINTS: .* is not preset:d_model"):
+        load_sweep(Path(__file__).resolve().parents[1] / "experiments/zoology_fig2/sweep.py")
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,8 @@ Selectors (environment variables, all optional):
   optional (512, 64) panel, batch 128) or `tiny`.
 - `MIXERS`: a comma list of preset names (e.g. `attention,base_conv`); `D`: a comma list of d_models; `LRS`: a
   comma list of learning rates of the grid (e.g. `1e-4,1e-2`), matched within 1%.
+- `POINTS`: a comma list of preset:d_model pairs (e.g. `h3:64,base_conv:512`), the grid points to run where
+  MIXERS × D would take their whole cross product; combined with MIXERS, D and LRS, a run must pass all of them.
 - `ZOO_FIG2_MODELS`: `config` (default: the models above, as Zoology's Fig. 2 config defines them) or `launched`:
   the models the runs behind Zoology's published figure trained (experiments/zoology_fig2/README.md, "What the
   published figure ran"): attention, Hyena and RWKV with the tanh MLP of width 4d in every block (RWKV-4's init
@@ -77,6 +79,19 @@ def _selected_d_models() -> list[int]:
     if any(d < 1 for d in ds):
         raise ValueError(f"D: d_model must be >= 1, got {ds}")
     return ds
+
+
+def _selected_points() -> set[tuple[str, int]] | None:
+    chosen = _csv("POINTS")
+    if chosen is None:
+        return None
+    points = set()
+    for item in chosen:
+        mixer, _, d = item.partition(":")
+        if mixer.strip() not in MIXERS or not d.strip().isdigit() or int(d) < 1:
+            raise ValueError(f"POINTS: {item!r} is not preset:d_model with a preset of {','.join(MIXERS)}")
+        points.add((mixer.strip(), int(d)))
+    return points
 
 
 def _selected_lrs() -> list[float]:
@@ -241,4 +256,8 @@ def sweep() -> list[dict]:
     if models not in ("config", "launched"):
         raise ValueError(f"ZOO_FIG2_MODELS must be config or launched, got {models!r}")
     build = launched_runs if models == "launched" else panel_runs
-    return build(panels, _selected_mixers(), _selected_d_models(), _selected_lrs())
+    runs = build(panels, _selected_mixers(), _selected_d_models(), _selected_lrs())
+    points = _selected_points()
+    if points is not None:
+        runs = [r for r in runs if (r["model"].removeprefix("zoology_fig2/"), r["model.d_model"]) in points]
+    return runs
