@@ -107,6 +107,40 @@ def test_pack_equals_standalone_runs(tmp_path, model):
         assert_same_run(ref_root / s["run"], tmp_path / "default" / s["run"])
 
 
+def seed_members(root, pairs, *extra):
+    """Pack members at each (lr, seed) of `pairs`."""
+    return [cfg_of(root, f"optim.lr={lr}", f"train.seed={seed}", *extra)[0] for lr, seed in pairs]
+
+
+SEED_PAIRS = [(1e-3, 0), (1e-2, 0), (1e-3, 1), (3e-2, 2)]
+
+
+@pytest.mark.parametrize("model", ["attention", "based"])
+def test_a_pack_of_several_seeds_equals_standalone_runs(tmp_path, model):
+    """Members of other seeds start from their own seed's init and see their own seed's batch order."""
+    extra = (f"model={model}", "train.epochs=2", "train.early_stop=null")
+    refs = [train(*cfg_of(tmp_path, f"optim.lr={lr}", f"train.seed={seed}", *extra)) for lr, seed in SEED_PAIRS]
+    ref_root = set_aside(tmp_path)
+    got = train_runs(seed_members(tmp_path, SEED_PAIRS, *extra))
+    assert [s["run"] for s in got] == [s["run"] for s in refs]
+    assert all(s["pack_size"] == len(SEED_PAIRS) for s in got)
+    assert refs[0]["test/loss"] != refs[2]["test/loss"], "the seeds made no difference: a useless test"
+    for s in refs:
+        assert_same_run(ref_root / s["run"], tmp_path / "default" / s["run"])
+
+
+def test_a_pack_of_several_seeds_needs_one_training_segment(tmp_path):
+    mixture = ("data.train=[{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:16},"
+               "{seq_len:32,num_kv_pairs:4,num_examples:32,batch_size:16}]")
+    with pytest.raises(PackError) as e:
+        check_pack(seed_members(tmp_path, [(1e-3, 0), (1e-3, 1)], mixture))
+    assert "several seeds pack only with one training segment (data.train has 2)" in one_line(e)
+    check_pack(seed_members(tmp_path, [(1e-3, 0), (1e-2, 0)], mixture))  # one seed: a mixture packs
+    with pytest.raises(PackError) as e:
+        check_pack(seed_members(tmp_path, [(1e-3, 0), (1e-3, 1), (1e-3, 1)]))
+    assert "(lr, seed) pairs of a pack must be distinct" in one_line(e)
+
+
 def test_early_stopped_member_leaves_the_others_as_standalone(tmp_path):
     epochs = 3
     extra = ("model=attention", f"train.epochs={epochs}")
@@ -167,6 +201,28 @@ def test_killed_pack_resumes_exactly(tmp_path, monkeypatch):
         assert_same_run(ref_root / ref["run"], tmp_path / "default" / ref["run"], 1e-6, config=False)
     # Finished members are not trained again.
     assert packed(tmp_path, LRS[:2], *extra, "train.resume=true") == resumed
+
+
+def test_a_killed_pack_of_several_seeds_resumes_exactly(tmp_path, monkeypatch):
+    extra = ("model=based", "train.epochs=3", "train.early_stop=null", "train.checkpoint_share=1")
+    pairs = [(1e-3, 0), (1e-2, 1)]
+    reference = train_runs(seed_members(tmp_path, pairs, *extra))
+    ref_root = set_aside(tmp_path)
+    real_save, saves = RunDir.save_checkpoint, []
+
+    def save_then_die(self, state):
+        real_save(self, state)
+        saves.append(state["epoch"])
+        if len(saves) == 2 * len(pairs):  # every member saved epoch 2
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(RunDir, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train_runs(seed_members(tmp_path, pairs, *extra))
+    monkeypatch.setattr(RunDir, "save_checkpoint", real_save)
+    train_runs(seed_members(tmp_path, pairs, *extra, "train.resume=true"))
+    for ref in reference:
+        assert_same_run(ref_root / ref["run"], tmp_path / "default" / ref["run"], 1e-6, config=False)
 
 
 MIXER_OPTIONS = {"based": {"feature_dim": 4}, "h3": {"d_state": 8}, "hyena": {"max_seq_len": 16}}

@@ -187,6 +187,28 @@ def test_sweep_pack_lrs_trains_each_lr_group_as_one_pack(tmp_path):
     assert second["calls"][1]["skipped"] == 4 and second["runs"] == packed
 
 
+def test_sweep_pack_seeds_trains_each_point_over_lrs_and_seeds_as_one_pack(tmp_path):
+    from zoo.sweep import lr_groups
+
+    # the runs set their training data: extra overrides come after a run's own
+    extra = [o for o in TINY if not o.startswith("data.train=")]
+    extra += ["experiment_name=s", f"data.cache_dir={tmp_path / 'cache'}"]
+    seeded = [["model=attention", f"optim.lr={lr}", f"train.seed={seed}", TINY_DATA[0]]
+              for seed in (0, 1) for lr in ("1e-3", "3e-3")]
+    # a mixture of two training segments: its seeds cannot share a step, so it packs per seed
+    mixture = ["data.train=[{seq_len:16,num_kv_pairs:2,num_examples:32,batch_size:16},"
+               "{seq_len:32,num_kv_pairs:4,num_examples:32,batch_size:16}]"]
+    mixed = [["model=based", f"optim.lr={lr}", f"train.seed={seed}", *mixture] for seed in (0, 1) for lr in ("1e-3",)]
+    assert lr_groups(seeded + mixed) == [[0, 1], [2, 3], [4], [5]]
+    assert lr_groups(seeded + mixed, seeds=True) == [[0, 1, 2, 3], [4, 5]]
+    record = run_sweep(seeded + mixed, "s", device="cpu", extra=extra, runs_root=str(tmp_path), pack_seeds=True)
+    assert [r["status"] for r in record["runs"]] == ["finished"] * 6
+    assert [r.get("packed") for r in record["runs"][:4]] == [4] * 4
+    assert all("one training segment" in r["packed_by_seed"] for r in record["runs"][4:])
+    summaries = [json.loads((Path(r["run_dir"]) / "summary.json").read_text()) for r in record["runs"]]
+    assert [(s["lr"], s["seed"]) for s in summaries[:4]] == [(1e-3, 0), (3e-3, 0), (1e-3, 1), (3e-3, 1)]
+
+
 def test_shard_takes_every_nth_lr_group_and_rejects_bad_specs():
     from zoo.sweep import shard
 

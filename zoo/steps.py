@@ -4,9 +4,11 @@ The loop owns everything a run is (run dirs, data order, evaluation, early stopp
 a strategy owns the parameters and optimizer state of the runs it trains and makes their steps:
 
 - `PlainStep`: one run, a `LanguageModel` and torch's AdamW; `train.compile=true` compiles its loss.
-- `PackedStep`: N runs that differ only in their learning rate, as one vmapped model (`PackedParams`): the N
-  members' parameters live in one flat tensor [N, P] and `torch.func.vmap` computes every member's loss on the
-  same batch with the launches of one; AdamW is written out on [N, P] with a per-member learning rate.
+- `PackedStep`: N runs that differ only in their learning rate and seed, as one vmapped model (`PackedParams`):
+  the N members' parameters live in one flat tensor [N, P] and `torch.func.vmap` computes every member's loss
+  with the launches of one; AdamW is written out on [N, P] with a per-member learning rate. Members of one seed
+  share each batch; members of several seeds each start from their own seed's init and see their own seed's
+  batch order, stacked as [N, B, ...] batches.
   `train.cuda_graph=true` (on CUDA) captures the whole step, forward, backward and update, as a CUDA graph per
   batch shape (`zoo.graphs.StaticGraph`). A pack of one is not vmapped, so a single run can be graphed with
   any impl, the Triton and FLA kernels included.
@@ -16,8 +18,9 @@ started by `zoo-sweep` (zoo/sweep.py).
 
 Every strategy reads and writes the same checkpoint format (`zoo.train.checkpoint_state`), so a run resumes
 under any of them. A pack's limits are each a one-line PackError before any work (`check_pack`):
-- Members share train.seed: the batch order is drawn from it, so runs of other seeds see other batches and
-  cannot share a forward pass.
+- Members differ only in optim.lr and train.seed, each (lr, seed) once. Members of several seeds need one
+  training segment: each seed's epoch interleaves a mixture's segments in its own order, so at one step the
+  members' batches would come from segments of other shapes.
 - In a pack of several, every mixer runs an impl that torch.func.vmap can batch (its class's `vmap_impls`): the
   PyTorch forms (impl=naive, or impl=chunk for DeltaNet and Gated DeltaNet), and the Triton kernels of Mamba and
   RWKV-4, whose custom ops have vmap rules (one launch for the whole pack). The FLA kernels have none.
@@ -136,14 +139,25 @@ def check_pack(members: list[Config], run_names: list[str] | None = None) -> Non
     if not members:
         raise PackError("a pack needs at least one run")
     first = members[0]
-    lrs = [m.optim.lr for m in members]
-    if len(set(lrs)) != len(lrs):
-        raise PackError(f"the learning rates of a pack must be distinct, got {lrs}")
+    pairs = [(m.optim.lr, m.train.seed) for m in members]
+    if len(set(pairs)) != len(pairs):
+        if len({seed for _, seed in pairs}) == 1:
+            raise PackError(f"the learning rates of a pack must be distinct, got {[lr for lr, _ in pairs]}")
+        raise PackError(f"the (lr, seed) pairs of a pack must be distinct, got {pairs}")
     for m in members:
         if m.train.pack_lrs:
             raise PackError("a pack member must not set train.pack_lrs itself (use zoo.steps.pack_members)")
-        if dataclasses.replace(m, optim=dataclasses.replace(m.optim, lr=first.optim.lr)) != first:
-            raise PackError(f"packed runs may differ only in optim.lr, but {_first_difference(first, m)}")
+        same = dataclasses.replace(m, optim=dataclasses.replace(m.optim, lr=first.optim.lr),
+                                   train=dataclasses.replace(m.train, seed=first.train.seed))
+        if same != first:
+            raise PackError(
+                f"packed runs may differ only in optim.lr and train.seed, but {_first_difference(first, m)}"
+            )
+    if len({seed for _, seed in pairs}) > 1 and len(first.data.train) != 1:
+        raise PackError(
+            f"runs of several seeds pack only with one training segment (data.train has {len(first.data.train)}): "
+            "each seed interleaves a mixture's segments in its own order"
+        )
     if run_names is not None and len(set(run_names)) != len(members):
         raise PackError(f"the runs of a pack need distinct run dirs, but run={first.run!r} names them all")
     if first.logger.backend != "none":
@@ -194,8 +208,9 @@ class PackedParams:
     """N members' parameters and AdamW moments as [N, P] tensors, and their vmapped loss and update."""
 
     def __init__(self, model: LanguageModel, lrs: list[float], optim: OptimConfig, total_steps: int,
-                 compile_mode: str | None = None) -> None:
-        """compile_mode: torch.compile the members' loss (vmapped, or the one member's) in this mode; None: eager."""
+                 compile_mode: str | None = None, init: list[LanguageModel] | None = None) -> None:
+        """compile_mode: torch.compile the members' loss (vmapped, or the one member's) in this mode; None: eager.
+        init: each member's initial model (members of several seeds); None: every member starts from `model`."""
         self.model = model
         self.total_steps = total_steps
         self.loss_module = _QueryLoss(model)
@@ -208,7 +223,11 @@ class PackedParams:
             self.offsets.append(self.offsets[-1] + p.numel())
         n = len(lrs)
         one = torch.cat([p.detach().reshape(-1) for _, p in named])  # [P]
-        self.flat = one.expand(n, -1).clone().requires_grad_(True)  # [N, P]
+        if init is None:
+            self.flat = one.expand(n, -1).clone().requires_grad_(True)  # [N, P]
+        else:
+            rows = [torch.cat([p.detach().reshape(-1) for _, p in m.named_parameters()]) for m in init]
+            self.flat = torch.stack(rows).to(one).requires_grad_(True)  # [N, P]
         self.exp_avg = torch.zeros_like(self.flat, requires_grad=False)
         self.exp_avg_sq = torch.zeros_like(self.flat, requires_grad=False)
         # as build_optimizer: weight decay on the parameters `decayed` picks
@@ -220,8 +239,10 @@ class PackedParams:
         self.optim = optim
         self.buffers = {f"lm.{k}": v for k, v in model.named_buffers()}
         self.vmapped = n > 1
-        # (the vmapped loss, one member's loss), eager and as the step runs them
-        self._eager = vmap(self._member_loss, in_dims=(0, None, None, None), randomness="different"), self._member_loss
+        # (the vmapped loss on one shared batch, the vmapped loss on a batch per member, one member's loss), eager
+        # and as the step runs them
+        self._eager = (vmap(self._member_loss, in_dims=(0, None, None, None), randomness="different"),
+                       vmap(self._member_loss, in_dims=(0, 0, 0, 0), randomness="different"), self._member_loss)
         self._compiled = self._eager
         self._update = _adamw_update
         if compile_mode is not None:
@@ -249,32 +270,39 @@ class PackedParams:
 
     def losses(self, inputs: torch.Tensor, query_pos: torch.Tensor, query_labels: torch.Tensor,
                compiled: bool = True) -> torch.Tensor:
-        """The loss of every member on one batch: [N]; `compiled=False` runs eagerly even in a compiled pack.
+        """The loss of every member: [N], on one batch ([B, L] inputs) or on a batch per member ([N, B, L]);
+        `compiled=False` runs eagerly even in a compiled pack.
 
         A pack of several members runs scaled_dot_product_attention's math backend: under vmap the fused kernels
         trained to NaN on the H200 where the unpacked model trains (experiments/LOG.md). A pack of one is not
         vmapped and keeps every kernel, the Triton and FLA impls included."""
-        batched, single = self._compiled if compiled else self._eager
+        shared, each, single = self._compiled if compiled else self._eager
+        per_member = inputs.dim() == 3
         if self.vmapped:
             with sdpa_kernel(SDPBackend.MATH):
-                return batched(self.views(self.flat), inputs, query_pos, query_labels)
+                return (each if per_member else shared)(self.views(self.flat), inputs, query_pos, query_labels)
         params = {name: v[0] for name, v in self.views(self.flat).items()}
+        if per_member:
+            inputs, query_pos, query_labels = inputs[0], query_pos[0], query_labels[0]
         return single(params, inputs, query_pos, query_labels)[None]
 
-    def check_agreement(self, model: LanguageModel, batch: tuple[torch.Tensor, ...], amp, rtol: float) -> None:
+    def check_agreement(self, model: LanguageModel, batch: tuple[torch.Tensor, ...], amp, rtol: float,
+                        per_member: bool = False) -> None:
         """PackError unless every row's loss and gradient on `batch` equal those of the plain `model` holding that
         row's parameters, within `rtol` (relative to the gradient's norm): a vmap rule that computes something else
         on this device, for any member, must not train the pack silently. A vmapped forward or backward that raises
         is a PackError too (on the H200, sliding-window attention's masked math SDPA under vmap and bf16 autocast
         raised "expected input and grad types to match" in its backward), so that zoo-sweep trains those runs
         unpacked. It runs the vmapped loss eagerly: in a compiled pack (train.compile=true) a check in eval mode
-        would compile a second graph, and what it checks, the vmap rules, is the same."""
+        would compile a second graph, and what it checks, the vmap rules, is the same. `per_member`: check the
+        loss that takes a batch per member (a pack of several seeds), each member given `batch`."""
         was_training = self.model.training
         self.model.eval()
         model.eval()
         try:
+            stacked = tuple(x.expand(len(self), *x.shape) for x in batch) if per_member else batch
             with amp:
-                losses = self.losses(*batch, compiled=False)
+                losses = self.losses(*stacked, compiled=False)
             # members do not interact, so the gradient of the sum holds each member's own gradient in its row
             (grad,) = torch.autograd.grad(losses.sum(), self.flat)
             losses = losses.detach()
@@ -373,6 +401,8 @@ class PlainStep:
     """One run: its LanguageModel, torch's AdamW and the warmup + cosine schedule; `train.compile` compiles the
     loss (forward and backward)."""
 
+    seeded = False  # one run: one batch a step
+
     def __init__(self, model: LanguageModel, cfg: Config, total_steps: int, amp) -> None:
         self.model, self.cfg, self.amp = model, cfg, amp
         self.optimizer = build_optimizer(model, cfg, fused=True)
@@ -414,18 +444,20 @@ class PlainStep:
 
 
 class PackedStep:
-    """N runs differing only in optim.lr as one `PackedParams`; with `graph=True` each step is a replayed CUDA
-    graph per (segment, batch size), otherwise the same static-buffer step runs eagerly (the CPU tests' path)."""
+    """N runs differing only in optim.lr and train.seed as one `PackedParams`; with `graph=True` each step is a
+    replayed CUDA graph per (segment, batch shape), otherwise the same static-buffer step runs eagerly (the CPU
+    tests' path). `init`: each member's initial model where the members' seeds differ."""
 
     def __init__(self, model: LanguageModel, members: list[Config], total_steps: int, device: torch.device,
-                 graph: bool) -> None:
+                 graph: bool, init: list[LanguageModel] | None = None) -> None:
         cfg = members[0]
         self.members, self.device, self.graph = members, device, graph
         self.scratch = copy.deepcopy(model)  # a plain model for one member at a time: checks, eval, checkpoints
         self.precision = cfg.train.precision
         self.amp = autocast(device, self.precision)
         compile_mode = cfg.train.compile_mode if cfg.train.compile else None
-        self.pack = PackedParams(model, [m.optim.lr for m in members], cfg.optim, total_steps, compile_mode)
+        self.pack = PackedParams(model, [m.optim.lr for m in members], cfg.optim, total_steps, compile_mode, init)
+        self.seeded = len({m.train.seed for m in members}) > 1  # a batch per member
         self.f = lr_lambda(cfg.optim, total_steps, cfg.train.epochs)
         self.lr_factor = torch.zeros((), device=device)
         self.t = torch.zeros((), device=device)
@@ -440,7 +472,7 @@ class PackedStep:
         if self.pack.vmapped:
             # bf16 autocast rounds the two computations differently; fp32 agrees to rounding
             rtol = 5e-2 if self.device.type == "cuda" else 1e-3
-            self.pack.check_agreement(self.scratch, batch, self.amp, rtol=rtol)
+            self.pack.check_agreement(self.scratch, batch, self.amp, rtol=rtol, per_member=self.seeded)
 
     def _body(self, inputs: torch.Tensor, query_pos: torch.Tensor, query_labels: torch.Tensor) -> torch.Tensor:
         pack = self.pack
@@ -464,10 +496,12 @@ class PackedStep:
         self.pack.flat.grad = None  # so the captured gradient lives in the graph's pool
 
     def step(self, seg, idx: torch.Tensor, step: int) -> torch.Tensor:
+        """One step of every member: on the examples `idx` [B] of `seg`, or with a batch per member, `idx` [N, B]
+        (row n: member n's examples)."""
         self.lr_factor.fill_(self.f(step))
         self.t.fill_(step + 1)
         batch = (seg.inputs[idx], seg.query_pos[idx], seg.query_labels[idx])
-        key = (id(seg), idx.numel())
+        key = (id(seg), tuple(idx.shape))
         if key not in self.graphs:
             self.graphs[key] = StaticGraph(
                 self._body, batch, eager=not self.graph, snapshot=self._snapshot, restore=self._restore,
@@ -491,14 +525,15 @@ class PackedStep:
             self.graphs.clear()  # keep() replaced the tensors they captured
 
 
-def make_strategy(model: LanguageModel, members: list[Config], total_steps: int,
-                  device: torch.device) -> PlainStep | PackedStep:
+def make_strategy(model: LanguageModel, members: list[Config], total_steps: int, device: torch.device,
+                  init: list[LanguageModel] | None = None) -> PlainStep | PackedStep:
     """The step strategy for `members` (see the module docstring): several members are a pack; one member is a
-    plain run, or a graphed pack of one with train.cuda_graph=true on CUDA."""
+    plain run, or a graphed pack of one with train.cuda_graph=true on CUDA. `init`: each member's initial model
+    where their seeds differ (`model` is the first's)."""
     cfg = members[0]
     graph = cfg.train.cuda_graph and device.type == "cuda"
     if cfg.train.cuda_graph and device.type != "cuda":
         log.warning("train.cuda_graph=true needs CUDA: on %s the step runs without a graph", device)
     if len(members) == 1 and not graph:
         return PlainStep(model, cfg, total_steps, autocast(device, cfg.train.precision))
-    return PackedStep(model, members, total_steps, device, graph)
+    return PackedStep(model, members, total_steps, device, graph, init)

@@ -66,6 +66,8 @@ pack in one process (zoo/steps.py); each still gets the run dir, files and `run_
 config, so packed and unpacked sweeps skip each other's finished runs. A group that cannot pack (an FLA impl,
 members killed at different checkpoints) runs one run at a time, and its records say why; so does a pack that
 fails in training, whose unfinished members then train again one at a time from their checkpoints.
+`--pack-seeds` also packs runs that differ in `train.seed=` (each member its own seed's init and batch order);
+a group of several seeds over a mixture of training segments cannot share a step and trains as a pack per seed.
 
 Parallelism: a process pool (stdlib `concurrent.futures`, spawn) of `--workers` processes. Each worker owns
 one device for its lifetime: worker i gets GPU i mod (number of GPUs), so with workers = runs_per_gpu·GPUs
@@ -257,19 +259,22 @@ def run_one(overrides: list[str], extra: list[str]) -> dict[str, Any]:
     }
 
 
-def lr_groups(runs: list[list[str]]) -> list[list[int]]:
-    """Indices of runs whose overrides are equal but for `optim.lr=...`, in order of first appearance."""
+def lr_groups(runs: list[list[str]], seeds: bool = False) -> list[list[int]]:
+    """Indices of runs whose overrides are equal but for `optim.lr=...` (and, with `seeds`, `train.seed=...`), in
+    order of first appearance."""
+    differ = ("optim.lr=", "train.seed=") if seeds else ("optim.lr=",)
     groups: dict[tuple[str, ...], list[int]] = {}
     for i, run in enumerate(runs):
-        groups.setdefault(tuple(o for o in run if not o.startswith("optim.lr=")), []).append(i)
+        groups.setdefault(tuple(o for o in run if not o.startswith(differ)), []).append(i)
     return list(groups.values())
 
 
 def run_pack(runs: list[list[str]], extra: list[str], alone: bool = True) -> list[dict[str, Any]]:
-    """Runs that differ only in optim.lr, trained as one pack; never raises (failures are returned).
+    """Runs that differ only in optim.lr and train.seed, trained as one pack; never raises (failures are returned).
 
     Finished runs are skipped and failed configs reported, as in `run_one`; the rest train together, or one at
     a time when they cannot pack or the pack fails in training (the reason goes into each record as `unpacked`).
+    Runs of several seeds that cannot pack together (a mixture of training segments) train as one pack per seed.
     A pack that runs out of device memory while other jobs share its GPU (`alone=False`) is not unpacked: its
     unfinished members are recorded failed with `oom`, for the sweep to retry the pack alone.
     """
@@ -305,6 +310,15 @@ def run_pack(runs: list[list[str]], extra: list[str], alone: bool = True) -> lis
     try:
         summaries = train_runs(members, resolved)
     except PackError as e:
+        by_seed: dict[int, list[int]] = {}
+        for j, cfg in enumerate(members):
+            by_seed.setdefault(cfg.train.seed, []).append(j)
+        if len(by_seed) > 1:  # a pack per seed, each of which may still fail alone
+            for group in by_seed.values():
+                results = run_pack([todo[j]["overrides"] for j in group], extra, alone)
+                for j, result in zip(group, results):
+                    todo[j] |= result | {"packed_by_seed": str(e)}
+            return records
         for record in todo:
             record |= run_one(record["overrides"], extra) | {"unpacked": str(e)}
         return records
@@ -345,7 +359,8 @@ def run_pack(runs: list[list[str]], extra: list[str], alone: bool = True) -> lis
 
 
 def run_job(runs: list[list[str]], extra: list[str], stop=None, alone: bool = True) -> list[dict[str, Any]]:
-    """One job of the pool: a single run, or a group of runs differing only in optim.lr (a pack). `stop`: an
+    """One job of the pool: a single run, or a group of runs differing only in optim.lr (and train.seed, with
+    --pack-seeds): a pack. `stop`: an
     Event the sweep sets on SIGTERM; a job that starts after it leaves its runs pending. `alone`: whether the job
     has its GPU to itself (see `run_pack`)."""
     if stop is not None and stop.is_set():
@@ -477,10 +492,12 @@ def run_sweep(
     order: str = "longest",
     cache: str = "runs",
     skip_summaries: list[str] = (),
+    pack_seeds: bool = False,
 ) -> dict[str, Any]:
     """Run every run (see the module docstring); write and return the sweep record.
 
     pack_lrs: train each group of runs that differ only in optim.lr as one pack (`lr_groups`, `run_pack`).
+    pack_seeds: the same for runs that differ only in optim.lr and train.seed (implies packing).
     mps: auto | on | off, CUDA MPS for workers that share a GPU (`MPS.start`).
     order: longest | shortest | file, the order jobs start in (`order_jobs`).
     cache: the compile cache (`compile_cache`): "runs" for `<runs_root>/_sweeps/compile_cache`, "none" for none,
@@ -496,7 +513,8 @@ def run_sweep(
         if cache_vars:
             log.info("zoo-sweep %s: compile cache %s", name, ", ".join(f"{k}={v}" for k, v in cache_vars.items()))
         done = committed_runs(runs, extra, skip_summaries) if skip_summaries else {}
-        return _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out, done)
+        pack = "seeds" if pack_seeds else "lrs" if pack_lrs else None
+        return _run_jobs(runs, name, workers, device, extra, pack, mps, order, out, done)
 
 
 def committed_runs(runs: list[list[str]], extra: list[str], directories: list[str]) -> dict[int, dict[str, Any]]:
@@ -572,9 +590,9 @@ def earlier_finished(path: Path) -> dict[str, dict[str, Any]]:
     return {_row_key(r): r for r in record.get("runs", []) if r.get("status") == "finished"}
 
 
-def _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out: Path, done: dict) -> dict[str, Any]:
-    """run_sweep's jobs, serially or in the pool, with the record (`out`) rewritten after each; `done`: records
-    of runs already skipped."""
+def _run_jobs(runs, name, workers, device, extra, pack, mps, order, out: Path, done: dict) -> dict[str, Any]:
+    """run_sweep's jobs, serially or in the pool, with the record (`out`) rewritten after each; `pack`: None,
+    "lrs" or "seeds" (what a pack's runs may differ in); `done`: records of runs already skipped."""
     import multiprocessing
 
     from tqdm.auto import tqdm
@@ -610,7 +628,7 @@ def _run_jobs(runs, name, workers, device, extra, pack_lrs, mps, order, out: Pat
         return record
 
     bar = tqdm(total=len(runs), initial=len(done), desc=f"sweep {name}", dynamic_ncols=True)
-    jobs = lr_groups(runs) if pack_lrs else [[i] for i in range(len(runs))]
+    jobs = lr_groups(runs, seeds=pack == "seeds") if pack else [[i] for i in range(len(runs))]
     jobs = [job for job in ([i for i in job if i not in done] for job in jobs) if job]
     jobs = order_jobs(jobs, runs, order)
     monitor = GpuMonitor(device)
@@ -823,6 +841,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--pack-lrs", action="store_true", help="train runs differing only in optim.lr as one packed job each"
     )
+    parser.add_argument("--pack-seeds", action="store_true",
+                        help="train runs differing only in optim.lr and train.seed as one packed job each (each "
+                        "member its own seed's init and batches; a mixture of segments packs per seed)")
     parser.add_argument("--shard", default=None, help="I/N: only every N-th lr group, from group I")
     parser.add_argument("--mps", default="auto", choices=["auto", "on", "off"],
                         help="CUDA MPS for runs that share a GPU (auto: when several workers share one and the "
@@ -872,7 +893,7 @@ def main(argv: list[str] | None = None) -> None:
     stop = [f"train.stop_at={time.time() + args.time_limit:.3f}"] if args.time_limit else []
     overrides = list(args.overrides) + stop
     record = run_sweep(runs, name, workers, args.device, overrides, args.runs_root, args.pack_lrs, args.mps, args.order,
-                       args.compile_cache, args.skip_summaries)
+                       args.compile_cache, args.skip_summaries, pack_seeds=args.pack_seeds)
     call = record["calls"][-1]
     print(
         f"zoo-sweep {name}: {call['finished']} finished, {call['skipped']} skipped, "

@@ -304,8 +304,14 @@ def _setup(members: list[Config]):
     torch.manual_seed(cfg.train.seed)
     data = {split: load_split(cfg, split, device) for split in SPLITS}
     model = LanguageModel(cfg.model).to(device)
+    init = None
+    if len({m.train.seed for m in members}) > 1:  # each member from its own seed's init (data draws no torch RNG)
+        init = []
+        for m in members:
+            torch.manual_seed(m.train.seed)
+            init.append(LanguageModel(cfg.model).to(device))
     total_steps = sum(seg.num_batches() for seg in data["train"]) * cfg.train.epochs
-    strategy = make_strategy(model, members, total_steps, device)
+    strategy = make_strategy(model, members, total_steps, device, init)
     if isinstance(strategy, PackedStep):
         first = data["train"][0]
         strategy.check((first.inputs[:8], first.query_pos[:8], first.query_labels[:8]))
@@ -327,7 +333,10 @@ def compile_warmup(members: list[Config]) -> int:
         for seg in data["train"]:
             sizes = dict.fromkeys([min(seg.batch_size, len(seg)), len(seg) % seg.batch_size or seg.batch_size])
             for size in sizes:
-                strategy.step(seg, torch.arange(size, device=device), 0)
+                idx = torch.arange(size, device=device)
+                if strategy.seeded:  # a pack of several seeds steps on [N, B] batches
+                    idx = idx.expand(len(strategy), -1)
+                strategy.step(seg, idx, 0)
                 shapes += 1
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -381,6 +390,7 @@ def _train_runs(members: list[Config], resolved: list[str | None] | None, must_s
     total_steps = steps_per_epoch * cfg.train.epochs
 
     n = len(todo)
+    seeded = len({members[i].train.seed for i in todo}) > 1
     start_epoch, step, wall_before, tokens = 0, 0, 0.0, 0
     best = [0.0] * n
     if at:
@@ -469,10 +479,14 @@ def _train_runs(members: list[Config], resolved: list[str | None] | None, must_s
         loss_n = 0
         # a run resumed mid-epoch skips the batches of the epoch it trained on (each epoch's order is fixed)
         batches = epoch_batches(data["train"], cfg.train.seed, epoch, device, cfg.train.batch_order)
+        if seeded:  # a pack of several seeds: each member its own seed's batch, stacked [N, B] (one segment)
+            orders = [epoch_batches(data["train"], members[todo[j]].train.seed, epoch, device, cfg.train.batch_order)
+                      for j in live]
+            batches = ((seg, torch.stack([idx, *(i for _, i in rest)])) for (seg, idx), *rest in zip(*orders))
         for seg, idx in itertools.islice(batches, step - epoch * steps_per_epoch, None):
             losses = strategy.step(seg, idx, step)  # [N]
             step += 1
-            tokens += idx.numel() * seg.inputs.shape[1]
+            tokens += idx.shape[-1] * seg.inputs.shape[1]  # a member's tokens
             loss_sum += losses
             loss_n += 1
             bar.update(1)

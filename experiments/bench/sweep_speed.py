@@ -63,13 +63,15 @@ BASELINE_PROBE_S = 115.0  # the 16-run probe on the landed code, one H200, 4 run
 TARGET_GRID_S = 30 * 60
 # today's default against the best earlier setting (mps16: 100 s on the H200) and the packs, which since
 # 2026-12-02 also compile: 4 packs of 4 lrs, side by side under MPS; graphed-pack captures each pack's whole
-# step (forward, backward, AdamW) as a CUDA graph instead, with no compile warmup to pay
+# step (forward, backward, AdamW) as a CUDA graph instead, with no compile warmup to pay; graphed-seed-pack packs
+# each model's 2 seeds x 4 lrs as one pack of 8 (2 packs)
 DEFAULT_VARIANTS = [
     "today||--workers 4 --mps off --order file",
     "mps16|train.precision=bf16|--workers 16 --mps auto",
     "mps16-compiled|train.compile=true|--workers 16 --mps auto",
     "compiled-pack|train.compile=true|--pack-lrs --workers 4 --mps auto",
     "graphed-pack|train.cuda_graph=true|--pack-lrs --workers 4 --mps auto",
+    "graphed-seed-pack|train.cuda_graph=true|--pack-seeds --workers 2 --mps auto",
 ]
 
 
