@@ -64,6 +64,20 @@ def test_fig2_collect_refuses_the_launched_models_runs(tmp_path):
     assert not (tmp_path / "summaries").exists()
 
 
+def test_fig2_collect_refuses_other_seeds_runs(tmp_path):
+    """SEEDS runs of seeds other than 0 (experiment zoology_fig2_seeds) stay out of the figure's summaries."""
+    cfg, resolved = load_config([
+        "model=zoology_fig2/attention", "model.d_model=16", "data.vocab_size=64", "train.seed=1",
+        f"data.train=[{SEG}]", f"data.valid=[{SEG}]", f"data.test=[{SEG}]", "train.epochs=1", "train.progress=false",
+        f"runs_root={tmp_path / 'runs'}", "experiment_name=zoology_fig2_seeds", f"data.cache_dir={tmp_path / 'c'}",
+    ])
+    train(cfg, resolved)
+    plot = runpy.run_path(str(REPO / "experiments" / "zoology_fig2" / "plot.py"), run_name="plot")
+    with pytest.raises(SystemExit, match="a run of another seed"):
+        plot["collect"](tmp_path / "runs", tmp_path / "summaries")
+    assert not (tmp_path / "summaries").exists()
+
+
 def test_collect_keeps_one_summary_per_run_across_renames(tmp_path):
     """A run collected again under another name (its hash changed with the code) replaces its earlier summary
     instead of adding a second row; a run of another lr is kept beside it."""

@@ -301,6 +301,7 @@ FIG2_SELECTIONS = {
     "lrs": ({"LRS": "1e-4,0.01", "MIXERS": "attention", "D": "512"}, 2),
     "points": ({"POINTS": "h3:64, base_conv:512"}, 2 * 4),
     "points-and-mixers": ({"POINTS": "h3:64,base_conv:512", "MIXERS": "h3,attention"}, 4),
+    "seeds": ({"POINTS": "h3:64", "LRS": "2.154e-3,1e-2", "SEEDS": "2,1"}, 2 * 2),
 }
 
 
@@ -315,11 +316,25 @@ def test_fig2_selectors_pick_their_runs(name, monkeypatch):
     assert len(runs) == count
     if name == "lrs":
         assert sorted(o for r in runs for o in r if o.startswith("optim.lr=")) == ["optim.lr=0.0001", "optim.lr=0.01"]
+    if name == "seeds":
+        seeds = [[o for o in r if o.startswith(("train.seed=", "experiment_name="))] for r in runs]
+        assert [sorted(s) for s in seeds] == [["experiment_name=zoology_fig2_seeds", f"train.seed={k}"]
+                                              for k in (1, 1, 2, 2)]
+        from zoo.sweep import lr_groups
+
+        assert lr_groups(runs, seeds=True) == [[0, 1, 2, 3]]  # one pack under --pack-seeds
     if name.startswith("points"):
         points = {(next(o for o in r if o.startswith("model=")), next(o for o in r if o.startswith("model.d_model=")))
                   for r in runs}
         want = {("model=zoology_fig2/h3", "model.d_model=64"), ("model=zoology_fig2/base_conv", "model.d_model=512")}
         assert points == (want if name == "points" else {("model=zoology_fig2/h3", "model.d_model=64")})
+
+
+def test_fig2_seeds_that_are_not_integers_are_refused(monkeypatch):
+    monkeypatch.setenv("ZOO_FIG2", "L64")
+    monkeypatch.setenv("SEEDS", "1,x")
+    with pytest.raises(ValueError, match="SEEDS must be a comma list of integers"):
+        load_sweep(Path(__file__).resolve().parents[1] / "experiments/zoology_fig2/sweep.py")
 
 
 @pytest.mark.parametrize("value", ["h3", "h3:x", "gla:64", "h3:0"])

@@ -120,7 +120,8 @@ CAUSES = {
     (128, "rwkv", 256): "candidate: the launched RWKV-4 (0.221 at d = 64); " + LAUNCHED_CHECK.format("rwkv", 256),
     (128, "hyena", 64): "candidate: the launched Hyena (tanh MLP, batch 1024); " + LAUNCHED_CHECK.format("hyena", 64),
     (128, "h3", 64): "candidate: seed-to-seed spread (lr 1e-2 gives 0.241, below the figure's 0.25; the launched "
-                     "4-layer H3 lies higher, 0.451 cut at epoch 42); check: seeds 1 and 2 at lrs 2.15e-3 and 1e-2",
+                     "4-layer H3 lies higher, 0.451 cut at epoch 42); check: seeds 1 and 2 at lrs 2.15e-3 and 1e-2 "
+                     "(`POINTS=h3:64 LRS=2.154e-3,1e-2 SEEDS=1,2`, one pack with `--pack-seeds`)",
 }
 COLUMNS = [  # the README table: (header, comparison entry key)
     ("L", "L"),
@@ -156,12 +157,16 @@ POINT_COLUMNS = [
 def collect(runs_dir: Path, out: Path = SUMMARIES) -> int:
     """Copy each finished run's summary (+ its resolved model config) to out/<run>.json; returns the count.
     Refuses runs of the launched models (`ZOO_FIG2_MODELS=launched`): attention's, Hyena's and RWKV's have the
-    config's layer kinds, so their summaries here would silently join the figure's points."""
+    config's layer kinds, so their summaries here would silently join the figure's points. Refuses the extra
+    seeds' runs (`SEEDS`, experiment zoology_fig2_seeds) too: the figure has one run per lr and point."""
     for summary in finished_summaries(runs_dir):  # the runs copy_summaries copies, at any depth below runs_dir
-        experiment = summary.get("experiment")
-        if experiment == "zoology_fig2_launched":
+        experiment = summary.get("experiment") or ""
+        if experiment.startswith("zoology_fig2_launched"):
             raise SystemExit(f"plot.py collect: {summary['run_dir']} is a run of the launched models ({experiment}), "
                              "not of the config's; keep its summaries out of summaries/")
+        if experiment.endswith("_seeds"):
+            raise SystemExit(f"plot.py collect: {summary['run_dir']} is a run of another seed ({experiment}); "
+                             "keep its summaries out of summaries/ (checks/ holds such checks)")
     return copy_summaries(runs_dir, out)
 
 

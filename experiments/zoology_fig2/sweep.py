@@ -28,6 +28,10 @@ Selectors (environment variables, all optional):
   comma list of learning rates of the grid (e.g. `1e-4,1e-2`), matched within 1%.
 - `POINTS`: a comma list of preset:d_model pairs (e.g. `h3:64,base_conv:512`), the grid points to run where
   MIXERS × D would take their whole cross product; combined with MIXERS, D and LRS, a run must pass all of them.
+- `SEEDS`: a comma list of train.seed values (default: the grid's one seed, 0), to measure the spread between
+  seeds at a point. Runs of seeds other than 0 land in the experiment zoology_fig2_seeds, whose summaries
+  `plot.py collect` keeps out of the figure's; `zoo-sweep --pack-seeds` trains a point's seeds and lrs as one
+  pack. E.g. `ZOO_FIG2=L128 POINTS=h3:64 LRS=2.154e-3,1e-2 SEEDS=1,2`.
 - `ZOO_FIG2_MODELS`: `config` (default: the models above, as Zoology's Fig. 2 config defines them) or `launched`:
   the models the runs behind Zoology's published figure trained (experiments/zoology_fig2/README.md, "What the
   published figure ran"): attention, Hyena and RWKV with the tanh MLP of width 4d in every block (RWKV-4's init
@@ -92,6 +96,15 @@ def _selected_points() -> set[tuple[str, int]] | None:
             raise ValueError(f"POINTS: {item!r} is not preset:d_model with a preset of {','.join(MIXERS)}")
         points.add((mixer.strip(), int(d)))
     return points
+
+
+def _selected_seeds() -> list[int]:
+    chosen = _csv("SEEDS")
+    if chosen is None:
+        return [0]
+    if not all(v.isdigit() for v in chosen):
+        raise ValueError(f"SEEDS must be a comma list of integers >= 0, got {os.environ['SEEDS']!r}")
+    return sorted({int(v) for v in chosen})
 
 
 def _selected_lrs() -> list[float]:
@@ -260,4 +273,9 @@ def sweep() -> list[dict]:
     points = _selected_points()
     if points is not None:
         runs = [r for r in runs if (r["model"].removeprefix("zoology_fig2/"), r["model.d_model"]) in points]
-    return runs
+    seeds = _selected_seeds()
+    if seeds == [0]:
+        return runs
+    # seed-major: each seed's runs in the grid's order, so --pack-seeds groups a point's lrs and seeds
+    return [r | {"train.seed": seed} | ({} if seed == 0 else {"experiment_name": r["experiment_name"] + "_seeds"})
+            for seed in seeds for r in runs]
