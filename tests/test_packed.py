@@ -370,6 +370,16 @@ def test_a_compiled_pack_trains_as_the_eager_pack(tmp_path, monkeypatch):
         assert_same_run(ref_root / summary["run"], tmp_path / "default" / summary["run"], 1e-5, config=False)
 
 
+def test_a_compiled_pack_of_several_seeds_trains_as_the_eager_one(tmp_path):
+    """The compiled loss that takes a batch per member: the runs equal those of the eager seed pack."""
+    pairs = [(1e-3, 0), (1e-2, 1)]
+    train_runs(seed_members(tmp_path, pairs, "train.epochs=1"))
+    ref_root = set_aside(tmp_path)
+    summaries = train_runs(seed_members(tmp_path, pairs, "train.epochs=1", "train.compile=true"))
+    for summary in summaries:
+        assert_same_run(ref_root / summary["run"], tmp_path / "default" / summary["run"], 1e-5, config=False)
+
+
 def test_zoo_train_pack_lrs_writes_one_run_per_lr(tmp_path, capsys):
     main([*TINY, f"runs_root={tmp_path}", "model=attention", "train.epochs=1", "train.pack_lrs=[1e-3,1e-2]"])
     lines = capsys.readouterr().out.strip().splitlines()
