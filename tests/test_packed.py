@@ -353,7 +353,7 @@ def test_invalid_packs_fail_in_one_line(tmp_path, capsys):
         assert f"mixer based has impl={impl}" in one_line(e)
 
     cfg, _ = cfg_of(tmp_path, "train.pack_lrs=[1e-3,1e-2]")
-    with pytest.raises(ConfigError, match="train.pack_lrs is set"):
+    with pytest.raises(ConfigError, match="train.pack_lrs or train.pack_seeds is set"):
         train(cfg)
 
 
@@ -368,6 +368,18 @@ def test_a_compiled_pack_trains_as_the_eager_pack(tmp_path, monkeypatch):
     assert compiled, "train.compile=true did not compile the pack's loss"
     for summary in summaries:
         assert_same_run(ref_root / summary["run"], tmp_path / "default" / summary["run"], 1e-5, config=False)
+
+
+def test_zoo_train_pack_seeds_writes_one_run_per_seed_and_lr(tmp_path, capsys):
+    main([*TINY, f"runs_root={tmp_path}", "model=attention", "train.epochs=1", "train.pack_seeds=[3,1]",
+          "train.pack_lrs=[1e-3,1e-2]"])
+    runs = sorted(p.name for p in (tmp_path / "default").iterdir())
+    assert len(runs) == 4 and {r.split("-s")[-1].split("-")[0] for r in runs} == {"1", "3"}
+    summaries = [RunDir(tmp_path / "default" / r).read_summary() for r in runs]
+    assert sorted((s["seed"], s["lr"]) for s in summaries) == [(1, 1e-3), (1, 1e-2), (3, 1e-3), (3, 1e-2)]
+    assert all(s["pack_size"] == 4 for s in summaries)
+    with pytest.raises(ConfigError, match="train.pack_seeds must hold distinct seeds"):
+        cfg_of(tmp_path, "train.pack_seeds=[1,1]")
 
 
 def test_a_compiled_pack_of_several_seeds_trains_as_the_eager_one(tmp_path):

@@ -147,7 +147,7 @@ def run_train(args: list[str]) -> None:
             print(resolved, end="")
             return
         set_threads(cfg.train.threads)
-        if cfg.train.pack_lrs:
+        if cfg.train.pack_lrs or cfg.train.pack_seeds:
             from zoo.steps import pack_members
 
             summaries = train_runs(pack_members(cfg))

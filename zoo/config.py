@@ -253,6 +253,10 @@ class TrainConfig:
     # Non-empty: train one run per learning rate here (optim.lr is replaced), packed into one vmapped model
     # in this process (zoo/steps.py). Each run lands in the run dir its unpacked config would use.
     pack_lrs: list[float] = field(default_factory=list)
+    # Non-empty: one run per seed (train.seed is replaced), packed the same way; with pack_lrs, one run per (seed,
+    # lr), seed by seed. Each member starts from its own seed's init and sees its seed's batch order (one training
+    # segment: zoo/steps.py).
+    pack_seeds: list[int] = field(default_factory=list)
     # How a pack's members stop at early_stop. each: every member on its own, the others train on. first: once one
     # member reaches it, the whole pack stops there, each other member finalised where it stands (its summary says
     # `stopped_by_pack`). For grids that report each point's best lr: a member at early_stop already settles that
@@ -274,6 +278,8 @@ class TrainConfig:
             raise ValueError(f"train.checkpoint_share must be in (0, 1], got {self.checkpoint_share}")
         if any(not lr > 0 for lr in self.pack_lrs) or len(set(self.pack_lrs)) != len(self.pack_lrs):
             raise ValueError(f"train.pack_lrs must hold distinct learning rates > 0, got {list(self.pack_lrs)}")
+        if any(seed < 0 for seed in self.pack_seeds) or len(set(self.pack_seeds)) != len(self.pack_seeds):
+            raise ValueError(f"train.pack_seeds must hold distinct seeds >= 0, got {list(self.pack_seeds)}")
         if self.early_stop is not None and not 0 < self.early_stop <= 1:
             raise ValueError(f"train.early_stop must be in (0, 1] or null, got {self.early_stop}")
         _check_execution(self)

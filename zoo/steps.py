@@ -103,16 +103,19 @@ class PackError(ConfigError):
     """These runs cannot be trained as one pack; the message (one line) says why."""
 
 
-def pack_members(cfg: Config, lrs: list[float] | None = None) -> list[Config]:
-    """The member configs of a pack: `cfg` with optim.lr set to each of `lrs` (default: cfg.train.pack_lrs)."""
+def pack_members(cfg: Config, lrs: list[float] | None = None, seeds: list[int] | None = None) -> list[Config]:
+    """The member configs of a pack: `cfg` at each (seed, lr) of `seeds` × `lrs`, seed by seed (defaults:
+    cfg.train.pack_seeds and cfg.train.pack_lrs; an empty list keeps cfg's own train.seed or optim.lr)."""
     lrs = list(cfg.train.pack_lrs if lrs is None else lrs)
-    if not lrs:
-        raise PackError("a pack needs at least one learning rate (train.pack_lrs=[...])")
+    seeds = list(cfg.train.pack_seeds if seeds is None else seeds)
+    if not lrs and not seeds:
+        raise PackError("a pack needs learning rates or seeds (train.pack_lrs=[...], train.pack_seeds=[...])")
     return [
         dataclasses.replace(
-            cfg, optim=dataclasses.replace(cfg.optim, lr=float(lr)), train=dataclasses.replace(cfg.train, pack_lrs=[])
+            cfg, optim=dataclasses.replace(cfg.optim, lr=float(lr)),
+            train=dataclasses.replace(cfg.train, pack_lrs=[], pack_seeds=[], seed=int(seed)),
         )
-        for lr in lrs
+        for seed in seeds or [cfg.train.seed] for lr in lrs or [cfg.optim.lr]
     ]
 
 
@@ -145,8 +148,9 @@ def check_pack(members: list[Config], run_names: list[str] | None = None) -> Non
             raise PackError(f"the learning rates of a pack must be distinct, got {[lr for lr, _ in pairs]}")
         raise PackError(f"the (lr, seed) pairs of a pack must be distinct, got {pairs}")
     for m in members:
-        if m.train.pack_lrs:
-            raise PackError("a pack member must not set train.pack_lrs itself (use zoo.steps.pack_members)")
+        if m.train.pack_lrs or m.train.pack_seeds:
+            raise PackError("a pack member must not set train.pack_lrs or train.pack_seeds itself (use "
+                            "zoo.steps.pack_members)")
         same = dataclasses.replace(m, optim=dataclasses.replace(m.optim, lr=first.optim.lr),
                                    train=dataclasses.replace(m.train, seed=first.train.seed))
         if same != first:

@@ -82,7 +82,7 @@ def stop_requests(stop_at: float):
 # Fields that change how a run is executed, not what it computes: left out of the run's identity.
 EXECUTION_KEYS = {
     "train": ("resume", "overwrite", "progress", "device", "compile", "cuda_graph", "pack_lrs", "threads", "stop_at",
-              "checkpoint_share", "pack_stop"),
+              "checkpoint_share", "pack_stop", "pack_seeds"),
     "logger": None,
 }
 
@@ -272,8 +272,10 @@ class CheckpointClock:
 
 def train(cfg: Config, resolved_yaml: str | None = None) -> dict[str, Any]:
     """Train one run; return its summary (also written to summary.json)."""
-    if cfg.train.pack_lrs:
-        raise ConfigError("train.pack_lrs is set: train its runs with train_runs(pack_members(cfg))")
+    if cfg.train.pack_lrs or cfg.train.pack_seeds:
+        raise ConfigError(
+            "train.pack_lrs or train.pack_seeds is set: train its runs with train_runs(pack_members(cfg))"
+        )
     return train_runs([cfg], [resolved_yaml])[0]
 
 
@@ -547,6 +549,7 @@ Train one model on synthetic recall data. Overrides use Hydra syntax over zoo/co
   zoo-train model=based data=mqar_tiny optim.lr=3e-3
   zoo-train model=based optim.lr=3e-3 train.resume=true   continue the latest run of this config
   zoo-train model=based train.pack_lrs=[1e-4,1e-3,1e-2]   one run per lr, trained as one vmapped pack
+  zoo-train model=based train.pack_seeds=[0,1,2]          one run per seed, the same way (with pack_lrs: each pair)
   zoo-train --cfg [KEY=VALUE ...]     print the resolved config and exit
   zoo-train -m model=based,attention optim.lr=1e-3,3e-3 hydra/launcher=joblib hydra.launcher.n_jobs=4
                                       a Hydra multirun: every combination, through any Hydra launcher
