@@ -107,6 +107,29 @@ def test_repo_sweep_files_compose(capsys):
     assert len(cfg.train.pack_lrs) == 4
 
 
+def test_emit_pack_seeds_writes_one_command_per_full_product(tmp_path, capsys):
+    """--pack-seeds --emit: a group over seeds and lrs that is a full product is one zoo-train with pack_seeds and
+    pack_lrs; a group that is not (a missing pair) splits into its lr packs."""
+    path = tmp_path / "s.py"
+    path.write_text(
+        "def sweep():\n"
+        "    full = [{'model': 'based', 'optim.lr': lr, 'train.seed': s} for s in (1, 2) for lr in (1e-3, 1e-2)]\n"
+        "    part = [{'model': 'attention', 'optim.lr': lr, 'train.seed': s} for s, lr in ((1, 1e-3), (1, 1e-2),"
+        " (2, 1e-3))]\n"
+        "    return full + part\n"
+    )
+    from zoo.train import load_config
+
+    main([str(path), "--emit", "--pack-seeds"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3
+    cfg, _ = load_config(shlex.split(lines[0])[1:])
+    assert (cfg.train.pack_seeds, cfg.train.pack_lrs) == ([1, 2], [1e-3, 1e-2])
+    assert "train.pack_seeds" not in lines[1] and "train.seed=1" in lines[1]
+    assert "train.pack_lrs=[0.001,0.01]" in lines[1]
+    assert "train.pack_lrs" not in lines[2] and "train.seed=2" in lines[2]
+
+
 def test_frontier_data_are_the_configs(monkeypatch):
     """Based Fig. 2's config: random filler in every segment (its MQARConfigs keep Zoology's default
     random_non_queries=True) and Zoology's fixed batch order."""

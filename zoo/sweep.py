@@ -371,6 +371,40 @@ def run_job(runs: list[list[str]], extra: list[str], stop=None, alone: bool = Tr
         _release_device_memory()
 
 
+def _value(run: list[str], key: str) -> str | None:
+    return next((o.split("=", 1)[1] for o in reversed(run) if o.startswith(key + "=")), None)
+
+
+def emit_jobs(runs: list[list[str]], seeds: bool) -> list[list[int]]:
+    """The packs `--emit` writes one zoo-train command for: the lr groups, and with `seeds` the groups over lrs and
+    seeds wherever every run names its train.seed and the group's (seed, lr) pairs are a full product (what
+    train.pack_seeds x train.pack_lrs expresses); other groups split into their lr groups."""
+    if not seeds:
+        return lr_groups(runs)
+    jobs = []
+    for group in lr_groups(runs, seeds=True):
+        pairs = [(_value(runs[i], "train.seed"), _value(runs[i], "optim.lr")) for i in group]
+        seeds_, lrs = dict.fromkeys(p[0] for p in pairs), dict.fromkeys(p[1] for p in pairs)
+        if None not in seeds_ and len(set(pairs)) == len(pairs) == len(seeds_) * len(lrs):
+            jobs.append(group)
+        else:
+            jobs += [[group[j] for j in sub] for sub in lr_groups([runs[i] for i in group])]
+    return jobs
+
+
+def emitted_run(job: list[list[str]]) -> list[str]:
+    """One zoo-train command's overrides for a job: the run itself, or its pack as train.pack_lrs (and
+    train.pack_seeds when its seeds differ)."""
+    run = job[0]
+    if len(job) == 1:
+        return run
+    lrs = list(dict.fromkeys(_value(r, "optim.lr") for r in job))
+    seeds = list(dict.fromkeys(_value(r, "train.seed") for r in job))
+    keep = [o for o in run if not o.startswith(("optim.lr=", "train.seed=") if len(seeds) > 1 else "optim.lr=")]
+    return keep + [f"train.pack_lrs=[{','.join(lrs)}]"] + ([f"train.pack_seeds=[{','.join(seeds)}]"]
+                                                          if len(seeds) > 1 else [])
+
+
 def shape_key(runs: list[list[str]]) -> tuple[str, ...]:
     """What a job's compiled graphs depend on, read from its runs' overrides: the first run's overrides without
     its lr and seed (the rest of the job's runs differ only in lr), and the number of runs (a pack's width)."""
@@ -874,12 +908,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.emit:
         import shlex
 
-        for job in lr_groups(runs) if args.pack_lrs else [[i] for i in range(len(runs))]:
-            run = runs[job[0]]
-            if len(job) > 1:
-                lrs = ",".join(o.split("=", 1)[1] for i in job for o in runs[i] if o.startswith("optim.lr="))
-                run = [o for o in run if not o.startswith("optim.lr=")] + [f"train.pack_lrs=[{lrs}]"]
-            print(shlex.join(["zoo-train", *run, *extra]))
+        packing = args.pack_lrs or args.pack_seeds
+        for job in emit_jobs(runs, args.pack_seeds) if packing else [[i] for i in range(len(runs))]:
+            print(shlex.join(["zoo-train", *emitted_run([runs[i] for i in job]), *extra]))
         return
     if args.dry_run:
         _dry_run(runs, extra, args.skip_summaries)
