@@ -378,14 +378,15 @@ def _value(run: list[str], key: str) -> str | None:
 def emit_jobs(runs: list[list[str]], seeds: bool) -> list[list[int]]:
     """The packs `--emit` writes one zoo-train command for: the lr groups, and with `seeds` the groups over lrs and
     seeds wherever every run names its train.seed and the group's (seed, lr) pairs are a full product (what
-    train.pack_seeds x train.pack_lrs expresses); other groups split into their lr groups."""
-    if not seeds:
-        return lr_groups(runs)
+    train.pack_seeds x train.pack_lrs expresses); other groups split into their lr groups. A group with a run that
+    names no optim.lr (the config's default) splits into single runs: a pack's command must list every lr."""
     jobs = []
-    for group in lr_groups(runs, seeds=True):
+    for group in lr_groups(runs, seeds=seeds):
         pairs = [(_value(runs[i], "train.seed"), _value(runs[i], "optim.lr")) for i in group]
         seeds_, lrs = dict.fromkeys(p[0] for p in pairs), dict.fromkeys(p[1] for p in pairs)
-        if None not in seeds_ and len(set(pairs)) == len(pairs) == len(seeds_) * len(lrs):
+        if len(group) > 1 and None in lrs:
+            jobs += [[i] for i in group]
+        elif not seeds or (None not in seeds_ and len(set(pairs)) == len(pairs) == len(seeds_) * len(lrs)):
             jobs.append(group)
         else:
             jobs += [[group[j] for j in sub] for sub in lr_groups([runs[i] for i in group])]
@@ -407,7 +408,7 @@ def emitted_run(job: list[list[str]]) -> list[str]:
 
 def shape_key(runs: list[list[str]]) -> tuple[str, ...]:
     """What a job's compiled graphs depend on, read from its runs' overrides: the first run's overrides without
-    its lr and seed (the rest of the job's runs differ only in lr), and the number of runs (a pack's width)."""
+    its lr and seed (the rest of the job's runs differ only in those), and the number of runs (a pack's width)."""
     return (*(o for o in runs[0] if not o.startswith(("optim.lr=", "train.seed="))), f"runs={len(runs)}")
 
 
