@@ -130,6 +130,15 @@ def test_emit_pack_seeds_writes_one_command_per_full_product(tmp_path, capsys):
     assert "train.pack_lrs" not in lines[2] and "train.seed=2" in lines[2]
 
 
+def test_emit_splits_a_pack_whose_run_names_no_lr():
+    """A run without optim.lr= (the config's default) cannot be listed in train.pack_lrs: its group goes run by run."""
+    from zoo.sweep import emit_jobs
+
+    runs = [["model=based", "optim.lr=1e-3"], ["model=based"], ["model=attention", "optim.lr=1e-3"],
+            ["model=attention", "optim.lr=1e-2"]]
+    assert emit_jobs(runs, seeds=False) == [[0], [1], [2, 3]]
+
+
 def test_frontier_data_are_the_configs(monkeypatch):
     """Based Fig. 2's config: random filler in every segment (its MQARConfigs keep Zoology's default
     random_non_queries=True) and Zoology's fixed batch order."""
