@@ -47,33 +47,26 @@ def test_plot_step_writes_results_figure_and_readme(tmp_path, experiment, preset
     assert "| verdict |" in block
 
 
-def test_fig2_collect_refuses_the_launched_models_runs(tmp_path):
-    """ZOO_FIG2_MODELS=launched runs (experiment zoology_fig2_launched) stay out of the config figure's summaries."""
+@pytest.mark.parametrize(
+    ("experiment", "extra", "message"),
+    [("zoology_fig2_launched", "model.mlp=tanh", "launched models"),
+     ("zoology_fig2_seeds", "train.seed=1", "a run of another seed")],
+    ids=["launched", "other-seeds"],
+)
+def test_fig2_collect_refuses_runs_outside_the_figure(tmp_path, experiment, extra, message):
+    """ZOO_FIG2_MODELS=launched runs (experiment zoology_fig2_launched) and the SEEDS checks' runs of seeds other than
+    0 (zoology_fig2_seeds) stay out of the config figure's summaries."""
     cfg, resolved = load_config([
-        "model=zoology_fig2/attention", "model.d_model=16", "model.mlp=tanh", "data.vocab_size=64",
+        "model=zoology_fig2/attention", "model.d_model=16", extra, "data.vocab_size=64",
         f"data.train=[{SEG}]", f"data.valid=[{SEG}]", f"data.test=[{SEG}]", "train.epochs=1", "train.progress=false",
-        f"runs_root={tmp_path / 'runs'}", "experiment_name=zoology_fig2_launched", f"data.cache_dir={tmp_path / 'c'}",
+        f"runs_root={tmp_path / 'runs'}", f"experiment_name={experiment}", f"data.cache_dir={tmp_path / 'c'}",
     ])
     train(cfg, resolved)
     plot = runpy.run_path(str(REPO / "experiments" / "zoology_fig2" / "plot.py"), run_name="plot")
-    with pytest.raises(SystemExit, match="launched models"):
-        plot["collect"](tmp_path / "runs" / "zoology_fig2_launched", tmp_path / "summaries")
+    with pytest.raises(SystemExit, match=message):
+        plot["collect"](tmp_path / "runs" / experiment, tmp_path / "summaries")
     assert not (tmp_path / "summaries").exists()
-    with pytest.raises(SystemExit, match="launched models"):  # the runs root: the run lies two levels down
-        plot["collect"](tmp_path / "runs", tmp_path / "summaries")
-    assert not (tmp_path / "summaries").exists()
-
-
-def test_fig2_collect_refuses_other_seeds_runs(tmp_path):
-    """SEEDS runs of seeds other than 0 (experiment zoology_fig2_seeds) stay out of the figure's summaries."""
-    cfg, resolved = load_config([
-        "model=zoology_fig2/attention", "model.d_model=16", "data.vocab_size=64", "train.seed=1",
-        f"data.train=[{SEG}]", f"data.valid=[{SEG}]", f"data.test=[{SEG}]", "train.epochs=1", "train.progress=false",
-        f"runs_root={tmp_path / 'runs'}", "experiment_name=zoology_fig2_seeds", f"data.cache_dir={tmp_path / 'c'}",
-    ])
-    train(cfg, resolved)
-    plot = runpy.run_path(str(REPO / "experiments" / "zoology_fig2" / "plot.py"), run_name="plot")
-    with pytest.raises(SystemExit, match="a run of another seed"):
+    with pytest.raises(SystemExit, match=message):  # the runs root: the run lies two levels down
         plot["collect"](tmp_path / "runs", tmp_path / "summaries")
     assert not (tmp_path / "summaries").exists()
 
