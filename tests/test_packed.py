@@ -141,13 +141,16 @@ def test_a_pack_of_several_seeds_needs_one_training_segment(tmp_path):
     assert "(lr, seed) pairs of a pack must be distinct" in one_line(e)
 
 
-def test_early_stopped_member_leaves_the_others_as_standalone(tmp_path):
+@pytest.mark.parametrize("pairs", [[(lr, 0) for lr in LRS], [(3e-2, 0), (3e-2, 1), (1e-2, 2)]],
+                         ids=["lrs", "seeds"])
+def test_early_stopped_member_leaves_the_others_as_standalone(tmp_path, pairs):
     epochs = 3
     extra = ("model=attention", f"train.epochs={epochs}")
     curves = []
-    for lr in LRS:
-        standalone(tmp_path / "null", lr, *extra, "train.early_stop=null")
-        cfg, _ = cfg_of(tmp_path / "null", f"optim.lr={lr}", *extra, "train.early_stop=null")
+    for lr, seed in pairs:
+        cfg, resolved = cfg_of(tmp_path / "null", f"optim.lr={lr}", f"train.seed={seed}", *extra,
+                               "train.early_stop=null")
+        train(cfg, resolved)
         metrics = RunDir(tmp_path / "null" / "default" / run_name(cfg)).read_metrics()
         curves.append([r["valid/accuracy"] for r in metrics if "valid/accuracy" in r])
     # A threshold that exactly one member reaches, before the last epoch, and no other member ever does.
@@ -164,11 +167,12 @@ def test_early_stopped_member_leaves_the_others_as_standalone(tmp_path):
     i_stop, epoch_stop, threshold = stop
     early = f"train.early_stop={threshold!r}"
 
-    refs = [standalone(tmp_path, lr, *extra, early) for lr in LRS]
+    refs = [train(*cfg_of(tmp_path, f"optim.lr={lr}", f"train.seed={seed}", *extra, early)) for lr, seed in pairs]
     ref_root = set_aside(tmp_path)
-    got = packed(tmp_path, LRS, *extra, early)
-    assert [s["stopped_early"] for s in refs] == [s["stopped_early"] for s in got] == [i == i_stop for i in range(3)]
-    assert [s["epochs"] for s in got] == [epoch_stop if i == i_stop else epochs for i in range(3)]
+    got = train_runs(seed_members(tmp_path, pairs, *extra, early))
+    n = len(pairs)
+    assert [s["stopped_early"] for s in refs] == [s["stopped_early"] for s in got] == [i == i_stop for i in range(n)]
+    assert [s["epochs"] for s in got] == [epoch_stop if i == i_stop else epochs for i in range(n)]
     for s in refs:
         assert_same_run(ref_root / s["run"], tmp_path / "default" / s["run"])
 
