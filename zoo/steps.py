@@ -226,12 +226,12 @@ class PackedParams:
         for p in (p for _, p in named):
             self.offsets.append(self.offsets[-1] + p.numel())
         n = len(lrs)
-        one = torch.cat([p.detach().reshape(-1) for _, p in named])  # [P]
-        if init is None:
-            self.flat = one.expand(n, -1).clone().requires_grad_(True)  # [N, P]
-        else:
-            rows = [torch.cat([p.detach().reshape(-1) for _, p in m.named_parameters()]) for m in init]
-            self.flat = torch.stack(rows).to(one).requires_grad_(True)  # [N, P]
+        def flat_params(m: LanguageModel) -> torch.Tensor:  # [P]
+            return torch.cat([p.detach().reshape(-1) for _, p in m.named_parameters()])
+
+        one = flat_params(model)
+        rows = one.expand(n, -1) if init is None else torch.stack([flat_params(m) for m in init]).to(one)
+        self.flat = rows.clone().requires_grad_(True)  # [N, P]
         self.exp_avg = torch.zeros_like(self.flat, requires_grad=False)
         self.exp_avg_sq = torch.zeros_like(self.flat, requires_grad=False)
         # as build_optimizer: weight decay on the parameters `decayed` picks

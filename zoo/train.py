@@ -308,8 +308,8 @@ def _setup(members: list[Config]):
     model = LanguageModel(cfg.model).to(device)
     init = None
     if len({m.train.seed for m in members}) > 1:  # each member from its own seed's init (data draws no torch RNG)
-        init = []
-        for m in members:
+        init = [model]  # the first member's, drawn above
+        for m in members[1:]:
             torch.manual_seed(m.train.seed)
             init.append(LanguageModel(cfg.model).to(device))
     total_steps = sum(seg.num_batches() for seg in data["train"]) * cfg.train.epochs
@@ -392,7 +392,6 @@ def _train_runs(members: list[Config], resolved: list[str | None] | None, must_s
     total_steps = steps_per_epoch * cfg.train.epochs
 
     n = len(todo)
-    seeded = len({members[i].train.seed for i in todo}) > 1
     start_epoch, step, wall_before, tokens = 0, 0, 0.0, 0
     best = [0.0] * n
     if at:
@@ -479,12 +478,13 @@ def _train_runs(members: list[Config], resolved: list[str | None] | None, must_s
     while epoch < cfg.train.epochs and live:
         loss_sum = torch.zeros(len(live), device=device)
         loss_n = 0
-        # a run resumed mid-epoch skips the batches of the epoch it trained on (each epoch's order is fixed)
-        batches = epoch_batches(data["train"], cfg.train.seed, epoch, device, cfg.train.batch_order)
-        if seeded:  # a pack of several seeds: each member its own seed's batch, stacked [N, B] (one segment)
+        if strategy.seeded:  # a pack of several seeds: each member its own seed's batch, stacked [N, B] (one segment)
             orders = [epoch_batches(data["train"], members[todo[j]].train.seed, epoch, device, cfg.train.batch_order)
                       for j in live]
-            batches = ((seg, torch.stack([idx, *(i for _, i in rest)])) for (seg, idx), *rest in zip(*orders))
+            batches = ((steps[0][0], torch.stack([idx for _, idx in steps])) for steps in zip(*orders))
+        else:
+            batches = epoch_batches(data["train"], cfg.train.seed, epoch, device, cfg.train.batch_order)
+        # a run resumed mid-epoch skips the batches of the epoch it trained on (each epoch's order is fixed)
         for seg, idx in itertools.islice(batches, step - epoch * steps_per_epoch, None):
             losses = strategy.step(seg, idx, step)  # [N]
             step += 1
