@@ -12,7 +12,7 @@ from zoo.models.mixers import MIXERS
 from zoo.runs import RunDir
 from zoo.steps import PackedParams as _Pack
 from zoo.steps import PackError, check_pack, pack_members
-from zoo.train import ConfigError, load_config, run_name, train, train_runs
+from zoo.train import ConfigError, epoch_plan, load_config, run_name, train, train_runs
 
 TINY = [
     "model.d_model=16",
@@ -115,10 +115,32 @@ def seed_members(root, pairs, *extra):
 SEED_PAIRS = [(1e-3, 0), (1e-2, 0), (1e-3, 1), (3e-2, 2)]
 
 
+# 56 examples in batches of 16: each seed's epoch puts its batch of 8 at its own step
+PARTIAL = "data.train=[{seq_len:16,num_kv_pairs:2,num_examples:56,batch_size:16}]"
+
+
+class Examples56:
+    """What epoch_plan reads of PARTIAL's training segment."""
+
+    batch_size = 16
+
+    def __len__(self) -> int:
+        return 56
+
+
+def test_the_seeds_put_their_last_batch_at_different_steps():
+    """What the partial case below relies on: a step where one member's batch is shorter than another's."""
+    segments = [Examples56()]
+    sizes = {seed: [idx.numel() for _, idx in epoch_plan(segments, seed, 0)] for _, seed in SEED_PAIRS}
+    assert len({tuple(v) for v in sizes.values()}) > 1, sizes
+
+
+@pytest.mark.parametrize("batches", ["full", "partial"])
 @pytest.mark.parametrize("model", ["attention", "based"])
-def test_a_pack_of_several_seeds_equals_standalone_runs(tmp_path, model):
-    """Members of other seeds start from their own seed's init and see their own seed's batch order."""
-    extra = (f"model={model}", "train.epochs=2", "train.early_stop=null")
+def test_a_pack_of_several_seeds_equals_standalone_runs(tmp_path, model, batches):
+    """Members of other seeds start from their own seed's init and see their own seed's batch order, the last,
+    shorter batch of an epoch included, which falls on another step for each seed."""
+    extra = (f"model={model}", "train.epochs=2", "train.early_stop=null", *([PARTIAL] if batches == "partial" else []))
     refs = [train(*cfg_of(tmp_path, f"optim.lr={lr}", f"train.seed={seed}", *extra)) for lr, seed in SEED_PAIRS]
     ref_root = set_aside(tmp_path)
     got = train_runs(seed_members(tmp_path, SEED_PAIRS, *extra))

@@ -1,5 +1,6 @@
 """train.cuda_graph on CUDA: the captured, replayed training step trains exactly as the eager step (a pack of
-lrs, and a single run, which trains as a pack of one). Skipped without CUDA; run on the H200."""
+lrs, a pack of seeds and lrs, whose members each step on their own batch, and a single run, which trains as a pack
+of one). Skipped without CUDA; run on the H200."""
 
 import pytest
 import torch
@@ -29,14 +30,18 @@ def params(run_dir):
     return RunDir(run_dir).load_checkpoint()["model"]
 
 
+PACKS = {"lrs": {"lrs": [1e-3, 1e-2]}, "seeds": {"lrs": [1e-3, 1e-2], "seeds": [0, 1]}}
+
+
+@pytest.mark.parametrize("pack", PACKS)
 @pytest.mark.parametrize("model", ["based", "attention"])
-def test_graphed_pack_equals_eager_pack(tmp_path, model):
+def test_graphed_pack_equals_eager_pack(tmp_path, model, pack):
     runs = {}
     for graph in (False, True):
         # one runs_root for both (it is part of a run's name), each training moved aside after it
         cfg, _ = load_config([*SMALL, f"model={model}", f"runs_root={tmp_path / 'runs'}"])
         cfg.train.cuda_graph = graph
-        runs[graph] = train_runs(pack_members(cfg, [1e-3, 1e-2]))
+        runs[graph] = train_runs(pack_members(cfg, **PACKS[pack]))
         (tmp_path / "runs" / "default").rename(tmp_path / str(graph))
     for eager, graphed in zip(runs[False], runs[True]):
         assert eager["run"] == graphed["run"] and eager["steps"] == graphed["steps"] == 30

@@ -501,10 +501,14 @@ class PackedStep:
 
     def step(self, seg, idx: torch.Tensor, step: int) -> torch.Tensor:
         """One step of every member: on the examples `idx` [B] of `seg`, or with a batch per member, `idx` [N, B]
-        (row n: member n's examples)."""
+        (row n: member n's examples; -1 pads a member's shorter batch: those rows' labels are ignored, so they add
+        nothing to its loss or gradient)."""
         self.lr_factor.fill_(self.f(step))
         self.t.fill_(step + 1)
-        batch = (seg.inputs[idx], seg.query_pos[idx], seg.query_labels[idx])
+        labels = seg.query_labels[idx]
+        if idx.dim() == 2:
+            labels = labels.masked_fill((idx < 0)[..., None], -100)
+        batch = (seg.inputs[idx], seg.query_pos[idx], labels)
         key = (id(seg), tuple(idx.shape))
         if key not in self.graphs:
             self.graphs[key] = StaticGraph(

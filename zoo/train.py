@@ -133,6 +133,14 @@ def epoch_plan(
     return [batches[i] for i in shuffled]
 
 
+def member_batches(indices: list[torch.Tensor]) -> torch.Tensor:
+    """One step of a pack of several seeds: each member's example indices, stacked [N, B]. A seed's epoch puts its
+    last, shorter batch at its own step, so at that step a member's row is padded with -1: rows the step gives no
+    loss (PackedStep.step), which is how that member trains alone on the shorter batch."""
+    width = max(idx.numel() for idx in indices)
+    return torch.stack([torch.cat([idx, idx.new_full((width - idx.numel(),), -1)]) for idx in indices])
+
+
 def epoch_batches(segments: list[QuerySegment], seed: int, epoch: int, device: torch.device, order: str = "shuffle"):
     """(segment, example indices on `device`) per batch of `epoch_plan`, after one host-to-device copy of the
     whole epoch's indices: no transfer inside the step loop."""
@@ -481,14 +489,17 @@ def _train_runs(members: list[Config], resolved: list[str | None] | None, must_s
         if strategy.seeded:  # a pack of several seeds: each member its own seed's batch, stacked [N, B] (one segment)
             orders = [epoch_batches(data["train"], members[todo[j]].train.seed, epoch, device, cfg.train.batch_order)
                       for j in live]
-            batches = ((steps[0][0], torch.stack([idx for _, idx in steps])) for steps in zip(*orders))
+            # (segment, [N, B] indices, examples of the first member)
+            batches = ((steps[0][0], member_batches([idx for _, idx in steps]), steps[0][1].numel())
+                       for steps in zip(*orders))
         else:
-            batches = epoch_batches(data["train"], cfg.train.seed, epoch, device, cfg.train.batch_order)
+            batches = ((seg, idx, idx.numel()) for seg, idx in
+                       epoch_batches(data["train"], cfg.train.seed, epoch, device, cfg.train.batch_order))
         # a run resumed mid-epoch skips the batches of the epoch it trained on (each epoch's order is fixed)
-        for seg, idx in itertools.islice(batches, step - epoch * steps_per_epoch, None):
+        for seg, idx, examples in itertools.islice(batches, step - epoch * steps_per_epoch, None):
             losses = strategy.step(seg, idx, step)  # [N]
             step += 1
-            tokens += idx.shape[-1] * seg.inputs.shape[1]  # a member's tokens
+            tokens += examples * seg.inputs.shape[1]  # a member's tokens (every member's epoch holds as many)
             loss_sum += losses
             loss_n += 1
             bar.update(1)
