@@ -178,3 +178,13 @@ def test_fig2_committed_launched_checks_are_read():
     """The committed checks hold the launched BaseConv at L = 64, d = 512 (it stopped at 0.99)."""
     plot = runpy.run_path(str(REPO / "experiments" / "zoology_fig2" / "plot.py"), run_name="plot")
     assert plot["launched_points"]()[(64, "base_conv", 512)]["test_accuracy"] > 0.98
+
+
+def test_fig2_line_breaks_where_a_d_model_has_not_run():
+    plot = runpy.run_path(str(REPO / "experiments" / "zoology_fig2" / "plot.py"), run_name="plot")
+    best = {(128, "hyena", 128): {"test_accuracy": 0.7}, (128, "hyena", 512): {"test_accuracy": 0.9},
+            (128, "attention", 256): {"test_accuracy": 1.0}, (64, "hyena", 256): {"test_accuracy": 0.5}}
+    ds, ys = plot["model_line"](best, 128, "hyena")
+    assert ds == [128, 256, 512]
+    assert ys[0] == 0.7 and ys[2] == 0.9 and ys[1] != ys[1]  # NaN at 256: a gap
+    assert plot["model_line"](best, 128, "h3") == ([], [])

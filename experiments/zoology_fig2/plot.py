@@ -26,6 +26,7 @@ config's models and stay out of results.json and the tables.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections import defaultdict
 from functools import partial
@@ -307,6 +308,16 @@ def draw_readings(ax, L: int, colors: dict[str, str], skip: set[str] = frozenset
     return any_drawn
 
 
+def model_line(best: dict[tuple[int, str, int], dict[str, Any]], L: int, mixer: str) -> tuple[list[int], list[float]]:
+    """One model's line in panel L: (d_models, best-lr test accuracies), from its smallest d_model run to its
+    largest, over every d_model the panel has run. A d_model this model has not run is NaN, a gap in the line:
+    a segment drawn across it would read as a point that was never measured."""
+    panel = sorted({d for (sl, _, d) in best if sl == L})
+    ran = [d for d in panel if (L, mixer, d) in best]
+    ds = [d for d in panel if ran and ran[0] <= d <= ran[-1]]
+    return ds, [best[(L, mixer, d)]["test_accuracy"] if (L, mixer, d) in best else math.nan for d in ds]
+
+
 def plot(result_rows: list[dict[str, Any]], out: Path, launched: dict | None = None) -> Path:
     """The figure; `launched`: `launched_points`' map, drawn as open diamonds (none: nothing drawn)."""
     import matplotlib
@@ -330,10 +341,9 @@ def plot(result_rows: list[dict[str, Any]], out: Path, launched: dict | None = N
                 ax.plot(ds, [paper[(L, mixer, d)]["accuracy"] for d in ds], "x--", color=colors[mixer], alpha=0.55,
                         linewidth=1, markersize=5)
         for mixer in ORDER:
-            ds = sorted(d for (sl, m, d) in best if sl == L and m == mixer)
+            ds, ys = model_line(best, L, mixer)
             if ds:
-                ax.plot(ds, [best[(L, mixer, d)]["test_accuracy"] for d in ds], "o-", label=mixer, alpha=0.85,
-                        color=colors[mixer])
+                ax.plot(ds, ys, "o-", label=mixer, alpha=0.85, color=colors[mixer])
         for (pL, mixer, d), row in (launched or {}).items():
             if pL == L:
                 ax.plot([d], [row["test_accuracy"]], "D", color=colors[mixer], fillstyle="none", markersize=7,
