@@ -181,3 +181,18 @@ def test_learning_rate_schedule(schedule, expected):
 def test_unknown_lr_schedule_is_refused():
     with pytest.raises(ValueError, match="lr_schedule"):
         DistillConfig(data="x", output="y", lr_schedule="linear")
+
+
+def test_teacher_top_logprobs_are_the_models_distribution_at_each_answer_token(setup):
+    """A record's top-k ids and log-probs at answer token j are the top k of log_softmax of the model's logits
+    over the prompt and the first j answer tokens (what distillation matches the student against)."""
+    model, tok, ctx, rows = setup
+    for row in rows:
+        ids = torch.tensor([ctx + row["input_ids"]])
+        with torch.no_grad():
+            logp = model(ids).logits[0].float().log_softmax(-1)  # [T, V]
+        start = len(ctx) + row["answer_start"]
+        for j, (top_ids, top_lp) in enumerate(zip(row["top_ids"], row["top_logprobs"])):
+            want = logp[start + j - 1].topk(len(top_ids))
+            assert top_ids == want.indices.tolist()
+            torch.testing.assert_close(torch.tensor(top_lp), want.values, rtol=1e-4, atol=1e-5)
