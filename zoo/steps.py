@@ -119,6 +119,12 @@ def pack_members(cfg: Config, lrs: list[float] | None = None, seeds: list[int] |
     ]
 
 
+def several_seeds(members: list[Config]) -> bool:
+    """Whether a pack's members differ in train.seed: then each starts from its own seed's init and steps on its
+    own seed's batch ([N, B] batches)."""
+    return len({m.train.seed for m in members}) > 1
+
+
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(tree, dict):
         out = {}
@@ -144,7 +150,7 @@ def check_pack(members: list[Config], run_names: list[str] | None = None) -> Non
     first = members[0]
     pairs = [(m.optim.lr, m.train.seed) for m in members]
     if len(set(pairs)) != len(pairs):
-        if len({seed for _, seed in pairs}) == 1:
+        if not several_seeds(members):
             raise PackError(f"the learning rates of a pack must be distinct, got {[lr for lr, _ in pairs]}")
         raise PackError(f"the (lr, seed) pairs of a pack must be distinct, got {pairs}")
     for m in members:
@@ -157,7 +163,7 @@ def check_pack(members: list[Config], run_names: list[str] | None = None) -> Non
             raise PackError(
                 f"packed runs may differ only in optim.lr and train.seed, but {_first_difference(first, m)}"
             )
-    if len({seed for _, seed in pairs}) > 1 and len(first.data.train) != 1:
+    if several_seeds(members) and len(first.data.train) != 1:
         raise PackError(
             f"runs of several seeds pack only with one training segment (data.train has {len(first.data.train)}): "
             "each seed interleaves a mixture's segments in its own order"
@@ -461,7 +467,7 @@ class PackedStep:
         self.amp = autocast(device, self.precision)
         compile_mode = cfg.train.compile_mode if cfg.train.compile else None
         self.pack = PackedParams(model, [m.optim.lr for m in members], cfg.optim, total_steps, compile_mode, init)
-        self.seeded = len({m.train.seed for m in members}) > 1  # a batch per member
+        self.seeded = several_seeds(members)  # a batch per member
         self.f = lr_lambda(cfg.optim, total_steps, cfg.train.epochs)
         self.lr_factor = torch.zeros((), device=device)
         self.t = torch.zeros((), device=device)

@@ -29,7 +29,7 @@ from zoo.eval import QuerySegment, evaluate
 from zoo.models import LanguageModel
 from zoo.paths import config_dir
 from zoo.runs import RunDir, find_resumable, identity_digest
-from zoo.steps import PackedStep, PackError, check_pack, lr_lambda, make_strategy
+from zoo.steps import PackedStep, PackError, check_pack, lr_lambda, make_strategy, several_seeds
 from zoo.synthetics import cached_generate, generate
 
 log = logging.getLogger("zoo.train")
@@ -138,7 +138,8 @@ def member_batches(indices: list[torch.Tensor]) -> torch.Tensor:
     last, shorter batch at its own step, so at that step a member's row is padded with -1: rows the step gives no
     loss (PackedStep.step), which is how that member trains alone on the shorter batch."""
     width = max(idx.numel() for idx in indices)
-    return torch.stack([torch.cat([idx, idx.new_full((width - idx.numel(),), -1)]) for idx in indices])
+    return torch.stack([idx if idx.numel() == width else torch.cat([idx, idx.new_full((width - idx.numel(),), -1)])
+                        for idx in indices])
 
 
 def epoch_batches(segments: list[QuerySegment], seed: int, epoch: int, device: torch.device, order: str = "shuffle"):
@@ -315,7 +316,7 @@ def _setup(members: list[Config]):
     data = {split: load_split(cfg, split, device) for split in SPLITS}
     model = LanguageModel(cfg.model).to(device)
     init = None
-    if len({m.train.seed for m in members}) > 1:  # each member from its own seed's init (data draws no torch RNG)
+    if several_seeds(members):  # each member from its own seed's init (data draws no torch RNG)
         init = [model]  # the first member's, drawn above
         for m in members[1:]:
             torch.manual_seed(m.train.seed)
