@@ -120,6 +120,8 @@ CAUSES = {
     (128, "rwkv", 128): "candidate: the launched RWKV-4 (0.221 at d = 64); " + LAUNCHED_CHECK.format("rwkv", 128),
     (128, "rwkv", 256): "candidate: the launched RWKV-4 (0.221 at d = 64); " + LAUNCHED_CHECK.format("rwkv", 256),
     (128, "hyena", 64): "candidate: the launched Hyena (tanh MLP, batch 1024); " + LAUNCHED_CHECK.format("hyena", 64),
+    (128, "hyena", 256): "candidate: the launched Hyena (tanh MLP, batch 1024), as at d = 64 and 512; "
+                         + LAUNCHED_CHECK.format("hyena", 256),
     (128, "hyena", 512): "candidate: the launched Hyena (tanh MLP, batch 1024), as at d = 64 and at L = 64; "
                          + LAUNCHED_CHECK.format("hyena", 512),
     (128, "h3", 64): "candidate: seed-to-seed spread (lr 1e-2 gives 0.241, below the figure's 0.25; the launched "
