@@ -45,7 +45,7 @@ import torch
 
 from cartridges.cache import Cartridge, cache_kwargs
 from cartridges.config import ConfigError, DistillConfig, run_command
-from cartridges.corpus import Corpus
+from cartridges.corpus import Corpus, load_texts
 from cartridges.init import init_cartridge
 from cartridges.state import StateCartridge, differentiable
 from zoo.runs import atomic_torch_save, atomic_write_text
@@ -338,21 +338,21 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None) -> dict:
     ckpt_path = out / CHECKPOINT
     if ckpt_path.exists() and not (cfg.resume or cfg.overwrite):
         raise ConfigError(f"{out} already holds a run: pass resume=true to continue or overwrite=true")
-    if cfg.overwrite:
-        for f in ("metrics.jsonl", "summary.json", "cartridge.safetensors", CHECKPOINT):
-            (out / f).unlink(missing_ok=True)
-    ckpt_path.parent.mkdir(parents=True, exist_ok=True)
+    texts = load_texts(cfg.corpus.path, cfg.corpus.text_field)  # a bad path fails before the model loads
     device = resolve_device(cfg.device)
     if model is None or tokenizer is None:
         bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
         model, tokenizer = load_model(cfg.model, dtype=parse_dtype("bf16" if bf16 else "fp32"), device=device)
     model.requires_grad_(False)  # frozen: gradients reach the cartridge only
-    corpus = Corpus.from_path(
-        cfg.corpus.path, tokenizer, cfg.corpus.min_tokens, cfg.corpus.max_tokens, cfg.corpus.text_field
-    )
+    corpus = Corpus(texts, tokenizer, cfg.corpus.min_tokens, cfg.corpus.max_tokens)
     examples, heldout = load_split(cfg, corpus)
     if not examples:
         raise ConfigError("no training examples (empty dataset or corpus shorter than corpus.min_tokens)")
+    # the inputs are good: only now may overwrite=true remove the earlier run's files
+    if cfg.overwrite:
+        for f in ("metrics.jsonl", "summary.json", "cartridge.safetensors", CHECKPOINT):
+            (out / f).unlink(missing_ok=True)
+    ckpt_path.parent.mkdir(parents=True, exist_ok=True)
     steps = schedule(examples, cfg)
 
     cartridge = init_cartridge(cfg, model, tokenizer, corpus, device)

@@ -28,7 +28,7 @@ import torch
 
 from cartridges.cache import Cartridge, generate
 from cartridges.config import ConfigError, EvalConfig, run_command
-from cartridges.corpus import Corpus, context_ids, left_pad, turn_ids
+from cartridges.corpus import Corpus, context_ids, left_pad, load_texts, turn_ids
 
 log = logging.getLogger(__name__)
 
@@ -154,14 +154,15 @@ def evaluate(cfg: EvalConfig, model=None, tokenizer=None) -> dict:
     from zoo.device import resolve_device
     from zoo.pretrained import load_model, parse_dtype
 
+    items = load_qa(cfg.qa)  # the inputs are read before the model loads: a bad path fails at once
+    if cfg.limit:
+        items = items[: cfg.limit]
+    texts = load_texts(cfg.corpus.path, cfg.corpus.text_field)
     if model is None or tokenizer is None:
         device = resolve_device(cfg.device)
         bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
         model, tokenizer = load_model(cfg.model, dtype=parse_dtype("bf16" if bf16 else "fp32"), device=device)
-    items = load_qa(cfg.qa)
-    if cfg.limit:
-        items = items[: cfg.limit]
-    corpus = Corpus.from_path(cfg.corpus.path, tokenizer, 1, 1 << 30, cfg.corpus.text_field)
+    corpus = Corpus(texts, tokenizer, 1, 1 << 30)
     arms = build_arms(cfg, model, tokenizer, corpus)
     if not arms:
         raise ConfigError("no arms to evaluate: set arms, truncated_tokens or cartridges")

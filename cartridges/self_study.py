@@ -34,7 +34,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from cartridges.config import ConfigError, SynthesizeConfig, run_command
-from cartridges.corpus import Corpus, context_ids, turn_ids
+from cartridges.corpus import Corpus, context_ids, load_texts, turn_ids
 from zoo.runs import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -266,16 +266,14 @@ def synthesize(cfg: SynthesizeConfig, model=None, tokenizer=None) -> Path:
 
     out = Path(cfg.output)
     shards = out / "shards"
-    shards.mkdir(parents=True, exist_ok=True)
+    texts = load_texts(cfg.corpus.path, cfg.corpus.text_field)  # a bad path fails before the model loads
     if model is None or tokenizer is None:
         device = resolve_device(cfg.device)
         dtype = parse_dtype(
             "bf16" if cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda") else "fp32"
         )
         model, tokenizer = load_model(cfg.model, dtype=dtype, device=device)
-    corpus = Corpus.from_path(
-        cfg.corpus.path, tokenizer, cfg.corpus.min_tokens, cfg.corpus.max_tokens, cfg.corpus.text_field
-    )
+    corpus = Corpus(texts, tokenizer, cfg.corpus.min_tokens, cfg.corpus.max_tokens)
     meta = {"config": asdict(cfg), "corpus_hash": corpus.hash, "format": "zoo.cartridges.self_study/1"}
     meta_path = out / "meta.json"
     if meta_path.is_file():
@@ -285,6 +283,7 @@ def synthesize(cfg: SynthesizeConfig, model=None, tokenizer=None) -> Path:
         if a != b or old["corpus_hash"] != corpus.hash:
             diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
             raise ConfigError(f"{out} holds self-study with other settings ({diff or 'corpus'}); use another output")
+    shards.mkdir(parents=True, exist_ok=True)
     atomic_write_text(meta_path, json.dumps(meta, indent=2))
 
     client = make_client(cfg, model, tokenizer)

@@ -188,3 +188,20 @@ def test_fig2_line_breaks_where_a_d_model_has_not_run():
     assert ds == [128, 256, 512]
     assert ys[0] == 0.7 and ys[2] == 0.9 and ys[1] != ys[1]  # NaN at 256: a gap
     assert plot["model_line"](best, 128, "h3") == ([], [])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["collect", "no-such-runs-dir"], "no runs dir at no-such-runs-dir"),
+    (["collect"], "usage: plot.py collect"),
+    (["draw"], "usage: plot.py [collect"),
+])
+def test_plot_command_line_refuses_bad_arguments(tmp_path, argv, message):
+    """`plot.py collect` with a mistyped runs dir stops with one line instead of reporting 0 summaries copied."""
+    from zoo.plot import reproduction_main
+
+    def never(*args):
+        raise AssertionError("nothing may be collected or built")
+
+    with pytest.raises(SystemExit, match=message.replace("[", r"\[")):
+        reproduction_main(argv, tmp_path / "summaries", never, never)
+    assert not (tmp_path / "summaries").exists()

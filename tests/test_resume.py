@@ -102,3 +102,24 @@ def test_run_control_fields_are_ignored(tmp_path):
     assert "run_dir" in tree
     _, resolved = load_config([*QUICK, f"runs_root={tmp_path}", "train.device=cpu", "logger.mode=disabled"])
     assert find_resumable(tmp_path / "default", resolved, EXECUTION_KEYS["train"]).path == run.path
+
+
+def test_overwrite_keeps_the_earlier_run_until_the_new_one_is_built(tmp_path, monkeypatch):
+    """train.overwrite=true clears the run dir only once the data and the model are built: a failure there (a
+    full disk for the data cache, an out-of-memory model) leaves the earlier run as it was."""
+    import zoo.train as train_mod
+
+    args = [*TINY_RUN, "train.epochs=1", "train.device=cpu", f"runs_root={tmp_path}", "run=r",
+            f"data.cache_dir={tmp_path / 'cache'}"]
+    train(*load_config(args))
+    run = tmp_path / "default" / "r"
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    assert "summary.json" in before
+
+    def fails(members):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(train_mod, "_setup", fails)
+    with pytest.raises(OSError, match="No space"):
+        train(*load_config([*args, "train.overwrite=true"]))
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before

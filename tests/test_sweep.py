@@ -491,3 +491,30 @@ def test_dry_run_names_committed_done_and_todo_runs(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == ["committed", "committed", "done", "todo", "invalid", "2"]
     assert lines[-1] == f"2 of 5 runs committed in {committed}"
+
+
+BAD_SWEEP_FILES = {  # file name, content (None: the file is not written) -> the one line zoo-sweep prints
+    "missing": ("gone.py", None, "no sweep file at"),
+    "suffix": ("runs.txt", "x", "must be .py or .yaml"),
+    "no_sweep_function": ("s.py", "RUNS = []\n", "must define sweep()"),
+    "sweep_raises": ("s.py", "def sweep():\n    raise ValueError('D must be a comma list of integers')\n",
+                     "s.py: D must be a comma list of integers"),
+    "no_runs": ("s.py", "def sweep():\n    return []\n", "defines no runs"),
+    "yaml_syntax": ("s.yaml", "grid: [1\n", "not valid YAML"),
+    "yaml_not_a_mapping": ("s.yaml", "- 1\n", "expected a mapping"),
+    "yaml_scalar_grid": ("s.yaml", "grid: {optim.lr: 3}\n", "must be a non-empty list"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SWEEP_FILES))
+def test_bad_sweep_file_is_one_line(tmp_path, capsys, case):
+    """A sweep file that cannot give runs stops zoo-sweep with one line naming the problem, not a traceback."""
+    name, content, message = BAD_SWEEP_FILES[case]
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as stop:
+        main([str(path), "--dry-run", "--runs-root", str(tmp_path / "runs")])
+    line = str(stop.value.code)
+    assert line.startswith("zoo-sweep: error: ") and message in line and "\n" not in line
+    assert not (tmp_path / "runs").exists()

@@ -178,3 +178,10 @@ def test_a_call_without_a_start_time_adds_its_whole_wall(bench):
     calls = [{"started": None, "wall_s": 10.0}, {"started": "2026-12-07T05:00:00+00:00", "wall_s": 5.0},
              {"started": "2026-12-07T05:00:02+00:00", "wall_s": 1.0}, {"wall_s": 2.0}]
     assert bench.calls_wall(calls) == pytest.approx(17.0)
+
+
+def test_from_json_refuses_a_missing_file(bench, tmp_path, monkeypatch):
+    """`--from-json` with a mistyped path stops with one line, not a traceback."""
+    monkeypatch.setattr(sys, "argv", ["sweep_speed.py", "--from-json", str(tmp_path / "typo.json")])
+    with pytest.raises(SystemExit, match="--from-json .*typo.json: no such file"):
+        bench.main()

@@ -353,6 +353,8 @@ def reproduction_main(argv: list[str], summaries_dir: Path, collect, build) -> N
     if argv[:1] == ["collect"]:
         if len(argv) != 2:
             raise SystemExit("usage: plot.py collect <runs dir>")
+        if not Path(argv[1]).is_dir():
+            raise SystemExit(f"plot.py collect: no runs dir at {argv[1]}")
         print(f"{collect(Path(argv[1]))} summaries -> {summaries_dir}")
         return
     if argv:

@@ -147,28 +147,44 @@ def grid_runs(block: dict[str, Any]) -> list[list[str]]:
     return [base + [_as_override(k, v) for k, v in zip(keys, combo)] for combo in itertools.product(*grid.values())]
 
 
+class SweepFileError(ValueError):
+    """A sweep file that cannot be read, or whose runs cannot be built; zoo-sweep prints it as one line."""
+
+
 def load_sweep(path: str | Path) -> list[list[str]]:
-    """The runs of a sweep file (Python `sweep()` or a YAML grid), as override lists."""
+    """The runs of a sweep file (Python `sweep()` or a YAML grid), as override lists.
+
+    A missing or malformed file, and a ValueError raised by the file's own `sweep()` (how a sweep rejects a bad
+    environment variable such as `ZOO_FIG2`), come out as `SweepFileError` naming the file."""
     path = Path(path)
-    if path.suffix == ".py":
-        spec = importlib.util.spec_from_file_location(f"_zoo_sweep_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        if not hasattr(module, "sweep"):
-            raise ValueError(f"{path} must define sweep() returning a list of runs")
-        runs = [normalize(run) for run in module.sweep()]
-    elif path.suffix in (".yaml", ".yml"):
-        data = yaml.safe_load(path.read_text()) or {}
-        if "grids" in data:
-            if set(data) - {"grids"}:
-                raise ValueError(f"{path}: with `grids`, no other top-level keys are allowed")
-            runs = [run for block in data["grids"] for run in grid_runs(block)]
+    if path.suffix not in (".py", ".yaml", ".yml"):
+        raise SweepFileError(f"sweep file must be .py or .yaml, got {path}")
+    if not path.is_file():
+        raise SweepFileError(f"no sweep file at {path}")
+    try:
+        if path.suffix == ".py":
+            spec = importlib.util.spec_from_file_location(f"_zoo_sweep_{path.stem}", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            if not hasattr(module, "sweep"):
+                raise ValueError("it must define sweep() returning a list of runs")
+            runs = [normalize(run) for run in module.sweep()]
         else:
-            runs = grid_runs(data)
-    else:
-        raise ValueError(f"sweep file must be .py or .yaml, got {path}")
+            data = yaml.safe_load(path.read_text()) or {}
+            if not isinstance(data, dict):
+                raise ValueError(f"expected a mapping with `grid` (and `base`) or `grids`, got {type(data).__name__}")
+            if "grids" in data:
+                if set(data) - {"grids"}:
+                    raise ValueError("with `grids`, no other top-level keys are allowed")
+                runs = [run for block in data["grids"] for run in grid_runs(block)]
+            else:
+                runs = grid_runs(data)
+    except ValueError as e:
+        raise SweepFileError(f"{path}: {' '.join(str(e).split())}") from e
+    except yaml.YAMLError as e:
+        raise SweepFileError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from e
     if not runs:
-        raise ValueError(f"{path} defines no runs")
+        raise SweepFileError(f"{path} defines no runs")
     return runs
 
 
@@ -899,7 +915,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_intermixed_args(argv)
     if args.time_limit < 0:
         raise SystemExit(f"zoo-sweep: --time-limit must be >= 0 seconds, got {args.time_limit:g}")
-    runs = load_sweep(args.sweep_file)
+    try:
+        runs = load_sweep(args.sweep_file)
+    except SweepFileError as e:
+        raise SystemExit(f"zoo-sweep: error: {e}") from None
     path = Path(args.sweep_file)
     name = args.name or (path.parent.name if path.stem == "sweep" else path.stem)
     if args.shard:

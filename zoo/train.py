@@ -392,11 +392,10 @@ def _train_runs(members: list[Config], resolved: list[str | None] | None, must_s
     if len(at) > 1 or (at and any(c is None for c in ckpts)):
         where = ", ".join(names[i] + ("@" + str(c["epoch"]) if c else "@none") for i, c in zip(todo, ckpts))
         raise PackError(f"the runs of this pack stopped at different checkpoints ({where}); resume them unpacked")
-    if cfg.train.overwrite:
+    device, amp, data, model, strategy = _setup([members[i] for i in todo])
+    if cfg.train.overwrite:  # only once the data and the model are built: a failure there keeps the earlier run
         for i in todo:
             runs[i].clear()
-
-    device, amp, data, model, strategy = _setup([members[i] for i in todo])
     steps_per_epoch = sum(seg.num_batches() for seg in data["train"])
     total_steps = steps_per_epoch * cfg.train.epochs
 

@@ -398,6 +398,8 @@ def main() -> None:
         print(json.dumps(out))
         return
     if args.from_json:
+        if not Path(args.from_json).is_file():
+            raise SystemExit(f"sweep_speed: --from-json {args.from_json}: no such file")
         out = json.loads(Path(args.from_json).read_text().strip().splitlines()[-1])
         out["grid_estimate_s"] = upper_estimate(out["configs"])
         if args.epochs_from:

@@ -53,4 +53,7 @@ def plot(results_path: str | Path) -> Path:
 
 
 if __name__ == "__main__":
-    print(plot(sys.argv[1] if len(sys.argv) > 1 else "runs/cartridges_tradeoff/eval/results.json"))
+    path = Path(sys.argv[1] if len(sys.argv) > 1 else "runs/cartridges_tradeoff/eval/results.json")
+    if not path.is_file():
+        raise SystemExit(f"plot: no eval results at {path} (cartridges-eval's results.json)")
+    print(plot(path))

@@ -329,3 +329,41 @@ def test_batch_timings_skip_untimed_batches(tmp_path):
     (tmp_path / "00000004.timing.json").write_text(json.dumps({"answers": 2.0}))
     out = batch_timings(tmp_path, range(0, 12, 4))
     assert out == {"timing_s": {"answers": 3.5, "write": 0.25}, "timed_batches": 2, "batches": 3}
+
+
+BAD_CORPUS = {  # each command with a corpus path that does not exist, and a model that cannot load
+    "synthesize": (self_study.main, ["num_conversations=2"]),
+    "distill": (distill.main, ["steps=1", "num_tokens=8", "method=ntp"]),
+    "eval": (ceval.main, ["qa={qa}"]),
+}
+
+
+@pytest.mark.parametrize("command", list(BAD_CORPUS))
+def test_bad_corpus_path_fails_before_the_model_loads(tmp_path, capsys, command):
+    """A mistyped corpus path is a one-line error about the corpus, given before a (slow) model load, and
+    nothing is written."""
+    main, extra = BAD_CORPUS[command]
+    (tmp_path / "qa.json").write_text(json.dumps([{"question": "Q?", "answer": "A"}]))
+    args = ["model=no-such-model-anywhere", "device=cpu", "progress=false", f"corpus.path={tmp_path / 'typo.md'}",
+            f"output={tmp_path / 'out'}", *(a.format(qa=tmp_path / "qa.json") for a in extra)]
+    with pytest.raises(SystemExit):
+        main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "typo.md" in err[0] and "neither a file" in err[0]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("bad", ["corpus", "data"])
+def test_distill_overwrite_with_a_bad_input_keeps_the_earlier_run(synthesized, tmp_path, bad):
+    """overwrite=true removes the earlier run's files only once the new run's inputs have been read."""
+    root, _ = synthesized
+    out = tmp_path / "run"
+    args = [*COMMON, f"corpus.path={root / 'doc.md'}", f"data={root / 'ss'}", f"output={out}", "num_tokens=8",
+            "steps=1", "pack_len=64"]
+    distill.main(args)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert "cartridge.safetensors" in before and "summary.json" in before
+    typo = {"corpus": f"corpus.path={root / 'typo.md'}", "data": f"data={root / 'no-such-dataset'}"}[bad]
+    with pytest.raises(SystemExit):
+        distill.main([*args, typo, "overwrite=true"])
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
