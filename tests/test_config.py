@@ -28,6 +28,30 @@ def test_overrides_reach_the_config():
     assert cfg.model.mixers["based"]["feature_dim"] == 4
 
 
+MIXER_OPTION_CASES = {  # overrides -> model.pattern, model.mixers after composition
+    "preset-options-off-the-new-pattern-are-dropped": (
+        ["model=attention", "model.pattern=[short_conv,sliding_window]"], ["short_conv", "sliding_window"], {}),
+    "an-option-for-a-mixer-the-preset-lacks": (
+        ["model=attention", "model.pattern=[short_conv,attention]", "model.mixers.short_conv.kernel_size=4"],
+        ["short_conv", "attention"], {"attention": {"num_heads": 1}, "short_conv": {"kernel_size": 4}}),
+    "an-option-the-preset-has": (
+        ["model=based", "model.mixers.based.feature_dim=4"], ["base_conv", "based"],
+        {"based": {"feature_dim": 4, "num_heads": 1}}),
+    "a-plus-override-is-kept": (
+        ["model=attention", "model.pattern=[short_conv]", "+model.mixers.short_conv.kernel_size=5"], ["short_conv"],
+        {"short_conv": {"kernel_size": 5}}),
+}
+
+
+@pytest.mark.parametrize("case", list(MIXER_OPTION_CASES))
+def test_mixer_options_follow_the_pattern(case):
+    """A pattern changed on the command line drops the preset's options for mixers it no longer uses, and
+    `model.mixers.<mixer>.<option>=v` works whether or not the preset lists that mixer."""
+    overrides, pattern, mixers = MIXER_OPTION_CASES[case]
+    cfg, _ = load_config(overrides)
+    assert cfg.model.pattern == pattern and cfg.model.mixers == mixers
+
+
 @pytest.mark.parametrize(
     "overrides, match",
     [
@@ -40,9 +64,12 @@ def test_overrides_reach_the_config():
         (["train.precision=fp8"], "precision"),
         (["train.epochs=0"], "epochs"),
         (["optim.lr=abc"], "lr"),
+        (["model.mixers.basde.feature_dim=4"], r"options for \['basde'\].*~model.mixers.basde"),
+        (["model.pattern=[attention]", "model.mixers.based.feature_dim=4"], r"options for \['based'\]"),
     ],
     ids=["unknown-key", "unknown-preset", "unknown-mixer", "unknown-mixer-option", "negative-lr", "vocab-le-seq-len",
-         "bad-precision", "zero-epochs", "lr-not-a-number"],
+         "bad-precision", "zero-epochs", "lr-not-a-number", "options-for-a-misspelt-mixer",
+         "options-given-for-a-mixer-off-the-pattern"],
 )
 def test_bad_config_fails_with_one_line(overrides, match):
     with pytest.raises(ConfigError, match=match) as info:

@@ -34,3 +34,14 @@ def test_multirun_with_joblib_skips_finished_runs_and_records_a_bad_one(tmp_path
     assert not (tmp_path / "multirun").exists() and not (tmp_path / "outputs").exists()  # under the runs root
     again = multirun(tmp_path, *sweep[:2])  # Hydra's basic launcher this time
     assert "skipped" in again[0] and "failed" in again[1]
+
+
+def test_multirun_sweeps_an_option_of_a_mixer_the_preset_lacks(tmp_path):
+    """`model.mixers.<mixer>.<option>=a,b` sweeps an option of a mixer that the command line's pattern brought in,
+    as a single run sets it (each job composed by Hydra first, then by zoo-train)."""
+    jobs = multirun(tmp_path, "model=attention", "model.pattern=[short_conv,attention]",
+                    "model.mixers.short_conv.kernel_size=2,4")
+    assert len(jobs) == 2 and all("finished" in job for job in jobs)
+    kernels = sorted((run / "config.yaml").read_text().split("kernel_size: ")[1].split()[0]
+                     for run in (tmp_path / "runs" / "demo").iterdir())
+    assert kernels == ["2", "4"]

@@ -106,7 +106,7 @@ def multirun(args: list[str]) -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
-    from zoo.config import register_configs
+    from zoo.config import mixer_overrides, register_configs
     from zoo.gpus import MPS
     from zoo.paths import config_dir
 
@@ -119,7 +119,7 @@ def multirun(args: list[str]) -> None:
         return multirun_job(list(HydraConfig.get().overrides.task), job.num)
 
     saved = sys.argv
-    sys.argv = ["zoo-train", *args]
+    sys.argv = ["zoo-train", *mixer_overrides(args)[0]]  # Hydra composes each job too: options add or set
     try:
         task()
     finally:

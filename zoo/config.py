@@ -5,9 +5,12 @@ impossible values fail in `__post_init__`, which runs when the merged config is 
 (`OmegaConf.to_object`). Both happen before any work starts.
 """
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -72,7 +75,8 @@ class ModelConfig:
             check_mixer_options(name, self.d_model, dict(self.mixers.get(name, {})))
         unused = sorted(set(self.mixers) - set(self.pattern))
         if unused:
-            raise ValueError(f"model.mixers has options for {unused}, which model.pattern {self.pattern} never uses")
+            raise ValueError(f"model.mixers has options for {unused}, which model.pattern {self.pattern} never uses "
+                             f"(a typo? add them to the pattern or drop them: ~model.mixers.{unused[0]})")
 
     def layers(self) -> list[str]:
         """The mixer name of every layer: `pattern` repeated to `n_layers`."""
@@ -505,11 +509,52 @@ def _one_line(exc: BaseException | None) -> str:
     return "; ".join(parts) if parts else "invalid config"
 
 
+MIXER_OPTIONS = "model.mixers."
+
+
+def mixer_overrides(overrides: list[str]) -> tuple[list[str], set[str]]:
+    """Make `model.mixers.<mixer>.<option>=v` set the option whether or not the preset lists that mixer (Hydra's
+    `++`), so options for a mixer the preset lacks need no `+`; also return the mixers the overrides name
+    (`"*"` for a whole `model.mixers=...`). `+`, `++` and `~` overrides are kept as written."""
+    out, named = [], set()
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key == MIXER_OPTIONS[:-1]:
+            named.add("*")
+        elif key.startswith(MIXER_OPTIONS):
+            named.add(key[len(MIXER_OPTIONS):].split(".", 1)[0])
+            if override[0] not in "+~" and "=" in override and "." in key[len(MIXER_OPTIONS):]:
+                override = "++" + override
+        out.append(override)
+    return out, named
+
+
+def drop_preset_mixer_options(node, named: set[str]) -> list[str]:
+    """Remove from a composed config the preset's options for mixers its `model.pattern` does not use (a pattern
+    changed on the command line leaves them behind); options the command line gave (`named`) stay, so that a
+    typo still fails. Returns the mixers dropped."""
+    from omegaconf import DictConfig, ListConfig, open_dict
+
+    model = node.get("model") if isinstance(node, DictConfig) else None
+    if not isinstance(model, DictConfig) or not isinstance(model.get("mixers"), DictConfig):
+        return []
+    if "*" in named or not isinstance(model.get("pattern"), ListConfig):
+        return []
+    dropped = [m for m in model.mixers if m not in model.pattern and m not in named]
+    with open_dict(model.mixers):
+        for m in dropped:
+            del model.mixers[m]
+    return dropped
+
+
 def compose_config(config_dir: str | Path, config_name: str, overrides: list[str] = ()) -> tuple[Any, str]:
     """Compose `<config_dir>/<config_name>.yaml` with Hydra `overrides` over the registered schemas.
 
     Returns the typed config (dataclasses, their `__post_init__` checks run) and its resolved YAML. Every
-    failure (unknown key, missing value, impossible value) is a `ConfigError` with a one-line message.
+    failure (unknown key, missing value, impossible value) is a `ConfigError` with a one-line message. Where the
+    config has a `model` with `pattern` and `mixers`, `model.mixers.<mixer>.<option>=v` adds or sets an option,
+    and the preset's options for mixers the final pattern does not use are dropped (`mixer_overrides`,
+    `drop_preset_mixer_options`).
     """
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -519,9 +564,14 @@ def compose_config(config_dir: str | Path, config_name: str, overrides: list[str
 
     GlobalHydra.instance().clear()
     try:
+        overrides, named = mixer_overrides(list(overrides))
         with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
-            node = compose(config_name=config_name, overrides=list(overrides))
+            node = compose(config_name=config_name, overrides=overrides)
         OmegaConf.resolve(node)
+        dropped = drop_preset_mixer_options(node, named)
+        if dropped:
+            log.info("model.mixers: dropped the preset's options for %s, which model.pattern %s does not use",
+                     dropped, list(node.model.pattern))
         missing = sorted(OmegaConf.missing_keys(node))
         if missing:
             raise ConfigError(f"{config_name}: set {', '.join(missing)} (e.g. {missing[0]}=...)")

@@ -58,6 +58,20 @@ def test_invalid_config_fails_on_construction():
         ZooConfig(pattern=["based", "mamba9"])
 
 
+@pytest.mark.parametrize("pattern, kept", [(["attention", "sliding_window"], {"sliding_window"}),
+                                           (["base_conv"], set())], ids=["keeps-the-window", "keeps-none"])
+def test_a_pattern_of_ones_own_keeps_only_the_default_options_it_uses(pattern, kept):
+    """ZooConfig's default options (Based, the window) must not make a config with another pattern invalid."""
+    config = ZooConfig(vocab_size=VOCAB, d_model=32, n_layers=2, pattern=pattern)
+    assert set(config.mixers) == kept
+    assert ZooForCausalLM(config).model.config.layers() == pattern * (2 // len(pattern))
+
+
+def test_options_given_for_a_mixer_off_the_pattern_fail():
+    with pytest.raises(ValueError, match="never uses"):
+        ZooConfig(pattern=["attention"], mixers={"based": {"feature_dim": 4}})
+
+
 def test_save_load_round_trip(tmp_path):
     model = tiny(eos_token_id=5)
     model.save_pretrained(tmp_path)

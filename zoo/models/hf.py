@@ -89,6 +89,8 @@ class ZooConfig(PretrainedConfig):
 
     def __post_init__(self, **kwargs) -> None:
         super().__post_init__(**kwargs)
+        if self.mixers == _default_mixers():  # a pattern of one's own keeps only the defaults it uses
+            self.mixers = {name: options for name, options in self.mixers.items() if name in self.pattern}
         self.model_config()  # an impossible value fails here, with ModelConfig's one-line reason
 
     def model_config(self) -> ModelConfig:
