@@ -34,6 +34,9 @@ MIXER_OPTION_CASES = {  # overrides -> model.pattern, model.mixers after composi
     "an-option-for-a-mixer-the-preset-lacks": (
         ["model=attention", "model.pattern=[short_conv,attention]", "model.mixers.short_conv.kernel_size=4"],
         ["short_conv", "attention"], {"attention": {"num_heads": 1}, "short_conv": {"kernel_size": 4}}),
+    "a-whole-entry-for-a-mixer-the-preset-lacks": (
+        ["model=attention", "model.pattern=[short_conv]", "model.mixers.short_conv={kernel_size:2}"], ["short_conv"],
+        {"short_conv": {"kernel_size": 2}}),
     "an-option-the-preset-has": (
         ["model=based", "model.mixers.based.feature_dim=4"], ["base_conv", "based"],
         {"based": {"feature_dim": 4, "num_heads": 1}}),

@@ -513,7 +513,7 @@ MIXER_OPTIONS = "model.mixers."
 
 
 def mixer_overrides(overrides: list[str]) -> tuple[list[str], set[str]]:
-    """Make `model.mixers.<mixer>.<option>=v` set the option whether or not the preset lists that mixer (Hydra's
+    """Make `model.mixers.<mixer>[.<option>]=v` set options whether or not the preset lists that mixer (Hydra's
     `++`), so options for a mixer the preset lacks need no `+`; also return the mixers the overrides name
     (`"*"` for a whole `model.mixers=...`). `+`, `++` and `~` overrides are kept as written."""
     out, named = [], set()
@@ -523,7 +523,7 @@ def mixer_overrides(overrides: list[str]) -> tuple[list[str], set[str]]:
             named.add("*")
         elif key.startswith(MIXER_OPTIONS):
             named.add(key[len(MIXER_OPTIONS):].split(".", 1)[0])
-            if override[0] not in "+~" and "=" in override and "." in key[len(MIXER_OPTIONS):]:
+            if override[0] not in "+~" and "=" in override:
                 override = "++" + override
         out.append(override)
     return out, named
