@@ -367,3 +367,15 @@ def test_distill_overwrite_with_a_bad_input_keeps_the_earlier_run(synthesized, t
     with pytest.raises(SystemExit):
         distill.main([*args, typo, "overwrite=true"])
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+def test_the_seed_types_the_config_accepts_are_the_ones_with_prompts():
+    """`seed_prompt_types` is checked against `cartridges.config.SEED_PROMPT_TYPES` when the config composes, and
+    synthesis draws from `self_study.SEED_PROMPTS`: a type added to one and not the other would fail mid-run."""
+    from cartridges.config import SEED_PROMPT_TYPES
+
+    assert set(SEED_PROMPT_TYPES) == set(self_study.SEED_PROMPTS)
+    assert set(self_study.DIRECT_TYPES) <= set(SEED_PROMPT_TYPES)
+    for seed_type, prompts in self_study.SEED_PROMPTS.items():
+        direct = seed_type in self_study.DIRECT_TYPES
+        assert prompts and all(("{start}" in p) == direct for p in prompts), seed_type
