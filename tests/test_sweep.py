@@ -489,8 +489,8 @@ def test_dry_run_names_committed_done_and_todo_runs(tmp_path, capsys):
     capsys.readouterr()
     _dry_run(GRID + [["model=based", "optim.lr=-1"]], extra + [f"runs_root={tmp_path / 'b'}"], [str(committed)])
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in lines] == ["committed", "committed", "done", "todo", "invalid", "2"]
-    assert lines[-1] == f"2 of 5 runs committed in {committed}"
+    assert [line.split()[0] for line in lines] == ["committed", "committed", "done", "todo", "invalid", "5"]
+    assert lines[-1] == f"5 runs: 2 committed, 1 done, 1 todo, 1 invalid (committed: in {committed})"
 
 
 BAD_SWEEP_FILES = {  # file name, content (None: the file is not written) -> the one line zoo-sweep prints

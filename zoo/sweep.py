@@ -962,25 +962,33 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _dry_run(runs: list[list[str]], extra: list[str], skip_summaries: list[str] = ()) -> None:
-    """One line a run: done, partial, todo or invalid (its run dir), or committed (a summary in skip_summaries)."""
+    """One line a run: done, partial, todo or invalid (its run dir), or committed (a summary in skip_summaries);
+    then one line of counts, what a time-limited job has left to train at a glance."""
+    from collections import Counter
+
     from zoo.runs import RunDir
     from zoo.train import ConfigError, load_config, run_name
 
     committed = committed_runs(runs, extra, skip_summaries) if skip_summaries else {}
+    states: Counter[str] = Counter()
     for i, run in enumerate(runs):
         if i in committed:
+            states["committed"] += 1
             print(f"{'committed':9s} {' '.join(run)} -> {committed[i]['summary']}")
             continue
         try:
             cfg, _ = load_config(run + extra)
         except ConfigError as e:
+            states["invalid"] += 1
             print(f"{'invalid':9s} {' '.join(run)}: {e}")
             continue
         path = Path(cfg.runs_root) / cfg.experiment_name / run_name(cfg)
         state = "done" if RunDir(path).is_finished() else ("partial" if RunDir(path).exists() else "todo")
+        states[state] += 1
         print(f"{state:9s} {path}")
-    if committed:
-        print(f"{len(committed)} of {len(runs)} runs committed in {', '.join(skip_summaries)}")
+    counts = ", ".join(f"{states[s]} {s}" for s in ("committed", "done", "partial", "todo", "invalid") if states[s])
+    where = f" (committed: in {', '.join(skip_summaries)})" if committed else ""
+    print(f"{len(runs)} runs: {counts}{where}")
 
 
 if __name__ == "__main__":
