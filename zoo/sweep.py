@@ -973,22 +973,21 @@ def _dry_run(runs: list[list[str]], extra: list[str], skip_summaries: list[str] 
     states: Counter[str] = Counter()
     for i, run in enumerate(runs):
         if i in committed:
-            states["committed"] += 1
-            print(f"{'committed':9s} {' '.join(run)} -> {committed[i]['summary']}")
-            continue
-        try:
-            cfg, _ = load_config(run + extra)
-        except ConfigError as e:
-            states["invalid"] += 1
-            print(f"{'invalid':9s} {' '.join(run)}: {e}")
-            continue
-        path = Path(cfg.runs_root) / cfg.experiment_name / run_name(cfg)
-        state = "done" if RunDir(path).is_finished() else ("partial" if RunDir(path).exists() else "todo")
+            state, where = "committed", f"{' '.join(run)} -> {committed[i]['summary']}"
+        else:
+            try:
+                cfg, _ = load_config(run + extra)
+            except ConfigError as e:
+                state, where = "invalid", f"{' '.join(run)}: {e}"
+            else:
+                run_dir = RunDir(Path(cfg.runs_root) / cfg.experiment_name / run_name(cfg))
+                state = "done" if run_dir.is_finished() else ("partial" if run_dir.exists() else "todo")
+                where = str(run_dir.path)
         states[state] += 1
-        print(f"{state:9s} {path}")
+        print(f"{state:9s} {where}")
     counts = ", ".join(f"{states[s]} {s}" for s in ("committed", "done", "partial", "todo", "invalid") if states[s])
-    where = f" (committed: in {', '.join(skip_summaries)})" if committed else ""
-    print(f"{len(runs)} runs: {counts}{where}")
+    source = f" (committed: in {', '.join(skip_summaries)})" if committed else ""
+    print(f"{len(runs)} runs: {counts}{source}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """docs/DESIGN.md's "Adding a mixer", followed with a toy mixer defined here: registered in `MIXERS` and nowhere
 else, it trains from a command line's pattern and options, packs, and decodes inside the HF model."""
 
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -19,8 +20,8 @@ class EMAConfig:
     decay_init: float = 2.0
 
     def validate(self, d_model: int) -> None:
-        if not self.decay_init == self.decay_init:
-            raise ValueError("ema: decay_init must be a number")
+        if not math.isfinite(self.decay_init):
+            raise ValueError(f"ema: decay_init must be finite, got {self.decay_init}")
 
 
 class EMA(nn.Module):
