@@ -139,6 +139,57 @@ def test_emit_splits_a_pack_whose_run_names_no_lr():
     assert emit_jobs(runs, seeds=False) == [[0], [1], [2, 3]]
 
 
+WIDE_CASES = {  # run overrides -> whether a pack of its two lrs splits under --pack-max-d 32
+    "d_model above the limit": (["model=based", "model.d_model=64"], True),
+    "d_model at the limit": (["model=based", "model.d_model=32"], False),
+    "the preset's d_model (64), from the composed config": (["model=based"], True),
+}
+
+
+@pytest.mark.parametrize("case", WIDE_CASES)
+def test_pack_max_d_splits_only_packs_wider_than_the_limit(case):
+    from zoo.sweep import lr_groups, unpack_wide
+
+    run, splits = WIDE_CASES[case]
+    runs = [[*run, f"optim.lr={lr}"] for lr in ("1e-3", "1e-2")] + [["model=attention", "optim.lr=1e-3"]]
+    jobs = lr_groups(runs)
+    assert unpack_wide(jobs, runs, [], 32) == ([[0], [1], [2]] if splits else [[0, 1], [2]])
+    assert unpack_wide(jobs, runs, [], 0) == [[0, 1], [2]], "0 packs every width"
+
+
+def test_pack_max_d_takes_the_sweeps_own_overrides_last():
+    """An override given to every run (`zoo-sweep FILE model.d_model=16`) comes after the run's own."""
+    from zoo.sweep import unpack_wide
+
+    runs = [["model=based", "model.d_model=64", f"optim.lr={lr}"] for lr in ("1e-3", "1e-2")]
+    assert unpack_wide([[0, 1]], runs, ["model.d_model=16"], 32) == [[0, 1]]
+
+
+def test_emit_pack_max_d_writes_wide_runs_one_per_command(monkeypatch, capsys):
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.setenv("ZOO_FIG2", "L128")
+    monkeypatch.setenv("POINTS", "h3:256,h3:512")
+    main([str(repo / "experiments/zoology_fig2/sweep.py"), "--emit", "--pack-lrs", "--pack-max-d", "256"])
+    lines = capsys.readouterr().out.splitlines()
+    packs = [line for line in lines if "train.pack_lrs=[" in line]
+    assert len(packs) == 1 and "model.d_model=256" in packs[0]
+    assert len(lines) == 5 and all("model.d_model=512" in line for line in lines if line not in packs)
+
+
+def test_pack_max_d_below_zero_is_one_line_error(capsys):
+    with pytest.raises(SystemExit, match=r"^zoo-sweep: --pack-max-d must be >= 0, got -1$"):
+        main(["zoo/configs/sweep/tiny.yaml", "--pack-lrs", "--pack-max-d", "-1"])
+
+
+def test_sweep_pack_max_d_trains_wide_runs_unpacked(tmp_path):
+    extra = TINY + ["experiment_name=w", f"data.cache_dir={tmp_path / 'cache'}"]
+    runs = [["model=attention", f"model.d_model={d}", f"optim.lr={lr}"] for d in (8, 16) for lr in ("1e-3", "3e-3")]
+    record = run_sweep(runs, "w", device="cpu", extra=[e for e in extra if not e.startswith("model.d_model")],
+                       runs_root=str(tmp_path), pack_lrs=True, pack_max_d=8)
+    assert [r["status"] for r in record["runs"]] == ["finished"] * 4
+    assert [r.get("packed") for r in record["runs"]] == [2, 2, None, None]
+
+
 def test_frontier_data_are_the_configs(monkeypatch):
     """Based Fig. 2's config: random filler in every segment (its MQARConfigs keep Zoology's default
     random_non_queries=True) and Zoology's fixed batch order."""

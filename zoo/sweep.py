@@ -68,6 +68,11 @@ members killed at different checkpoints) runs one run at a time, and its records
 fails in training, whose unfinished members then train again one at a time from their checkpoints.
 `--pack-seeds` also packs runs that differ in `train.seed=` (each member its own seed's init and batch order);
 a group of several seeds over a mixture of training segments cannot share a step and trains as a pack per seed.
+`--pack-max-d N` packs only groups whose `model.d_model` is at most N and trains wider runs one per job
+(`unpack_wide`): a pack pays off where one run leaves the GPU idle between small kernels, and a wide compiled
+run already fills it, so there the pack only adds the batched step's overhead (experiments/LOG.md has the
+measurement). Single runs also finish one by one, which a time-limited job on a machine that keeps no
+checkpoints needs.
 
 Parallelism: a process pool (stdlib `concurrent.futures`, spawn) of `--workers` processes. Each worker owns
 one device for its lifetime: worker i gets GPU i mod (number of GPUs), so with workers = runs_per_gpu·GPUs
@@ -409,6 +414,33 @@ def emit_jobs(runs: list[list[str]], seeds: bool) -> list[list[int]]:
     return jobs
 
 
+def run_d_model(run: list[str], extra: list[str] = ()) -> int | None:
+    """A run's model.d_model: the last override that sets it (`+`/`++` forms too), else its composed config's;
+    None where the config does not compose (the sweep then records why)."""
+    from zoo.train import ConfigError, load_config
+
+    for override in reversed([*run, *extra]):
+        key, _, value = override.lstrip("+").partition("=")
+        if key == "model.d_model":
+            return int(value)
+    try:
+        cfg, _ = load_config([*run, *extra])
+    except ConfigError:
+        return None
+    return cfg.model.d_model
+
+
+def unpack_wide(jobs: list[list[int]], runs: list[list[str]], extra: list[str], max_d: int) -> list[list[int]]:
+    """`jobs` with every pack whose runs' d_model exceeds `max_d` split into single runs (0: no limit)."""
+    if max_d <= 0:
+        return jobs
+    out: list[list[int]] = []
+    for job in jobs:
+        d = run_d_model(runs[job[0]], extra) if len(job) > 1 else None
+        out += [[i] for i in job] if d is not None and d > max_d else [job]
+    return out
+
+
 def emitted_run(job: list[list[str]]) -> list[str]:
     """One zoo-train command's overrides for a job: the run itself, or its pack as train.pack_lrs (and
     train.pack_seeds when its seeds differ)."""
@@ -544,11 +576,13 @@ def run_sweep(
     cache: str = "runs",
     skip_summaries: list[str] = (),
     pack_seeds: bool = False,
+    pack_max_d: int = 0,
 ) -> dict[str, Any]:
     """Run every run (see the module docstring); write and return the sweep record.
 
     pack_lrs: train each group of runs that differ only in optim.lr as one pack (`lr_groups`, `run_pack`).
     pack_seeds: the same for runs that differ only in optim.lr and train.seed (implies packing).
+    pack_max_d: pack only runs whose model.d_model is at most this; wider ones train one per job (0: any width).
     mps: auto | on | off, CUDA MPS for workers that share a GPU (`MPS.start`).
     order: longest | shortest | file, the order jobs start in (`order_jobs`).
     cache: the compile cache (`compile_cache`): "runs" for `<runs_root>/_sweeps/compile_cache`, "none" for none,
@@ -565,7 +599,7 @@ def run_sweep(
             log.info("zoo-sweep %s: compile cache %s", name, ", ".join(f"{k}={v}" for k, v in cache_vars.items()))
         done = committed_runs(runs, extra, skip_summaries) if skip_summaries else {}
         pack = "seeds" if pack_seeds else "lrs" if pack_lrs else None
-        return _run_jobs(runs, name, workers, device, extra, pack, mps, order, out, done)
+        return _run_jobs(runs, name, workers, device, extra, pack, mps, order, out, done, pack_max_d)
 
 
 def committed_runs(runs: list[list[str]], extra: list[str], directories: list[str]) -> dict[int, dict[str, Any]]:
@@ -641,9 +675,11 @@ def earlier_finished(path: Path) -> dict[str, dict[str, Any]]:
     return {_row_key(r): r for r in record.get("runs", []) if r.get("status") == "finished"}
 
 
-def _run_jobs(runs, name, workers, device, extra, pack, mps, order, out: Path, done: dict) -> dict[str, Any]:
+def _run_jobs(runs, name, workers, device, extra, pack, mps, order, out: Path, done: dict,
+              pack_max_d: int = 0) -> dict[str, Any]:
     """run_sweep's jobs, serially or in the pool, with the record (`out`) rewritten after each; `pack`: None,
-    "lrs" or "seeds" (what a pack's runs may differ in); `done`: records of runs already skipped."""
+    "lrs" or "seeds" (what a pack's runs may differ in); `done`: records of runs already skipped; `pack_max_d`:
+    see `unpack_wide`."""
     import multiprocessing
 
     from tqdm.auto import tqdm
@@ -680,6 +716,7 @@ def _run_jobs(runs, name, workers, device, extra, pack, mps, order, out: Path, d
 
     bar = tqdm(total=len(runs), initial=len(done), desc=f"sweep {name}", dynamic_ncols=True)
     jobs = lr_groups(runs, seeds=pack == "seeds") if pack else [[i] for i in range(len(runs))]
+    jobs = unpack_wide(jobs, runs, extra, pack_max_d)
     jobs = [job for job in ([i for i in job if i not in done] for job in jobs) if job]
     jobs = order_jobs(jobs, runs, order)
     monitor = GpuMonitor(device)
@@ -895,6 +932,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pack-seeds", action="store_true",
                         help="train runs differing only in optim.lr and train.seed as one packed job each (each "
                         "member its own seed's init and batches; a mixture of segments packs per seed)")
+    parser.add_argument("--pack-max-d", type=int, default=0, metavar="N",
+                        help="with --pack-lrs/--pack-seeds: pack only runs whose model.d_model is at most N; wider "
+                        "runs train one per job (0: pack every width)")
     parser.add_argument("--shard", default=None, help="I/N: only every N-th lr group, from group I")
     parser.add_argument("--mps", default="auto", choices=["auto", "on", "off"],
                         help="CUDA MPS for runs that share a GPU (auto: when several workers share one and the "
@@ -915,6 +955,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_intermixed_args(argv)
     if args.time_limit < 0:
         raise SystemExit(f"zoo-sweep: --time-limit must be >= 0 seconds, got {args.time_limit:g}")
+    if args.pack_max_d < 0:
+        raise SystemExit(f"zoo-sweep: --pack-max-d must be >= 0, got {args.pack_max_d}")
     try:
         runs = load_sweep(args.sweep_file)
     except SweepFileError as e:
@@ -929,7 +971,8 @@ def main(argv: list[str] | None = None) -> None:
         import shlex
 
         packing = args.pack_lrs or args.pack_seeds
-        for job in emit_jobs(runs, args.pack_seeds) if packing else [[i] for i in range(len(runs))]:
+        jobs = emit_jobs(runs, args.pack_seeds) if packing else [[i] for i in range(len(runs))]
+        for job in unpack_wide(jobs, runs, extra, args.pack_max_d):
             print(shlex.join(["zoo-train", *emitted_run([runs[i] for i in job]), *extra]))
         return
     if args.dry_run:
@@ -944,7 +987,8 @@ def main(argv: list[str] | None = None) -> None:
     stop = [f"train.stop_at={time.time() + args.time_limit:.3f}"] if args.time_limit else []
     overrides = list(args.overrides) + stop
     record = run_sweep(runs, name, workers, args.device, overrides, args.runs_root, args.pack_lrs, args.mps, args.order,
-                       args.compile_cache, args.skip_summaries, pack_seeds=args.pack_seeds)
+                       args.compile_cache, args.skip_summaries, pack_seeds=args.pack_seeds,
+                       pack_max_d=args.pack_max_d)
     call = record["calls"][-1]
     print(
         f"zoo-sweep {name}: {call['finished']} finished, {call['skipped']} skipped, "
