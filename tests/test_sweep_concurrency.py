@@ -157,6 +157,14 @@ def test_jobs_start_in_the_order_asked():
         order_jobs(jobs, runs, "random")
 
 
+def test_a_pack_costs_its_members():
+    """A pack of four d = 256 runs (`--pack-max-d 256`) outweighs one d = 512 run trained alone."""
+    runs = [[f"model.d_model={d}", f"optim.lr={lr}"] for d, lr in [(512, 1e-3)] + [(256, lr) for lr in (1, 2, 3, 4)]]
+    jobs = [[0], [1, 2, 3, 4]]
+    assert order_jobs(jobs, runs, "longest") == [[1, 2, 3, 4], [0]]
+    assert order_jobs(jobs, runs, "shortest") == [[0], [1, 2, 3, 4]]
+
+
 # logger.project is a free string outside the run's identity: here it records what a run's process saw
 SEES_CACHE = "logger.project=${oc.env:TRITON_CACHE_DIR,unset}|${oc.env:TORCHINDUCTOR_CACHE_DIR,unset}"
 

@@ -533,8 +533,9 @@ ORDERS = ("longest", "shortest", "file")
 
 
 def order_jobs(jobs: list[list[int]], runs: list[list[str]], order: str) -> list[list[int]]:
-    """The jobs in the order the sweep starts them: "longest" (the costliest first, `job_cost`: the grid ends on
-    short jobs, the shortest wall for a whole grid), "shortest" (the cheapest first: the most runs finished by a
+    """The jobs in the order the sweep starts them: "longest" (the costliest first, `job_cost` times the job's runs,
+    as a pack takes about the device time of its members one by one: the grid ends on short jobs, the shortest
+    wall for a whole grid), "shortest" (the cheapest first: the most runs finished by a
     time-limited call whose unfinished runs' checkpoints will not outlive the machine) or "file". Ties keep the
     file's order."""
     if order not in ORDERS:
@@ -542,7 +543,7 @@ def order_jobs(jobs: list[list[int]], runs: list[list[str]], order: str) -> list
     if order == "file":
         return list(jobs)
     sign = -1 if order == "longest" else 1
-    return sorted(jobs, key=lambda job: sign * job_cost(runs[job[0]]))
+    return sorted(jobs, key=lambda job: sign * job_cost(runs[job[0]]) * len(job))
 
 
 COMPILE_CACHE_VARS = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
