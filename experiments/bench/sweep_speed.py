@@ -13,7 +13,9 @@
    model's training step in this process, with the device synchronised: wall ms per step and the device's own
    kernel time per step (torch.profiler), eager, (with --compiled) compiled, and (with --packed) as the
    vmapped, CUDA-graphed pack of its 4 lrs that `zoo-sweep --pack-lrs` trains (compiled too, with both flags).
-   A run is charged the cheapest: a pack's step divided among its members. With `--top N` (CUDA) each config
+   A run is charged the cheapest: a pack's step divided among its members; the table's last column names it
+   (`cheapest_step`: where "compiled" beats "compiled pack", `zoo-sweep --pack-max-d` should leave that width
+   unpacked). With `--top N` (CUDA) each config
    also lists the N kernels that took most of its last timed step's device time, to say where that time goes:
    `ZOO_FIG2=L256 D=512 python experiments/bench/sweep_speed.py --skip-probe --compiled --packed --top 12`.
    Each config also has its FLOPs per training example (torch's FlopCounterMode: what its matmuls,
@@ -245,11 +247,25 @@ def print_kernels(label: str, timed: dict) -> None:
         print(f"   {k['ms']:8.3f} ms {share:6.1%} x{k['calls']:<6.1f} {k['kernel'][:96]}")
 
 
+STEP_KINDS = {"device_ms": "eager", "compiled_device_ms": "compiled", "packed_device_ms": "pack",
+              "packed_compiled_device_ms": "compiled pack"}
+
+
+def step_costs(row: dict) -> dict[str, float]:
+    """{step kind: the device time one run costs per step} for the steps timed (a pack's step divided among its
+    members)."""
+    return {kind: row[k] / (row["pack_size"] if "pack" in kind else 1) for k, kind in STEP_KINDS.items() if k in row}
+
+
 def run_step_ms(row: dict) -> float:
-    """The device time one run costs per step: the cheapest of its plain, compiled and packed steps (a pack's
-    step divided among its members)."""
-    packs = [row[k] / row["pack_size"] for k in ("packed_device_ms", "packed_compiled_device_ms") if k in row]
-    return min(row["device_ms"], row.get("compiled_device_ms", math.inf), *packs)
+    """The device time one run costs per step: the cheapest of its plain, compiled and packed steps."""
+    return min(step_costs(row).values())
+
+
+def cheapest_step(row: dict) -> str:
+    """Which step `run_step_ms` took: whether this config should pack (`zoo-sweep --pack-max-d`) and compile."""
+    costs = step_costs(row)
+    return min(costs, key=costs.get)
 
 
 def run_key(summary: dict) -> tuple[str, int, int]:
@@ -441,7 +457,9 @@ def main() -> None:
         keys = list(groups)[: args.max_configs or None]
         print(f"\n{'mixer':28s} {'L':>5s} {'d':>5s} {'ms/step':>9s} {'device ms':>9s}"
               + (f" {'compiled':>9s} {'c device':>9s}" if args.compiled else "")
-              + (f" {'packed':>9s} {'p device':>9s}" if args.packed else "") + f" {'epoch s':>8s} {'TFLOP/s':>8s}")
+              + (f" {'packed':>9s} {'p device':>9s}" if args.packed else "")
+              + (f" {'cp device':>9s}" if args.packed and args.compiled else "")
+              + f" {'epoch s':>8s} {'TFLOP/s':>8s}  cheapest")
         for key in keys:
             run = groups[key][0]
             try:
@@ -473,6 +491,7 @@ def main() -> None:
                 rows.append({"overrides": run, "error": f"{type(e).__name__}: {e}"})
                 continue
             row["epoch_s"] = run_step_ms(row) * row["steps_per_epoch"] / 1e3
+            row["cheapest_step"] = cheapest_step(row)
             row["achieved_tflops"] = row["epoch_tflop"] / row["epoch_s"]  # at the run's cheapest step
             row["runs"] = len(groups[key])
             rows.append(row)
@@ -481,7 +500,9 @@ def main() -> None:
                   + (f" {row['compiled_wall_ms']:9.3f} {row['compiled_device_ms']:9.3f}" if args.compiled else "")
                   + (f" {row.get('packed_wall_ms', math.nan):9.3f} {row.get('packed_device_ms', math.nan):9.3f}"
                      if args.packed else "")
-                  + f" {row['epoch_s']:8.2f} {row['achieved_tflops']:8.1f}")
+                  + (f" {row.get('packed_compiled_device_ms', math.nan):9.3f}" if args.packed and args.compiled
+                     else "")
+                  + f" {row['epoch_s']:8.2f} {row['achieved_tflops']:8.1f}  {row['cheapest_step']}")
             if args.top and "top_kernels" in last[1]:
                 print_kernels(last[0], last[1])
                 row["top_kernels"] = {"step": last[0], "device_ms": last[1]["device_ms"],
