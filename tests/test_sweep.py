@@ -143,6 +143,7 @@ WIDE_CASES = {  # run overrides -> whether a pack of its two lrs splits under --
     "d_model above the limit": (["model=based", "model.d_model=64"], True),
     "d_model at the limit": (["model=based", "model.d_model=32"], False),
     "the preset's d_model (64), from the composed config": (["model=based"], True),
+    "an interpolation, from the composed config": (["model=based", "model.d_model=${model.vocab_size}"], True),
 }
 
 

@@ -422,7 +422,9 @@ def run_d_model(run: list[str], extra: list[str] = ()) -> int | None:
     for override in reversed([*run, *extra]):
         key, _, value = override.lstrip("+").partition("=")
         if key == "model.d_model":
-            return int(value)
+            if value.isdigit():
+                return int(value)
+            break  # an interpolation or a typo: the composed config says what it is
     try:
         cfg, _ = load_config([*run, *extra])
     except ConfigError:
