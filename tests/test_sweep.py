@@ -177,9 +177,17 @@ def test_emit_pack_max_d_writes_wide_runs_one_per_command(monkeypatch, capsys):
     assert len(lines) == 5 and all("model.d_model=512" in line for line in lines if line not in packs)
 
 
-def test_pack_max_d_below_zero_is_one_line_error(capsys):
-    with pytest.raises(SystemExit, match=r"^zoo-sweep: --pack-max-d must be >= 0, got -1$"):
-        main(["zoo/configs/sweep/tiny.yaml", "--pack-lrs", "--pack-max-d", "-1"])
+PACK_MAX_D_ERRORS = {
+    "below zero": (["--pack-lrs", "--pack-max-d", "-1"], r"^zoo-sweep: --pack-max-d must be >= 0, got -1$"),
+    "without packing": (["--pack-max-d", "256"], r"^zoo-sweep: --pack-max-d limits packing: pass it with "),
+}
+
+
+@pytest.mark.parametrize("case", PACK_MAX_D_ERRORS)
+def test_pack_max_d_misuse_is_one_line_error(case):
+    flags, message = PACK_MAX_D_ERRORS[case]
+    with pytest.raises(SystemExit, match=message):
+        main(["zoo/configs/sweep/tiny.yaml", *flags])
 
 
 def test_sweep_pack_max_d_trains_wide_runs_unpacked(tmp_path):

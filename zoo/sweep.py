@@ -960,6 +960,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"zoo-sweep: --time-limit must be >= 0 seconds, got {args.time_limit:g}")
     if args.pack_max_d < 0:
         raise SystemExit(f"zoo-sweep: --pack-max-d must be >= 0, got {args.pack_max_d}")
+    if args.pack_max_d and not (args.pack_lrs or args.pack_seeds):
+        raise SystemExit("zoo-sweep: --pack-max-d limits packing: pass it with --pack-lrs or --pack-seeds")
     try:
         runs = load_sweep(args.sweep_file)
     except SweepFileError as e:
