@@ -129,9 +129,9 @@ CAUSES = {
                      "(`POINTS=h3:64 LRS=2.154e-3,1e-2 SEEDS=1,2`, one pack with `--pack-seeds`)",
     (128, "h3", 512): "not found; repeatable: a first pack, lost at epoch 60, read 0.671 (valid). The "
                       "figure also falls from d = 256 to 512 (0.92 to 0.76). Candidates: lr sensitivity between "
-                      "the grid's points (check: the point's `--emit --pack-lrs` command with `train.pack_lrs=[1e-3,4.642e-3] "
-                      "train.pack_seeds=[0,1]`, README), and the "
-                      "launched 4-layer H3 with its own lr grid; " + LAUNCHED_CHECK.format("h3", 512),
+                      "the grid's points (check: the point's `--emit --pack-lrs` command with "
+                      "`train.pack_lrs=[1e-3,4.642e-3] train.pack_seeds=[0,1]`, README), and the launched 4-layer "
+                      "H3 with its own lr grid; " + LAUNCHED_CHECK.format("h3", 512),
 }
 COLUMNS = [  # the README table: (header, comparison entry key)
     ("L", "L"),
