@@ -166,6 +166,26 @@ def test_pack_max_d_takes_the_sweeps_own_overrides_last():
     assert unpack_wide([[0, 1]], runs, ["model.d_model=16"], 32) == [[0, 1]]
 
 
+def test_dry_run_counts_the_jobs_a_packed_sweep_would_start(tmp_path, monkeypatch, capsys):
+    """--dry-run --pack-lrs [--pack-max-d 256] over L = 128's H3 at d = 256 (committed) and 512 (todo)."""
+    import shutil
+
+    repo = Path(__file__).resolve().parents[1]
+    for path in (repo / "experiments/zoology_fig2/summaries").glob("h3-d256-*.json"):
+        if json.loads(path.read_text())["state_bytes_seq_len"] == 128:
+            shutil.copy(path, tmp_path)
+    monkeypatch.setenv("ZOO_FIG2", "L128")
+    monkeypatch.setenv("POINTS", "h3:256,h3:512")
+    args = [str(repo / "experiments/zoology_fig2/sweep.py"), "--dry-run", "--pack-lrs", "--skip-summaries",
+            str(tmp_path), "--runs-root", str(tmp_path / "runs")]
+    main([*args, "--pack-max-d", "256"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2].startswith("8 runs: 4 committed, 4 todo")
+    assert lines[-1] == "4 jobs to start: 0 packs of 0 runs, 4 single runs"
+    main(args)
+    assert capsys.readouterr().out.splitlines()[-1] == "1 job to start: 1 pack of 4 runs, 0 single runs"
+
+
 def test_emit_pack_max_d_writes_wide_runs_one_per_command(monkeypatch, capsys):
     repo = Path(__file__).resolve().parents[1]
     monkeypatch.setenv("ZOO_FIG2", "L128")

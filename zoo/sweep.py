@@ -981,7 +981,8 @@ def main(argv: list[str] | None = None) -> None:
             print(shlex.join(["zoo-train", *emitted_run([runs[i] for i in job]), *extra]))
         return
     if args.dry_run:
-        _dry_run(runs, extra, args.skip_summaries)
+        pack = "seeds" if args.pack_seeds else "lrs" if args.pack_lrs else None
+        _dry_run(runs, extra, args.skip_summaries, pack, args.pack_max_d)
         return
     workers = args.workers
     if workers <= 0:
@@ -1010,9 +1011,12 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(1)
 
 
-def _dry_run(runs: list[list[str]], extra: list[str], skip_summaries: list[str] = ()) -> None:
+def _dry_run(runs: list[list[str]], extra: list[str], skip_summaries: list[str] = (), pack: str | None = None,
+             pack_max_d: int = 0) -> None:
     """One line a run: done, partial, todo or invalid (its run dir), or committed (a summary in skip_summaries);
-    then one line of counts, what a time-limited job has left to train at a glance."""
+    then one line of counts, what a time-limited job has left to train at a glance. With `pack` ("lrs" or
+    "seeds", as `_run_jobs` takes it) a last line counts the jobs the sweep would start for the partial and todo
+    runs: packs (after `unpack_wide`) and single runs."""
     from collections import Counter
 
     from zoo.runs import RunDir
@@ -1020,6 +1024,7 @@ def _dry_run(runs: list[list[str]], extra: list[str], skip_summaries: list[str] 
 
     committed = committed_runs(runs, extra, skip_summaries) if skip_summaries else {}
     states: Counter[str] = Counter()
+    left: set[int] = set()
     for i, run in enumerate(runs):
         if i in committed:
             state, where = "committed", f"{' '.join(run)} -> {committed[i]['summary']}"
@@ -1033,10 +1038,22 @@ def _dry_run(runs: list[list[str]], extra: list[str], skip_summaries: list[str] 
                 state = "done" if run_dir.is_finished() else ("partial" if run_dir.exists() else "todo")
                 where = str(run_dir.path)
         states[state] += 1
+        if state in ("partial", "todo"):
+            left.add(i)
         print(f"{state:9s} {where}")
     counts = ", ".join(f"{states[s]} {s}" for s in ("committed", "done", "partial", "todo", "invalid") if states[s])
     source = f" (committed: in {', '.join(skip_summaries)})" if committed else ""
     print(f"{len(runs)} runs: {counts}{source}")
+    if pack:
+        jobs = unpack_wide(lr_groups(runs, seeds=pack == "seeds"), runs, extra, pack_max_d)
+        jobs = [job for job in ([i for i in job if i in left] for job in jobs) if job]
+        packs = [job for job in jobs if len(job) > 1]
+
+        def count(n: int, noun: str) -> str:
+            return f"{n} {noun}{'s' * (n != 1)}"
+
+        print(f"{count(len(jobs), 'job')} to start: {count(len(packs), 'pack')} of "
+              f"{count(sum(map(len, packs)), 'run')}, {count(len(jobs) - len(packs), 'single run')}")
 
 
 if __name__ == "__main__":
