@@ -6,6 +6,7 @@
     zoo-sweep experiments/zoology_fig2/sweep.py --dry-run --skip-summaries experiments/zoology_fig2/summaries
     zoo-sweep experiments/zoology_fig2/sweep.py --emit           # one zoo-train command per line
     zoo-sweep experiments/zoology_fig2/sweep.py --pack-lrs       # the 4 lrs of each point as one packed job
+    zoo-sweep experiments/zoology_fig2/sweep.py --pack-lrs --pack-max-d 256 --dry-run   # d = 512 unpacked: the jobs
 
 A sweep file is either
 - Python: it defines `sweep()` returning a list of runs, each a list of Hydra overrides
