@@ -444,6 +444,19 @@ def unpack_wide(jobs: list[list[int]], runs: list[list[str]], extra: list[str], 
     return out
 
 
+def pack_mode(pack_lrs: bool, pack_seeds: bool) -> str | None:
+    """What a pack's runs may differ in: "seeds" (lr and seed), "lrs" (lr), or None (no packing)."""
+    return "seeds" if pack_seeds else "lrs" if pack_lrs else None
+
+
+def plan_jobs(runs: list[list[str]], extra: list[str], pack: str | None, pack_max_d: int = 0) -> list[list[int]]:
+    """The jobs of a sweep over every run, before finished ones are dropped: with `pack`, its lr groups (`lr_groups`,
+    over seeds too for "seeds") less the packs `unpack_wide` splits; without, one run a job."""
+    if not pack:
+        return [[i] for i in range(len(runs))]
+    return unpack_wide(lr_groups(runs, seeds=pack == "seeds"), runs, extra, pack_max_d)
+
+
 def emitted_run(job: list[list[str]]) -> list[str]:
     """One zoo-train command's overrides for a job: the run itself, or its pack as train.pack_lrs (and
     train.pack_seeds when its seeds differ)."""
@@ -602,8 +615,8 @@ def run_sweep(
         if cache_vars:
             log.info("zoo-sweep %s: compile cache %s", name, ", ".join(f"{k}={v}" for k, v in cache_vars.items()))
         done = committed_runs(runs, extra, skip_summaries) if skip_summaries else {}
-        pack = "seeds" if pack_seeds else "lrs" if pack_lrs else None
-        return _run_jobs(runs, name, workers, device, extra, pack, mps, order, out, done, pack_max_d)
+        return _run_jobs(runs, name, workers, device, extra, pack_mode(pack_lrs, pack_seeds), mps, order, out, done,
+                         pack_max_d)
 
 
 def committed_runs(runs: list[list[str]], extra: list[str], directories: list[str]) -> dict[int, dict[str, Any]]:
@@ -682,8 +695,7 @@ def earlier_finished(path: Path) -> dict[str, dict[str, Any]]:
 def _run_jobs(runs, name, workers, device, extra, pack, mps, order, out: Path, done: dict,
               pack_max_d: int = 0) -> dict[str, Any]:
     """run_sweep's jobs, serially or in the pool, with the record (`out`) rewritten after each; `pack`: None,
-    "lrs" or "seeds" (what a pack's runs may differ in); `done`: records of runs already skipped; `pack_max_d`:
-    see `unpack_wide`."""
+    "lrs" or "seeds" (`pack_mode`); `done`: records of runs already skipped; `pack_max_d`: see `unpack_wide`."""
     import multiprocessing
 
     from tqdm.auto import tqdm
@@ -719,9 +731,8 @@ def _run_jobs(runs, name, workers, device, extra, pack, mps, order, out: Path, d
         return record
 
     bar = tqdm(total=len(runs), initial=len(done), desc=f"sweep {name}", dynamic_ncols=True)
-    jobs = lr_groups(runs, seeds=pack == "seeds") if pack else [[i] for i in range(len(runs))]
-    jobs = unpack_wide(jobs, runs, extra, pack_max_d)
-    jobs = [job for job in ([i for i in job if i not in done] for job in jobs) if job]
+    jobs = [job for job in ([i for i in job if i not in done] for job in plan_jobs(runs, extra, pack, pack_max_d))
+            if job]
     jobs = order_jobs(jobs, runs, order)
     monitor = GpuMonitor(device)
     try:
@@ -982,8 +993,7 @@ def main(argv: list[str] | None = None) -> None:
             print(shlex.join(["zoo-train", *emitted_run([runs[i] for i in job]), *extra]))
         return
     if args.dry_run:
-        pack = "seeds" if args.pack_seeds else "lrs" if args.pack_lrs else None
-        _dry_run(runs, extra, args.skip_summaries, pack, args.pack_max_d)
+        _dry_run(runs, extra, args.skip_summaries, pack_mode(args.pack_lrs, args.pack_seeds), args.pack_max_d)
         return
     workers = args.workers
     if workers <= 0:
@@ -1015,9 +1025,9 @@ def main(argv: list[str] | None = None) -> None:
 def _dry_run(runs: list[list[str]], extra: list[str], skip_summaries: list[str] = (), pack: str | None = None,
              pack_max_d: int = 0) -> None:
     """One line a run: done, partial, todo or invalid (its run dir), or committed (a summary in skip_summaries);
-    then one line of counts, what a time-limited job has left to train at a glance. With `pack` ("lrs" or
-    "seeds", as `_run_jobs` takes it) a last line counts the jobs the sweep would start for the partial and todo
-    runs: packs (after `unpack_wide`) and single runs."""
+    then one line of counts, what a time-limited job has left to train at a glance. With `pack` (`pack_mode`) a
+    last line counts the jobs the sweep would start for the partial and todo runs (`plan_jobs`): packs and single
+    runs."""
     from collections import Counter
 
     from zoo.runs import RunDir
@@ -1046,8 +1056,8 @@ def _dry_run(runs: list[list[str]], extra: list[str], skip_summaries: list[str] 
     source = f" (committed: in {', '.join(skip_summaries)})" if committed else ""
     print(f"{len(runs)} runs: {counts}{source}")
     if pack:
-        jobs = unpack_wide(lr_groups(runs, seeds=pack == "seeds"), runs, extra, pack_max_d)
-        jobs = [job for job in ([i for i in job if i in left] for job in jobs) if job]
+        jobs = [job for job in ([i for i in job if i in left] for job in plan_jobs(runs, extra, pack, pack_max_d))
+                if job]
         packs = [job for job in jobs if len(job) > 1]
 
         def count(n: int, noun: str) -> str:
