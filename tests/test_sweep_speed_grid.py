@@ -19,7 +19,7 @@ def bench():
 
 
 def record(name: str, wall_s: float, runs: list[tuple[str, str]]) -> dict:
-    """A zoo-sweep record (zoo.sweep._run_jobs's format): (run dir or "" for none, status) per run."""
+    """A zoo-sweep record (zoo.sweep.SweepRecord.write's format): (run dir or "" for none, status) per run."""
     rows = [{"overrides": [f"run={d or i}"], "run_dir": d or None, "status": s} for i, (d, s) in enumerate(runs)]
     counts = {s: sum(r["status"] == s for r in rows) for s in ("finished", "skipped", "failed", "pending")}
     return {"sweep": name, "runs": rows, **counts, "wall_s": wall_s}

@@ -692,192 +692,228 @@ def earlier_finished(path: Path) -> dict[str, dict[str, Any]]:
     return {_row_key(r): r for r in record.get("runs", []) if r.get("status") == "finished"}
 
 
-def _run_jobs(runs, name, workers, device, extra, pack, mps, order, out: Path, done: dict,
-              pack_max_d: int = 0) -> dict[str, Any]:
-    """run_sweep's jobs, serially or in the pool, with the record (`out`) rewritten after each; `pack`: None,
-    "lrs" or "seeds" (`pack_mode`); `done`: records of runs already skipped; `pack_max_d`: see `unpack_wide`."""
-    import multiprocessing
+class SweepRecord:
+    """The sweep's record at `out`, rewritten atomically by `write` after every job: a row per run (skipped,
+    finished, failed, or "pending" while none came back), the earlier calls of the same record and the runs they
+    finished (`earlier_calls`, `earlier_finished`), how busy the GPUs were (`monitor`, a `GpuMonitor` set once the
+    sweep watches them) and the compile warm-ups (`warmups`)."""
 
-    from tqdm.auto import tqdm
+    STATUSES = ("finished", "skipped", "failed", "pending")
 
-    results: list[dict[str, Any] | None] = [done.get(i) for i in range(len(runs))]
-    # the call's start, to the microsecond and before its clock starts: sweep_speed.py --grid-from takes the
-    # union of the calls' [started, started + wall_s], so that side-by-side calls count their shared time once
-    started = datetime.now(timezone.utc).isoformat(timespec="microseconds")
-    t0 = time.perf_counter()
-    earlier, finished_before = earlier_calls(out), earlier_finished(out)
-    statuses = ("finished", "skipped", "failed", "pending")
-    warmups: list[dict[str, Any]] = []
+    def __init__(self, name: str, runs: list[list[str]], out: Path, done: dict[int, dict[str, Any]]):
+        self.name, self.runs, self.out = name, runs, out
+        self.results: list[dict[str, Any] | None] = [done.get(i) for i in range(len(runs))]
+        # the call's start, to the microsecond and before its clock starts: sweep_speed.py --grid-from takes the
+        # union of the calls' [started, started + wall_s], so that side-by-side calls count their shared time once
+        self.started = datetime.now(timezone.utc).isoformat(timespec="microseconds")
+        self.t0 = time.perf_counter()
+        self.earlier, self.finished_before = earlier_calls(out), earlier_finished(out)
+        self.monitor: GpuMonitor | None = None
+        self.warmups: list[dict[str, Any]] = []
 
-    def write_record() -> dict[str, Any]:
-        rows = [r if r is not None else {"overrides": runs[i], "run_dir": None, "status": "pending"}
-                for i, r in enumerate(results)]
-        this_call = {s: sum(r["status"] == s for r in rows) for s in statuses}
-        rows = [finished_before.get(_row_key(r), r) if r["status"] == "skipped" else r for r in rows]
+    def write(self) -> dict[str, Any]:
+        rows = [r if r is not None else {"overrides": self.runs[i], "run_dir": None, "status": "pending"}
+                for i, r in enumerate(self.results)]
+        this_call = {s: sum(r["status"] == s for r in rows) for s in self.STATUSES}
+        rows = [self.finished_before.get(_row_key(r), r) if r["status"] == "skipped" else r for r in rows]
         # a run an earlier call finished outside this call's selection (other MIXERS, another shard) stays listed
         listed = {_row_key(r) for r in rows}
-        rows += [r for key, r in finished_before.items() if key not in listed]
-        counts = {s: sum(r["status"] == s for r in rows) for s in statuses}
-        wall = time.perf_counter() - t0
-        calls = [*earlier, {"started": started, "wall_s": wall, **this_call}]
-        record = {"sweep": name, "runs": rows, **counts, "wall_s": wall, "calls": calls,
+        rows += [r for key, r in self.finished_before.items() if key not in listed]
+        counts = {s: sum(r["status"] == s for r in rows) for s in self.STATUSES}
+        wall = time.perf_counter() - self.t0
+        calls = [*self.earlier, {"started": self.started, "wall_s": wall, **this_call}]
+        record = {"sweep": self.name, "runs": rows, **counts, "wall_s": wall, "calls": calls,
                   "calls_wall_s": sum(c["wall_s"] for c in calls)}
-        gpus = monitor.summary()
+        gpus = self.monitor.summary() if self.monitor is not None else None
         if gpus:
             record["gpus"] = gpus
-        if warmups:
-            record["compile_warmups"] = warmups
-        atomic_write_text(out, json.dumps(record, indent=1) + "\n")
+        if self.warmups:
+            record["compile_warmups"] = self.warmups
+        atomic_write_text(self.out, json.dumps(record, indent=1) + "\n")
         return record
 
+
+def _run_jobs(runs, name, workers, device, extra, pack, mps, order, out: Path, done: dict,
+              pack_max_d: int = 0) -> dict[str, Any]:
+    """run_sweep's jobs, serially or in worker pools, with the record (`SweepRecord` at `out`) rewritten after
+    each; `pack`: None, "lrs" or "seeds" (`pack_mode`); `done`: records of runs already skipped; `pack_max_d`: see
+    `unpack_wide`."""
+    from tqdm.auto import tqdm
+
+    record = SweepRecord(name, runs, out, done)
     bar = tqdm(total=len(runs), initial=len(done), desc=f"sweep {name}", dynamic_ncols=True)
     jobs = [job for job in ([i for i in job if i not in done] for job in plan_jobs(runs, extra, pack, pack_max_d))
             if job]
     jobs = order_jobs(jobs, runs, order)
-    monitor = GpuMonitor(device)
+    record.monitor = GpuMonitor(device)
     try:
         if workers <= 1:
-            _, why = MPS.start(device, 1, mps)  # one run at a time: never starts a daemon
-            _say(name, why)
-            serial_extra = extra + ([f"train.device={device}"] if device != "auto" else [])
-            for job in jobs:
-                for i, result in zip(job, run_job([runs[i] for i in job], serial_extra)):
-                    results[i] = result
-                bar.update(len(job))
-                write_record()
-                if any("interrupted" in results[i] for i in job):  # the time limit or a SIGTERM: start nothing more
-                    break
+            _run_serial(jobs, extra, device, mps, record, bar)
         else:
-            ctx = multiprocessing.get_context("spawn")
-            manager = ctx.Manager()
-            stop = manager.Event()
-            devices = devices_for(device, workers)
-            daemon, why = MPS.start(device, workers, mps)
-            _say(name, why)
-
-            first_oom: dict[int, str] = {}  # run index -> its first out-of-memory error beside other jobs
-            # Compiled jobs of one shape started together would each compile the same graphs at once: one warm-up
-            # per shape shared by several jobs compiles them first, and those jobs wait for it (`warm_job`).
-            keys = {tuple(job): shape_key([runs[i] for i in job]) for job in jobs}
-            warming = {key: job for key, job in shared_shapes(jobs, runs).items() if _compiles(runs[job[0]], extra)}
-            if warming:
-                _say(name, f"{len(warming)} shape{'s' * (len(warming) > 1)} that several compiled jobs share: one "
-                           "warm-up compiles each before its jobs start")
-
-            def pool_pass(todo: list[list[int]], devices: list[str]) -> list[list[int]]:
-                """`todo` on a pool of one worker per entry of `devices`. A job that runs out of device memory beside
-                others (its runs recorded pending meanwhile) lowers the number of jobs at once by one, down to one
-                per GPU, and goes to the back of the queue; out of memory beside others again, it is returned. A
-                worker process that dies takes the pool's running jobs with it (recorded failed); the jobs not
-                started yet go on in a new pool."""
-                alone = len(set(devices)) == len(devices)
-                threads = max(1, (os.cpu_count() or 1) // len(devices))
-                limit, floor = len(devices), len(set(devices))
-                waiting, requeued, retry = collections.deque(todo), set(), []
-
-                def fill(pool: ProcessPoolExecutor, futures: dict, running: set, limit: int) -> None:
-                    """Start the shapes' warm-ups, then waiting jobs whose shape is not warming, up to `limit`
-                    running; after a SIGTERM nothing more starts (the jobs waiting stay pending), and a job the
-                    pool refuses (a worker died) waits for the next pool."""
-                    unstarted = [key for key in warming if key not in warm_futures.values()]
-                    while unstarted and len(running) < limit and not stop.is_set():
-                        key = unstarted.pop(0)
-                        try:
-                            future = pool.submit(warm_job, [runs[i] for i in warming[key]], extra)
-                        except BrokenProcessPool:
-                            return
-                        warm_futures[future] = key
-                        running.add(future)
-                    while len(running) < limit and not stop.is_set():
-                        job = next((job for job in waiting if keys[tuple(job)] not in warming), None)
-                        if job is None:
-                            return
-                        waiting.remove(job)
-                        try:
-                            future = pool.submit(run_job, [runs[i] for i in job], extra, stop, alone)
-                        except BrokenProcessPool:
-                            waiting.appendleft(job)
-                            return
-                        futures[future] = job
-                        running.add(future)
-
-                while waiting and not stop.is_set():
-                    queue = manager.Queue()
-                    for dev in devices:
-                        queue.put(dev)
-                    pool = ProcessPoolExecutor(len(devices), mp_context=ctx, initializer=_worker_init,
-                                               initargs=(queue, threads))
-                    running: set = set()
-                    warm_futures: dict = {}
-                    with pool, _forward_sigterm(pool, stop) as futures:
-                        fill(pool, futures, running, limit)
-                        while running:
-                            done, _ = wait(running, return_when=FIRST_COMPLETED)
-                            for future in done:
-                                running.discard(future)
-                                if future in warm_futures:  # its shape's jobs may start now, warm or not
-                                    key = warm_futures.pop(future)
-                                    warming.pop(key, None)
-                                    try:
-                                        warmups.append(future.result())
-                                    except Exception as e:  # the worker process itself died
-                                        warmups.append({"overrides": list(key), "error": repr(e)})
-                                    continue
-                                job = futures[future]
-                                if future.cancelled():  # not started before a SIGTERM: still pending
-                                    continue
-                                try:
-                                    for i, result in zip(job, future.result()):
-                                        results[i] = result
-                                except Exception as e:  # the worker process itself died
-                                    for i in job:
-                                        results[i] = {"overrides": runs[i], "run_dir": None, "status": "failed",
-                                                      "error": repr(e)}
-                                if not alone and any(results[i].get("oom") for i in job):
-                                    for i in job:
-                                        if results[i].get("oom"):
-                                            first_oom.setdefault(i, results[i]["error"])
-                                        if results[i]["status"] == "failed":
-                                            results[i] = results[i] | {"status": "pending"}
-                                    if limit > floor:
-                                        limit -= 1
-                                        _say(name, f"a job ran out of GPU memory beside others: at most {limit} "
-                                                   f"job{'s' * (limit > 1)} at once from now")
-                                    if tuple(job) in requeued:
-                                        retry.append(job)
-                                    else:
-                                        requeued.add(tuple(job))
-                                        waiting.append(job)
-                                else:
-                                    bar.update(len(job))
-                                write_record()
-                            fill(pool, futures, running, limit)
-                return retry
-
-            try:
-                retry = pool_pass(jobs, devices)
-                if retry and not stop.is_set():
-                    # Out of memory beside other runs is the sweep's packing, not the run's fault: those jobs run
-                    # again after the others, one per GPU, from their checkpoints; only one that fails alone fails.
-                    n = sum(map(len, retry))
-                    _say(name, f"{n} run{'s' * (n > 1)} ran out of GPU memory twice beside other runs; run again "
-                               f"now, one job per GPU")
-                    pool_pass(retry, sorted(set(devices)))
-                for i, why in first_oom.items():
-                    results[i] = results[i] | {"retried_after": why}
-                write_record()
-            finally:
-                if daemon is not None:
-                    daemon.stop()
+            _WorkerPools(jobs, extra, device, workers, mps, record, bar).run()
     finally:
-        monitor.stop()
+        record.monitor.stop()
     bar.close()
-    record = write_record()
-    for index, gpu in record.get("gpus", {}).items():
+    written = record.write()
+    for index, gpu in written.get("gpus", {}).items():
         print(f"zoo-sweep {name}: GPU {index} ran kernels {gpu['util_mean_pct']:.0f}% of the time "
               f"({gpu['samples']} samples), peak memory {gpu['mem_peak_mib'] / 1024:.1f} GiB", file=sys.stderr)
-    record["path"] = str(out)
-    return record
+    written["path"] = str(out)
+    return written
+
+
+def _run_serial(jobs: list[list[int]], extra: list[str], device: str, mps: str, record: SweepRecord, bar) -> None:
+    """The jobs one after the other in this process; a time limit or a SIGTERM (a run returned interrupted) starts
+    nothing more."""
+    _, why = MPS.start(device, 1, mps)  # one run at a time: never starts a daemon
+    _say(record.name, why)
+    serial_extra = extra + ([f"train.device={device}"] if device != "auto" else [])
+    for job in jobs:
+        for i, result in zip(job, run_job([record.runs[i] for i in job], serial_extra)):
+            record.results[i] = result
+        bar.update(len(job))
+        record.write()
+        if any("interrupted" in record.results[i] for i in job):
+            break
+
+
+class _WorkerPools:
+    """The jobs on pools of spawned worker processes, each worker owning one device (`devices_for`).
+
+    Compiled jobs of one shape started together would each compile the same graphs at once: one warm-up per shape
+    that several jobs share compiles them first, and those jobs wait for it (`warm_job`). A job that runs out of
+    device memory beside others goes to the back of the queue, with one job fewer at once from then on; out of
+    memory beside others twice, it runs after the rest, one job per GPU (`run`)."""
+
+    def __init__(self, jobs, extra, device, workers, mps, record: SweepRecord, bar):
+        import multiprocessing
+
+        self.jobs, self.extra, self.device, self.workers, self.mps = jobs, extra, device, workers, mps
+        self.record, self.bar, self.name, self.runs = record, bar, record.name, record.runs
+        self.ctx = multiprocessing.get_context("spawn")
+        self.manager = self.ctx.Manager()
+        self.stop = self.manager.Event()
+        self.first_oom: dict[int, str] = {}  # run index -> its first out-of-memory error beside other jobs
+        self.keys = {tuple(job): shape_key([self.runs[i] for i in job]) for job in jobs}
+        self.warming = {key: job for key, job in shared_shapes(jobs, self.runs).items()
+                        if _compiles(self.runs[job[0]], extra)}
+
+    def run(self) -> None:
+        devices = devices_for(self.device, self.workers)
+        daemon, why = MPS.start(self.device, self.workers, self.mps)
+        _say(self.name, why)
+        if self.warming:
+            n = len(self.warming)
+            _say(self.name, f"{n} shape{'s' * (n > 1)} that several compiled jobs share: one warm-up compiles each "
+                            "before its jobs start")
+        try:
+            retry = self.one_pass(self.jobs, devices)
+            if retry and not self.stop.is_set():
+                # Out of memory beside other runs is the sweep's packing, not the run's fault: those jobs run
+                # again after the others, one per GPU, from their checkpoints; only one that fails alone fails.
+                n = sum(map(len, retry))
+                _say(self.name, f"{n} run{'s' * (n > 1)} ran out of GPU memory twice beside other runs; run again "
+                                f"now, one job per GPU")
+                self.one_pass(retry, sorted(set(devices)))
+            for i, why in self.first_oom.items():
+                self.record.results[i] = self.record.results[i] | {"retried_after": why}
+            self.record.write()
+        finally:
+            if daemon is not None:
+                daemon.stop()
+
+    def one_pass(self, todo: list[list[int]], devices: list[str]) -> list[list[int]]:
+        """`todo` on a pool of one worker per entry of `devices`. A job that runs out of device memory beside
+        others (its runs recorded pending meanwhile) lowers the number of jobs at once by one, down to one per
+        GPU, and goes to the back of the queue; out of memory beside others again, it is returned. A worker process
+        that dies takes the pool's running jobs with it (recorded failed); the jobs not started yet go on in a new
+        pool."""
+        self.alone = len(set(devices)) == len(devices)
+        threads = max(1, (os.cpu_count() or 1) // len(devices))
+        self.limit, self.floor = len(devices), len(set(devices))
+        self.waiting, self.requeued, self.retry = collections.deque(todo), set(), []
+        while self.waiting and not self.stop.is_set():
+            queue = self.manager.Queue()
+            for dev in devices:
+                queue.put(dev)
+            pool = ProcessPoolExecutor(len(devices), mp_context=self.ctx, initializer=_worker_init,
+                                       initargs=(queue, threads))
+            running: set = set()
+            warm_futures: dict = {}
+            with pool, _forward_sigterm(pool, self.stop) as futures:
+                self.fill(pool, futures, warm_futures, running)
+                while running:
+                    finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                    for future in finished:
+                        running.discard(future)
+                        if future in warm_futures:  # its shape's jobs may start now, warm or not
+                            self.warmed(future, warm_futures.pop(future))
+                        elif not future.cancelled():  # one not started before a SIGTERM stays pending
+                            self.collect(futures[future], future)
+                    self.fill(pool, futures, warm_futures, running)
+        return self.retry
+
+    def fill(self, pool: ProcessPoolExecutor, futures: dict, warm_futures: dict, running: set) -> None:
+        """Start the shapes' warm-ups, then waiting jobs whose shape is not warming, up to `limit` running; after
+        a SIGTERM nothing more starts (the jobs waiting stay pending), and a job the pool refuses (a worker died)
+        waits for the next pool."""
+        unstarted = [key for key in self.warming if key not in warm_futures.values()]
+        while unstarted and len(running) < self.limit and not self.stop.is_set():
+            key = unstarted.pop(0)
+            try:
+                future = pool.submit(warm_job, [self.runs[i] for i in self.warming[key]], self.extra)
+            except BrokenProcessPool:
+                return
+            warm_futures[future] = key
+            running.add(future)
+        while len(running) < self.limit and not self.stop.is_set():
+            job = next((job for job in self.waiting if self.keys[tuple(job)] not in self.warming), None)
+            if job is None:
+                return
+            self.waiting.remove(job)
+            try:
+                future = pool.submit(run_job, [self.runs[i] for i in job], self.extra, self.stop, self.alone)
+            except BrokenProcessPool:
+                self.waiting.appendleft(job)
+                return
+            futures[future] = job
+            running.add(future)
+
+    def warmed(self, future, key) -> None:
+        """A shape's warm-up ended: its jobs may start, and the record lists the warm-up (or its worker's death)."""
+        self.warming.pop(key, None)
+        try:
+            self.record.warmups.append(future.result())
+        except Exception as e:  # the worker process itself died
+            self.record.warmups.append({"overrides": list(key), "error": repr(e)})
+
+    def collect(self, job: list[int], future) -> None:
+        """A job's results into the record; one that ran out of memory beside others is requeued (`one_pass`)."""
+        results = self.record.results
+        try:
+            for i, result in zip(job, future.result()):
+                results[i] = result
+        except Exception as e:  # the worker process itself died
+            for i in job:
+                results[i] = {"overrides": self.runs[i], "run_dir": None, "status": "failed", "error": repr(e)}
+        if not self.alone and any(results[i].get("oom") for i in job):
+            for i in job:
+                if results[i].get("oom"):
+                    self.first_oom.setdefault(i, results[i]["error"])
+                if results[i]["status"] == "failed":
+                    results[i] = results[i] | {"status": "pending"}
+            if self.limit > self.floor:
+                self.limit -= 1
+                _say(self.name, f"a job ran out of GPU memory beside others: at most {self.limit} "
+                                f"job{'s' * (self.limit > 1)} at once from now")
+            if tuple(job) in self.requeued:
+                self.retry.append(job)
+            else:
+                self.requeued.add(tuple(job))
+                self.waiting.append(job)
+        else:
+            self.bar.update(len(job))
+        self.record.write()
 
 
 def _say(name: str, line: str) -> None:

@@ -346,7 +346,7 @@ def calls_wall(calls: list[dict]) -> float:
 
 
 def grid_from_records(paths: list[Path]) -> dict:
-    """The grid's wall and runs from zoo-sweep records (`zoo.sweep._run_jobs` writes them: {"sweep", "runs":
+    """The grid's wall and runs from zoo-sweep records (`zoo.sweep.SweepRecord` writes them: {"sweep", "runs":
     [{"overrides", "run_dir", "status", ...}], "wall_s", "calls": [{"started", "wall_s", ...}], ...}): the wall
     of every record's calls together (`calls_wall`: a record without `calls` is one undated call of `wall_s`),
     runs counted once each, by run dir (by overrides where a run has none), at their best status over the
