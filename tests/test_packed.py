@@ -1,6 +1,7 @@
 """Packed training (zoo/steps.py) on CPU: each member of a pack equals its standalone zoo-train run, on disk
-and in its parameters; a member that stops early leaves the others untouched; a killed pack resumes; every
-registered mixer (impl=naive) runs under vmap; a pack that cannot run fails before any work, in one line."""
+and in its parameters; a member that stops early leaves the others untouched; a killed pack resumes, and only
+from one checkpoint all its members share; every registered mixer (impl=naive) runs under vmap; a pack that
+cannot run fails before any work, in one line."""
 
 import pytest
 import torch
@@ -553,3 +554,31 @@ def test_a_compiled_pack_compiles_its_adamw_update(clipped):
             pack.adamw_step(torch.tensor(0.7), torch.tensor(3.0))
     for eager, compiled in zip(*((p.flat, p.exp_avg, p.exp_avg_sq) for p in packs)):
         torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-7)
+
+
+class _StubRun:
+    """A run dir that holds one checkpoint (or none)."""
+
+    def __init__(self, ckpt):
+        self.ckpt = ckpt
+
+    def load_checkpoint(self):
+        return self.ckpt
+
+
+@pytest.mark.parametrize("ckpts", [[{"epoch": 1, "step": 4}, {"epoch": 2, "step": 8}], [{"epoch": 1, "step": 4}, None]],
+                         ids=["different-steps", "one-without"])
+def test_a_pack_resumes_only_from_one_shared_checkpoint(ckpts):
+    from zoo.train import _load_checkpoints
+
+    with pytest.raises(PackError, match=r"stopped at different checkpoints \(a@1, b@"):
+        _load_checkpoints([_StubRun(c) for c in ckpts], ["a", "b"], [0, 1], resume=True)
+
+
+@pytest.mark.parametrize("resume", [True, False])
+def test_a_pack_at_one_checkpoint_resumes_from_it(resume):
+    from zoo.train import _load_checkpoints
+
+    ckpt = {"epoch": 1, "step": 4}
+    got = _load_checkpoints([_StubRun(ckpt), _StubRun(dict(ckpt))], ["a", "b"], [0, 1], resume=resume)
+    assert got == ([ckpt, ckpt] if resume else [None, None])

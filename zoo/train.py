@@ -354,14 +354,17 @@ def compile_warmup(members: list[Config]) -> int:
     return shapes
 
 
-def _train_runs(members: list[Config], resolved: list[str | None] | None, must_stop) -> list[dict[str, Any]]:
+def _open_runs(members: list[Config], resolved: list[str | None]) -> tuple[list[str], list[RunDir], list[int]]:
+    """The members' names and run dirs, and which of them (`todo`, indices into members) still train. A pack's
+    members must be able to pack (`check_pack`). With train.resume=true a member without its dir continues the
+    latest run of its config whatever its name, and a finished one is left out of `todo`; without it (or
+    train.overwrite=true) an existing run dir is a ConfigError."""
     cfg = members[0]
-    resolved = list(resolved) if resolved is not None else [None] * len(members)
     names = [run_name(m) for m in members]
     if len(members) > 1:
         check_pack(members, names)
     runs = [RunDir(Path(cfg.runs_root) / cfg.experiment_name / name) for name in names]
-    if cfg.train.resume:  # a member without its dir continues the latest run of its config, whatever its name
+    if cfg.train.resume:
         for i, member in enumerate(members):
             if not runs[i].exists():
                 text = resolved[i] or OmegaConf.to_yaml(OmegaConf.structured(member))
@@ -375,23 +378,39 @@ def _train_runs(members: list[Config], resolved: list[str | None] | None, must_s
             raise ConfigError(
                 f"{run.path} already holds a run: pass train.resume=true to continue it or train.overwrite=true"
             )
-    summaries: list[dict[str, Any] | None] = [None] * len(members)
     todo = []
     for i, run in enumerate(runs):
         if cfg.train.resume and run.is_finished():
             log.info("run %s already finished; nothing to resume", run.path)
-            summaries[i] = run.read_summary()
             continue
         todo.append(i)
-    if not todo:
-        return summaries
-    if must_stop():
-        raise Interrupted("stopped before the run started (train.stop_at passed, or SIGTERM)")
-    ckpts = [runs[i].load_checkpoint() if cfg.train.resume else None for i in todo]
+    return names, runs, todo
+
+
+def _load_checkpoints(runs: list[RunDir], names: list[str], todo: list[int], resume: bool) -> list[dict | None]:
+    """The checkpoint of each member of `todo` (None: none, or not resuming). A pack resumes as one: its members
+    must all have stopped at the same epoch and step, or none have a checkpoint (a PackError otherwise)."""
+    ckpts = [runs[i].load_checkpoint() if resume else None for i in todo]
     at = {(c["epoch"], c["step"]) for c in ckpts if c is not None}
     if len(at) > 1 or (at and any(c is None for c in ckpts)):
         where = ", ".join(names[i] + ("@" + str(c["epoch"]) if c else "@none") for i, c in zip(todo, ckpts))
         raise PackError(f"the runs of this pack stopped at different checkpoints ({where}); resume them unpacked")
+    return ckpts
+
+
+def _train_runs(members: list[Config], resolved: list[str | None] | None, must_stop) -> list[dict[str, Any]]:
+    cfg = members[0]
+    resolved = list(resolved) if resolved is not None else [None] * len(members)
+    names, runs, todo = _open_runs(members, resolved)
+    summaries: list[dict[str, Any] | None] = [
+        None if i in todo else runs[i].read_summary() for i in range(len(members))
+    ]
+    if not todo:
+        return summaries
+    if must_stop():
+        raise Interrupted("stopped before the run started (train.stop_at passed, or SIGTERM)")
+    ckpts = _load_checkpoints(runs, names, todo, cfg.train.resume)
+    at = any(c is not None for c in ckpts)
     device, amp, data, model, strategy = _setup([members[i] for i in todo])
     if cfg.train.overwrite:  # only once the data and the model are built: a failure there keeps the earlier run
         for i in todo:
