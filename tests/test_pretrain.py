@@ -1,4 +1,5 @@
-"""zoo-pretrain: data packing, presets, exact resume, DDP on 2 CPU processes == 1 process with twice the batch."""
+"""zoo-pretrain: data packing, presets, exact resume, a finished run kept or returned, DDP on 2 CPU processes ==
+1 process with twice the batch."""
 
 import json
 import os
@@ -170,6 +171,24 @@ def test_resume_after_a_stop_reproduces_the_uninterrupted_run(tmp_path):
     assert [s[:2] for s in a] == [s[:2] for s in b]
     assert [s[2] for s in a] == pytest.approx([s[2] for s in b], rel=1e-6)
     assert whole["valid/loss"] < losses(tmp_path / "pretrain" / "whole")[0][2]  # it learned something
+
+
+QUICK = ("run=done", "train.sample_tokens=0", "train.export_hf=false")
+
+
+def test_a_finished_run_is_kept_without_resume_or_overwrite(tmp_path):
+    pretrain(config(tmp_path, *QUICK))
+    summary = (tmp_path / "pretrain" / "done" / "summary.json").read_text()
+    with pytest.raises(ConfigError, match="already holds a run"):
+        pretrain(config(tmp_path, *QUICK))
+    assert (tmp_path / "pretrain" / "done" / "summary.json").read_text() == summary
+
+
+def test_resuming_a_finished_run_returns_its_summary_without_training(tmp_path):
+    first = pretrain(config(tmp_path, *QUICK))
+    metrics = (tmp_path / "pretrain" / "done" / "metrics.jsonl").read_text()
+    assert pretrain(config(tmp_path, *QUICK, "train.resume=true")) == first
+    assert (tmp_path / "pretrain" / "done" / "metrics.jsonl").read_text() == metrics
 
 
 def test_export_loads_with_auto_classes_and_generates(tmp_path):

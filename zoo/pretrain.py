@@ -246,9 +246,10 @@ def pretrain(cfg: PretrainConfig, resolved_yaml: str | None = None) -> dict[str,
         d.close()
 
 
-def _pretrain(cfg: PretrainConfig, resolved_yaml: str | None, d: Dist) -> dict[str, Any]:
-    tc = cfg.train
-    # The main process tokenizes (and caches) first, so the others read its cache instead of racing it.
+def _load_data(cfg: PretrainConfig, d: Dist) -> TokenData:
+    """The tokenized corpus, on every process: the main process tokenizes (and caches) first, so the others read
+    its cache instead of racing it. Sets model.vocab_size from the tokenizer where the config asks; a vocabulary
+    or a validation split too small for the config is a ConfigError, found before any step."""
     dc = cfg.data
 
     def load() -> TokenData:
@@ -264,15 +265,22 @@ def _pretrain(cfg: PretrainConfig, resolved_yaml: str | None, d: Dist) -> dict[s
     elif cfg.model.vocab_size < data.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} < the tokenizer's {data.vocab_size} tokens")
     if len(data.valid) < cfg.data.seq_len + 1:
-        # Found here, before any step, rather than at the first evaluation.
         raise ConfigError(
             f"the validation split has {len(data.valid)} tokens, fewer than one window of data.seq_len+1="
             f"{cfg.data.seq_len + 1}: lower data.seq_len or raise data.valid_frac"
         )
+    return data
 
+
+def _open_run(cfg: PretrainConfig, d: Dist) -> tuple[str, RunDir, dict[str, Any] | None]:
+    """The run's name and dir, and its summary where train.resume=true finds it finished (else None). With
+    train.resume=true a run without its dir continues the latest run of its config, whatever its dir's name;
+    without it (or train.overwrite=true) an existing run dir is a ConfigError. Every process checks the dir
+    before the main one clears it (train.overwrite=true)."""
+    tc = cfg.train
     name = run_name(cfg)
     run = RunDir(Path(cfg.runs_root) / cfg.experiment_name / name)
-    if tc.resume and not run.exists():  # the latest run of this config, whatever its dir's name
+    if tc.resume and not run.exists():
         yaml_text = OmegaConf.to_yaml(OmegaConf.structured(cfg))  # what config.yaml holds
         try:
             run = find_resumable(run.path.parent, yaml_text, EXECUTION_KEYS)
@@ -283,10 +291,19 @@ def _pretrain(cfg: PretrainConfig, resolved_yaml: str | None, d: Dist) -> dict[s
         raise ConfigError(f"{run.path} already holds a run: pass train.resume=true or train.overwrite=true")
     if tc.resume and run.is_finished():
         log.info("run %s already finished; nothing to resume", run.path)
-        return run.read_summary()
-    d.barrier()  # every process has checked the run dir before the main one clears it
+        return name, run, run.read_summary()
+    d.barrier()
     if tc.overwrite and d.main:
         run.clear()
+    return name, run, None
+
+
+def _pretrain(cfg: PretrainConfig, resolved_yaml: str | None, d: Dist) -> dict[str, Any]:
+    tc = cfg.train
+    data = _load_data(cfg, d)
+    name, run, finished = _open_run(cfg, d)
+    if finished is not None:
+        return finished
 
     torch.manual_seed(tc.seed)
     model = LanguageModel(cfg.model).to(d.device)
