@@ -327,6 +327,23 @@ def truncate_metrics(path: Path, max_step: int) -> None:
 CHECKPOINT = "ckpt/state.pt"
 
 
+def resume_state(cfg: DistillConfig, ckpt_path: Path, device) -> dict | None:
+    """The checkpoint to continue from (None: not resuming, or nothing saved yet). It must have been trained with
+    this lr schedule: a constant lr may run on to more steps, but a cosine one is a function of the total, which
+    must not change (a ConfigError otherwise)."""
+    if not (cfg.resume and ckpt_path.exists()):
+        return None
+    state = torch.load(ckpt_path, map_location=device, weights_only=True)
+    if "cartridge" not in state:
+        raise ConfigError(f"{ckpt_path} predates single-file checkpoints; rerun with overwrite=true")
+    trained_with, total = state.get("schedule", ("constant", None))
+    if trained_with != cfg.lr_schedule or (trained_with == "cosine" and total != cfg.steps):
+        raise ConfigError(
+            f"{ckpt_path} was trained with lr_schedule={trained_with} over {total} steps; resume with the same"
+        )
+    return state
+
+
 def distill(cfg: DistillConfig, model=None, tokenizer=None) -> dict:
     """Train a cartridge; returns the summary (also written to `<output>/summary.json`)."""
     from tqdm.auto import tqdm
@@ -356,17 +373,8 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None) -> dict:
     steps = schedule(examples, cfg)
 
     cartridge = init_cartridge(cfg, model, tokenizer, corpus, device)
-    state = None
-    if cfg.resume and ckpt_path.exists():
-        state = torch.load(ckpt_path, map_location=device, weights_only=True)
-        if "cartridge" not in state:
-            raise ConfigError(f"{ckpt_path} predates single-file checkpoints; rerun with overwrite=true")
-        # a constant lr may run on to more steps; a cosine one is a function of the total, which must not change
-        trained_with, total = state.get("schedule", ("constant", None))
-        if trained_with != cfg.lr_schedule or (trained_with == "cosine" and total != cfg.steps):
-            raise ConfigError(
-                f"{ckpt_path} was trained with lr_schedule={trained_with} over {total} steps; resume with the same"
-            )
+    state = resume_state(cfg, ckpt_path, device)
+    if state is not None:
         cartridge.load_state_dict(state["cartridge"])
         log.info("resuming at step %d", state["step"])
     start = state["step"] if state is not None else 0
@@ -402,47 +410,46 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None) -> dict:
         initial_kl = heldout_kl().get("heldout_kl")
         if initial_kl is not None:
             log.info("initial cartridge: held-out KL %.4f over %d conversations", initial_kl, len(heldout))
-    metrics = open(out / "metrics.jsonl", "a")
     t0, tokens, loss_sum, kl_sum, kl_n, loss_n = time.time(), 0, 0.0, 0.0, 0, 0
     bar = tqdm(total=cfg.steps, initial=start, desc=f"distill {cfg.method}", disable=not cfg.progress)
-    for step in range(start, cfg.steps):
-        batch = make_batch(cartridge, steps[step], model, device)
-        logq = student_logprobs(model, cartridge, batch)
-        loss = topk_kl(logq, batch)
-        kl = tail_kl(logq, batch)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(cfg, step)
-        optimizer.step()
-        tokens += int(batch["input_ids"].numel())
-        # losses are read back only at log lines, so the host collates the next batch while the GPU works
-        loss_sum, loss_n = loss_sum + loss.detach(), loss_n + 1
-        kl_sum, kl_n = kl_sum + kl.sum(), kl_n + kl.numel()
-        bar.update(1)
-        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-            row = {
-                "step": step + 1,
-                "loss": float(loss_sum) / loss_n,
-                "kl": float(kl_sum) / max(kl_n, 1),
-                "lr": learning_rate(cfg, step),
-                **heldout_kl(),
-                "tokens": tokens,
-                "time_s": time.time() - t0,
-            }
-            metrics.write(json.dumps(row) + "\n")
-            metrics.flush()
-            bar.set_postfix(loss=f"{row['loss']:.4f}", kl=f"{row['kl']:.4f}")
-            if "heldout_kl" in row:
-                log.info("step %d: loss %.4f, KL %.4f, held-out KL %.4f", row["step"], row["loss"], row["kl"],
-                         row["heldout_kl"])  # fmt: skip
-            if wandb_run is not None:
-                wandb_run.log(row, step=step + 1)
-            loss_sum, kl_sum, kl_n, loss_n = 0.0, 0.0, 0, 0
-        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-            checkpoint(step + 1)
+    with open(out / "metrics.jsonl", "a") as metrics:
+        for step in range(start, cfg.steps):
+            batch = make_batch(cartridge, steps[step], model, device)
+            logq = student_logprobs(model, cartridge, batch)
+            loss = topk_kl(logq, batch)
+            kl = tail_kl(logq, batch)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(cfg, step)
+            optimizer.step()
+            tokens += int(batch["input_ids"].numel())
+            # losses are read back only at log lines, so the host collates the next batch while the GPU works
+            loss_sum, loss_n = loss_sum + loss.detach(), loss_n + 1
+            kl_sum, kl_n = kl_sum + kl.sum(), kl_n + kl.numel()
+            bar.update(1)
+            if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+                row = {
+                    "step": step + 1,
+                    "loss": float(loss_sum) / loss_n,
+                    "kl": float(kl_sum) / max(kl_n, 1),
+                    "lr": learning_rate(cfg, step),
+                    **heldout_kl(),
+                    "tokens": tokens,
+                    "time_s": time.time() - t0,
+                }
+                metrics.write(json.dumps(row) + "\n")
+                metrics.flush()
+                bar.set_postfix(loss=f"{row['loss']:.4f}", kl=f"{row['kl']:.4f}")
+                if "heldout_kl" in row:
+                    log.info("step %d: loss %.4f, KL %.4f, held-out KL %.4f", row["step"], row["loss"], row["kl"],
+                             row["heldout_kl"])  # fmt: skip
+                if wandb_run is not None:
+                    wandb_run.log(row, step=step + 1)
+                loss_sum, kl_sum, kl_n, loss_n = 0.0, 0.0, 0, 0
+            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+                checkpoint(step + 1)
     bar.close()
-    metrics.close()
     final = cartridge.save(out / "cartridge.safetensors")
     if cfg.save_peft:
         from cartridges.peft import save_adapter
