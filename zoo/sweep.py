@@ -712,6 +712,7 @@ class SweepRecord:
         self.warmups: list[dict[str, Any]] = []
 
     def write(self) -> dict[str, Any]:
+        """Write the record as it stands now (atomically) and return it."""
         rows = [r if r is not None else {"overrides": self.runs[i], "run_dir": None, "status": "pending"}
                 for i, r in enumerate(self.results)]
         this_call = {s: sum(r["status"] == s for r in rows) for s in self.STATUSES}
@@ -783,7 +784,9 @@ class _WorkerPools:
     Compiled jobs of one shape started together would each compile the same graphs at once: one warm-up per shape
     that several jobs share compiles them first, and those jobs wait for it (`warm_job`). A job that runs out of
     device memory beside others goes to the back of the queue, with one job fewer at once from then on; out of
-    memory beside others twice, it runs after the rest, one job per GPU (`run`)."""
+    memory beside others twice, it runs after the rest, one job per GPU (`run`). A pass (`one_pass`) keeps its
+    queue in `waiting`, its jobs at once in `limit` (down to `floor`, one per GPU), the jobs requeued once in
+    `requeued` and those to run alone in `retry`; `alone` says whether each worker has its GPU to itself."""
 
     def __init__(self, jobs, extra, device, workers, mps, record: SweepRecord, bar):
         import multiprocessing
