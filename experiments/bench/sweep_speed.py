@@ -86,16 +86,26 @@ def run_probe(label: str, overrides: str, flags: str, env: dict[str, str]) -> di
     wall = time.perf_counter() - t0
     record_path = root / "_sweeps" / f"probe16-{label}.json"
     accuracies = {}
+    job_s = train_s = 0.0  # summed over jobs: a pack of k runs is one job, so each member counts 1/k
     if record_path.exists():
         for r in json.loads(record_path.read_text())["runs"]:
             if r.get("run_dir") and r["status"] == "finished":
                 # the name without its config hash: the hash covers the runs root and the setting's overrides
                 accuracies[Path(r["run_dir"]).name.rsplit("-", 1)[0]] = r["valid/accuracy"]
+                share = 1 / r.get("packed", 1)
+                job_s += r.get("wall_s", 0.0) * share
+                summary = ROOT / r["run_dir"] / "summary.json"  # run_dir may be absolute: then ROOT drops out
+                if summary.exists():
+                    train_s += json.loads(summary.read_text()).get("wall_time_s", 0.0) * share
     out = {"label": label, "overrides": overrides, "flags": flags, "wall_s": wall, "rc": proc.returncode,
-           "finished": len(accuracies), "valid_accuracy": accuracies}
+           "finished": len(accuracies), "valid_accuracy": accuracies,
+           # where the wall goes: the jobs' own time (process start, data, compile, training, evaluation) and, of
+           # it, the training loop's (the summaries' wall_time_s); jobs overlap when several run at once
+           "jobs_s": job_s, "training_s": train_s}
     if proc.returncode != 0:
         out["error"] = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-    mps = [line for line in proc.stderr.splitlines() if "MPS" in line]
+    # the sweep's line about MPS, without the progress bar that shares its line of stderr
+    mps = [line[line.find("zoo-sweep"):] for line in proc.stderr.splitlines() if "MPS" in line and "zoo-sweep" in line]
     out["mps"] = mps[0] if mps else None
     return out
 
@@ -432,9 +442,10 @@ def main() -> None:
 
     if not args.skip_probe:
         probes = [run_probe(*(v.split("|") + ["", ""])[:3], env) for v in args.variants]
-        print(f"{'probe setting':24s} {'wall s':>8s} {'finished':>8s}  mps")
+        print(f"{'probe setting':24s} {'wall s':>8s} {'finished':>8s} {'jobs s':>8s} {'training s':>10s}  mps")
         for r in probes:
-            print(f"{r['label']:24s} {r['wall_s']:8.1f} {r['finished']:8d}  {r['mps']}")
+            print(f"{r['label']:24s} {r['wall_s']:8.1f} {r['finished']:8d} {r['jobs_s']:8.1f} {r['training_s']:10.1f}"
+                  f"  {r['mps']}")
             if r["rc"]:
                 print("   error:", " | ".join(r.get("error", [])))
         out["probes"] = probes
