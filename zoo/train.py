@@ -398,7 +398,180 @@ def _load_checkpoints(runs: list[RunDir], names: list[str], todo: list[int], res
     return ckpts
 
 
+class _Training:
+    """The runs that one strategy trains together (one run, or a pack) while they train.
+
+    Per member (`j`, an index into the members given) it keeps the run dir, the tracker, the best validation
+    accuracy and, once written, the summary; for all of them the loop's position (epoch, step, tokens, wall time),
+    which summaries and checkpoints record. `live[row]` is the member that strategy row `row` trains; `drop`
+    removes finished rows from the strategy and from `live` together.
+    """
+
+    def __init__(self, members: list[Config], names: list[str], runs: list[RunDir], trackers: list, strategy,
+                 data: dict, amp, device, steps_per_epoch: int) -> None:
+        self.cfg = members[0]
+        self.members, self.names, self.runs, self.trackers = members, names, runs, trackers
+        self.strategy, self.data, self.amp, self.device = strategy, data, amp, device
+        self.steps_per_epoch = steps_per_epoch
+        self.total_steps = steps_per_epoch * self.cfg.train.epochs
+        self.lr_factor = lr_lambda(self.cfg.optim, self.total_steps, self.cfg.train.epochs)
+        n = len(members)
+        self.best = [0.0] * n
+        self.summaries: list[dict[str, Any] | None] = [None] * n
+        self.live = list(range(n))
+        self.epoch = self.step = self.tokens = 0
+        self.wall_before = 0.0  # training time before this process (a resumed run's checkpoint holds it)
+        self.t0 = time.perf_counter()
+        self.saves = CheckpointClock(self.cfg.train.checkpoint_share)
+
+    def resume_from(self, ckpts: list[dict]) -> None:
+        """Continue where the members' (shared) checkpoint stopped."""
+        for row, ckpt in enumerate(ckpts):
+            self.strategy.load(row, ckpt)
+            self.best[row] = ckpt["best_valid_accuracy"]
+        c = ckpts[0]
+        self.epoch, self.step, self.tokens = c["epoch"], c["step"], c["train_tokens"]
+        self.wall_before = c["wall_time_s"]
+        torch.set_rng_state(c["rng_cpu"])
+
+    def wall(self) -> float:
+        return self.wall_before + time.perf_counter() - self.t0
+
+    def is_stopped(self, accuracy: float) -> bool:
+        return self.cfg.train.early_stop is not None and accuracy >= self.cfg.train.early_stop
+
+    def finish(self, row: int, stopped_early: bool, by_pack: bool = False) -> None:
+        """Evaluate strategy row `row`'s member on valid and test and write its summary (by_pack: stopped
+        because a sibling reached early_stop, train.pack_stop=first)."""
+        j = self.live[row]
+        member = self.strategy.model_of(row)
+        train_time = self.wall()
+        final_valid = evaluate(member, self.data["valid"], "valid", self.amp)
+        test = evaluate(member, self.data["test"], "test", self.amp)
+        self.trackers[j].log({"step": self.step, "epoch": self.epoch, **test})
+        summary = run_summary(
+            self.members[j], self.names[j], member, final_valid, test, self.best[j], self.epoch, self.step,
+            stopped_early, train_time, self.tokens, self.device,
+        )
+        if isinstance(self.strategy, PackedStep):
+            summary["pack_size"] = len(self.members)
+        if by_pack:
+            summary["stopped_by_pack"] = True
+        self.runs[j].write_summary(summary)
+        self.trackers[j].finish(summary)
+        self.summaries[j] = summary
+
+    def checkpoint(self, row: int) -> None:
+        """Row `row`'s member's checkpoint at the current epoch and step (mid-epoch when the run is stopped)."""
+        optimizer_state, scheduler_state = self.strategy.optimizer_state(row, self.step)
+        j = self.live[row]
+        self.runs[j].save_checkpoint(checkpoint_state(
+            self.strategy.model_of(row), optimizer_state, scheduler_state, self.epoch, self.step, self.best[j],
+            self.wall(), self.tokens,
+        ))
+
+    def drop(self, done: list[int]) -> None:
+        rows = [row for row in range(len(self.live)) if row not in done]
+        self.live = [self.live[row] for row in rows]
+        self.strategy.keep(rows)
+
+    def finish_resumed(self) -> None:
+        """A member whose checkpoint already met early_stop is finalised without training (with
+        train.pack_stop=first, its whole pack: the run was killed while the pack was being finalised)."""
+        done = [row for row in range(len(self.live)) if self.is_stopped(self.best[row])]
+        for row in done:
+            self.finish(row, True)
+        if done and self.cfg.train.pack_stop == "first":
+            for row in range(len(self.live)):
+                if row not in done:
+                    self.finish(row, False, by_pack=True)
+            done = list(range(len(self.live)))
+        if done:
+            self.drop(done)
+
+    def batches(self):
+        """This epoch's (segment, indices, examples) batches from the current step on: a run resumed mid-epoch
+        skips the batches it trained on (each epoch's order is fixed). A pack of several seeds steps each member
+        on its own seed's batch, stacked [N, B] (one segment); `examples` counts one member's."""
+        train, order = self.data["train"], self.cfg.train.batch_order
+        if self.strategy.seeded:
+            orders = [epoch_batches(train, self.members[j].train.seed, self.epoch, self.device, order)
+                      for j in self.live]
+            batches = ((steps[0][0], member_batches([idx for _, idx in steps]), steps[0][1].numel())
+                       for steps in zip(*orders))
+        else:
+            batches = ((seg, idx, idx.numel()) for seg, idx in
+                       epoch_batches(train, self.cfg.train.seed, self.epoch, self.device, order))
+        return itertools.islice(batches, self.step - self.epoch * self.steps_per_epoch, None)
+
+    def train_epoch(self, bar, must_stop) -> None:
+        """One epoch of steps; at must_stop(), checkpoints every live member mid-epoch and raises Interrupted."""
+        loss_sum = torch.zeros(len(self.live), device=self.device)
+        loss_n = 0
+        for seg, idx, examples in self.batches():
+            losses = self.strategy.step(seg, idx, self.step)  # [N]
+            self.step += 1
+            self.tokens += examples * seg.inputs.shape[1]  # a member's tokens (every member's epoch holds as many)
+            loss_sum += losses
+            loss_n += 1
+            bar.update(1)
+            if self.step % self.cfg.train.log_every == 0:
+                # The one host sync of the loop, every log_every steps.
+                train_loss = (loss_sum / loss_n).tolist()
+                loss_sum.zero_()
+                loss_n = 0
+                for row, j in enumerate(self.live):
+                    lr = self.members[j].optim.lr * self.lr_factor(self.step - 1)  # the lr the last step trained at
+                    self.trackers[j].log({"step": self.step, "epoch": self.epoch, "train/loss": train_loss[row],
+                                          "lr": lr})
+                bar.set_postfix(loss=f"{min(train_loss):.3f}", refresh=False)
+            if must_stop():
+                for row in range(len(self.live)):
+                    self.checkpoint(row)
+                bar.close()
+                log.info("stopped at epoch %d, step %d (checkpointed: train.resume=true continues)", self.epoch,
+                         self.step)
+                raise Interrupted(f"stopped at epoch {self.epoch}, step {self.step}")
+        self.epoch += 1
+
+    def end_epoch(self, bar) -> None:
+        """Evaluate every live member on valid, checkpoint when due, and finish those that reached early_stop
+        (with train.pack_stop=first, their whole pack). A finished run keeps its final weights as a checkpoint."""
+        last = self.epoch == self.cfg.train.epochs
+        if not (self.epoch % self.cfg.train.eval_every == 0 or last):
+            return
+        done = []
+        save = self.saves.due()
+        for row, j in enumerate(self.live):
+            member = self.strategy.model_of(row)
+            metrics = evaluate(member, self.data["valid"], "valid", self.amp)
+            self.best[j] = max(self.best[j], metrics["valid/accuracy"])
+            self.trackers[j].log({"step": self.step, "epoch": self.epoch, **metrics})
+            stopped = self.is_stopped(metrics["valid/accuracy"])
+            if save:
+                with self.saves.timed():
+                    self.checkpoint(row)
+            elif stopped or last:
+                self.checkpoint(row)
+            if stopped:
+                self.finish(row, True)
+                done.append(row)
+        if done and self.cfg.train.pack_stop == "first":  # a member settled the point: its siblings stop here too
+            for row in range(len(self.live)):
+                if row not in done:
+                    if not (save or last):  # not checkpointed above
+                        self.checkpoint(row)
+                    self.finish(row, False, by_pack=True)
+                    done.append(row)
+        bar.set_postfix(valid_acc=f"{max(self.best):.3f}", refresh=True)
+        if done:
+            self.drop(done)
+
+
 def _train_runs(members: list[Config], resolved: list[str | None] | None, must_stop) -> list[dict[str, Any]]:
+    """Train `members` (one run, or a pack that one strategy steps together) to their end; returns each member's
+    summary (a finished run's is read back). Opens the run dirs, resumes from a shared checkpoint, then runs the
+    epochs through `_Training`."""
     cfg = members[0]
     resolved = list(resolved) if resolved is not None else [None] * len(members)
     names, runs, todo = _open_runs(members, resolved)
@@ -415,161 +588,35 @@ def _train_runs(members: list[Config], resolved: list[str | None] | None, must_s
     if cfg.train.overwrite:  # only once the data and the model are built: a failure there keeps the earlier run
         for i in todo:
             runs[i].clear()
-    steps_per_epoch = sum(seg.num_batches() for seg in data["train"])
-    total_steps = steps_per_epoch * cfg.train.epochs
-
-    n = len(todo)
-    start_epoch, step, wall_before, tokens = 0, 0, 0.0, 0
-    best = [0.0] * n
-    if at:
-        for row, ckpt in enumerate(ckpts):
-            strategy.load(row, ckpt)
-            best[row] = ckpt["best_valid_accuracy"]
-        c = ckpts[0]
-        start_epoch, step, wall_before, tokens = c["epoch"], c["step"], c["wall_time_s"], c["train_tokens"]
-        torch.set_rng_state(c["rng_cpu"])
-        what = str(runs[todo[0]].path) if n == 1 else f"a pack of {n} runs"
-        log.info("resuming %s at epoch %d, step %d", what, start_epoch, step)
     for i in todo:
         if cfg.train.resume:
-            runs[i].truncate_metrics(step)
+            runs[i].truncate_metrics(ckpts[0]["step"] if at else 0)
         text = resolved[i] or OmegaConf.to_yaml(OmegaConf.structured(members[i]))
         runs[i].write_config(text + f"run_dir: {runs[i].path}\n")
     trackers = [start_tracker(members[i], runs[i], names[i]) for i in todo]
+    t = _Training([members[i] for i in todo], [names[i] for i in todo], [runs[i] for i in todo], trackers, strategy,
+                  data, amp, device, steps_per_epoch=sum(seg.num_batches() for seg in data["train"]))
     log.info(
         "%s: %d run(s) (lr %s), %d parameters each on %s",
-        type(strategy).__name__, n, [members[i].optim.lr for i in todo], model.num_parameters(), device,
+        type(strategy).__name__, len(todo), [members[i].optim.lr for i in todo], model.num_parameters(), device,
     )
-
-    t0 = time.perf_counter()
-    epoch = start_epoch
-
-    def finish(row: int, j: int, stopped_early: bool, by_pack: bool = False) -> None:
-        """Evaluate member j (strategy row `row`) on valid and test and write its summary (by_pack: stopped
-        because a sibling reached early_stop, train.pack_stop=first)."""
-        i = todo[j]
-        member = strategy.model_of(row)
-        train_time = wall_before + time.perf_counter() - t0
-        final_valid = evaluate(member, data["valid"], "valid", amp)
-        test = evaluate(member, data["test"], "test", amp)
-        trackers[j].log({"step": step, "epoch": epoch, **test})
-        summary = run_summary(
-            members[i], names[i], member, final_valid, test, best[j], epoch, step, stopped_early, train_time,
-            tokens, device,
-        )
-        if isinstance(strategy, PackedStep):
-            summary["pack_size"] = n
-        if by_pack:
-            summary["stopped_by_pack"] = True
-        runs[i].write_summary(summary)
-        trackers[j].finish(summary)
-        summaries[i] = summary
-
-    def is_stopped(accuracy: float) -> bool:
-        return cfg.train.early_stop is not None and accuracy >= cfg.train.early_stop
-
-    def drop(done: list[int]) -> None:
-        nonlocal live
-        rows = [row for row in range(len(live)) if row not in done]
-        live = [live[row] for row in rows]
-        strategy.keep(rows)
-
-    live = list(range(n))  # live[row]: the member (index into todo) in strategy row `row`
     if at:
-        # A member whose checkpoint already met early_stop is finalised without training.
-        done = [row for row in range(n) if is_stopped(best[row])]
-        for row in done:
-            finish(row, live[row], True)
-        if done and cfg.train.pack_stop == "first":  # killed while the pack was being finalised
-            for row in range(n):
-                if row not in done:
-                    finish(row, live[row], False, by_pack=True)
-            done = list(range(n))
-        if done:
-            drop(done)
-    desc = names[todo[0]] if n == 1 else f"pack of {n}"
-    bar = tqdm(total=total_steps, initial=step, desc=desc, disable=not cfg.train.progress, dynamic_ncols=True)
+        t.resume_from(ckpts)
+        what = str(runs[todo[0]].path) if len(todo) == 1 else f"a pack of {len(todo)} runs"
+        log.info("resuming %s at epoch %d, step %d", what, t.epoch, t.step)
+        t.finish_resumed()
+    desc = names[todo[0]] if len(todo) == 1 else f"pack of {len(todo)}"
+    bar = tqdm(total=t.total_steps, initial=t.step, desc=desc, disable=not cfg.train.progress, dynamic_ncols=True)
     model.train()
-    f = lr_lambda(cfg.optim, total_steps, cfg.train.epochs)
-
-    def checkpoint(row: int, j: int, member) -> None:
-        """Member j's checkpoint (strategy row `row`, its model `member`) at the loop's current epoch and step
-        (mid-epoch when the run is stopped)."""
-        optimizer_state, scheduler_state = strategy.optimizer_state(row, step)
-        wall = wall_before + time.perf_counter() - t0
-        runs[todo[j]].save_checkpoint(
-            checkpoint_state(member, optimizer_state, scheduler_state, epoch, step, best[j], wall, tokens)
-        )
-
-    saves = CheckpointClock(cfg.train.checkpoint_share)
-    while epoch < cfg.train.epochs and live:
-        loss_sum = torch.zeros(len(live), device=device)
-        loss_n = 0
-        if strategy.seeded:  # a pack of several seeds: each member its own seed's batch, stacked [N, B] (one segment)
-            orders = [epoch_batches(data["train"], members[todo[j]].train.seed, epoch, device, cfg.train.batch_order)
-                      for j in live]
-            # (segment, [N, B] indices, examples of the first member)
-            batches = ((steps[0][0], member_batches([idx for _, idx in steps]), steps[0][1].numel())
-                       for steps in zip(*orders))
-        else:
-            batches = ((seg, idx, idx.numel()) for seg, idx in
-                       epoch_batches(data["train"], cfg.train.seed, epoch, device, cfg.train.batch_order))
-        # a run resumed mid-epoch skips the batches of the epoch it trained on (each epoch's order is fixed)
-        for seg, idx, examples in itertools.islice(batches, step - epoch * steps_per_epoch, None):
-            losses = strategy.step(seg, idx, step)  # [N]
-            step += 1
-            tokens += examples * seg.inputs.shape[1]  # a member's tokens (every member's epoch holds as many)
-            loss_sum += losses
-            loss_n += 1
-            bar.update(1)
-            if step % cfg.train.log_every == 0:
-                # The one host sync of the loop, every log_every steps.
-                train_loss = (loss_sum / loss_n).tolist()
-                loss_sum.zero_()
-                loss_n = 0
-                for row, j in enumerate(live):
-                    lr = members[todo[j]].optim.lr * f(step - 1)  # the lr the last step trained at
-                    trackers[j].log({"step": step, "epoch": epoch, "train/loss": train_loss[row], "lr": lr})
-                bar.set_postfix(loss=f"{min(train_loss):.3f}", refresh=False)
-            if must_stop():
-                for row, j in enumerate(live):
-                    checkpoint(row, j, strategy.model_of(row))
-                bar.close()
-                log.info("stopped at epoch %d, step %d (checkpointed: train.resume=true continues)", epoch, step)
-                raise Interrupted(f"stopped at epoch {epoch}, step {step}")
-        epoch += 1
-        last = epoch == cfg.train.epochs
-        if epoch % cfg.train.eval_every == 0 or last:
-            done = []
-            save = saves.due()
-            for row, j in enumerate(live):
-                member = strategy.model_of(row)
-                metrics = evaluate(member, data["valid"], "valid", amp)
-                best[j] = max(best[j], metrics["valid/accuracy"])
-                trackers[j].log({"step": step, "epoch": epoch, **metrics})
-                stopped = is_stopped(metrics["valid/accuracy"])
-                if save:
-                    with saves.timed():
-                        checkpoint(row, j, member)
-                elif stopped or last:
-                    checkpoint(row, j, member)  # a finished run keeps its final weights
-                if stopped:
-                    finish(row, j, True)
-                    done.append(row)
-            if done and cfg.train.pack_stop == "first":  # a member settled the point: its siblings stop here too
-                for row, j in enumerate(live):
-                    if row not in done:
-                        if not (save or last):  # not checkpointed above
-                            checkpoint(row, j, strategy.model_of(row))  # a finished run keeps its final weights
-                        finish(row, j, False, by_pack=True)
-                        done.append(row)
-            bar.set_postfix(valid_acc=f"{max(best):.3f}", refresh=True)
-            if done:
-                drop(done)
-            model.train()
+    while t.epoch < cfg.train.epochs and t.live:
+        t.train_epoch(bar, must_stop)
+        t.end_epoch(bar)
+        model.train()
     bar.close()
-    for row, j in enumerate(live):
-        finish(row, j, False)
+    for row in range(len(t.live)):
+        t.finish(row, False)
+    for j, i in enumerate(todo):
+        summaries[i] = t.summaries[j]
     return summaries
 
 
