@@ -298,6 +298,30 @@ def _open_run(cfg: PretrainConfig, d: Dist) -> tuple[str, RunDir, dict[str, Any]
     return name, run, None
 
 
+def _optimizer_step(cfg: PretrainConfig, d: Dist, module, forward, optimizer, scheduler, windows: PackedWindows,
+                    step: int, amp) -> torch.Tensor:
+    """One optimizer step over `train.grad_accum` micro-batches of this process's rows of the global batch
+    `step`; returns the mean micro-batch loss (a device scalar: no host sync). Under DDP the gradients are
+    all-reduced once, on the last micro-batch."""
+    tc = cfg.train
+    loss_sum = torch.zeros((), device=d.device)
+    for micro in range(tc.grad_accum):
+        inputs, targets = windows.batch(step, (micro * d.world + d.rank) * tc.batch_size, tc.batch_size)
+        sync = contextlib.nullcontext()
+        if d.world > 1 and tc.parallel == "ddp" and micro < tc.grad_accum - 1:
+            sync = module.no_sync()
+        with sync, amp:
+            loss = lm_loss(forward, inputs.to(d.device), targets.to(d.device))
+        (loss / tc.grad_accum).backward()
+        loss_sum += loss.detach() / tc.grad_accum
+    if cfg.optim.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.optim.grad_clip)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum
+
+
 def _pretrain(cfg: PretrainConfig, resolved_yaml: str | None, d: Dist) -> dict[str, Any]:
     tc = cfg.train
     data = _load_data(cfg, d)
@@ -370,20 +394,7 @@ def _pretrain(cfg: PretrainConfig, resolved_yaml: str | None, d: Dist) -> dict[s
             bar.close()
             log.info("stopping at step %d (train.stop_after=%d); resume with train.resume=true", step, tc.stop_after)
             return {}
-        for micro in range(tc.grad_accum):
-            inputs, targets = windows.batch(step, (micro * d.world + d.rank) * tc.batch_size, tc.batch_size)
-            sync = contextlib.nullcontext()
-            if d.world > 1 and tc.parallel == "ddp" and micro < tc.grad_accum - 1:
-                sync = module.no_sync()
-            with sync, amp:
-                loss = lm_loss(forward, inputs.to(d.device), targets.to(d.device))
-            (loss / tc.grad_accum).backward()
-            loss_sum += loss.detach() / tc.grad_accum
-        if cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.optim.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss_sum += _optimizer_step(cfg, d, module, forward, optimizer, scheduler, windows, step, amp)
         step += 1
         loss_n += 1
         bar.update(1)
@@ -426,7 +437,7 @@ def _pretrain(cfg: PretrainConfig, resolved_yaml: str | None, d: Dist) -> dict[s
         return {}
     metrics = run.read_metrics()
     rates = [r["tokens_per_s"] for r in metrics if "tokens_per_s" in r]
-    tokens_per_s = sorted(rates)[len(rates) // 2] if rates else 0.0
+    tokens_per_s = sorted(rates)[len(rates) // 2] if rates else 0.0  # the median of the logged windows
     plain = LanguageModel(cfg.model)
     plain.load_state_dict(full_state)
     summary = {
