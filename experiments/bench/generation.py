@@ -29,10 +29,8 @@ does not fit is halved until one does, so a smaller card still gets a row):
   and one position written).
 After the Based batches, before the baseline, `--profile-batch` (1,024; tiny: 2) profiles one Based decode step
 part by part (experiments/bench/decode_profile.py): time, bytes, FLOPs and their fractions of the copy bandwidth
-and of the GEMM rate, beside the CUDA-graph step's time (`graph_step_ms`), the same step with BaseConv's
-PyTorch step in place of its kernel (`graph_step_ms_conv_pytorch`), and the step with the batch in row slices on
-that many CUDA streams inside the graph, for each count of `--profile-streams` (`graph_step_ms_streams`; ZooConfig's
-`decode_streams`, which `--decode-streams` sets for the Based rows).
+and of the GEMM rate, beside the CUDA-graph step's time (`graph_step_ms`) and the same step with BaseConv's
+PyTorch step in place of its kernel (`graph_step_ms_conv_pytorch`).
 The last line is JSON: every row, each model's best decode throughput (`based_tok_s`, `llama_tok_s`), the ratio
 `decode_ratio_best` (target ≥ 24×, the Based paper's claim against FlashAttention-2), `decode_frac_copy_bw`
 (Based's best decode row's GB/s over the copy bandwidth; target ≥ 0.7), the decode profile, and prefill three ways:
@@ -303,7 +301,6 @@ def decode_profile(based, args, timer: Timer, device, dtype, bandwidth: float) -
         with torch.no_grad():
             cache = getattr(based(ids, use_cache=True, logits_to_keep=1, return_dict=True), CACHE_KEY)
             graph_ms = conv_ms = None
-            streams_ms: dict[int, float] = {}
             if device.type == "cuda" and based.config.decode_cuda_graph:
                 def graph_step_ms(steps: int = 20) -> float:
                     for _ in range(3):  # the capture, then warm replays
@@ -311,15 +308,6 @@ def decode_profile(based, args, timer: Timer, device, dtype, bandwidth: float) -
                     return 1e3 * timer(lambda: [based(nxt, cache=cache, use_cache=True) for _ in range(steps)]) / steps
 
                 graph_ms = graph_step_ms()
-                # the batch in row slices, each on its own stream: one slice's state traffic beside another's matmuls
-                one = based.config.decode_streams
-                for n in args.profile_streams:
-                    if n != one:
-                        based.config.decode_streams, cache.decode_graph = n, None
-                        try:
-                            streams_ms[n] = graph_step_ms()
-                        finally:
-                            based.config.decode_streams, cache.decode_graph = one, None
                 # the same step with BaseConv's PyTorch step in place of its kernel: the kernel's gain in this run
                 convs = [m for m in based.modules() if isinstance(m, BaseConv) and m.impl == "triton"]
                 for m in convs:
@@ -340,11 +328,7 @@ def decode_profile(based, args, timer: Timer, device, dtype, bandwidth: float) -
         return None
     result["graph_step_ms"] = graph_ms
     result["graph_step_ms_conv_pytorch"] = conv_ms
-    result["graph_step_ms_streams"] = {str(n): ms for n, ms in streams_ms.items()}
     print_profile(result, graph_ms)
-    for n, ms in streams_ms.items():
-        print(f"CUDA-graph step with the batch on {n} streams: {ms:.3f} ms against {graph_ms:.3f} ms on "
-              f"{based.config.decode_streams}", flush=True)
     if conv_ms is not None:
         print(f"CUDA-graph step with BaseConv's PyTorch step in place of its kernel: {conv_ms:.3f} ms against "
               f"{graph_ms:.3f} ms", flush=True)
@@ -405,10 +389,6 @@ def main() -> None:
                         help="profile one Based decode step at this batch (1024; tiny: 2; 0: no profile)")
     parser.add_argument("--graph-check-batch", type=int, default=4,
                         help="compare greedy tokens of the CUDA-graph and eager Based decode at this batch (0: off)")
-    parser.add_argument("--decode-streams", type=int, default=1,
-                        help="Based's decode_streams: the CUDA-graph step's batch in that many row slices and streams")
-    parser.add_argument("--profile-streams", default="2",
-                        help="comma-separated stream counts the profile also times the graph step at ('': none)")
     parser.add_argument("--based-state-dtype", choices=("fp32", "bf16"), default="fp32",
                         help="Based's decode-state kv storage; bf16 also measures its cost against fp32 (see above)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -429,7 +409,6 @@ def main() -> None:
         )
         args.profile_batch = 1024 if args.profile_batch is None else args.profile_batch
     args.batches = [int(b) for b in batches.split(",")]
-    args.profile_streams = [int(n) for n in args.profile_streams.split(",") if n]
     args.model_batches = {
         kind: [int(b) for b in value.split(",")] if value else None
         for kind, value in (("based", args.based_batches), ("llama", args.llama_batches))
@@ -439,7 +418,6 @@ def main() -> None:
     # On the GPU a whole batch of long prompts in one forward would need far more activation memory than decoding.
     chunk = args.prefill_chunk_tokens if device.type == "cuda" else 0
     based = based_model(preset, vocab, device, dtype, impl, args.based_state_dtype, chunk)
-    based.config.decode_streams = args.decode_streams
     reference = None  # the same weights with the fp32 state, which the bf16 state is measured against
     if args.based_state_dtype != "fp32":
         reference = based_model(preset, vocab, device, dtype, impl, "fp32", chunk)

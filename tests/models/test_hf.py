@@ -9,7 +9,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import zoo  # noqa: F401  (registers model_type "zoo")
-from zoo.models.cache import BatchParts, ZooCache
+from zoo.models.cache import ZooCache
 from zoo.models.hf import CACHE_KEY, ZooConfig, ZooForCausalLM
 
 VOCAB = 64
@@ -56,12 +56,6 @@ def test_auto_classes_know_zoo():
 def test_invalid_config_fails_on_construction():
     with pytest.raises(ValueError, match="unknown mixer"):
         ZooConfig(pattern=["based", "mamba9"])
-
-
-@pytest.mark.parametrize("streams", [0, 1.5, True], ids=["zero", "float", "bool"])
-def test_invalid_decode_streams_fail_on_construction(streams):
-    with pytest.raises(ValueError, match="decode_streams must be an int >= 1"):
-        ZooConfig(decode_streams=streams)
 
 
 @pytest.mark.parametrize("pattern, kept", [(["attention", "sliding_window"], {"sliding_window"}),
@@ -264,54 +258,6 @@ def test_labels_give_the_shifted_next_token_loss():
     logits = model.model(ids)
     expected = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
     torch.testing.assert_close(out.loss, expected)
-
-
-@pytest.mark.parametrize("parts", [1, 2, 3], ids=["one", "two", "three"])
-def test_a_step_in_row_slices_equals_the_whole_batchs_step(parts):
-    """BatchParts (the decode graph's slices with `decode_streams` > 1), run one slice after another: the logits
-    and every state tensor, positions included, equal one step of the whole batch, also after whole-batch steps
-    of the same cache in between (the slices' own positions follow the cache's)."""
-    model = tiny()
-    prompt = torch.randint(0, VOCAB, (5, 9))
-    caches = []
-    for _ in range(2):
-        cache = ZooCache(model.model, 5)
-        with torch.no_grad():
-            model(prompt, cache=cache, use_cache=True)
-        caches.append(cache)
-    whole, sliced = caches
-    parts_ = BatchParts(sliced.states, 5, parts)
-    with torch.no_grad():
-        for i in range(8):  # more steps than the window of 4: the ring wraps in every slice
-            ids = torch.randint(0, VOCAB, (5,))
-            step = parts_.step(model.model, ids) if i % 4 < 2 else model.model.step(ids, sliced.states)
-            # a matmul over fewer rows may round differently in the last bits
-            torch.testing.assert_close(step, model.model.step(ids, whole.states), rtol=1e-4, atol=1e-4)
-    for a, b in zip(whole.tensors(), sliced.tensors()):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    window = next(state for state in sliced.states if state is not None and "pos" in state)
-    assert int(window["pos"]) == 9 + 8  # the shared position moved once a step, not once a slice
-
-
-def test_a_batch_cannot_be_split_into_more_parts_than_rows():
-    cache = ZooCache(tiny().model, 2)
-    with pytest.raises(ValueError, match="cannot split a batch of 2 into 3 parts"):
-        BatchParts(cache.states, 2, 3)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("streams", [2, 3], ids=["two", "three"])
-def test_cuda_graph_decode_on_several_streams_matches_one_stream(streams):
-    model = tiny().cuda()
-    prompt = torch.randint(0, VOCAB, (5, 9), device="cuda")
-    kwargs = {"max_new_tokens": 30, "do_sample": False, "output_scores": True, "return_dict_in_generate": True}
-    one = model.generate(prompt, **kwargs)
-    model.config.decode_streams = streams
-    several = model.generate(prompt, **kwargs)
-    assert len(getattr(several, CACHE_KEY).decode_graph.parts.rows) == streams
-    assert torch.equal(several.sequences, one.sequences)
-    for s_several, s_one in zip(several.scores, one.scores):
-        torch.testing.assert_close(s_several, s_one)
 
 
 @pytest.mark.gpu

@@ -266,77 +266,20 @@ def _group_state(states: list[Any], rows: torch.Tensor, pad: int, fresh: bool) -
     return group
 
 
-class BatchParts:
-    """One decode step of the whole batch as `parts` steps over row slices of it, each on views of the cache.
-
-    At a large batch a decode step alternates memory-bound state updates with compute-bound matmuls. Given CUDA
-    streams (`DecodeGraph(streams=n)`), each slice steps on its own stream, so one slice's state traffic can run
-    beside another's matmuls. The batched entries are sliced as views, so every update lands in the cache. The
-    shared position `pos` is not batched: the first slice advances the cache's own; the others advance copies
-    that `step` first resets from it. The logits are the whole batch's, rows in order.
-    """
-
-    def __init__(self, states: list[dict[str, torch.Tensor] | None], batch_size: int, parts: int) -> None:
-        if not 1 <= parts <= batch_size:
-            raise ValueError(f"cannot split a batch of {batch_size} into {parts} parts")
-        bounds = [i * batch_size // parts for i in range(parts + 1)]
-        self.rows = [slice(a, b) for a, b in zip(bounds, bounds[1:])]
-        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (the cache's pos, a slice's copy of it)
-        self.states: list[list[dict[str, torch.Tensor] | None]] = []
-        for i, rows in enumerate(self.rows):
-            part: list[dict[str, torch.Tensor] | None] = []
-            for state in states:
-                if state is None:
-                    part.append(None)
-                    continue
-                views = {}
-                for key, tensor in state.items():
-                    if _batched(key, tensor):
-                        views[key] = tensor[rows]
-                    elif i == 0:
-                        views[key] = tensor
-                    else:
-                        views[key] = tensor.clone()
-                        self.copies.append((tensor, views[key]))
-                part.append(views)
-            self.states.append(part)
-
-    def step(self, model: LanguageModel, ids: torch.Tensor, streams: list[torch.cuda.Stream] | None = None
-             ) -> torch.Tensor:
-        """ids [B] -> logits [B, vocab]; the slices one after another, or each on its stream of `streams`."""
-        for shared, copy in self.copies:
-            copy.copy_(shared)
-        if streams is None:
-            return torch.cat([model.step(ids[rows], part) for rows, part in zip(self.rows, self.states)])
-        main = torch.cuda.current_stream(ids.device)
-        outs = []
-        for rows, part, stream in zip(self.rows, self.states, streams):
-            stream.wait_stream(main)
-            with torch.cuda.stream(stream):
-                outs.append(model.step(ids[rows], part))
-        for out, stream in zip(outs, streams):
-            main.wait_stream(stream)
-            out.record_stream(main)  # read by the cat below: not reused by its own stream before that
-        return torch.cat(outs)
-
-
 class DecodeGraph:
     """One decode step (`LanguageModel.step`) captured in a CUDA graph over a ZooCache's state tensors.
 
     The graph reads the token ids from a static buffer and updates the state in place; `__call__` copies the
     ids in, replays and returns a copy of the logits [B, vocab]. The capture's warm-up steps and its eager check
     (one replay compared with the first warm-up step, `zoo.graphs.GraphCheckError` on a mismatch) are undone
-    (the state is restored from a snapshot), so capturing does not advance the real state. `streams` > 1 steps
-    the batch in that many row slices, each on its own stream inside the graph (`BatchParts`).
+    (the state is restored from a snapshot), so capturing does not advance the real state.
     """
 
-    def __init__(self, model: LanguageModel, cache: ZooCache, streams: int = 1) -> None:
+    def __init__(self, model: LanguageModel, cache: ZooCache) -> None:
         states = cache.states
         device = next(t.device for t in cache.tensors())
         if device.type != "cuda":
             raise ValueError(f"DecodeGraph needs CUDA tensors, got {device}")
-        if streams < 1:
-            raise ValueError(f"DecodeGraph needs streams >= 1, got {streams}")
 
         def snapshot() -> list:
             return [None if s is None else {k: t.clone() for k, t in s.items()} for s in states]
@@ -349,14 +292,8 @@ class DecodeGraph:
                         t.copy_(old[k])
 
         ids = torch.zeros(cache.batch_size, dtype=torch.long, device=device)
-        streams = min(streams, cache.batch_size)
-        self.parts = BatchParts(states, cache.batch_size, streams) if streams > 1 else None
-        if self.parts is not None:
-            side = [torch.cuda.Stream(device) for _ in range(streams)]
-            step = lambda ids: self.parts.step(model, ids, side)  # noqa: E731
-        else:
-            step = lambda ids: model.step(ids, states)  # noqa: E731
-        self.graph = StaticGraph(step, (ids,), snapshot=snapshot, restore=restore, name="the decode step", check=True)
+        self.graph = StaticGraph(lambda ids: model.step(ids, states), (ids,), snapshot=snapshot, restore=restore,
+                                 name="the decode step", check=True)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         return self.graph(ids).clone()  # [B, vocab]

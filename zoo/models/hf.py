@@ -15,8 +15,7 @@ which package is missing.
 `ZooForCausalLM` wraps a `LanguageModel` (parameters under `model.`) and decodes with a `ZooCache`: the
 fixed-size recurrent state of every layer, filled by a prefill that keeps left padding out of the states
 (zoo/models/cache.py). On CUDA, with `decode_cuda_graph` set and gradients off, each single-token decode
-step replays a CUDA graph captured over the cache's tensors; `decode_streams` > 1 steps the batch inside it in
-that many row slices, each on its own CUDA stream.
+step replays a CUDA graph captured over the cache's tensors.
 """
 
 from __future__ import annotations
@@ -65,10 +64,8 @@ class ZooConfig(PretrainedConfig):
 
     `ZooConfig()` is a CPU-sized hybrid with all three layer kinds of the Based LM (BaseConv, sliding window,
     Based), SwiGLU, RMSNorm and tied embeddings. `tie_word_embeddings` is ModelConfig's `tie_embeddings`.
-    `decode_cuda_graph`: decode through a CUDA graph on CUDA devices. `decode_streams` > 1: inside that graph,
-    step the batch in that many row slices, each on its own CUDA stream, so one slice's state traffic can overlap
-    another's matmuls (`zoo.models.cache.BatchParts`); the tokens are the same. `prefill_chunk_tokens` > 0:
-    prefill a batch in slices of rows of at most that many tokens (0: the whole batch in one forward).
+    `decode_cuda_graph`: decode through a CUDA graph on CUDA devices. `prefill_chunk_tokens` > 0: prefill a
+    batch in slices of rows of at most that many tokens (0: the whole batch in one forward).
     """
 
     model_type = MODEL_TYPE
@@ -88,7 +85,6 @@ class ZooConfig(PretrainedConfig):
     embed_dropout: float = 0.0
     use_cache: bool = True
     decode_cuda_graph: bool = True
-    decode_streams: int = 1
     prefill_chunk_tokens: int = 0
 
     def __post_init__(self, **kwargs) -> None:
@@ -96,8 +92,6 @@ class ZooConfig(PretrainedConfig):
         if self.mixers == _default_mixers():  # a pattern of one's own keeps only the defaults it uses
             self.mixers = {name: options for name, options in self.mixers.items() if name in self.pattern}
         self.model_config()  # an impossible value fails here, with ModelConfig's one-line reason
-        if isinstance(self.decode_streams, bool) or not isinstance(self.decode_streams, int) or self.decode_streams < 1:
-            raise ValueError(f"decode_streams must be an int >= 1, got {self.decode_streams!r}")
 
     def model_config(self) -> ModelConfig:
         """The `ModelConfig` that `LanguageModel` is built from."""
@@ -250,7 +244,7 @@ class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
         use_graph = self.config.decode_cuda_graph and ids.is_cuda and not torch.is_grad_enabled()
         if use_graph:
             if cache.decode_graph is None:
-                cache.decode_graph = DecodeGraph(self.model, cache, streams=self.config.decode_streams)
+                cache.decode_graph = DecodeGraph(self.model, cache)
             logits = cache.decode_graph(ids)
         else:
             logits = self.model.step(ids, cache.states)
