@@ -124,9 +124,9 @@ CAUSES = {
                          + LAUNCHED_CHECK.format("hyena", 256),
     (128, "hyena", 512): "candidate: the launched Hyena (tanh MLP, batch 1024), as at d = 64 and at L = 64; "
                          + LAUNCHED_CHECK.format("hyena", 512),
-    (128, "h3", 64): "not the seed: seeds 1 and 2 give 0.322 and 0.319 at their best lr by validation, seed 0 "
-                     "0.323 (checks/h3_L128_d64_seeds/). Candidate: the launched 4-layer H3, which lies higher still "
-                     "(0.451, cut at epoch 42); check: `ZOO_FIG2_MODELS=launched MIXERS=h3 D=64` to 64 epochs",
+    (128, "h3", 64): "not found. Not the seed: seeds 1 and 2 give 0.322 and 0.319 at their best lr by validation, "
+                     "seed 0 0.323 (checks/h3_L128_d64_seeds/); not the launched 4-layer H3 either, which lies "
+                     "higher still (0.451, cut at epoch 42)",
     (128, "h3", 512): "not found; repeatable: a first pack, lost at epoch 60, read 0.671 (valid). The "
                       "figure also falls from d = 256 to 512 (0.92 to 0.76). Candidates: lr sensitivity between "
                       "the grid's points (check: the point's `--emit --pack-lrs` command with "
