@@ -1,4 +1,6 @@
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,3 +39,13 @@ def demo_runs(tmp_path_factory):
         finally:
             torch.set_num_threads(before)
     return rows, root
+
+
+@pytest.fixture(scope="session")
+def sweep_speed_bench():
+    """experiments/bench/sweep_speed.py as a module (it is a script, not part of the package)."""
+    path = Path(__file__).resolve().parents[1] / "experiments" / "bench" / "sweep_speed.py"
+    spec = importlib.util.spec_from_file_location("sweep_speed_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

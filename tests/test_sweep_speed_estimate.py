@@ -1,20 +1,15 @@
 """experiments/bench/sweep_speed.py's grid estimate from measured early-stop epochs: finished runs are charged
 the epochs they took, the rest of their config the mean of those, configs with no finished run the full epochs."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "experiments" / "bench" / "sweep_speed.py"
 
-
-def bench():
-    spec = importlib.util.spec_from_file_location("sweep_speed_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture
+def bench(sweep_speed_bench):
+    return sweep_speed_bench
 
 
 ROWS = [
@@ -39,15 +34,15 @@ def write_summaries(directory: Path, finished: list[tuple[list[str], int]]) -> N
     ],
     ids=["none-finished", "one-finished", "mean-of-finished"],
 )
-def test_measured_estimate(tmp_path, finished, expected):
+def test_measured_estimate(bench, tmp_path, finished, expected):
     write_summaries(tmp_path, finished)
-    est = bench().measured_estimate(ROWS, [str(tmp_path)])
+    est = bench.measured_estimate(ROWS, [str(tmp_path)])
     assert est["grid_estimate_measured_s"] == pytest.approx(expected)
     assert est["grid_estimate_measured_runs"] == len(finished)
 
 
-def test_upper_bound_charges_every_run_the_full_epochs():
-    assert bench().upper_estimate(ROWS) == 2.0 * 64 * 4 + 1.0 * 64 * 4
+def test_upper_bound_charges_every_run_the_full_epochs(bench):
+    assert bench.upper_estimate(ROWS) == 2.0 * 64 * 4 + 1.0 * 64 * 4
 
 
 @pytest.mark.parametrize(
@@ -57,16 +52,16 @@ def test_upper_bound_charges_every_run_the_full_epochs():
      ({"packed_device_ms": 16.0, "pack_size": 4}, 3.0)],
     ids=["plain", "compiled", "packed-cheapest", "packed-dearer"],
 )
-def test_a_run_is_charged_its_cheapest_step(extra, want):
-    assert bench().run_step_ms({"device_ms": 3.0} | extra) == want
+def test_a_run_is_charged_its_cheapest_step(bench, extra, want):
+    assert bench.run_step_ms({"device_ms": 3.0} | extra) == want
 
 
-def test_flop_floor_charges_every_run_its_full_epochs_at_the_rate():
+def test_flop_floor_charges_every_run_its_full_epochs_at_the_rate(bench):
     rows = [r | {"epoch_tflop": t} for r, t in zip(ROWS, (3.0, 1.5))]
-    assert bench().flop_floor(rows, 100.0) == pytest.approx((4 * 64 * 3.0 + 4 * 64 * 1.5) / 100.0)
+    assert bench.flop_floor(rows, 100.0) == pytest.approx((4 * 64 * 3.0 + 4 * 64 * 1.5) / 100.0)
 
 
-def test_example_gflop_is_per_example_and_counts_the_backward():
+def test_example_gflop_is_per_example_and_counts_the_backward(bench):
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -74,7 +69,7 @@ def test_example_gflop_is_per_example_and_counts_the_backward():
     from zoo.models import LanguageModel
     from zoo.train import load_config, load_split
 
-    b = bench()
+    b = bench
     runs, _ = b.grid_configs(tiny=True)
     cfg, _ = load_config(b.shrink(runs[0], 8) + ["data.cache=false"])
     segments = load_split(cfg, "train", torch.device("cpu"))
@@ -101,7 +96,7 @@ CHEAPEST = {  # the d = 512 H3 row measured at L = 256 on one H100, and a small 
 
 
 @pytest.mark.parametrize("case", CHEAPEST)
-def test_the_table_names_the_step_a_run_is_charged(case):
+def test_the_table_names_the_step_a_run_is_charged(bench, case):
     row, kind, ms = CHEAPEST[case]
-    assert bench().cheapest_step(row) == kind
-    assert bench().run_step_ms(row) == pytest.approx(ms)
+    assert bench.cheapest_step(row) == kind
+    assert bench.run_step_ms(row) == pytest.approx(ms)

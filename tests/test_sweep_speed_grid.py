@@ -1,21 +1,15 @@
 """experiments/bench/sweep_speed.py --grid-from: the grid's wall and runs summed from zoo-sweep's shard records."""
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "experiments" / "bench" / "sweep_speed.py"
 
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("sweep_speed_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture
+def bench(sweep_speed_bench):
+    return sweep_speed_bench
 
 
 def record(name: str, wall_s: float, runs: list[tuple[str, str]]) -> dict:

@@ -1,21 +1,15 @@
 """experiments/bench/sweep_speed.py's probe: what it reads back from the sweep's record and the runs' summaries."""
 
-import importlib.util
 import json
 import subprocess
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "experiments" / "bench" / "sweep_speed.py"
 
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("sweep_speed_probe_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture
+def bench(sweep_speed_bench):
+    return sweep_speed_bench
 
 
 def fake_sweep(runs: list[tuple[str, float, int, float]], stderr: str):
