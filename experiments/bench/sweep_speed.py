@@ -8,7 +8,9 @@
    4 grid lrs x 2 seeds, 3 epochs, early stop off) through `zoo-sweep`, once per setting in `--variants`,
    each into a fresh runs root: `today` is the landed default (4 runs per GPU, eager, no MPS), the others
    name their overrides and flags. The wall time is the whole `zoo-sweep` call (process start, data, every
-   run's training and evaluation). Each run's valid accuracy is compared across the settings.
+   run's training and evaluation). Each run's valid accuracy is compared across the settings. Where that wall
+   goes: `jobs_s` sums the jobs' own times (a pack counts once) and `training_s` their training loops' (the
+   summaries' wall_time_s); jobs that run side by side overlap, so both can exceed the wall.
 2. Every distinct (mixer, L, d_model) of the Zoology Fig. 2 grid (experiments/zoology_fig2/sweep.py): the
    model's training step in this process, with the device synchronised: wall ms per step and the device's own
    kernel time per step (torch.profiler), eager, (with --compiled) compiled, and (with --packed) as the
