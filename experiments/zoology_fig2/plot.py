@@ -126,7 +126,9 @@ CAUSES = {
                          + LAUNCHED_CHECK.format("hyena", 512),
     (128, "h3", 64): "not found. Not the seed: seeds 1 and 2 give 0.322 and 0.319 at their best lr by validation, "
                      "seed 0 0.323 (checks/h3_L128_d64_seeds/); not the launched 4-layer H3 either, which lies "
-                     "higher still (0.451, cut at epoch 42)",
+                     "higher still (0.451, cut at epoch 42). Left: the data's two known differences; check: the "
+                     "point with Zoology's query order and batch order (the segment option `query_order: zoology`, "
+                     "`train.batch_order=fixed`)",
     (128, "h3", 512): "not found; repeatable: a first pack, lost at epoch 60, read 0.671 (valid). The "
                       "figure also falls from d = 256 to 512 (0.92 to 0.76). Candidates: lr sensitivity between "
                       "the grid's points (check: the point's `--emit --pack-lrs` command with "
