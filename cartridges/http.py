@@ -11,9 +11,11 @@ Before a request reaches the engine (`Guard`, then the schema): the `Host` heade
 body is read whole, up to `max_body_bytes` (Content-Length or chunked), a longer one drained up to `drain_bytes`
 and answered 413 (a client that writes it all before reading gets the 413, not a reset), one slower than
 `body_timeout_s` → 408; the JSON must be strict (no NaN, at most `MAX_JSON_DEPTH` deep, no lone surrogates) and
-fit a strict schema → 400; then `Server.prepare` checks the request alone → 400/404. A client that disconnects
-cancels its request (it stops at the engine's next decode step); idle connections and connections that send no
-headers in time are closed (`uvicorn_config`).
+fit a strict schema → 400 (OpenAI fields the server does not implement, the penalties, logprobs, logit_bias,
+response_format, tools, best_of and suffix, pass at the no-op values clients send by default, and fail
+otherwise); then `Server.prepare` checks the request alone → 400/404. A client that disconnects cancels its
+request (it stops at the engine's next decode step); idle connections and connections that send no headers in
+time are closed (`uvicorn_config`).
 """
 
 import asyncio
@@ -61,9 +63,12 @@ def _schemas():
         stream: bool = False
         stream_options: StreamOptions | None = None
         user: str | None = None
+        # OpenAI fields this server does not implement: accepted at their no-op values, which clients send by
+        # default, and refused otherwise (a 400 naming the field), never silently ignored
         presence_penalty: Literal[0] = 0
         frequency_penalty: Literal[0] = 0
         logprobs: Literal[False] | None = None
+        logit_bias: dict[str, float] | None = Field(None, max_length=0)
         ignore_eos: bool = False  # extensions: decode exactly max_tokens, and return the generated ids
         return_token_ids: bool = False
 
@@ -76,13 +81,22 @@ def _schemas():
         content: str | list[TextPart]
         name: str | None = None
 
+    class ResponseFormat(Strict):
+        type: Literal["text"]
+
     class Chat(Common):
         messages: list[Message] = Field(min_length=1)
         max_completion_tokens: int | None = Field(None, ge=1)
+        top_logprobs: Literal[0] | None = None
+        response_format: ResponseFormat | None = None
+        tools: list[dict] | None = Field(None, max_length=0)
+        tool_choice: Literal["none"] | None = None
 
     class Text(Common):
         prompt: str | list[int] | list[str] | list[list[int]]
         echo: Literal[False] = False
+        best_of: Literal[1] | None = None
+        suffix: Literal[""] | None = None
 
     return Chat, Text
 
