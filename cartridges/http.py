@@ -77,7 +77,7 @@ def _schemas():
         text: str
 
     class Message(Strict):
-        role: Literal["system", "user", "assistant"]
+        role: Literal["system", "developer", "user", "assistant"]
         content: str | list[TextPart]
         name: str | None = None
 
@@ -266,6 +266,14 @@ async def _next_event(events: asyncio.Queue, gone: asyncio.Future):
 async def _disconnected(receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+def chat_messages(messages) -> list[dict[str, str]]:
+    """Validated chat messages -> the chat template's {"role", "content"} dicts: text parts joined, and OpenAI's
+    "developer" role (the system role of its newer models) given as "system", the role chat templates know."""
+    return [{"role": "system" if m.role == "developer" else m.role,
+             "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
+            for m in messages]
 
 
 class Reply:
@@ -472,10 +480,7 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         payload = await read_json(request, Chat)
-        messages = [
-            {"role": m.role, "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
-            for m in payload.messages
-        ]
+        messages = chat_messages(payload.messages)
         max_tokens = payload.max_completion_tokens or payload.max_tokens or default_max_tokens
         return await respond(request, payload, await to_request(payload, max_tokens, messages=messages), "chat")
 

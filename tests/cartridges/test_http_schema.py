@@ -6,7 +6,7 @@ import pytest
 pytest.importorskip("fastapi", reason="the [serve] extra (fastapi, uvicorn) is not installed")
 from pydantic import ValidationError  # noqa: E402
 
-from cartridges.http import _schemas  # noqa: E402
+from cartridges.http import _schemas, chat_messages  # noqa: E402
 
 Chat, Text = _schemas()
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
@@ -49,3 +49,12 @@ def test_any_other_value_is_refused_naming_the_field(case):
     with pytest.raises(ValidationError) as err:
         schema.model_validate((CHAT if schema is Chat else TEXT) | extra)
     assert err.value.errors()[0]["loc"][0] == field
+
+
+def test_chat_messages_join_text_parts_and_give_the_developer_role_as_system():
+    chat = Chat.model_validate({"messages": [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Who is "}, {"type": "text", "text": "Merrow?"}]},
+    ]})
+    assert chat_messages(chat.messages) == [{"role": "system", "content": "Be brief."},
+                                            {"role": "user", "content": "Who is Merrow?"}]
