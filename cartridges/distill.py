@@ -344,6 +344,21 @@ def resume_state(cfg: DistillConfig, ckpt_path: Path, device) -> dict | None:
     return state
 
 
+def train_step(model, cartridge, optimizer, batch: dict[str, torch.Tensor], lr: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One Adam step of the cartridge on `batch` at `lr`; returns the loss (the top-k KL, a device scalar) and the
+    per-target-token true KL (`tail_kl`), both without a host sync."""
+    logq = student_logprobs(model, cartridge, batch)
+    loss = topk_kl(logq, batch)
+    kl = tail_kl(logq, batch)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    return loss, kl
+
+
 def distill(cfg: DistillConfig, model=None, tokenizer=None) -> dict:
     """Train a cartridge; returns the summary (also written to `<output>/summary.json`)."""
     from tqdm.auto import tqdm
@@ -415,14 +430,7 @@ def distill(cfg: DistillConfig, model=None, tokenizer=None) -> dict:
     with open(out / "metrics.jsonl", "a") as metrics:
         for step in range(start, cfg.steps):
             batch = make_batch(cartridge, steps[step], model, device)
-            logq = student_logprobs(model, cartridge, batch)
-            loss = topk_kl(logq, batch)
-            kl = tail_kl(logq, batch)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate(cfg, step)
-            optimizer.step()
+            loss, kl = train_step(model, cartridge, optimizer, batch, learning_rate(cfg, step))
             tokens += int(batch["input_ids"].numel())
             # losses are read back only at log lines, so the host collates the next batch while the GPU works
             loss_sum, loss_n = loss_sum + loss.detach(), loss_n + 1
