@@ -1,4 +1,4 @@
-"""The OpenAI response objects that the HTTP front builds (`cartridges.http.Reply`): bodies, stream chunks and
+"""The OpenAI response objects that the HTTP front builds (`cartridges.replies.Reply`): bodies, stream chunks and
 stream errors, without a server."""
 
 import json
@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("fastapi", reason="the [serve] extra (fastapi, uvicorn) is not installed")
 
 from cartridges.engine import Completion, ServeError  # noqa: E402
-from cartridges.http import Reply  # noqa: E402
+from cartridges.replies import Reply  # noqa: E402
 
 DONE = Completion(token_ids=[5, 6, 7], text="abc", finish_reason="length", prompt_tokens=4)
 

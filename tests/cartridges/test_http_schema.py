@@ -6,7 +6,8 @@ import pytest
 pytest.importorskip("fastapi", reason="the [serve] extra (fastapi, uvicorn) is not installed")
 from pydantic import ValidationError  # noqa: E402
 
-from cartridges.http import _schemas, chat_messages  # noqa: E402
+from cartridges.http import _schemas  # noqa: E402
+from cartridges.replies import chat_messages  # noqa: E402
 
 Chat, Text = _schemas()
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
