@@ -457,6 +457,16 @@ def test_fig2_points_that_are_not_preset_and_width_are_refused(value, monkeypatc
         load_sweep(Path(__file__).resolve().parents[1] / "experiments/zoology_fig2/sweep.py")
 
 
+@pytest.mark.parametrize("env", [{"POINTS": "mamba:100"}, {"POINTS": "h3:64", "MIXERS": "attention"}],
+                         ids=["width-off-grid", "preset-not-selected"])
+def test_fig2_points_that_match_no_run_say_so(env, monkeypatch):
+    monkeypatch.setenv("ZOO_FIG2", "L64")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=r"POINTS: .* match no run of this selection \(its d_model: \[64"):
+        load_sweep(Path(__file__).resolve().parents[1] / "experiments/zoology_fig2/sweep.py")
+
+
 @pytest.mark.parametrize(
     ("mixer", "layers", "mlp", "batch"),
     [("attention", ["attention"] * 2, "tanh", 256), ("rwkv", ["rwkv4"] * 2, "tanh", 1024),
