@@ -304,7 +304,7 @@ def _optimizer_step(cfg: PretrainConfig, d: Dist, module, forward, optimizer, sc
     `step`; returns the mean micro-batch loss (a device scalar: no host sync). Under DDP the gradients are
     all-reduced once, on the last micro-batch."""
     tc = cfg.train
-    loss_sum = torch.zeros((), device=d.device)
+    loss_sum = 0.0  # the first micro-batch's loss makes it a device scalar: no zero tensor to allocate each step
     for micro in range(tc.grad_accum):
         inputs, targets = windows.batch(step, (micro * d.world + d.rank) * tc.batch_size, tc.batch_size)
         sync = contextlib.nullcontext()
@@ -313,7 +313,7 @@ def _optimizer_step(cfg: PretrainConfig, d: Dist, module, forward, optimizer, sc
         with sync, amp:
             loss = lm_loss(forward, inputs.to(d.device), targets.to(d.device))
         (loss / tc.grad_accum).backward()
-        loss_sum += loss.detach() / tc.grad_accum
+        loss_sum = loss_sum + loss.detach() / tc.grad_accum
     if cfg.optim.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.optim.grad_clip)
     optimizer.step()
