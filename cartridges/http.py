@@ -2,8 +2,10 @@
 
 `POST /v1/chat/completions` and `/v1/completions` take the extension field `cartridges: [{"id": "..."}]` (ids
 are file names in the cartridge dir: `<id>.safetensors` or `<id>/cartridge.safetensors`) and stream over SSE
-with `stream: true`. `GET /v1/models`, `/v1/cartridges` (every file; unreadable ones marked with the reason),
-`/health`. The engine (`cartridges.engine`) does the work; this module parses, checks and answers.
+with `stream: true`. `GET /v1/models` (and `/v1/models/<id>`), `/v1/cartridges` (every file; unreadable ones
+marked with the reason), `/health`. Every error, an unknown path or method included, is OpenAI's
+`{"error": {"message", "type", "code"}}`. The engine (`cartridges.engine`) does the work; this module parses,
+checks and answers.
 
 Before a request reaches the engine (`Guard`, then the schema): the `Host` header is checked against an allowlist
 (default: the loopback names when bound to loopback, against DNS rebinding) → 400; the API key when set
@@ -272,6 +274,7 @@ def build_app(
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
     from pydantic import ValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     Chat, Text = _schemas()
     scheduler = Scheduler(server, window_s=batch_window_s)
@@ -294,6 +297,17 @@ def build_app(
     @app.exception_handler(ServeError)
     async def _serve_error(request, exc: ServeError):
         return error(exc.status, str(exc), exc.kind)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _routing_error(request, exc: StarletteHTTPException):
+        # unknown paths and methods answer in the OpenAI error shape that clients parse, not FastAPI's {"detail"}
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(
+            {"error": {"message": message, "type": kind, "code": exc.status_code}},
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     @app.exception_handler(Exception)
     async def _internal(request, exc: Exception):
@@ -370,9 +384,17 @@ def build_app(
         prepared = await to_request(payload, payload.max_tokens or 16, prompt=prompt)
         return await respond(request, payload, prepared, "text")
 
+    model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "zoo"}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "zoo"}]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            raise HTTPError(404, f"model {model_id!r} not found (this server has {model_name!r})", "not_found_error")
+        return model_card
 
     @app.get("/v1/cartridges")
     async def cartridges():

@@ -421,9 +421,23 @@ def test_stop_strings_seed_and_top_p(url):
 def test_listing_endpoints(url):
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
     assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["tiny"]
+    assert httpx.get(f"{url}/v1/models/tiny").json() == httpx.get(f"{url}/v1/models").json()["data"][0]
     listed = {c["id"]: c for c in httpx.get(f"{url}/v1/cartridges").json()["data"]}
     assert set(listed) == {"doc", "other", "broken"}
     assert listed["doc"]["num_tokens"] == DOC and listed["doc"]["kind"] == "kv"
+
+
+@pytest.mark.parametrize(
+    "method, path, status",
+    [("get", "/v1/models/other", 404), ("get", "/v1/nothing", 404), ("get", "/v1/completions", 405)],
+    ids=["unknown-model", "unknown-path", "wrong-method"],
+)
+def test_errors_have_the_openai_shape(url, method, path, status):
+    reply = getattr(httpx, method)(f"{url}{path}")
+    assert reply.status_code == status
+    error = reply.json()["error"]
+    assert error["code"] == status and error["type"]
+    assert path.rsplit("/", 1)[-1] in error["message"]  # it names what was not found
 
 
 def test_bad_input_is_refused_and_the_server_stays_up(url):
