@@ -27,7 +27,7 @@ demo: install
 
 test: install
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --durations=15
 
 $(SERVE_DIR)/quellmere/cartridge.safetensors: | install
 	$(VENV)/bin/cartridges-distill model=$(SERVE_MODEL) method=ntp \
