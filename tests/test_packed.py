@@ -462,7 +462,7 @@ def test_captured_step_path_equals_standalone_runs(tmp_path, model):
 def test_a_pack_that_disagrees_with_its_plain_model_fails_before_training(tmp_path, monkeypatch):
     """The runtime agreement check: a vmap rule that computes something else (here: a scaled loss) stops the
     pack with a one-line PackError before any run dir is written, and zoo-sweep then trains the runs unpacked."""
-    from zoo.sweep import run_pack
+    from zoo.jobs import run_pack
 
     original = _Pack._member_loss
     monkeypatch.setattr(_Pack, "_member_loss", lambda self, *args: 1.5 * original(self, *args))
@@ -491,7 +491,7 @@ class _FailingBackward(torch.autograd.Function):
 def test_a_pack_whose_vmapped_backward_raises_trains_unpacked(tmp_path, monkeypatch):
     """The H200's sliding-window pack raised in its vmapped backward (bf16 autocast): that is a one-line PackError
     before any run dir is written, and zoo-sweep then trains the runs unpacked instead of failing them."""
-    from zoo.sweep import run_pack
+    from zoo.jobs import run_pack
 
     original = _Pack.losses
     monkeypatch.setattr(_Pack, "losses", lambda self, *a, **kw: _FailingBackward.apply(original(self, *a, **kw)))

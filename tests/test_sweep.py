@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 from tiny_run import SEGMENT, TINY_DATA, TINY_MODEL
 
+from zoo.jobs import error_line
 from zoo.plot import best_lr_points, frontier, make_figures
-from zoo.sweep import error_line, load_sweep, main, run_sweep
+from zoo.sweep import load_sweep, main, run_sweep
 
 TINY = [
     *TINY_MODEL,
@@ -132,7 +133,7 @@ def test_emit_pack_seeds_writes_one_command_per_full_product(tmp_path, capsys):
 
 def test_emit_splits_a_pack_whose_run_names_no_lr():
     """A run without optim.lr= (the config's default) cannot be listed in train.pack_lrs: its group goes run by run."""
-    from zoo.sweep import emit_jobs
+    from zoo.jobs import emit_jobs
 
     runs = [["model=based", "optim.lr=1e-3"], ["model=based"], ["model=attention", "optim.lr=1e-3"],
             ["model=attention", "optim.lr=1e-2"]]
@@ -149,7 +150,7 @@ WIDE_CASES = {  # run overrides -> whether a pack of its two lrs splits under --
 
 @pytest.mark.parametrize("case", WIDE_CASES)
 def test_pack_max_d_splits_only_packs_wider_than_the_limit(case):
-    from zoo.sweep import lr_groups, unpack_wide
+    from zoo.jobs import lr_groups, unpack_wide
 
     run, splits = WIDE_CASES[case]
     runs = [[*run, f"optim.lr={lr}"] for lr in ("1e-3", "1e-2")] + [["model=attention", "optim.lr=1e-3"]]
@@ -160,7 +161,7 @@ def test_pack_max_d_splits_only_packs_wider_than_the_limit(case):
 
 def test_pack_max_d_takes_the_sweeps_own_overrides_last():
     """An override given to every run (`zoo-sweep FILE model.d_model=16`) comes after the run's own."""
-    from zoo.sweep import unpack_wide
+    from zoo.jobs import unpack_wide
 
     runs = [["model=based", "model.d_model=64", f"optim.lr={lr}"] for lr in ("1e-3", "1e-2")]
     assert unpack_wide([[0, 1]], runs, ["model.d_model=16"], 32) == [[0, 1]]
@@ -282,7 +283,7 @@ def test_frontier_keeps_only_improvements():
 
 
 def test_sweep_pack_lrs_trains_each_lr_group_as_one_pack(tmp_path):
-    from zoo.sweep import lr_groups
+    from zoo.jobs import lr_groups
 
     extra = TINY + ["experiment_name=p", f"data.cache_dir={tmp_path / 'cache'}"]
     # A group that cannot pack (impl=fla has no vmap rule) runs unpacked and says why.
@@ -300,7 +301,7 @@ def test_sweep_pack_lrs_trains_each_lr_group_as_one_pack(tmp_path):
 
 
 def test_sweep_pack_seeds_trains_each_point_over_lrs_and_seeds_as_one_pack(tmp_path):
-    from zoo.sweep import lr_groups
+    from zoo.jobs import lr_groups
 
     # the runs set their training data: extra overrides come after a run's own
     extra = [o for o in TINY if not o.startswith("data.train=")]
@@ -432,7 +433,7 @@ def test_fig2_selectors_pick_their_runs(name, monkeypatch):
         seeds = [[o for o in r if o.startswith(("train.seed=", "experiment_name="))] for r in runs]
         assert [sorted(s) for s in seeds] == [["experiment_name=zoology_fig2_seeds", f"train.seed={k}"]
                                               for k in (1, 1, 2, 2)]
-        from zoo.sweep import lr_groups
+        from zoo.jobs import lr_groups
 
         assert lr_groups(runs, seeds=True) == [[0, 1, 2, 3]]  # one pack under --pack-seeds
     if name.startswith("points"):

@@ -12,8 +12,9 @@ import torch
 from tiny_run import TINY_RUN
 
 from zoo.gpus import MPS
+from zoo.jobs import order_jobs
 from zoo.runs import RunDir
-from zoo.sweep import order_jobs, run_sweep
+from zoo.sweep import run_sweep
 
 TINY = [*TINY_RUN, "train.epochs=2", "train.early_stop=null", "train.log_every=1"]
 GRID = [[f"model={m}", f"optim.lr={lr}"] for m in ("based", "attention") for lr in ("1e-3", "1e-2")]

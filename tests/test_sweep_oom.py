@@ -12,8 +12,9 @@ import pytest
 import torch
 from tiny_run import TINY_RUN
 
+from zoo.jobs import error_line, out_of_memory
 from zoo.runs import RunDir
-from zoo.sweep import error_line, out_of_memory, run_sweep
+from zoo.sweep import run_sweep
 
 TINY = [*TINY_RUN, "train.epochs=2", "train.early_stop=null", "train.log_every=1"]
 

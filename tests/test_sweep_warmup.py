@@ -9,7 +9,8 @@ import sys
 
 from tiny_run import TINY_RUN
 
-from zoo.sweep import run_sweep, shape_key, shared_shapes
+from zoo.jobs import shape_key, shared_shapes
+from zoo.sweep import run_sweep
 
 # 80 training examples in batches of 32: the epoch's last batch holds 16, a second graph to compile.
 SEGMENT = "{seq_len:16,num_kv_pairs:2,num_examples:%d,batch_size:32}"

@@ -2,7 +2,7 @@
 
 Each answers `--version` and `--help` here, before torch or Hydra is imported, so both return at once; any
 other command line goes to the command's code, imported only then: `run_train` here for zoo-train (one run, or a
-Hydra multirun whose jobs are `zoo.sweep.run_one`), `zoo.pretrain.main(argv)` and so on. The training code
+Hydra multirun whose jobs are `zoo.jobs.run_one`), `zoo.pretrain.main(argv)` and so on. The training code
 (zoo.train) and the sweep (zoo.sweep) therefore never import each other's entry points.
 
 The help texts live beside each command's code: the Hydra commands' `USAGE` strings are read from their
@@ -83,11 +83,11 @@ def _pretrain_usage() -> str:
 
 
 def multirun_job(overrides: list[str], job_num: int) -> dict:
-    """One job of a Hydra multirun: `zoo.sweep.run_one` on its overrides (skip if finished, resume if started,
+    """One job of a Hydra multirun: `zoo.jobs.run_one` on its overrides (skip if finished, resume if started,
     failures recorded), on GPU `job_num mod count` when there are GPUs and no train.device override."""
     import torch
 
-    from zoo.sweep import run_one
+    from zoo.jobs import run_one
 
     extra = []
     if not any(o.startswith("train.device=") for o in overrides) and torch.cuda.is_available():
