@@ -19,7 +19,8 @@ from typing import Any
 
 from zoo.runs import atomic_write_text
 
-log = logging.getLogger("zoo.sweep")
+log = logging.getLogger("zoo.sweep")  # a job's warnings are the sweep's: they go to zoo-sweep's log
+
 
 def _device_overrides() -> list[str]:
     """In a pool worker, the device it owns (its one visible GPU is cuda:0); nothing elsewhere."""
