@@ -287,8 +287,9 @@ def build_app(
 
     app = FastAPI(title="cartridges-serve", lifespan=lifespan)
 
-    def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+    def error(status: int, message: str, kind: str = "invalid_request_error", headers=None) -> JSONResponse:
+        return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
+                            headers=headers)
 
     @app.exception_handler(HTTPError)
     async def _http_error(request, exc: HTTPError):
@@ -302,12 +303,7 @@ def build_app(
     async def _routing_error(request, exc: StarletteHTTPException):
         # unknown paths and methods answer in the OpenAI error shape that clients parse, not FastAPI's {"detail"}
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        message = f"{request.method} {request.url.path}: {exc.detail}"
-        return JSONResponse(
-            {"error": {"message": message, "type": kind, "code": exc.status_code}},
-            status_code=exc.status_code,
-            headers=getattr(exc, "headers", None),
-        )
+        return error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind, exc.headers)
 
     @app.exception_handler(Exception)
     async def _internal(request, exc: Exception):

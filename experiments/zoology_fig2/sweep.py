@@ -272,12 +272,12 @@ def sweep() -> list[dict]:
     runs = build(panels, _selected_mixers(), _selected_d_models(), _selected_lrs())
     points = _selected_points()
     if points is not None:
-        grid = {(r["model"].removeprefix("zoology_fig2/"), r["model.d_model"]) for r in runs}
-        runs = [r for r in runs if (r["model"].removeprefix("zoology_fig2/"), r["model.d_model"]) in points]
-        if not runs:  # the selectors intersect; say so rather than leave an empty sweep unexplained
-            widths = sorted({d for _, d in grid})
+        picked = [r for r in runs if (r["model"].removeprefix("zoology_fig2/"), r["model.d_model"]) in points]
+        if not picked:  # the selectors intersect; say so rather than leave an empty sweep unexplained
+            widths = sorted({r["model.d_model"] for r in runs})
             raise ValueError(f"POINTS: {','.join(f'{m}:{d}' for m, d in sorted(points))} match no run of this "
                              f"selection (its d_model: {widths}; MIXERS, D and LRS narrow it)")
+        runs = picked
     seeds = _selected_seeds()
     if seeds == [0]:
         return runs

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from zoo.runs import atomic_write_text
+
 INTERPRETED = {"test_based_interpreted.py", "test_based_decode_interpreted.py", "test_rwkv4_interpreted.py",
                "test_selective_scan_interpreted.py", "test_packed_kernels_interpreted.py",
                "test_window_decode_interpreted.py", "test_conv_decode_interpreted.py"}
@@ -42,10 +44,11 @@ def _child_results(item) -> dict:
             with open(shared / f"{item.path.name}.lock", "w") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)  # the other workers wait for the one running the child
                 done = shared / f"{item.path.name}.json"
-                if not done.exists():
-                    done.with_suffix(".tmp").write_text(json.dumps(_run_child(item, key)))
-                    done.with_suffix(".tmp").replace(done)
-                _RESULTS[key] = json.loads(done.read_text())
+                if done.exists():
+                    _RESULTS[key] = json.loads(done.read_text())
+                else:
+                    _RESULTS[key] = _run_child(item, key)
+                    atomic_write_text(done, json.dumps(_RESULTS[key]))
     return _RESULTS[key]
 
 
