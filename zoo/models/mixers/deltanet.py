@@ -111,38 +111,54 @@ class DeltaNet(MatrixStateMixer):
         self.head_dim_k = self.head_dim_v = d_model // H
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.beta_proj = nn.Linear(d_model, H)
+        self._gate_parameters(d_model, H)
         self.out = nn.Linear(d_model, d_model, bias=False)
         self.scale = self.head_dim_k**-0.5
         self._check_impl()
 
+    def _gate_parameters(self, d_model: int, num_heads: int) -> None:
+        """The parameters of a decay and an output gate: none here (gated_deltanet.GatedDeltaNet adds them)."""
+
+    def _gates(self, x):
+        """x: [B, T, d] -> (g: [B, T, H] log-decays, or None; the output gate [B, T, d], or None)."""
+        return None, None
+
     def _inputs(self, x, state):
         q, k, v = (self._split_heads(t) for t in self.qkv(x).chunk(3, dim=-1))  # [B, T, H, D] each
         q, k = l2_normalize(F.silu(q)), l2_normalize(F.silu(k))
-        return {"q": q, "k": k, "v": v, "beta": torch.sigmoid(self.beta_proj(x))}, None  # beta: [B, T, H]
+        g, gate = self._gates(x)
+        inp = {"q": q, "k": k, "v": v, "beta": torch.sigmoid(self.beta_proj(x))}  # beta: [B, T, H]
+        return (inp if g is None else {**inp, "g": g}), gate
 
     def _naive_token(self, S, inp):
         k, beta = inp["k"], inp["beta"]
+        if "g" in inp:
+            S = torch.exp(inp["g"])[..., None, None] * S  # α_t S_{t-1}
         old = torch.einsum("bhk,bhkv->bhv", k, S)  # [B, H, d_v]: what S returns for k now
         S = S + beta[..., None, None] * k[..., None] * (inp["v"] - old)[..., None, :]
         return self.scale * torch.einsum("bhk,bhkv->bhv", inp["q"], S), S
 
     def _chunk(self, inp, S):
         beta, chunk = inp["beta"], self.config.chunk_size
-        return chunk_delta_rule(inp["q"], inp["k"], inp["v"], beta, None, self.scale, S, chunk)
+        return chunk_delta_rule(inp["q"], inp["k"], inp["v"], beta, inp.get("g"), self.scale, S, chunk)
 
     def _fla(self, inp, S, recurrent):
         chunk, fused_recurrent = fla_ops(self.name, self.FLA_MODULE, self.FLA_NAMES)
         op = fused_recurrent if recurrent else chunk
+        # FLA's gated ops take the log-decays as g=; its plain delta-rule ops have no such argument
+        gates = {"g": inp["g"]} if "g" in inp else {}
         return op(
             q=inp["q"],
             k=inp["k"],
             v=inp["v"],
             beta=inp["beta"],
+            **gates,
             scale=self.scale,
             initial_state=S,
             output_final_state=S is not None,
             use_qk_l2norm_in_kernel=False,
         )
 
-    def _output(self, o, aux):
-        return self.out(rearrange(o, "b t h d -> b t (h d)"))  # [B, T, d_model]
+    def _output(self, o, gate):
+        o = rearrange(o, "b t h d -> b t (h d)")
+        return self.out(o if gate is None else o * gate)  # [B, T, d_model]

@@ -21,12 +21,10 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 
-from zoo.models.mixers._common import make_config
-from zoo.models.mixers._matrix_state import ChunkedHeadsConfig, MatrixStateMixer, fla_ops
-from zoo.models.mixers.deltanet import chunk_delta_rule, l2_normalize
+from zoo.models.mixers._matrix_state import ChunkedHeadsConfig
+from zoo.models.mixers.deltanet import DeltaNet
 
 
 @dataclass
@@ -36,63 +34,23 @@ class GatedDeltaNetConfig(ChunkedHeadsConfig):
     mixer: ClassVar[str] = "gated_deltanet"
 
 
-class GatedDeltaNet(MatrixStateMixer):
-    """Gated delta rule: [B, T, d_model] -> [B, T, d_model]. State: {"S": [B, H, d_k, d_v]} (fp32)."""
+class GatedDeltaNet(DeltaNet):
+    """Gated delta rule: [B, T, d_model] -> [B, T, d_model]. State: {"S": [B, H, d_k, d_v]} (fp32).
+    DeltaNet with a per-head decay before each update and a SiLU gate on the output."""
 
     Config = GatedDeltaNetConfig
     name = "gated_deltanet"
     FLA_MODULE = "gated_delta_rule"
     FLA_NAMES = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule")
 
-    def __init__(self, d_model: int, **options) -> None:
-        super().__init__()
-        self.config = c = make_config(self.name, self.Config, d_model, options)
-        self.d_model, self.impl = d_model, c.impl
-        self.num_heads = H = c.heads(d_model)
-        self.head_dim_k = self.head_dim_v = d_model // H
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
-        self.beta_proj = nn.Linear(d_model, H)
+    def _gate_parameters(self, d_model: int, num_heads: int) -> None:
+        H = num_heads
         self.a_proj = nn.Linear(d_model, H, bias=False)
         self.A_log = nn.Parameter(torch.log(torch.empty(H).uniform_(1, 16)))
         dt = torch.exp(torch.rand(H) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
         self.g_proj = nn.Linear(d_model, d_model, bias=False)
-        self.out = nn.Linear(d_model, d_model, bias=False)
-        self.scale = self.head_dim_k**-0.5
-        self._check_impl()
 
-    def _inputs(self, x, state):
-        q, k, v = (self._split_heads(t) for t in self.qkv(x).chunk(3, dim=-1))  # [B, T, H, D] each
-        q, k = l2_normalize(F.silu(q)), l2_normalize(F.silu(k))
+    def _gates(self, x):
         g = -torch.exp(self.A_log) * F.softplus(self.a_proj(x) + self.dt_bias)  # [B, T, H], log α
-        beta = torch.sigmoid(self.beta_proj(x))  # [B, T, H]
-        return {"q": q, "k": k, "v": v, "g": g, "beta": beta}, F.silu(self.g_proj(x))
-
-    def _naive_token(self, S, inp):
-        k, beta = inp["k"], inp["beta"]
-        S = torch.exp(inp["g"])[..., None, None] * S
-        old = torch.einsum("bhk,bhkv->bhv", k, S)  # [B, H, d_v]
-        S = S + beta[..., None, None] * k[..., None] * (inp["v"] - old)[..., None, :]
-        return self.scale * torch.einsum("bhk,bhkv->bhv", inp["q"], S), S
-
-    def _chunk(self, inp, S):
-        beta, chunk = inp["beta"], self.config.chunk_size
-        return chunk_delta_rule(inp["q"], inp["k"], inp["v"], beta, inp["g"], self.scale, S, chunk)
-
-    def _fla(self, inp, S, recurrent):
-        chunk, fused_recurrent = fla_ops(self.name, self.FLA_MODULE, self.FLA_NAMES)
-        op = fused_recurrent if recurrent else chunk
-        return op(
-            q=inp["q"],
-            k=inp["k"],
-            v=inp["v"],
-            g=inp["g"],
-            beta=inp["beta"],
-            scale=self.scale,
-            initial_state=S,
-            output_final_state=S is not None,
-            use_qk_l2norm_in_kernel=False,
-        )
-
-    def _output(self, o, aux):
-        return self.out(rearrange(o, "b t h d -> b t (h d)") * aux)  # [B, T, d_model]
+        return g, F.silu(self.g_proj(x))
