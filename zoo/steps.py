@@ -22,8 +22,8 @@ under any of them. A pack's limits are each a one-line PackError before any work
   training segment: each seed's epoch interleaves a mixture's segments in its own order, so at one step the
   members' batches would come from segments of other shapes.
 - In a pack of several, every mixer runs an impl that torch.func.vmap can batch (its class's `vmap_impls`): the
-  PyTorch forms (impl=naive, or impl=chunk for DeltaNet and Gated DeltaNet), and the Triton kernels of Mamba and
-  RWKV-4, whose custom ops have vmap rules (one launch for the whole pack). The FLA kernels have none.
+  PyTorch forms (impl=naive, or impl=chunk for DeltaNet and Gated DeltaNet), and the Triton kernels of Mamba,
+  RWKV-4 and Based, whose custom ops have vmap rules (one launch for the whole pack). The FLA kernels have none.
 - No wandb mirror. train.compile=true compiles the members' vmapped loss (forward and backward); with
   train.cuda_graph=true too, the compiled step is what the graph captures.
 - Before training, every row's loss and gradient on 8 examples must equal the plain model's

@@ -1,6 +1,7 @@
 """Based linear attention's public ops, `chunk_based` and `fused_recurrent_based`, and `choose_path`, the dispatch
 rule behind `chunk_based` (kernels/based/README.md). The path is chosen on the host from the inputs' metadata, once
-per call signature (`_plan`); under torch.compile the custom ops `zoo_based::chunk_fwd` / `chunk_bwd` run it."""
+per call signature (`_plan`); under torch.compile the custom ops `zoo_based::chunk_fwd` / `chunk_bwd` run it, and so
+they do under torch.func.vmap (a pack of runs, zoo/steps.py), whose rule folds the members into the batch."""
 
 import math
 import os
@@ -11,7 +12,8 @@ import torch
 from kernels.based import fused
 from kernels.based.decode import _decode_kernel
 from kernels.based.naive import check_state, feature_dim, orders_to_state, state_to_orders
-from kernels.launch import check_devices, launch, next_power_of_2
+from kernels.launch import check_devices, grad_needed, launch, next_power_of_2
+from kernels.vmap import members_first
 
 try:  # Gluon came with Triton 3.5; without it the Triton forms serve every call
     from kernels.based import gluon, gluon_backward
@@ -187,6 +189,21 @@ def _chunk_grad(ctx, do, dden, dhvT, dhzT, dhs, dzs):
 _chunk_fwd_op.register_autograd(_chunk_grad, setup_context=_chunk_setup)
 
 
+@_chunk_fwd_op.register_vmap
+def _chunk_fwd_vmap(info, in_dims, q, k, v, hv0, hz0, scale, path, normalize, output_final_state, save):
+    """Members as more sequences, [N, B, ...] -> [N·B, ...] (each sequence's recurrence is its own): one launch for
+    the whole pack, on the path planned for one member's shapes. Outputs come back [N, B, ...]; one a path does not
+    produce stays empty and unbatched."""
+    n = info.batch_size
+    q, k, v, hv0, hz0 = (None if t is None else members_first(n, t, dim).flatten(0, 1).contiguous()
+                         for t, dim in zip((q, k, v, hv0, hz0), in_dims))
+    save = save or grad_needed(q, k, v, hv0, hz0)  # the caller saw batched tensors (see grad_needed)
+    outs = torch.ops.zoo_based.chunk_fwd(q, k, v, hv0, hz0, scale, path, normalize, output_final_state, save)
+    # o, den, hvT, hzT lead with the sequences; Gluon's hs, zs with sequence·head rows, member-major as well
+    outs = tuple(x if x.numel() == 0 else x.unflatten(0, (n, -1)) for x in outs)
+    return outs, tuple(None if x.numel() == 0 else 0 for x in outs)
+
+
 def _plan(q, k, v, scale, initial_state, normalize: bool, config: BasedConfig):
     """Check a call's arguments and choose its path: (path, scale as a float). Reads metadata only, so `chunk_based`
     runs it once per (shapes, dtypes, devices, scale, flags)."""
@@ -229,6 +246,9 @@ def chunk_based(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float 
         scale = float(scale)
     config = config or DEFAULT_CONFIG
     compiling = torch.compiler.is_compiling()
+    # inside torch.func.vmap (a pack of runs): the custom op, whose vmap rule folds the members into the batch
+    batched = torch._C._functorch.is_batchedtensor
+    vmapped = batched(q) or batched(k) or batched(v)
     if compiling:  # planned while tracing (the graph keeps the result)
         path, scale = _plan(q, k, v, scale, initial_state, normalize, config)
     else:
@@ -243,7 +263,7 @@ def chunk_based(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float 
         hv0, hz0 = state_to_orders(initial_state[0].float(), initial_state[1].float())
         hv0, hz0 = hv0.contiguous(), hz0.contiguous()
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    if compiling:
+    if compiling or vmapped:
         o, _, hvT, hzT, _, _ = torch.ops.zoo_based.chunk_fwd(q, k, v, hv0, hz0, scale, path, normalize,
                                                              output_final_state, grad)
     elif grad:

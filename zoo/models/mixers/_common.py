@@ -41,7 +41,7 @@ def check_int(what: str, value: Any, minimum: int) -> None:
 
 # The impls written in PyTorch, which torch.func.vmap can batch: the token loops and the chunked forms. zoo/steps.py
 # packs a mixer whose impl is in its class's `vmap_impls` (these by default): `fla` calls kernels with no vmap rule,
-# and a Triton impl packs where its custom op has one (Mamba's selective scan, RWKV-4's WKV).
+# and a Triton impl packs where its custom op has one (Mamba's selective scan, RWKV-4's WKV, Based's chunk_based).
 PYTORCH_IMPLS = ("naive", "chunk")
 
 

@@ -25,7 +25,8 @@ What is unusual here:
     with state in and out that also runs under the Triton interpreter. FLA fixes its own eps (1e-6
     parallel, 1e-10 stateful); with denominators ≥ ½ per token the difference is below 2e-6 relative.
   - `triton`: this library's kernels, `kernels.based.chunk_based` (prefill) and
-    `kernels.based.fused_recurrent_based` (decode), imported when the mixer is built.
+    `kernels.based.fused_recurrent_based` (decode), imported when the mixer is built. Packs of runs (zoo/steps.py)
+    take it too: its custom op's vmap rule runs the whole pack as one launch over N·B sequences.
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ class Based(nn.Module):
 
     Config = BasedConfig
     name = "based"
+    vmap_impls = ("naive", "triton")  # zoo/steps.py packs these
 
     def __init__(self, d_model: int, **options) -> None:
         super().__init__()
