@@ -1,7 +1,7 @@
 """Based linear attention's public ops, `chunk_based` and `fused_recurrent_based`, and `choose_path`, the dispatch
 rule behind `chunk_based` (kernels/based/README.md). The path is chosen on the host from the inputs' metadata, once
-per call signature (`_plan`); under torch.compile the custom ops `zoo_based::chunk_fwd` / `chunk_bwd` run it, and so
-they do under torch.func.vmap (a pack of runs, zoo/steps.py), whose rule folds the members into the batch."""
+per call signature (`_plan`). Under torch.compile, and under torch.func.vmap (a pack of runs, zoo/steps.py), the
+custom ops `zoo_based::chunk_fwd` / `chunk_bwd` run it; the forward's vmap rule folds the members into the batch."""
 
 import math
 import os
