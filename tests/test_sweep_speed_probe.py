@@ -47,3 +47,36 @@ def test_the_mps_line_drops_the_progress_bar_before_it(bench, monkeypatch):
     stderr = "\rsweep probe16-x:   0%|   | 0/16 [00:00<?, ?it/s]zoo-sweep probe16-x: CUDA MPS not used (--mps off)\n"
     monkeypatch.setattr(bench.subprocess, "run", fake_sweep([("a-lr1-s0", 1.0, 1, 1.0)], stderr))
     assert bench.run_probe("x", "", "", {})["mps"] == "zoo-sweep probe16-x: CUDA MPS not used (--mps off)"
+
+
+def test_a_variant_s_environment_reaches_its_sweep_and_its_record(bench, monkeypatch):
+    seen = {}
+    sweep = fake_sweep([("based-lr1-s0", 1.0, 1, 1.0)], "")
+
+    def run(cmd, **kwargs):
+        seen.update(kwargs["env"])
+        return sweep(cmd, **kwargs)
+
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    out = bench.run_probe("t", "", "", {"KEEP": "1"}, "ZOO_PROBE_BASED_IMPL=triton")
+    assert seen["ZOO_PROBE_BASED_IMPL"] == "triton" and seen["KEEP"] == "1"
+    assert out["env"] == "ZOO_PROBE_BASED_IMPL=triton"
+    assert "env" not in bench.run_probe("u", "", "", {})
+
+
+def test_a_variant_s_environment_must_be_assignments(bench):
+    with pytest.raises(SystemExit, match="NAME=VALUE items, got 'triton'"):
+        bench.variant_env("triton")
+
+
+def test_the_probe_s_based_impl_reaches_the_based_runs_only(monkeypatch):
+    from zoo.sweep import load_sweep
+
+    probe = Path(__file__).resolve().parents[1] / "experiments" / "bench" / "probe16.py"
+    monkeypatch.setenv("ZOO_PROBE_BASED_IMPL", "triton")
+    runs = load_sweep(str(probe))
+    based = [r for r in runs if "model=based" in r]
+    assert len(based) == 8 and all("+model.mixers.based.impl=triton" in r for r in based)
+    assert not any("impl" in o for r in runs if "model=attention" in r for o in r)
+    monkeypatch.delenv("ZOO_PROBE_BASED_IMPL")
+    assert not any("impl" in o for r in load_sweep(str(probe)) for o in r)

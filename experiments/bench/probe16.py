@@ -2,6 +2,10 @@
 (BaseConv + Based, f=8), the 4 learning rates of the Zoology grid, seeds 0 and 1, 3 epochs, early stop off.
 
     zoo-sweep experiments/bench/probe16.py --runs-root /tmp/probe
+    ZOO_PROBE_BASED_IMPL=triton zoo-sweep experiments/bench/probe16.py ...   # Based on its Triton kernels
+
+ZOO_PROBE_EPOCHS sets the epochs; ZOO_PROBE_BASED_IMPL the Based runs' `impl` (default: the preset's PyTorch form),
+which an override on the command line cannot do without also reaching the attention runs.
 """
 
 import os
@@ -18,8 +22,11 @@ def sweep():
         "data.test": [seg | {"num_examples": 1000}],
     }
     epochs = int(os.environ.get("ZOO_PROBE_EPOCHS", "3"))
+    based = {"model.mixers.based.feature_dim": 8}
+    if os.environ.get("ZOO_PROBE_BASED_IMPL"):
+        based["+model.mixers.based.impl"] = os.environ["ZOO_PROBE_BASED_IMPL"]
     runs = []
-    for mixer, extra in (("attention", {}), ("based", {"model.mixers.based.feature_dim": 8})):
+    for mixer, extra in (("attention", {}), ("based", based)):
         for seed in (0, 1):
             for lr in LRS:
                 runs.append(

@@ -4,12 +4,13 @@
     python experiments/bench/sweep_speed.py --skip-probe         # per-config step times and the estimate only
     python experiments/bench/sweep_speed.py --tiny --device cpu  # a CPU smoke run of the whole bench
 
-1. The 16-run probe (experiments/bench/probe16.py: L=256, n=16, 100k examples, d=64 attention and Based, the
-   4 grid lrs x 2 seeds, 3 epochs, early stop off) through `zoo-sweep`, once per setting in `--variants`,
-   each into a fresh runs root: `today` is the landed default (4 runs per GPU, eager, no MPS), the others
-   name their overrides and flags. The wall time is the whole `zoo-sweep` call (process start, data, every
-   run's training and evaluation). Each run's valid accuracy is compared across the settings. Where that wall
-   goes: `jobs_s` sums the jobs' own times (a pack counts once) and `training_s` their training loops' (the
+1. The 16-run probe (experiments/bench/probe16.py: L=256, n=16, 100k examples, d=64 attention and Based, the 4 grid lrs
+   x 2 seeds, 3 epochs, early stop off) through `zoo-sweep`, once per setting in `--variants`, each into a fresh runs
+   root: `today` is the landed default (4 runs per GPU, eager, no MPS), the others name their overrides and flags, and
+   optionally environment variables for their zoo-sweep (a fourth field, e.g. `based-triton||--pack-lrs --workers
+   4|ZOO_PROBE_BASED_IMPL=triton`: Based on its Triton kernels). The wall time is the whole `zoo-sweep` call (process
+   start, data, every run's training and evaluation). Each run's valid accuracy is compared across the settings. Where
+   that wall goes: `jobs_s` sums the jobs' own times (a pack counts once) and `training_s` their training loops' (the
    summaries' wall_time_s); jobs that run side by side overlap, so both can exceed the wall.
 2. Every distinct (mixer, L, d_model) of the Zoology Fig. 2 grid (experiments/zoology_fig2/sweep.py): the
    model's training step in this process, with the device synchronised: wall ms per step and the device's own
@@ -79,12 +80,23 @@ DEFAULT_VARIANTS = [
 ]
 
 
-def run_probe(label: str, overrides: str, flags: str, env: dict[str, str]) -> dict:
+def variant_env(assignments: str) -> dict[str, str]:
+    """A variant's environment field, 'NAME=VALUE NAME=VALUE' (e.g. ZOO_PROBE_BASED_IMPL=triton), as a dict."""
+    out = {}
+    for item in assignments.split():
+        name, eq, value = item.partition("=")
+        if not eq or not name:
+            raise SystemExit(f"sweep_speed: a variant's environment must be NAME=VALUE items, got {item!r}")
+        out[name] = value
+    return out
+
+
+def run_probe(label: str, overrides: str, flags: str, env: dict[str, str], assignments: str = "") -> dict:
     root = Path(tempfile.mkdtemp(prefix=f"probe16-{label}-"))
     cmd = [sys.executable, "-m", "zoo.sweep", str(PROBE), *overrides.split(), "--runs-root", str(root),
            *flags.split(), "--name", f"probe16-{label}"]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env | variant_env(assignments), cwd=ROOT)
     wall = time.perf_counter() - t0
     record_path = root / "_sweeps" / f"probe16-{label}.json"
     accuracies = {}
@@ -99,7 +111,8 @@ def run_probe(label: str, overrides: str, flags: str, env: dict[str, str]) -> di
                 summary = ROOT / r["run_dir"] / "summary.json"  # run_dir may be absolute: then ROOT drops out
                 if summary.exists():
                     train_s += json.loads(summary.read_text()).get("wall_time_s", 0.0) * share
-    out = {"label": label, "overrides": overrides, "flags": flags, "wall_s": wall, "rc": proc.returncode,
+    out = {"label": label, "overrides": overrides, "flags": flags, **({"env": assignments} if assignments else {}),
+           "wall_s": wall, "rc": proc.returncode,
            "finished": len(accuracies), "valid_accuracy": accuracies,
            # where the wall goes: the jobs' own time (process start, data, compile, training, evaluation) and, of
            # it, the training loop's (the summaries' wall_time_s); jobs overlap when several run at once
@@ -399,7 +412,8 @@ def print_grid(out: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", nargs="*", default=DEFAULT_VARIANTS,
-                   help="probe settings as 'label|overrides|zoo-sweep flags'")
+                   help="probe settings as 'label|overrides|zoo-sweep flags|NAME=VALUE ...' (the last, the "
+                   "environment of that setting's zoo-sweep, is optional)")
     p.add_argument("--skip-probe", action="store_true")
     p.add_argument("--skip-configs", action="store_true")
     p.add_argument("--compiled", action="store_true", help="also time each grid config's compiled step")
@@ -443,7 +457,10 @@ def main() -> None:
                  "torch": torch.__version__}
 
     if not args.skip_probe:
-        probes = [run_probe(*(v.split("|") + ["", ""])[:3], env) for v in args.variants]
+        probes = []
+        for v in args.variants:
+            label, overrides, flags, assignments = (v.split("|") + ["", "", ""])[:4]
+            probes.append(run_probe(label, overrides, flags, env, assignments))
         print(f"{'probe setting':24s} {'wall s':>8s} {'finished':>8s} {'jobs s':>8s} {'training s':>10s}  mps")
         for r in probes:
             print(f"{r['label']:24s} {r['wall_s']:8.1f} {r['finished']:8d} {r['jobs_s']:8.1f} {r['training_s']:10.1f}"
