@@ -23,8 +23,9 @@ def sweep():
     }
     epochs = int(os.environ.get("ZOO_PROBE_EPOCHS", "3"))
     based = {"model.mixers.based.feature_dim": 8}
-    if os.environ.get("ZOO_PROBE_BASED_IMPL"):
-        based["+model.mixers.based.impl"] = os.environ["ZOO_PROBE_BASED_IMPL"]
+    based_impl = os.environ.get("ZOO_PROBE_BASED_IMPL")
+    if based_impl:
+        based["+model.mixers.based.impl"] = based_impl
     runs = []
     for mixer, extra in (("attention", {}), ("based", based)):
         for seed in (0, 1):

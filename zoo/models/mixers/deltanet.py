@@ -128,7 +128,9 @@ class DeltaNet(MatrixStateMixer):
         q, k = l2_normalize(F.silu(q)), l2_normalize(F.silu(k))
         g, gate = self._gates(x)
         inp = {"q": q, "k": k, "v": v, "beta": torch.sigmoid(self.beta_proj(x))}  # beta: [B, T, H]
-        return (inp if g is None else {**inp, "g": g}), gate
+        if g is not None:
+            inp["g"] = g
+        return inp, gate
 
     def _naive_token(self, S, inp):
         k, beta = inp["k"], inp["beta"]
