@@ -126,6 +126,8 @@ CAUSES = {
                          + LAUNCHED_CHECK.format("hyena", 512),
     (256, "base_conv", 64): "candidate: the launched 8-layer stack, which lies above the config's model at L = 128 "
                             "(0.482 against 0.104, checks/launched_models/); " + LAUNCHED_CHECK.format("base_conv", 64),
+    (256, "base_conv", 128): "candidate: the launched 8-layer stack, as at d = 64 and at L = 128; "
+                             + LAUNCHED_CHECK.format("base_conv", 128),
     (128, "h3", 64): "not found. Not the seed: seeds 1 and 2 give 0.322 and 0.319 at their best lr by validation, "
                      "seed 0 0.323 (checks/h3_L128_d64_seeds/); not the launched 4-layer H3 either, which lies "
                      "higher still (0.451, cut at epoch 42). Left: the data's two known differences; check: the "
