@@ -112,6 +112,10 @@ ERRORS = {
     "key-typo": (["train.epchs=3"], ["train.epchs: no such key in train; did you mean 'train.epochs'?"]),
     "key-without-section": (["epochs=3"], ["did you mean 'train.epochs'?"]),
     "threads": (["train.threads=-1"], ["train.threads must be >= 0"]),
+    # `zoo-train data.train=[{seq_len: 64}]` unquoted: the shell splits the value at its space.
+    "split-by-shell": (["optim.lr=1e-3", "data.train=[{seq_len:", "64}]"],
+                       ["data.train=[{seq_len:: not a valid override", "quote a value that holds spaces"]),
+    "bad-token": (["a b=1"], ["a b=1: not a valid override: token recognition error"]),
 }
 
 
@@ -121,7 +125,7 @@ def test_config_error_is_one_plain_line(case):
     with pytest.raises(ConfigError) as e:
         load_config(overrides)
     message = str(e.value)
-    assert "\n" not in message and "$" not in message, message
+    assert "\n" not in message and "$" not in message and "None" not in message, message
     for part in expected:
         assert part in message, message
 

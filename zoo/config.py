@@ -473,6 +473,25 @@ def _sections_with(root_schema: str, leaf: str) -> list[str]:
     return hits
 
 
+def _unparsable_override(overrides: list[str]) -> str | None:
+    """The one-line error for the first override Hydra's grammar cannot parse, or None if every one parses.
+
+    The usual cause is a value with spaces left unquoted, which the shell splits into several overrides."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    for text in overrides:
+        try:
+            parser.parse_override(text)
+        except HydraException as e:
+            reason = next((line.strip() for line in str(e).splitlines() if line.strip() not in ("", "None")), "")
+            opened = sum(text.count(c) for c in "[{") - sum(text.count(c) for c in "]}")
+            hint = " (quote a value that holds spaces: 'key=[{a: 1, b: 2}]')" if opened > 0 else ""
+            return f"{text}: not a valid override: {reason}{hint}"
+    return None
+
+
 def _one_line(exc: BaseException | None) -> str:
     """One plain line for a Hydra/OmegaConf error chain: what was wrong, what is known, the closest name."""
     import re
@@ -504,7 +523,7 @@ def _one_line(exc: BaseException | None) -> str:
     parts = []
     for e in reversed(chain):
         lines = [line.strip() for line in str(e).splitlines() if line.strip() and "$" not in line]
-        if lines and lines[0] not in parts:
+        if lines and lines[0] != "None" and lines[0] not in parts:
             parts.append(lines[0])
     return "; ".join(parts) if parts else "invalid config"
 
@@ -577,7 +596,7 @@ def compose_config(config_dir: str | Path, config_name: str, overrides: list[str
             raise ConfigError(f"{config_name}: set {', '.join(missing)} (e.g. {missing[0]}=...)")
         cfg = OmegaConf.to_object(node)
     except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(_one_line(e)) from None
+        raise ConfigError(_unparsable_override(overrides) or _one_line(e)) from None
     except ConfigError:
         raise
     except (ValueError, TypeError) as e:
