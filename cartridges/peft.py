@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from cartridges.format import CartridgeError, CartridgeFileError
+from zoo.runs import publish_dir
 
 
 def prompt_embeddings(cartridge) -> torch.Tensor:
@@ -101,6 +102,7 @@ def save_adapter(cartridge, model, directory: str | os.PathLike) -> Path:
     staging = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}-"))
     try:
         to_peft(cartridge, model).save_pretrained(str(staging))
+        publish_dir(staging, directory)
         old = directory.parent / f".{directory.name}-old-{os.getpid()}"
         if directory.exists():
             os.replace(directory, old)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from cartridges.config import ConfigError, SynthesizeConfig, run_command
 from cartridges.corpus import Corpus, context_ids, load_texts, turn_ids
-from zoo.runs import atomic_write_text
+from zoo.runs import atomic_write_text, publish_dir
 
 log = logging.getLogger(__name__)
 
@@ -324,6 +324,7 @@ def write_dataset(out: Path, rows: list[dict]) -> Path:
     target = out / "dataset"
     staging = Path(tempfile.mkdtemp(dir=out, prefix=".dataset-"))
     datasets.Dataset.from_list(rows).save_to_disk(str(staging))
+    publish_dir(staging, target)
     if target.exists():
         old = out / f".dataset-old-{os.getpid()}"
         os.replace(target, old)

@@ -67,3 +67,72 @@ def test_write_text_and_torch_save_replace_whole(tmp_path):
     atomic_torch_save({"x": torch.ones(2)}, tmp_path / "c.pt")
     assert torch.load(tmp_path / "c.pt")["x"].equal(torch.ones(2))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "c.pt"]
+
+
+@pytest.fixture
+def mask():
+    """Run a test under a chosen umask, restored afterwards."""
+    import os
+
+    old = os.umask(0o022)
+    yield lambda m: os.umask(m)
+    os.umask(old)
+
+
+def _write_each(kind: str, path):
+    import torch
+
+    if kind == "text":
+        atomic_write_text(path, "x")
+    elif kind == "figure":
+        atomic_savefig(Figure(b"png", kill=False), path)
+    else:
+        atomic_torch_save({"x": torch.ones(1)}, path)
+
+
+WRITERS = {"text": "a.json", "figure": "b.png", "torch": "c.pt"}
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o077], ids=lambda m: f"umask{m:03o}")
+@pytest.mark.parametrize("kind", list(WRITERS))
+def test_a_new_file_gets_the_umask_mode(tmp_path, mask, kind, umask):
+    """A new file is as readable as `open` would make it (0o644 under umask 022), not mkstemp's private 0o600: other
+    users of a shared filesystem read the runs, summaries and figures."""
+    mask(umask)
+    path = tmp_path / WRITERS[kind]
+    _write_each(kind, path)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+@pytest.mark.parametrize("kind", list(WRITERS))
+def test_a_replaced_file_keeps_its_mode(tmp_path, mask, kind):
+    path = tmp_path / WRITERS[kind]
+    _write_each(kind, path)
+    path.chmod(0o640)
+    _write_each(kind, path)
+    assert path.stat().st_mode & 0o777 == 0o640
+
+
+def _synthetics_segment(root):
+    from zoo.synthetics import cached_generate
+    from zoo.synthetics.mqar import MQARConfig
+
+    cached_generate(MQARConfig(vocab_size=64, seq_len=16, num_kv_pairs=2, num_examples=4), 0, cache_dir=root)
+    (segment,) = [p for p in root.iterdir() if not p.name.startswith(".")]
+    return segment
+
+
+def _self_study_dataset(root):
+    pytest.importorskip("datasets")
+    from cartridges.self_study import write_dataset
+
+    return write_dataset(root, [{"messages": "hi"}])
+
+
+@pytest.mark.parametrize("where", ["synthetics-cache", "self-study-dataset"])
+def test_a_published_directory_gets_the_umask_mode(tmp_path, mask, where):
+    """A directory made by mkdtemp (0o700) and renamed into place ends as a new directory would (0o750 under umask
+    027): zoo.synthetics' cached segments, cartridges-synthesize's dataset."""
+    mask(0o027)
+    directory = {"synthetics-cache": _synthetics_segment, "self-study-dataset": _self_study_dataset}[where](tmp_path)
+    assert directory.is_dir() and directory.stat().st_mode & 0o777 == 0o750

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from zoo.paths import cache_dir
+from zoo.runs import publish_dir
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +177,7 @@ def _save_converted(model, tokenizer, target: Path) -> None:
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         save_model(model, str(staging / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save_pretrained(staging)
+        publish_dir(staging, target)
         os.replace(staging, target)
     except (OSError, ValueError, RuntimeError) as e:
         log.warning("could not keep the converted model in %s: %s", target, e)

@@ -26,18 +26,64 @@ SUMMARY = "summary.json"
 CKPT = "ckpt/last.pt"
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+def umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (os.umask can only be read by setting it,
+    which would race with other threads creating files)."""
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def published_mode(path: Path, directory: bool = False) -> int:
+    """The mode a file written at `path` should get: the mode of the file it replaces, else what `open` would give
+    a new one (0o666, or 0o777 for a directory, less the umask). mkstemp and mkdtemp create 0o600 and 0o700, which
+    would hide a run's files from the other users of a shared filesystem."""
+    try:
+        return os.stat(path).st_mode & 0o7777
+    except FileNotFoundError:
+        return (0o777 if directory else 0o666) & ~umask()
+
+
+def publish_dir(staging: Path, target: Path) -> None:
+    """Give a directory made by mkdtemp (0o700) the mode a new directory at `target` would get, before it is renamed
+    there."""
+    os.chmod(staging, published_mode(target, directory=True))
+
+
+def _atomic_replace(path: Path, write, keep_suffix: bool = False) -> None:
+    """`write(fd, tmp)` fills a temporary file beside `path` (`.<name>.*.tmp`, or `.<stem>.*<suffix>` with
+    `keep_suffix`), which then takes `path`'s place with `published_mode`: a kill at any moment leaves the old file
+    whole or the new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if keep_suffix:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix)
+    else:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, published_mode(path))
+        write(fd, tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    def write(fd: int, tmp: str) -> None:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+    _atomic_replace(path, write)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -46,32 +92,25 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def atomic_savefig(fig: Any, path: Path, **kwargs: Any) -> None:
     """matplotlib's `fig.savefig(path, **kwargs)` through a temporary file beside `path`, then a rename: a killed
-    plot leaves the old figure whole, never a truncated one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix)
-    os.close(fd)
-    try:
+    plot leaves the old figure whole, never a truncated one. The temporary file keeps the suffix, which sets the
+    format."""
+
+    def write(fd: int, tmp: str) -> None:
+        os.close(fd)
         fig.savefig(tmp, **kwargs)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+
+    _atomic_replace(path, write, keep_suffix=True)
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
     """torch.save to a temporary file beside `path`, then rename: a killed save leaves the old file whole."""
     import torch
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    def write(fd: int, tmp: str) -> None:
+        os.close(fd)
         torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+
+    _atomic_replace(path, write)
 
 
 def git_sha() -> str | None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from zoo.runs import publish_dir
 from zoo.synthetics.base import IGNORE_INDEX, Segment
 from zoo.synthetics.circuits import MajorityConfig, ParityConfig, generate_majority, generate_parity
 from zoo.synthetics.compositional_mqar import CompositionalMQARConfig, generate_compositional_mqar
@@ -104,6 +105,7 @@ def cached_generate(cfg, seed: int, cache_dir: str | Path | None = None) -> Segm
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
     try:
         _save(segment, tmp, {"task": task_name(cfg), "seed": seed, "config": dataclasses.asdict(cfg)})
+        publish_dir(tmp, path)
         try:
             os.replace(tmp, path)
         except OSError:
