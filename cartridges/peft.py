@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from cartridges.format import CartridgeError, CartridgeFileError
-from zoo.runs import publish_dir
+from zoo.runs import staged_dir
 
 
 def prompt_embeddings(cartridge) -> torch.Tensor:
@@ -94,22 +94,9 @@ def save_adapter(cartridge, model, directory: str | os.PathLike) -> Path:
     """Write `directory` as a PEFT CARTRIDGE adapter that `PeftModel.from_pretrained(model, directory)` loads.
 
     Written into a temporary sibling and renamed, so a kill leaves the old adapter or the new one."""
-    import shutil
-    import tempfile
-
     directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}-"))
-    try:
+    with staged_dir(directory) as staging:
         to_peft(cartridge, model).save_pretrained(str(staging))
-        publish_dir(staging, directory)
-        old = directory.parent / f".{directory.name}-old-{os.getpid()}"
-        if directory.exists():
-            os.replace(directory, old)
-        os.replace(staging, directory)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return directory
 
 

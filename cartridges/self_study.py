@@ -25,17 +25,14 @@ them (`timing_s`: the questions' and answers' generation, the information KL, th
 
 import json
 import logging
-import os
 import random
-import shutil
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 from cartridges.config import ConfigError, SynthesizeConfig, run_command
 from cartridges.corpus import Corpus, context_ids, load_texts, turn_ids
-from zoo.runs import atomic_write_text, publish_dir
+from zoo.runs import atomic_write_text, staged_dir
 
 log = logging.getLogger(__name__)
 
@@ -322,16 +319,8 @@ def write_dataset(out: Path, rows: list[dict]) -> Path:
     import datasets
 
     target = out / "dataset"
-    staging = Path(tempfile.mkdtemp(dir=out, prefix=".dataset-"))
-    datasets.Dataset.from_list(rows).save_to_disk(str(staging))
-    publish_dir(staging, target)
-    if target.exists():
-        old = out / f".dataset-old-{os.getpid()}"
-        os.replace(target, old)
-        os.replace(staging, target)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(staging, target)
+    with staged_dir(target) as staging:
+        datasets.Dataset.from_list(rows).save_to_disk(str(staging))
     return target
 
 

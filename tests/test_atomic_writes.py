@@ -136,3 +136,39 @@ def test_a_published_directory_gets_the_umask_mode(tmp_path, mask, where):
     mask(0o027)
     directory = {"synthetics-cache": _synthetics_segment, "self-study-dataset": _self_study_dataset}[where](tmp_path)
     assert directory.is_dir() and directory.stat().st_mode & 0o777 == 0o750
+
+
+def test_staged_dir_replaces_a_tree_whole_with_readable_files(tmp_path, mask):
+    """The new tree takes the old one's place, and a file that its writer made private (safetensors' save_file
+    writes 0o600) is published with the umask's mode."""
+    import os
+
+    from zoo.runs import staged_dir
+
+    mask(0o022)
+    target = tmp_path / "adapter"
+    target.mkdir()
+    (target / "stale.bin").write_bytes(b"old")
+    with staged_dir(target) as staging:
+        (staging / "sub").mkdir()
+        fd = os.open(staging / "sub" / "weights.safetensors", os.O_WRONLY | os.O_CREAT, 0o600)
+        os.write(fd, b"new")
+        os.close(fd)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
+    assert [p.name for p in target.iterdir()] == ["sub"]
+    assert (target / "sub" / "weights.safetensors").stat().st_mode & 0o777 == 0o644
+    assert (target / "sub").stat().st_mode & 0o777 == 0o755
+
+
+def test_staged_dir_leaves_the_old_tree_on_an_error(tmp_path):
+    from zoo.runs import staged_dir
+
+    target = tmp_path / "dataset"
+    target.mkdir()
+    (target / "data.arrow").write_bytes(b"old")
+    with pytest.raises(Killed):
+        with staged_dir(target) as staging:
+            (staging / "data.arrow").write_bytes(b"half")
+            raise Killed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dataset"]
+    assert (target / "data.arrow").read_bytes() == b"old"

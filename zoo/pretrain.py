@@ -40,7 +40,7 @@ from zoo.config import PretrainConfig, register_pretrain_configs
 from zoo.device import autocast, resolve_device, set_threads
 from zoo.lm_data import PackedWindows, TokenData, prepare, valid_windows
 from zoo.models import LanguageModel
-from zoo.runs import RunDir, find_resumable, identity_digest
+from zoo.runs import RunDir, find_resumable, identity_digest, staged_dir
 from zoo.steps import build_optimizer, lr_lambda
 from zoo.train import ConfigError, load_config, start_tracker
 
@@ -233,8 +233,9 @@ def export_hf(model: LanguageModel, cfg: PretrainConfig, data: TokenData, path: 
     )
     hf = ZooForCausalLM(config)
     hf.model.load_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()})
-    hf.save_pretrained(path)
-    tok.save_pretrained(path)
+    with staged_dir(path) as staging:  # a kill leaves the last export whole
+        hf.save_pretrained(staging)
+        tok.save_pretrained(staging)
 
 
 def pretrain(cfg: PretrainConfig, resolved_yaml: str | None = None) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from zoo.paths import cache_dir
-from zoo.runs import publish_dir
+from zoo.runs import staged_dir
 
 log = logging.getLogger(__name__)
 
@@ -165,24 +165,18 @@ def load_model(name_or_path: str, dtype: torch.dtype | str | None = None, device
 
 def _save_converted(model, tokenizer, target: Path) -> None:
     """Keep the dequantized weights as an HF dir next to the GGUF: later loads skip the slow GGUF conversion."""
-    import shutil
-
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".hf-"))
     try:
         from safetensors.torch import save_model
 
-        # save_pretrained refuses GGUF-loaded models; the weights are plain dequantized tensors by now.
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)
-        (staging / "config.json").write_text(json.dumps(config, indent=2))
-        save_model(model, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        tokenizer.save_pretrained(staging)
-        publish_dir(staging, target)
-        os.replace(staging, target)
+        with staged_dir(target) as staging:
+            # save_pretrained refuses GGUF-loaded models; the weights are plain dequantized tensors by now.
+            config = model.config.to_dict()
+            config.pop("quantization_config", None)
+            (staging / "config.json").write_text(json.dumps(config, indent=2))
+            save_model(model, str(staging / "model.safetensors"), metadata={"format": "pt"})
+            tokenizer.save_pretrained(staging)
     except (OSError, ValueError, RuntimeError) as e:
         log.warning("could not keep the converted model in %s: %s", target, e)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def parse_dtype(name: str) -> torch.dtype:

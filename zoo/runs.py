@@ -11,9 +11,11 @@ Every write that replaces a file is atomic, so a kill at any moment leaves eithe
 checkpoints, so listing and plotting runs stays light.
 """
 
+import contextlib
 import functools
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -52,9 +54,41 @@ def published_mode(path: Path, directory: bool = False) -> int:
 
 
 def publish_dir(staging: Path, target: Path) -> None:
-    """Give a directory made by mkdtemp (0o700) the mode a new directory at `target` would get, before it is renamed
-    there."""
+    """Before a directory made by mkdtemp (0o700) is renamed to `target`: give it the mode a new directory there
+    would get, and every file and directory inside it the umask's mode too. The libraries that fill such trees
+    (safetensors' `save_file` among them) may write their files 0o600."""
+    mask = umask()
     os.chmod(staging, published_mode(target, directory=True))
+    for root, dirs, files in os.walk(staging):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o777 & ~mask)
+        for name in files:
+            path = os.path.join(root, name)
+            executable = os.stat(path).st_mode & 0o100
+            os.chmod(path, (0o777 if executable else 0o666) & ~mask)
+
+
+@contextlib.contextmanager
+def staged_dir(target: Path) -> Iterator[Path]:
+    """A temporary sibling of `target` to fill; when the block ends without error it takes `target`'s place whole
+    (the old tree, if any, is removed after the swap), with `publish_dir`'s modes. An error leaves the old `target`
+    as it was and removes the temporary tree; a kill may leave a temporary tree (its name starts with a dot), never a
+    half-written `target`."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        yield staging
+        publish_dir(staging, target)
+        if target.exists():
+            old = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-old-"))
+            os.replace(target, old)  # onto the empty directory mkdtemp made
+            os.replace(staging, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _atomic_replace(path: Path, write, keep_suffix: bool = False) -> None:
