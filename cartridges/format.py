@@ -283,6 +283,8 @@ def read_cartridge_file(
     if len(data) < 8:
         raise CartridgeFileError(f"{label} is not a cartridge: {len(data)} bytes, too short for a safetensors header")
     (header_len,) = struct.unpack("<Q", data[:8])
+    if header_len > MAX_HEADER_BYTES:
+        raise CartridgeFileError(f"{label} is not a cartridge: a {header_len}-byte header")
     if 8 + header_len > len(data):
         raise CartridgeFileError(f"{label} is truncated: header needs {8 + header_len} bytes, file has {len(data)}")
     data_end, meta = _parse_header(data[8 : 8 + header_len], label)

@@ -266,3 +266,15 @@ def test_the_package_has_no_import_cycle_and_no_module_over_600_lines():
 
     for name in modules:
         visit(name, [])
+
+
+@pytest.mark.parametrize("reader", ["load", "header"])
+def test_random_bytes_are_not_a_cartridge_rather_than_truncated(model, tmp_path, reader):
+    """A file of random bytes reads as a header length of some 10^19 bytes: it is not a cartridge, not a truncated
+    one (which a copy that stopped early is)."""
+    import struct
+
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(struct.pack("<Q", 15529117173656317790) + b"\x8f" * 992)
+    with pytest.raises(CartridgeFileError, match="is not a cartridge|not a cartridge: a 15529117173656317790-byte"):
+        load_cartridge(path, model) if reader == "load" else read_header(path)
