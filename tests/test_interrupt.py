@@ -138,8 +138,10 @@ def test_sigterm_to_a_parallel_zoo_sweep_checkpoints_its_runs(tmp_path):
     interrupted = [r for r in record["runs"] if "interrupted" in r]
     assert len(interrupted) == 2 and record["runs"][2]["run_dir"] is None
     for r in interrupted:
-        assert 0 < RunDir(r["run_dir"]).load_checkpoint()["step"] < 400 * 4
-    assert "the same command resumes them" in out
+        ckpt = RunDir(r["run_dir"]).load_checkpoint()
+        assert 0 < ckpt["step"] < 400 * 4
+        assert r["epochs_done"] == ckpt["epoch"]  # how far it got, for planning the next call
+    assert "finished epochs; the same command resumes them" in out
 
 
 def test_a_stopped_pack_resumes_to_the_uninterrupted_packs_result(tmp_path, monkeypatch):

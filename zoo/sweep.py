@@ -38,10 +38,11 @@ What happens per run:
   ran, sampled every 2 s, and the peak memory; `zoo.gpus.GpuMonitor`), and the sweep's last line prints it: below 100%,
   more workers would have found the GPU idle.
 
-Time-limited allocations (`--time-limit S`, or a SIGTERM from a scheduler or `timeout`): at S seconds every
-running run checkpoints where it is, mid-epoch included, and is recorded "pending" with `interrupted`; no new
-run starts. The same command later resumes each from that step, so a chain of limited jobs trains what one long
-job would (the runs' results are the same; only process start, data and compile are paid again per job).
+Time-limited allocations (`--time-limit S`, or a SIGTERM from a scheduler or `timeout`): at S seconds every running
+run checkpoints where it is, mid-epoch included, and is recorded "pending" with `interrupted` (and `epochs_done`,
+the epochs it finished, which the last line sums up); no new run starts. The same command later resumes each from
+that step, so a chain of limited jobs trains what one long job would (the runs' results are the same; only process
+start, data and compile are paid again per job).
 
 Committed results (`--skip-summaries DIR`, repeatable): a run whose point (`zoo.runs.config_point_key`:
 experiment, resolved model, lr, seed, training length) matches a summary in DIR (a reproduction's committed
@@ -713,10 +714,12 @@ def main(argv: list[str] | None = None) -> None:
         f"zoo-sweep {name}: {call['finished']} finished, {call['skipped']} skipped, "
         f"{call['failed']} failed, {call['pending']} pending in {record['wall_s']:.1f} s -> {record['path']}"
     )
-    interrupted = sum("interrupted" in r for r in record["runs"])
+    interrupted = [r for r in record["runs"] if "interrupted" in r]
     if interrupted:
-        print(f"zoo-sweep {name}: {interrupted} runs stopped at the time limit or on SIGTERM, checkpointed; the same "
-              "command resumes them")
+        done = sorted({r["epochs_done"] for r in interrupted if r.get("epochs_done") is not None})
+        where = "" if not done else f" after {done[0]}" + (f"–{done[-1]}" if len(done) > 1 else "") + " finished epochs"
+        print(f"zoo-sweep {name}: {len(interrupted)} runs stopped at the time limit or on SIGTERM, checkpointed"
+              f"{where}; the same command resumes them")
     for r in record["runs"]:
         if r["status"] == "failed":
             print(f"  failed: {' '.join(r['overrides'])}: {r['error']}", file=sys.stderr)

@@ -37,7 +37,12 @@ log = logging.getLogger("zoo.train")
 
 class Interrupted(Exception):
     """The run stopped at train.stop_at or on SIGTERM after checkpointing every live member where it stood (mid-epoch
-    included); train.resume=true continues it from there as if it had not stopped."""
+    included); train.resume=true continues it from there as if it had not stopped. `epochs_done`: the epochs it had
+    finished (None when it stopped before starting)."""
+
+    def __init__(self, message: str, epochs_done: int | None = None) -> None:
+        super().__init__(message)
+        self.epochs_done = epochs_done
 
 
 # Graphs one compiled run may keep per compiled function: one per (batch shape, segment, pack width). Dynamo's
@@ -531,7 +536,7 @@ class _Training:
                 bar.close()
                 log.info("stopped at epoch %d, step %d (checkpointed: train.resume=true continues)", self.epoch,
                          self.step)
-                raise Interrupted(f"stopped at epoch {self.epoch}, step {self.step}")
+                raise Interrupted(f"stopped at epoch {self.epoch}, step {self.step}", epochs_done=self.epoch)
         self.epoch += 1
 
     def end_epoch(self, bar) -> None:
