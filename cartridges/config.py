@@ -27,6 +27,7 @@ SEED_PROMPT_TYPES = (
 METHODS = ("self_study", "hard_labels", "ntp")
 INITS = ("first_tokens", "truncated_context", "corpus_tokens", "random", "peft", "attention_matching")
 LR_SCHEDULES = ("constant", "cosine")
+TARGETS = ("answers", "conversation")
 
 
 def _check_device(name: str, device: str) -> None:
@@ -69,6 +70,8 @@ class SynthesizeConfig:
     max_answer_tokens: int = 256  # model B's answer
     temperature: float = 0.6  # model A; model B answers greedily
     top_logprobs: int = 20
+    # also the teacher's top-k on the user turn (it read the chunk), for cartridges-distill targets=conversation
+    turn_targets: bool = False
     batch_size: int = 16  # conversations per generation call; also the resume granularity
     backend: str = "transformers"  # transformers | openai
     base_url: str = "http://localhost:8000/v1"  # openai backend
@@ -113,6 +116,9 @@ class DistillConfig:
     corpus: CorpusConfig = field(default_factory=CorpusConfig)  # init (first_tokens) and the ntp baseline
     output: str = "???"
     method: str = "self_study"  # self_study (top-k KL) | hard_labels | ntp
+    # answers: B's answer tokens are the targets | conversation: the user turn's too (data synthesized with
+    # turn_targets=true), as the reference implementation distils the whole conversation
+    targets: str = "answers"
     num_tokens: int = 256  # p, cartridge size
     num_frozen: int = 1
     # first_tokens | truncated_context | corpus_tokens | random | peft | attention_matching (cartridges/init.py)
@@ -140,6 +146,10 @@ class DistillConfig:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
         if self.method != "ntp" and not self.data:
             raise ValueError(f"method={self.method} needs data=<cartridges-synthesize output dir>")
+        if self.targets not in TARGETS:
+            raise ValueError(f"targets must be one of {TARGETS}, got {self.targets!r}")
+        if self.targets == "conversation" and self.method == "ntp":
+            raise ValueError("targets=conversation needs conversations: method=self_study or hard_labels")
         if self.init not in INITS:
             raise ValueError(f"init must be one of {INITS}, got {self.init!r}")
         if (self.init == "peft") != bool(self.peft_adapter):

@@ -7,6 +7,10 @@ objective: cross-entropy of the student against the teacher's top-k, shifted to 
 - `hard_labels`: the same conversations, the teacher's chosen tokens as one-hot targets (k = 1, p = 1: CE).
 - `ntp`: next-token prediction on the raw corpus (CE), the baseline that memorises.
 
+The targets are the answer's tokens; with `targets=conversation` the user turn's too (data synthesized with
+`turn_targets=true`, whose records carry the teacher's top-k on the turn), as the reference implementation
+distils the whole conversation. The held-out KL stays on the answers, comparable across arms.
+
 Adam at `lr`, constant over the run (the paper's choice) or, with `lr_schedule=cosine`, decayed along a half
 cosine from `lr` at the first step towards 0 after the last (`learning_rate`). With a fixed budget of steps and
 small batches, a constant lr keeps moving the cartridge by full-size noisy steps to the end; the decay makes the
@@ -96,18 +100,27 @@ def _targets(pieces: list[tuple[int, int, Example]], device) -> dict[str, torch.
     }
 
 
-def conversation_examples(rows, method: str) -> list[Example]:
-    """Self-study records -> examples; answer token a is predicted from position a − 1."""
+def conversation_examples(rows, method: str, targets: str = "answers") -> list[Example]:
+    """Self-study records -> examples; token a is predicted from position a − 1. targets="answers": the answer's
+    tokens; "conversation": the user turn's too, from its second token on (the first is predicted by the
+    cartridge's last position, which is not trained on), with the teacher's top-k of `turn_top_ids`."""
     out = []
     for r in rows:
         ids, start = list(r["input_ids"]), int(r["answer_start"])
-        positions = list(range(start - 1, len(ids) - 1))
+        first = 1 if targets == "conversation" else start
+        positions = list(range(first - 1, len(ids) - 1))
         if method == "self_study":
             top_ids, top_lp = r["top_ids"], r["top_logprobs"]
             if len(top_ids) != len(ids) - start:
                 raise ValueError(f"conversation {r.get('conversation_id')}: top-k rows != answer tokens")
+            if targets == "conversation":
+                if "turn_top_ids" not in r:
+                    raise ConfigError("targets=conversation needs data synthesized with turn_targets=true")
+                if len(r["turn_top_ids"]) != start - 1:
+                    raise ValueError(f"conversation {r.get('conversation_id')}: top-k rows != user-turn tokens")
+                top_ids, top_lp = r["turn_top_ids"] + top_ids, r["turn_top_logprobs"] + top_lp
         else:
-            top_ids, top_lp = [[t] for t in ids[start:]], [[0.0] for _ in ids[start:]]
+            top_ids, top_lp = [[t] for t in ids[first:]], [[0.0] for _ in ids[first:]]
         out.append(Example(ids, positions, top_ids, top_lp))
     return out
 
@@ -306,7 +319,7 @@ def load_split(cfg: DistillConfig, corpus: Corpus) -> tuple[list[Example], list[
     if cfg.method == "ntp":
         return ntp_examples(corpus.windows()), heldout
     keep = set(range(len(rows))) - set(held)
-    return conversation_examples([rows[i] for i in sorted(keep)], cfg.method), heldout
+    return conversation_examples([rows[i] for i in sorted(keep)], cfg.method, cfg.targets), heldout
 
 
 def truncate_metrics(path: Path, max_step: int) -> None:

@@ -15,7 +15,9 @@ often the chunks covered each corpus token.
 
 Each record holds the student's view of the conversation: `input_ids` = the user turn (rendered to follow a
 context, ending in the assistant header) + B's answer tokens, with `answer_start` where the answer begins, and
-`top_ids` / `top_logprobs` `[answer_len, k]`. A cartridge trained on it stands in for the chunk.
+`top_ids` / `top_logprobs` `[answer_len, k]`. A cartridge trained on it stands in for the chunk. With
+`turn_targets=true` a record also holds `turn_top_ids` / `turn_top_logprobs` `[answer_start - 1, k]`: the teacher's
+top-k on the user turn's tokens from the second on (`turn_targets`), for `cartridges-distill targets=conversation`.
 
 Output: `<output>/dataset` (an HF dataset saved with `save_to_disk`), `<output>/meta.json` and
 `<output>/summary.json`. Work is written per batch to `<output>/shards/`, atomically, so an interrupted run
@@ -146,6 +148,13 @@ def synthesize_batch(
     if model is not None and records:
         for r, kl in zip(records, information_kl(model, tokenizer, records)):
             r["info_kl"] = kl
+    if cfg.turn_targets and records:
+        if model is None:
+            raise ConfigError("turn_targets=true scores the user turns with the in-process model; none was given")
+        chunk_text = {c.id: c.text for c, _, _ in plans}
+        contexts = [context_ids(tokenizer, chunk_text[r["chunk_id"]]) for r in records]
+        for r, (ids, lps) in zip(records, turn_targets(model, records, contexts, cfg.top_logprobs)):
+            r["turn_top_ids"], r["turn_top_logprobs"] = ids, lps
     _lap(timing, "info_kl", clock)
     return records
 
@@ -193,6 +202,40 @@ def information_kl(model, tokenizer, records: list[dict], pack_len: int = 4096, 
             kl = tail_kl(student_logprobs(model, empty, batch), batch).cpu()
             sizes = [len(ex.positions) for row in rows for ex in row]
             out += [float(piece.mean()) for piece in kl.split(sizes)]
+    return out
+
+
+def turn_targets(model, records: list[dict], contexts: list[list[int]], k: int) -> list[tuple[list, list]]:
+    """Per record, the teacher's top-k (ids, log-probs) for its user-turn tokens from the second on: the model with
+    the record's chunk context as an exact prefix cache (`Cartridge.from_prefix`), which is what a cartridge learns
+    to stand in for. The turn's first token is predicted by the context's last position, which a cartridge's student
+    has no row for, so it gets no target."""
+    import torch
+
+    from cartridges.cache import Cartridge
+    from cartridges.distill import Example, make_batch, student_logprobs
+    from cartridges.init import is_state_model
+    from cartridges.state import StateCartridge
+
+    device = next(model.parameters()).device
+    out: list[tuple[list, list]] = []
+    teachers: dict[tuple[int, ...], Cartridge | StateCartridge] = {}  # consecutive conversations share a chunk
+    with torch.no_grad():
+        for r, ctx in zip(records, contexts):
+            ids, start = list(r["input_ids"]), int(r["answer_start"])
+            if start < 2:
+                out.append(([], []))
+                continue
+            if tuple(ctx) not in teachers:
+                prefix = torch.tensor(ctx)
+                if is_state_model(model):
+                    teachers = {tuple(ctx): StateCartridge.from_prefix(model, prefix)}
+                else:
+                    teachers = {tuple(ctx): Cartridge.from_prefix(model, prefix, num_frozen=0, dtype=model.dtype)}
+            teacher = teachers[tuple(ctx)]
+            example = Example(ids[:start], list(range(start - 1)), [[0]] * (start - 1), [[0.0]] * (start - 1))
+            top = student_logprobs(model, teacher, make_batch(teacher, [[example]], model, device)).topk(k, dim=-1)
+            out.append((top.indices.cpu().tolist(), top.values.cpu().tolist()))
     return out
 
 

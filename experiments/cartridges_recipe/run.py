@@ -60,7 +60,9 @@ RECIPE_SEEDS = ["question", "quiz", "extraction", "recall"]
 TRAINING = ["lr=2e-2", "lr_schedule=cosine", "num_frozen=0"]
 # arm -> its own overrides of cartridges-distill, in training order (baselines first); ss_am (self-study from the
 # attention-matching cartridge), ss_half_frozen and ss_closed (self-study from the truncated-context baseline's own
-# KV, a closed message, where first_tokens stops mid-document) run only when --arms names them
+# KV, a closed message, where first_tokens stops mid-document) and ss_turns (the user turns distilled as well as the
+# answers, as the reference implementation does; its conversations then carry the teacher's top-k on the user
+# turns, `turn_targets=true`) run only when --arms names them
 ARMS = {
     "ntp": ["method=ntp", "init=first_tokens"],
     "hard_labels": ["method=hard_labels", "init=first_tokens"],
@@ -68,6 +70,7 @@ ARMS = {
     "ss_am": ["method=self_study", "init=attention_matching"],
     "ss_half_frozen": ["method=self_study", "init=first_tokens"],
     "ss_closed": ["method=self_study", "init=truncated_context"],
+    "ss_turns": ["method=self_study", "init=first_tokens", "targets=conversation"],
 }
 # arm -> the share of its p tokens kept frozen at their init (the others freeze none, TRAINING's num_frozen=0).
 # ss_half_frozen asks whether self-study loses what the truncated prefix answers by overwriting it: on the 4.6K
@@ -194,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
     s = settings(args)
     check_settings(out, {"document": "smoke" if args.smoke else args.document, "seeds": list(s["seeds"]),
                          "answer_tokens": s["answer_tokens"], "conversations": s["conversations"],
-                         "steps": s["steps"]})
+                         "steps": s["steps"], **({"turn_targets": True} if "ss_turns" in args.arms else {})})
     model_name = TINY_MODEL if args.smoke else resolve_model(args.model)
     device = resolve_device("cpu" if args.smoke else args.device)
     doc, qa = smoke_document(out) if args.smoke else DOCUMENTS[args.document]
@@ -229,6 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
                 f"seed_prompt_types=[{','.join(s['seeds'])}]", f"max_user_tokens={s['user_tokens']}",
                 f"max_answer_tokens={s['answer_tokens']}", f"batch_size={s['synth_batch']}",
                 f"top_logprobs={s['top_logprobs']}", "conversations_per_chunk=4",
+                f"turn_targets={'ss_turns' in args.arms}",
             ])  # fmt: skip
             timed("synthesize/synth_recipe", lambda: self_study.synthesize(cfg, model, tokenizer))
         return target

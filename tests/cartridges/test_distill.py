@@ -196,3 +196,58 @@ def test_teacher_top_logprobs_are_the_models_distribution_at_each_answer_token(s
             want = logp[start + j - 1].topk(len(top_ids))
             assert top_ids == want.indices.tolist()
             torch.testing.assert_close(torch.tensor(top_lp), want.values, rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def turn_rows(setup):
+    """The fixture's conversations with the teacher's top-5 on their user turns (`turn_targets`)."""
+    from cartridges.self_study import turn_targets
+
+    model, _, ctx, rows = setup
+    out = [dict(r) for r in rows]
+    for r, (ids, lps) in zip(out, turn_targets(model, out, [ctx] * len(out), k=5)):
+        r["turn_top_ids"], r["turn_top_logprobs"] = ids, lps
+    return out
+
+
+def test_turn_targets_equal_the_teacher_reading_chunk_and_turn(setup, turn_rows):
+    """The naive twin: one forward pass over context + turn, top-5 of the log-softmax at the positions that predict
+    the turn's tokens from its second on."""
+    model, _, ctx, _ = setup
+    for r in turn_rows:
+        start = r["answer_start"]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ctx + r["input_ids"][:start]])).logits[0].float()
+        top = logits.log_softmax(-1)[len(ctx) : len(ctx) + start - 1].topk(5, dim=-1)
+        assert len(r["turn_top_ids"]) == start - 1
+        assert r["turn_top_ids"] == top.indices.tolist()
+        torch.testing.assert_close(torch.tensor(r["turn_top_logprobs"]), top.values, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["self_study", "hard_labels"])
+def test_conversation_targets_add_the_turn_before_the_answer(turn_rows, method):
+    both = conversation_examples(turn_rows, method, targets="conversation")
+    answers = conversation_examples(turn_rows, method)
+    for r, full, ans in zip(turn_rows, both, answers):
+        assert full.positions == list(range(len(r["input_ids"]) - 1))
+        n = len(ans.positions)  # the answer's targets close the conversation's, unchanged
+        assert full.positions[-n:] == ans.positions and full.top_ids[-n:] == ans.top_ids
+        if method == "hard_labels":
+            assert [t[0] for t in full.top_ids] == r["input_ids"][1:]
+
+
+def test_conversation_loss_is_zero_for_the_exact_chunk_kv(setup, turn_rows):
+    model, _, ctx, _ = setup
+    batch = collate(pack(conversation_examples(turn_rows, "self_study", targets="conversation"), 10_000),
+                    len(ctx), model.dtype, "cpu")
+    exact = Cartridge.from_prefix(model, torch.tensor(ctx))
+    assert distill_loss(model, exact, batch).item() == pytest.approx(0.0, abs=1e-5)
+    assert distill_loss(model, Cartridge.random(model, num_tokens=len(ctx), seed=0), batch).item() > 1e-2
+
+
+def test_conversation_targets_need_data_with_turn_targets(setup):
+    from cartridges.config import ConfigError
+
+    _, _, _, rows = setup
+    with pytest.raises(ConfigError, match="turn_targets=true"):
+        conversation_examples(rows, "self_study", targets="conversation")

@@ -289,6 +289,10 @@ def test_configs_are_strict():
         load_config("synthesize", ["corpus.path=z"])
     with pytest.raises(ConfigError, match="needs data"):
         load_config("distill", ["output=y", "corpus.path=z"])
+    with pytest.raises(ConfigError, match="targets"):
+        load_config("distill", ["data=x", "output=y", "corpus.path=z", "targets=turns"])
+    with pytest.raises(ConfigError, match="targets=conversation needs conversations"):
+        load_config("distill", ["output=y", "corpus.path=z", "method=ntp", "targets=conversation"])
 
 
 def fake_vllm(request: httpx.Request) -> httpx.Response:
@@ -379,3 +383,20 @@ def test_the_seed_types_the_config_accepts_are_the_ones_with_prompts():
     for seed_type, prompts in self_study.SEED_PROMPTS.items():
         direct = seed_type in self_study.DIRECT_TYPES
         assert prompts and all(("{start}" in p) == direct for p in prompts), seed_type
+
+
+def test_distill_on_whole_conversations(synthesized, capsys):
+    """Self-study data with the teacher's top-k on the user turns (`turn_targets=true`), distilled with
+    `targets=conversation`; the same data without them is refused with the setting to use."""
+    root, args = synthesized
+    out = root / "ss_turns"
+    self_study.main([*(a for a in args if not a.startswith(("output=", "num_conversations="))), f"output={out}",
+                     "num_conversations=4", "turn_targets=true"])
+    rows = datasets.load_from_disk(str(out / "dataset")).to_list()
+    assert all(len(r["turn_top_ids"]) == r["answer_start"] - 1 and len(r["turn_top_ids"][0]) == 5 for r in rows)
+    base = [*COMMON, f"corpus.path={root / 'doc.md'}", "num_tokens=8", "steps=2", "pack_len=96", "targets=conversation"]
+    distill.main([*base, f"data={out}", f"output={root / 'c_turns'}"])
+    assert (root / "c_turns" / "cartridge.safetensors").is_file()
+    with pytest.raises(SystemExit):
+        distill.main([*base, f"data={root / 'ss'}", f"output={root / 'c_turns_refused'}"])
+    assert "targets=conversation needs data synthesized with turn_targets=true" in capsys.readouterr().err
