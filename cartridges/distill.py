@@ -52,7 +52,7 @@ from cartridges.config import ConfigError, DistillConfig, run_command
 from cartridges.corpus import Corpus, load_texts
 from cartridges.init import init_cartridge
 from cartridges.state import StateCartridge, differentiable
-from zoo.runs import atomic_torch_save, atomic_write_text
+from zoo.atomic import atomic_torch_save, atomic_write_text
 
 log = logging.getLogger(__name__)
 

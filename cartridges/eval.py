@@ -209,7 +209,7 @@ def evaluate(cfg: EvalConfig, model=None, tokenizer=None) -> dict:
 
 
 def _write_results(out: Path, results: dict, answers: list[dict]) -> None:
-    from zoo.runs import atomic_write_text
+    from zoo.atomic import atomic_write_text
 
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "results.json", json.dumps(results, indent=2))

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from zoo.runs import atomic_write_bytes
+from zoo.atomic import atomic_write_bytes
 
 FORMAT_VERSION = 1
 METADATA_KEY = "zoo.cartridge"

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from cartridges.format import CartridgeError, CartridgeFileError
-from zoo.runs import staged_dir
+from zoo.atomic import staged_dir
 
 
 def prompt_embeddings(cartridge) -> torch.Tensor:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from cartridges.config import ConfigError, SynthesizeConfig, run_command
 from cartridges.corpus import Corpus, context_ids, load_texts, turn_ids
-from zoo.runs import atomic_write_text, staged_dir
+from zoo.atomic import atomic_write_text, staged_dir
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from zoo.runs import atomic_savefig, atomic_torch_save, atomic_write_text
+from zoo.atomic import atomic_savefig, atomic_torch_save, atomic_write_text
 
 
 class Killed(Exception):
@@ -143,7 +143,7 @@ def test_staged_dir_replaces_a_tree_whole_with_readable_files(tmp_path, mask):
     writes 0o600) is published with the umask's mode."""
     import os
 
-    from zoo.runs import staged_dir
+    from zoo.atomic import staged_dir
 
     mask(0o022)
     target = tmp_path / "adapter"
@@ -161,7 +161,7 @@ def test_staged_dir_replaces_a_tree_whole_with_readable_files(tmp_path, mask):
 
 
 def test_staged_dir_leaves_the_old_tree_on_an_error(tmp_path):
-    from zoo.runs import staged_dir
+    from zoo.atomic import staged_dir
 
     target = tmp_path / "dataset"
     target.mkdir()

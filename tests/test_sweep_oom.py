@@ -104,15 +104,18 @@ def test_a_run_out_of_memory_beside_others_is_retried_and_equals_the_run_alone(t
 
 def test_a_dead_worker_fails_its_pools_running_jobs_and_the_rest_go_on(tmp_path, inject):
     """A worker that dies breaks its process pool: the jobs running in it are recorded failed, and the jobs not
-    started yet run in a new pool instead of failing with it."""
+    started yet run in a new pool instead of failing with it. With 2 workers one other job at most runs beside the
+    dying one; which one it is depends on how fast the dying worker reaches its step 2 (a loaded machine lets the
+    other worker finish a run or two first), so the test allows any one, and six runs leave some to the new pool."""
     inject({1e-3: -1})
-    runs = [["model=based", f"optim.lr={lr}"] for lr in ("1e-3", "2e-3", "3e-3", "5e-3")]
+    runs = [["model=based", f"optim.lr={lr}"] for lr in ("1e-3", "2e-3", "3e-3", "5e-3", "7e-3", "9e-3")]
     extra = TINY + ["experiment_name=d", f"data.cache_dir={tmp_path / 'cache'}"]
     record = run_sweep(runs, "d", workers=2, device="cpu", extra=extra, runs_root=str(tmp_path), order="file")
-    dead, beside, *later = record["runs"]
+    dead, *others = record["runs"]
     assert dead["status"] == "failed" and "BrokenProcessPool" in dead["error"]
-    assert beside["status"] in ("finished", "failed")  # running beside it when the pool broke, or done before
-    assert [r["status"] for r in later] == ["finished", "finished"]
+    failed = [r for r in others if r["status"] != "finished"]
+    assert len(failed) <= 1, [r["status"] for r in others]  # the one running beside it when the pool broke
+    assert all(r["status"] == "failed" and "BrokenProcessPool" in r["error"] for r in failed)
 
 
 def test_a_serial_sweep_does_not_retry_out_of_memory(tmp_path, monkeypatch):

@@ -17,7 +17,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from zoo.runs import atomic_write_text
+from zoo.atomic import atomic_write_text
 
 log = logging.getLogger("zoo.sweep")  # a job's warnings are the sweep's: they go to zoo-sweep's log
 

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from zoo import paths
-from zoo.runs import atomic_write_bytes
+from zoo.atomic import atomic_write_bytes
 
 log = logging.getLogger("zoo.lm_data")
 

@@ -26,7 +26,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from zoo.runs import atomic_savefig, atomic_write_text, find_runs, summary_point_key
+from zoo.atomic import atomic_savefig, atomic_write_text
+from zoo.runs import find_runs, summary_point_key
 
 SELECT = "valid/accuracy"
 REPORT = "test/accuracy"
@@ -306,7 +307,7 @@ def mark_best_lr(rows: list[dict[str, Any]], point: tuple[str, ...]) -> None:
 
 def fill_readme_block(readme: Path, start: str, end: str, block: str) -> None:
     """Replace what lies between the `start` and `end` markers of `readme` with `block` (atomically)."""
-    from zoo.runs import atomic_write_text
+    from zoo.atomic import atomic_write_text
 
     text = readme.read_text()
     if start not in text or end not in text:
@@ -335,7 +336,7 @@ def build_reproduction(summaries_dir: Path, out: Path, rows, plot, comparison, t
     `plot`, `comparison` and `table` are the experiment's own: summaries -> result rows, (rows, out) -> the figure's
     path, rows -> entries, entries -> a markdown table. `allow_empty`: a reproduction with no run yet still builds
     (empty rows, every reading "not run") instead of stopping."""
-    from zoo.runs import atomic_write_text
+    from zoo.atomic import atomic_write_text
 
     summaries = load_summaries(summaries_dir) if Path(summaries_dir).is_dir() else []
     if not summaries and not allow_empty:

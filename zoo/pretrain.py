@@ -36,11 +36,12 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
+from zoo.atomic import staged_dir
 from zoo.config import PretrainConfig, register_pretrain_configs
 from zoo.device import autocast, resolve_device, set_threads
 from zoo.lm_data import PackedWindows, TokenData, prepare, valid_windows
 from zoo.models import LanguageModel
-from zoo.runs import RunDir, find_resumable, identity_digest, staged_dir
+from zoo.runs import RunDir, find_resumable, identity_digest
 from zoo.steps import build_optimizer, lr_lambda
 from zoo.train import ConfigError, load_config, start_tracker
 

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
+from zoo.atomic import staged_dir
 from zoo.paths import cache_dir
-from zoo.runs import staged_dir
 
 log = logging.getLogger(__name__)
 

@@ -112,6 +112,7 @@ from typing import Any
 
 import yaml
 
+from zoo.atomic import atomic_write_text
 from zoo.gpus import MPS, GpuMonitor, devices_for, visible_device
 from zoo.jobs import (
     ORDERS,
@@ -128,7 +129,6 @@ from zoo.jobs import (
     unpack_wide,
     warm_job,
 )
-from zoo.runs import atomic_write_text
 
 SWEEPS_DIR = "_sweeps"
 

@@ -17,7 +17,7 @@ training seconds, steps and examples.
 import json
 from pathlib import Path
 
-from zoo.runs import atomic_savefig
+from zoo.atomic import atomic_savefig
 
 
 def data_info_kl(data: Path) -> float | None:
@@ -39,7 +39,7 @@ def data_info_kl(data: Path) -> float | None:
 def collect(out: str | Path) -> list[dict]:
     """The rows of a run dir, written to `<out>/results.json`."""
     from experiments.cartridges_recipe.run import ARMS
-    from zoo.runs import atomic_write_text
+    from zoo.atomic import atomic_write_text
 
     out = Path(out)
     results = json.loads((out / "eval" / "results.json").read_text())

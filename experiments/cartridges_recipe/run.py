@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 
 from cartridges.config import SEED_PROMPT_TYPES
-from zoo.runs import atomic_write_text
+from zoo.atomic import atomic_write_text
 
 HERE = Path(__file__).resolve().parent
 DOCUMENTS = {

@@ -8,7 +8,7 @@ import re
 import sys
 from pathlib import Path
 
-from zoo.runs import atomic_savefig
+from zoo.atomic import atomic_savefig
 
 SERIES = {  # arm-name pattern -> (label, marker)
     r"self_study_(\d+)": ("cartridge, self-study", "o-"),

@@ -25,7 +25,7 @@ import os
 import time
 from pathlib import Path
 
-from zoo.runs import atomic_write_text
+from zoo.atomic import atomic_write_text
 
 HERE = Path(__file__).resolve().parent
 SIZES = [64, 128, 256, 512, 1024]

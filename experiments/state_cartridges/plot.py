@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from zoo.runs import atomic_savefig
+from zoo.atomic import atomic_savefig
 
 STYLE = {  # arm prefix -> (marker, label)
     "icl": ("*", "ICL (corpus in context)"),

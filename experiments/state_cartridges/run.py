@@ -413,7 +413,7 @@ def self_study(
     from cartridges.clients import TransformersClient
     from cartridges.corpus import Corpus, context_ids, turn_ids
     from cartridges.self_study import write_dataset
-    from zoo.runs import atomic_write_text
+    from zoo.atomic import atomic_write_text
 
     if (out / "dataset").is_dir():
         return out
@@ -539,7 +539,7 @@ def write_summary(
     out: Path, scale: Scale, device, results, recall, answers, timings, t0: float, complete: bool
 ) -> dict:
     """summary.json and answers.jsonl, each written whole (zoo.runs.atomic_write_text)."""
-    from zoo.runs import atomic_write_text
+    from zoo.atomic import atomic_write_text
 
     summary = {
         "scale": scale.__dict__,

@@ -33,6 +33,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from zoo.atomic import atomic_savefig
 from zoo.plot import (
     build_reproduction,
     copy_summaries,
@@ -44,7 +45,6 @@ from zoo.plot import (
 )
 from zoo.plot import collect as finished_summaries
 from zoo.plot import load_summaries as _load_summaries
-from zoo.runs import atomic_savefig
 
 HERE = Path(__file__).resolve().parent
 SUMMARIES = HERE / "summaries"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from zoo.runs import atomic_write_text
+from zoo.atomic import atomic_write_text
 
 INTERPRETED = {"test_based_interpreted.py", "test_based_decode_interpreted.py", "test_rwkv4_interpreted.py",
                "test_selective_scan_interpreted.py", "test_packed_kernels_interpreted.py",

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from zoo.runs import publish_dir
+from zoo.atomic import publish_dir
 from zoo.synthetics.base import IGNORE_INDEX, Segment
 from zoo.synthetics.circuits import MajorityConfig, ParityConfig, generate_majority, generate_parity
 from zoo.synthetics.compositional_mqar import CompositionalMQARConfig, generate_compositional_mqar
