@@ -22,7 +22,8 @@ top-k on the user turn's tokens from the second on (`turn_targets`), for `cartri
 Output: `<output>/dataset` (an HF dataset saved with `save_to_disk`), `<output>/meta.json` and
 `<output>/summary.json`. Work is written per batch to `<output>/shards/`, atomically, so an interrupted run
 continues where it stopped; each batch also writes the seconds of its stages beside it, and summary.json sums
-them (`timing_s`: the questions' and answers' generation, the information KL, the serialisation).
+them (`timing_s`: the questions' and answers' generation, the information KL, the user-turn targets when asked
+for, the serialisation).
 """
 
 import json
@@ -148,6 +149,7 @@ def synthesize_batch(
     if model is not None and records:
         for r, kl in zip(records, information_kl(model, tokenizer, records)):
             r["info_kl"] = kl
+    clock = _lap(timing, "info_kl", clock)
     if cfg.turn_targets and records:
         if model is None:
             raise ConfigError("turn_targets=true scores the user turns with the in-process model; none was given")
@@ -155,7 +157,7 @@ def synthesize_batch(
         contexts = [context_ids(tokenizer, chunk_text[r["chunk_id"]]) for r in records]
         for r, (ids, lps) in zip(records, turn_targets(model, records, contexts, cfg.top_logprobs)):
             r["turn_top_ids"], r["turn_top_logprobs"] = ids, lps
-    _lap(timing, "info_kl", clock)
+        _lap(timing, "turn_targets", clock)
     return records
 
 
@@ -219,7 +221,7 @@ def turn_targets(model, records: list[dict], contexts: list[list[int]], k: int) 
 
     device = next(model.parameters()).device
     out: list[tuple[list, list]] = []
-    teachers: dict[tuple[int, ...], Cartridge | StateCartridge] = {}  # consecutive conversations share a chunk
+    teachers: dict[tuple[int, ...], Cartridge | StateCartridge] = {}  # the last chunk's: consecutive records share it
     with torch.no_grad():
         for r, ctx in zip(records, contexts):
             ids, start = list(r["input_ids"]), int(r["answer_start"])

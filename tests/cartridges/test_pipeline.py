@@ -394,6 +394,8 @@ def test_distill_on_whole_conversations(synthesized, capsys):
                      "num_conversations=4", "turn_targets=true"])
     rows = datasets.load_from_disk(str(out / "dataset")).to_list()
     assert all(len(r["turn_top_ids"]) == r["answer_start"] - 1 and len(r["turn_top_ids"][0]) == 5 for r in rows)
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["timing_s"]) == {"questions", "answers", "info_kl", "turn_targets", "write"}
     base = [*COMMON, f"corpus.path={root / 'doc.md'}", "num_tokens=8", "steps=2", "pack_len=96", "targets=conversation"]
     distill.main([*base, f"data={out}", f"output={root / 'c_turns'}"])
     assert (root / "c_turns" / "cartridge.safetensors").is_file()
