@@ -609,3 +609,27 @@ def test_bad_sweep_file_is_one_line(tmp_path, capsys, case):
     line = str(stop.value.code)
     assert line.startswith("zoo-sweep: error: ") and message in line and "\n" not in line
     assert not (tmp_path / "runs").exists()
+
+
+def test_dry_run_says_where_a_partial_run_resumes(tmp_path, capsys):
+    """A run dir with a checkpoint and no summary (a run stopped at a time limit) is "partial" with the epoch and
+    step it resumes from; one without a checkpoint says it trains from the start."""
+    import shutil
+
+    from zoo.runs import RunDir
+    from zoo.sweep import _dry_run
+
+    extra = TINY + ["experiment_name=t", f"data.cache_dir={tmp_path / 'cache'}"]
+    record = run_sweep(GRID[:2], "t", workers=1, device="cpu", extra=extra, runs_root=str(tmp_path))
+    first, second = (RunDir(r["run_dir"]) for r in record["runs"])
+    for run in (first, second):
+        (run.path / "summary.json").unlink()
+    shutil.rmtree(second.path / "ckpt")
+    capsys.readouterr()
+    _dry_run(GRID[:2], extra + [f"runs_root={tmp_path}"])
+    lines = capsys.readouterr().out.splitlines()
+    ckpt = first.load_checkpoint()
+    epochs = next(o for o in TINY if o.startswith("train.epochs=")).split("=")[1]
+    resumes = f"(checkpoint after {ckpt['epoch']} of {epochs} epochs, step {ckpt['step']})"
+    assert lines[0] == f"partial   {first.path} {resumes}"
+    assert lines[1] == f"partial   {second.path} (no checkpoint: trains from the start)"

@@ -729,10 +729,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def _dry_run(runs: list[list[str]], extra: list[str], skip_summaries: list[str] = (), pack: str | None = None,
              pack_max_d: int = 0) -> None:
-    """One line a run: done, partial, todo or invalid (its run dir), or committed (a summary in skip_summaries);
-    then one line of counts, what a time-limited job has left to train at a glance. With `pack` (`pack_mode`) a
-    last line counts the jobs the sweep would start for the partial and todo runs (`plan_jobs`): packs and single
-    runs."""
+    """One line a run: done, partial (with the epoch its checkpoint resumes from), todo or invalid (its run dir), or
+    committed (a summary in skip_summaries); then one line of counts, what a time-limited job has left to train at a
+    glance. With `pack` (`pack_mode`) a last line counts the jobs the sweep would start for the partial and todo runs
+    (`plan_jobs`): packs and single runs."""
     from collections import Counter
 
     from zoo.runs import RunDir
@@ -753,6 +753,10 @@ def _dry_run(runs: list[list[str]], extra: list[str], skip_summaries: list[str] 
                 run_dir = RunDir(Path(cfg.runs_root) / cfg.experiment_name / run_name(cfg))
                 state = "done" if run_dir.is_finished() else ("partial" if run_dir.exists() else "todo")
                 where = str(run_dir.path)
+                if state == "partial":  # how far it will resume from, for planning a time-limited job
+                    ckpt = run_dir.load_checkpoint()
+                    where += (f" (checkpoint after {ckpt['epoch']} of {cfg.train.epochs} epochs, step {ckpt['step']})"
+                              if ckpt else " (no checkpoint: trains from the start)")
         states[state] += 1
         if state in ("partial", "todo"):
             left.add(i)
