@@ -211,7 +211,10 @@ def turn_targets(model, records: list[dict], contexts: list[list[int]], k: int) 
     """Per record, the teacher's top-k (ids, log-probs) for its user-turn tokens from the second on: the model with
     the record's chunk context as an exact prefix cache (`Cartridge.from_prefix`), which is what a cartridge learns
     to stand in for. The turn's first token is predicted by the context's last position, which a cartridge's student
-    has no row for, so it gets no target."""
+    has no row for, so it gets no target. Consecutive records of one chunk share its prefill and one forward pass,
+    a row each."""
+    import itertools
+
     import torch
 
     from cartridges.cache import Cartridge
@@ -221,24 +224,32 @@ def turn_targets(model, records: list[dict], contexts: list[list[int]], k: int) 
 
     device = next(model.parameters()).device
     out: list[tuple[list, list]] = []
-    teachers: dict[tuple[int, ...], Cartridge | StateCartridge] = {}  # the last chunk's: consecutive records share it
     with torch.no_grad():
-        for r, ctx in zip(records, contexts):
-            ids, start = list(r["input_ids"]), int(r["answer_start"])
-            if start < 2:
-                out.append(([], []))
-                continue
-            if tuple(ctx) not in teachers:
+        for ctx, items in itertools.groupby(zip(records, contexts), key=lambda rc: tuple(rc[1])):
+            rows = [r for r, _ in items]
+            scored = [r for r in rows if int(r["answer_start"]) >= 2]  # a turn of one token has nothing to score
+            tops: dict[int, tuple[list, list]] = {}
+            if scored:
                 prefix = torch.tensor(ctx)
                 if is_state_model(model):
-                    teachers = {tuple(ctx): StateCartridge.from_prefix(model, prefix)}
+                    teacher = StateCartridge.from_prefix(model, prefix)
                 else:
-                    teachers = {tuple(ctx): Cartridge.from_prefix(model, prefix, num_frozen=0, dtype=model.dtype)}
-            teacher = teachers[tuple(ctx)]
-            example = Example(ids[:start], list(range(start - 1)), [[0]] * (start - 1), [[0.0]] * (start - 1))
-            top = student_logprobs(model, teacher, make_batch(teacher, [[example]], model, device)).topk(k, dim=-1)
-            out.append((top.indices.cpu().tolist(), top.values.cpu().tolist()))
+                    teacher = Cartridge.from_prefix(model, prefix, num_frozen=0, dtype=model.dtype)
+                examples = [Example(list(r["input_ids"][: int(r["answer_start"])]), *_turn_placeholders(r))
+                            for r in scored]
+                top = student_logprobs(model, teacher, make_batch(teacher, [[ex] for ex in examples], model, device))
+                top = top.topk(k, dim=-1)
+                sizes = [len(ex.positions) for ex in examples]
+                for r, ids, lps in zip(scored, top.indices.cpu().split(sizes), top.values.cpu().split(sizes)):
+                    tops[id(r)] = (ids.tolist(), lps.tolist())
+            out += [tops.get(id(r), ([], [])) for r in rows]
     return out
+
+
+def _turn_placeholders(record: dict) -> tuple[list[int], list[list[int]], list[list[float]]]:
+    """An Example's positions and empty targets for a record's user turn (only the positions are read)."""
+    n = int(record["answer_start"]) - 1
+    return list(range(n)), [[0]] * n, [[0.0]] * n
 
 
 def batch_timings(shards: Path, starts) -> dict:

@@ -60,6 +60,11 @@ def _failed(e: BaseException) -> dict[str, Any]:
     return {"status": "failed", "error": error_line(e)} | ({"oom": True} if out_of_memory(e) else {})
 
 
+def _pending(e) -> dict[str, Any]:
+    """The record of a run that an `Interrupted` stopped: the next sweep resumes it from its checkpoint."""
+    return {"status": "pending", "interrupted": str(e), "epochs_done": e.epochs_done}
+
+
 def run_one(overrides: list[str], extra: list[str]) -> dict[str, Any]:
     """Compose, then train one run unless it already finished; never raises (failures are returned)."""
     from zoo.runs import RunDir
@@ -81,7 +86,7 @@ def run_one(overrides: list[str], extra: list[str]) -> dict[str, Any]:
     try:
         summary = train(cfg, resolved)
     except Interrupted as e:  # checkpointed at the time limit or on SIGTERM: the next sweep resumes it
-        return record | {"status": "pending", "interrupted": str(e), "epochs_done": e.epochs_done}
+        return record | _pending(e)
     except Exception as e:  # a failing run is recorded; the sweep goes on
         run.path.mkdir(parents=True, exist_ok=True)
         atomic_write_text(run.path / "error.txt", traceback.format_exc())
@@ -160,8 +165,7 @@ def run_pack(runs: list[list[str]], extra: list[str], alone: bool = True) -> lis
     except Interrupted as e:  # the members that stopped early are finished; the others resume next time
         for record in todo:
             done = RunDir(record["run_dir"]).is_finished()
-            record |= {"status": "finished", "packed": len(members)} if done else {
-                "status": "pending", "interrupted": str(e), "epochs_done": e.epochs_done}
+            record |= {"status": "finished", "packed": len(members)} if done else _pending(e)
         return records
     except Exception as e:
         # One member's failure (a divergence, a kernel error) stops the whole pack. The members that finished

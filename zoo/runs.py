@@ -106,6 +106,17 @@ class RunDir:
 
         return torch.load(path, map_location="cpu", weights_only=True)
 
+    def checkpoint_position(self) -> tuple[int, int] | None:
+        """(epoch, step) of the last checkpoint, or None: the file is memory-mapped, so its tensors (hundreds of MB
+        for a wide pack) are not read."""
+        path = self.path / CKPT
+        if not path.exists():
+            return None
+        import torch
+
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return ckpt["epoch"], ckpt["step"]
+
     def clear(self) -> None:
         """Remove the files of an earlier run (for overwrite=true); leaves unrelated files alone."""
         for name in (CONFIG, METRICS, SUMMARY, CKPT):

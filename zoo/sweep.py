@@ -754,9 +754,9 @@ def _dry_run(runs: list[list[str]], extra: list[str], skip_summaries: list[str] 
                 state = "done" if run_dir.is_finished() else ("partial" if run_dir.exists() else "todo")
                 where = str(run_dir.path)
                 if state == "partial":  # how far it will resume from, for planning a time-limited job
-                    ckpt = run_dir.load_checkpoint()
-                    where += (f" (checkpoint after {ckpt['epoch']} of {cfg.train.epochs} epochs, step {ckpt['step']})"
-                              if ckpt else " (no checkpoint: trains from the start)")
+                    at = run_dir.checkpoint_position()
+                    where += (f" (checkpoint after {at[0]} of {cfg.train.epochs} epochs, step {at[1]})" if at
+                              else " (no checkpoint: trains from the start)")
         states[state] += 1
         if state in ("partial", "todo"):
             left.add(i)
